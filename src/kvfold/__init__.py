@@ -1,0 +1,31 @@
+"""kvfold: training-free KV-cache merging and compaction on Hugging Face transformers.
+
+Importing kvfold changes nothing in transformers: :func:`load_model` (or :func:`prepare_model`
+for a model you loaded yourself, or :func:`enable`) switches a model to the kvfold attention.
+"""
+
+from kvfold.attention import enable
+from kvfold.budget import Budget
+from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.methods import available_methods, build_method, split_specs
+from kvfold.models import load_model, prepare_model
+from kvfold.pipeline import CompressedContext, PrefilledContext, build_prompt, prefill
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "CompressedContext",
+    "FoldedCache",
+    "FoldedLayer",
+    "PrefilledContext",
+    "available_methods",
+    "build_method",
+    "build_prompt",
+    "enable",
+    "load_model",
+    "prefill",
+    "prepare_model",
+    "split_specs",
+    "__version__",
+]

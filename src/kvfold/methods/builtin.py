@@ -1,0 +1,3 @@
+"""Imports every built-in method module so that their ``@register`` decorators run."""
+
+from kvfold.methods import plumbing  # noqa: F401

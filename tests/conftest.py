@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models of every supported family, and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    head_dim=16,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
+}
+
+
+def make_tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny random model of one supported family, in eval mode, float32, stock attention."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**TINY, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    return model_cls(config).eval()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def tiny_family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model (converted once and cached); skipped if not installed."""
+    from kvfold.models import ModelLoadError, load_model
+
+    try:
+        return load_model("smollm2-135m")
+    except ModelLoadError as err:  # pragma: no cover - make install provides it
+        pytest.skip(str(err))
