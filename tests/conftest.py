@@ -17,7 +17,7 @@ from transformers import (
 
 TINY = dict(
     vocab_size=97,
-    hidden_size=64,
+    hidden_size=96,
     intermediate_size=96,
     num_hidden_layers=2,
     num_attention_heads=6,

@@ -1,0 +1,47 @@
+"""The Python API on the embedded SmolLM2: exactness against stock transformers and memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvfold
+from kvfold.demo import FACTS, build_context
+from kvfold.pipeline import build_prompt, encode
+
+pytestmark = pytest.mark.model
+
+
+def test_full_equals_stock_greedy_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    context = build_context(tokenizer, target_tokens=300)
+    question = FACTS[0][1]
+    prefilled = kvfold.prefill(model, tokenizer, context)
+    answer = prefilled.compress("full").generate(question, max_new_tokens=12)[0]
+    parts = build_prompt(tokenizer, context, question)
+    ids = encode(tokenizer, parts.context, special=True) + encode(tokenizer, parts.suffix, special=False)
+    ids_t = torch.tensor([ids])
+    model.set_attn_implementation("sdpa")
+    try:
+        stock_logits = model(ids_t, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
+        stock = model.generate(ids_t, max_new_tokens=12, do_sample=False)
+    finally:
+        model.set_attn_implementation("kvfold")
+    stock_tokens = [t for t in stock[0, len(ids) :].tolist() if t not in (2,)]
+    assert answer.token_ids == stock_tokens[: len(answer.token_ids)]
+    assert len(answer.token_ids) == len(stock_tokens) or stock_tokens[len(answer.token_ids)] in {2}
+    cache = kvfold.FoldedCache(model.config)
+    ours_logits = model(ids_t, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(ours_logits, stock_logits, rtol=0, atol=1e-5)
+
+
+def test_one_compressed_context_answers_several_questions(smollm2):
+    model, tokenizer = smollm2
+    context = build_context(tokenizer, target_tokens=600)
+    compressed = kvfold.prefill(model, tokenizer, context).compress("streamingllm", 0.1)
+    first = compressed.answer(FACTS[0][1], max_new_tokens=5)
+    again = compressed.answer(FACTS[0][1], max_new_tokens=5)
+    assert first == again  # answering does not modify the compressed cache
+    assert compressed.kv_bytes <= 0.11 * compressed.kv_bytes_full
+    assert compressed.cache.get_seq_length() == compressed.source.context_tokens
