@@ -1,0 +1,1 @@
+"""Evaluation: tasks, dataset loaders and metrics."""
