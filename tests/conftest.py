@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -31,6 +33,16 @@ FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
+    # Gemma3: sliding-window layers stay as transformers keeps them; global layers are folded.
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        },
+    ),
 }
 
 

@@ -91,6 +91,17 @@ def test_plain_generate_runs_on_a_compressed_cache():
     assert out[0, full_ids.shape[1] :].tolist() == ours.token_ids
 
 
+def test_gemma3_folds_global_layers_only():
+    model = kvfold.enable(make_tiny_model("gemma3"))
+    tok = _CharTokenizer()
+    compressed = kvfold.prefill(model, tok, "abcdefgh" * 5, use_chat_template=False).compress("streamingllm", 0.25)
+    kinds = [type(layer).__name__ for layer in compressed.cache.layers]
+    assert kinds == ["DynamicSlidingWindowLayer", "FoldedLayer", "DynamicSlidingWindowLayer", "FoldedLayer"]
+    assert all(layer.physical_length == 11 for _, layer in compressed.cache.folded_layers)
+    answer = compressed.generate("ok?", max_new_tokens=5, use_chat_template=False)[0]
+    assert answer.new_tokens >= 1
+
+
 def test_online_streamingllm_never_exceeds_budget():
     model = kvfold.enable(make_tiny_model("mistral"))
     tok = _CharTokenizer()
