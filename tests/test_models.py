@@ -57,7 +57,7 @@ def _write_tokenizer(path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(97)}
+    vocab = {f"w{i}": i for i in range(1, 97)}
     vocab["[UNK]"] = 0
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()

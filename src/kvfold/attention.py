@@ -7,7 +7,8 @@ and switches one model to it; ``import kvfold`` changes nothing.
 Paths:
 
 * **prefill of an empty layer** — exactly transformers' SDPA (so no compression equals the
-  stock model); left padding found in the mask is recorded as β = −inf.
+  stock model); left padding found in the mask is recorded as β = −inf; the cache's prefill
+  observers (if any) then see the layer's queries (e.g. H2O accumulates their attention).
 * **decode (one query token), dense layout** — the G query heads of a GQA group are folded
   into the query-length axis, so β of shape ``(B, H_kv, 1, N)`` broadcasts over them: no
   ``(B, heads, q, K)`` mask is built per step.
@@ -81,6 +82,8 @@ def kvfold_attention(
             module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
         )
         _record_padding(layer, attention_mask)  # probs stay None: policies score prefills themselves
+        for observer in kvfold_cache.prefill_observers:
+            observer(module.layer_idx, layer, query, scaling)
     else:
         _check_sliding_window(layer, kwargs.get("sliding_window"))
         if layer.paged is not None and q_len == 1:

@@ -187,6 +187,10 @@ class FoldedLayer(CacheLayerMixin):
         self.paged: PagedRows | None = None
         self.logical_length = 0
         self.captured_queries: torch.Tensor | None = None  # last window of prefill queries
+        # Per-entry statistics ``(B, H, N)`` aligned with the slots (e.g. H2O's accumulated
+        # attention, written by a prefill observer). Batch edits and copies keep them; replace()
+        # drops them (the caller re-aligns what it keeps); in-place decode edits make them stale.
+        self.entry_stats: dict[str, torch.Tensor] = {}
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
         self.batch_size = 0
@@ -375,6 +379,7 @@ class FoldedLayer(CacheLayerMixin):
             slot_valid, log_mass.float(), torch.full_like(log_mass, NEG_INF, dtype=torch.float32)
         )
         self._check_finite(keys, values, log_mass, slot_valid)
+        self.entry_stats = {}  # slots changed: the caller re-aligns the statistics it keeps
         rows_equal = bool((lengths == lengths.flatten()[0]).all())
         if rows_equal or not _paging_saves_memory(lengths, n):
             self.paged = None
@@ -443,6 +448,7 @@ class FoldedLayer(CacheLayerMixin):
             new._log_mass = None if self._log_mass is None else self._log_mass[:, :, :n].clone()
         if self.captured_queries is not None:
             new.captured_queries = self.captured_queries.clone()
+        new.entry_stats = {name: t.clone() for name, t in self.entry_stats.items()}
         return new
 
     # -------------------------------------------------------------------- internals
@@ -531,10 +537,12 @@ class FoldedLayer(CacheLayerMixin):
         self.batch_size = k.shape[0]
         if self.captured_queries is not None:
             self.captured_queries = fn(self.captured_queries)
+        stats = {name: fn(t) for name, t in self.entry_stats.items()}
         self.paged = None
         self._store_dense_padded(k, v, lm, lengths)
         if k.shape[0] and not bool((lengths == lengths.flatten()[0]).all()):
             self.replace(k, v, lm, lengths)
+        self.entry_stats = stats
 
 
 def _paging_saves_memory(lengths: torch.Tensor, padded_length: int) -> bool:
@@ -557,6 +565,9 @@ class FoldedCache(Cache):
             (decode-time compression under a fixed budget).
         capture_window: when > 0, the kvfold attention keeps the last ``capture_window`` query
             states of every layer in ``layer.captured_queries`` (SnapKV, GRKV windows).
+        prefill_observers: callables ``observer(layer_idx, layer, query, scaling)`` that the kvfold
+            attention calls during the prefill of an empty layer, after the layer holds the keys
+            and values (e.g. H2O's accumulated attention, written to ``layer.entry_stats``).
     """
 
     def __init__(self, config=None, num_layers: int | None = None) -> None:
@@ -575,6 +586,7 @@ class FoldedCache(Cache):
         super().__init__(layers=layers)
         self.policy = None
         self.capture_window = 0
+        self.prefill_observers: list = []
 
     @property
     def folded_layers(self) -> list[tuple[int, FoldedLayer]]:
@@ -611,4 +623,5 @@ class FoldedCache(Cache):
             layer.copy() if isinstance(layer, FoldedLayer) else copy.deepcopy(layer) for layer in self.layers
         ]
         new.policy = None
+        new.prefill_observers = []
         return new

@@ -185,7 +185,7 @@ def _load_extra_commands() -> None:
     """Evaluation commands live in their own modules and add their parsers here."""
     import importlib
 
-    for module in ("kvfold.evaluate.cli",):
+    for module in ("kvfold.evaluate.cli", "kvfold.bench", "kvfold.evaluate.mergemap"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +148,7 @@ class PrefilledContext:
             attention_mask=self.attention_mask,
             budget=parsed_budget,
             seed=seed,
+            tokenizer=self.tokenizer,
         )
         start = time.perf_counter()
         with torch.inference_mode():
@@ -193,7 +195,7 @@ class CompressedContext:
     @property
     def kv_bytes_full(self) -> int:
         """Bytes the uncompressed cache of this context holds (keys and values)."""
-        return self.source.cache.nbytes()
+        return self.cache.full_nbytes()
 
     def answer(
         self,
@@ -247,7 +249,7 @@ class CompressedContext:
             start_pos = int(src.attention_mask[row].sum())
             pad = src.input_ids.shape[1] - start_pos
             policy = self.policy
-            if policy is not None and src.input_ids.shape[0] > 1:
+            if policy is not None:  # a fresh policy per answer: its state follows this cache copy
                 policy = self.method.online_policy(_row_context(self, cache, row))
             cache.policy = policy
             first_logits = None if suffix_ids else src.last_logits[row : row + 1]
@@ -280,6 +282,7 @@ def _row_context(compressed: CompressedContext, cache: FoldedCache, row: int) ->
         input_ids=src.input_ids[row : row + 1],
         attention_mask=src.attention_mask[row : row + 1],
         budget=compressed.budget,
+        tokenizer=src.tokenizer,
     )
 
 
@@ -345,6 +348,22 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[
     return ids
 
 
+def _planned_methods(
+    methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None,
+) -> list[ComposedMethod]:
+    """Build the methods announced to :func:`prefill` (specs or built methods)."""
+    from kvfold.methods.spec import split_specs
+
+    if methods is None:
+        return []
+    items = [methods] if isinstance(methods, (str, ComposedMethod)) else list(methods)
+    built: list[ComposedMethod] = []
+    for item in items:
+        specs = split_specs(item) if isinstance(item, str) else [item]
+        built.extend(build_method(s) if isinstance(s, str) else s for s in specs)
+    return built
+
+
 @torch.inference_mode()
 def prefill(
     model: PreTrainedModel,
@@ -356,6 +375,7 @@ def prefill(
     answer_prefix: str = "",
     use_chat_template: bool | None = None,
     capture_window: int = DEFAULT_SNAPSHOT_WINDOW,
+    methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None = None,
 ) -> PrefilledContext:
     """Tokenize and prefill one context (or a left-padded batch of contexts) into a FoldedCache.
 
@@ -367,6 +387,11 @@ def prefill(
         query_aware: put the question inside the compressed part.
         answer_prefix: query-aware only: appended after the question.
         capture_window: last prefill query states kept per layer for windowed methods.
+        methods: the method specs this context will be compressed with (a spec, a list of
+            specs, or a comma-separated list). The prefill then captures what they need: a
+            longer query window if one asks for more than ``capture_window``, and statistics
+            computed during the prefill itself (H2O's accumulated attention). Methods not
+            listed still work; H2O then recomputes its statistics with an extra forward pass.
 
     Raises:
         ValueError: empty context, or a context beyond the model's positions.
@@ -396,7 +421,9 @@ def prefill(
         [[0] * (longest - len(r)) + [1] * len(r) for r in rows], device=model.device
     )
     cache = FoldedCache(model.config)
-    cache.capture_window = capture_window
+    planned = _planned_methods(methods)
+    cache.capture_window = max([capture_window, *(m.query_window for m in planned)])
+    cache.prefill_observers = list({o.key: o for m in planned for o in m.prefill_observers()}.values())
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     start = time.perf_counter()
     out = model(
@@ -409,6 +436,7 @@ def prefill(
     )
     elapsed = time.perf_counter() - start
     cache.capture_window = 0
+    cache.prefill_observers = []
     return PrefilledContext(
         model=model,
         tokenizer=tokenizer,

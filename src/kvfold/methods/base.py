@@ -35,6 +35,22 @@ class CompressionContext:
         budget: the requested budget.
         seed: seed for methods that draw random numbers.
         report: free-form diagnostics a method records (e.g. fallbacks used).
+        tokenizer: the model's tokenizer, or None (methods that build prompts, e.g. KVzip's
+            repeat prompt, fall back to prompt-free variants without it).
+        memo: scratch space shared by the parts of a method during this one compression
+            (e.g. scores computed for every layer at once in :meth:`Method.prepare`).
+        merge_recorder: optional diagnostic sink (``kvfold mergemap``,
+            :class:`kvfold.evaluate.mergemap.MergeRecorder`); None in normal runs. Methods report
+            through :meth:`record_kept` and :meth:`record_merges`, which do nothing without it.
+            Positions are **slot indices of the layer before compression** (= indices into
+            ``input_ids``, left padding included). ``ComposedMethod`` records the kept slots of
+            every layer itself; a folder that assigns evicted tokens to carriers (CaM, D2O,
+            KeepKV, ZSMerge, …) also calls ``ctx.record_merges(layer_idx, carrier, absorbed,
+            share)`` with ``(B, H, M)`` tensors: carrier slot, absorbed (evicted) slot, and the
+            share of that absorbed token given to that carrier (1 for a single carrier; pairs
+            with ``absorbed < 0`` are ignored). Update magnitudes ``‖Δk‖``, ``‖Δv‖`` of every kept
+            entry (GRKV) are computed by the recorder from the kept slots, so a folder that
+            writes its entries in ``keep`` order needs no call at all.
     """
 
     model: PreTrainedModel
@@ -44,6 +60,21 @@ class CompressionContext:
     budget: Budget
     seed: int = 0
     report: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    memo: dict[str, Any] = field(default_factory=dict)
+    merge_recorder: Any = None
+
+    def record_kept(self, layer_idx: int, keep: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Diagnostics: the slots ``(B, H, K)`` held by a layer after compression, in entry order."""
+        if self.merge_recorder is not None:
+            self.merge_recorder.kept(layer_idx, keep, lengths)
+
+    def record_merges(
+        self, layer_idx: int, carrier: torch.Tensor, absorbed: torch.Tensor, share: torch.Tensor | None = None
+    ) -> None:
+        """Diagnostics: evicted slot ``absorbed`` was folded into kept slot ``carrier`` (see above)."""
+        if self.merge_recorder is not None:
+            self.merge_recorder.merges(layer_idx, carrier, absorbed, share)
 
     @property
     def context_lengths(self) -> torch.Tensor:
@@ -131,6 +162,17 @@ class Method:
     def describe_options(self) -> dict[str, Any]:
         return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
 
+    def prepare(self, ctx: CompressionContext) -> None:
+        """Called once per compression before any layer is edited (e.g. an extra scoring pass)."""
+
+    def prefill_observers(self) -> list:
+        """Observers the prefill should run for this method (see ``FoldedCache.prefill_observers``).
+
+        Each has a ``key`` (its ``layer.entry_stats`` entry); a method must still work when the
+        prefill ran without them (by recomputing what it needs in :meth:`prepare`).
+        """
+        return []
+
 
 class Standalone(Method):
     """A method that compresses the whole cache its own way."""
@@ -163,6 +205,18 @@ class Selector(Method):
         per_row = ctx.row_budgets
         return [per_row.clone() for _ in range(ctx.num_layers)]
 
+    def allocate(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        scores: torch.Tensor,
+        counts: torch.Tensor,
+        protected: torch.Tensor | None,
+        ctx: CompressionContext,
+    ) -> torch.Tensor:
+        """Per-head counts ``(B, H)`` of the selector itself (before any wrapper); unchanged by default."""
+        return counts
+
     def online_policy(self, ctx: CompressionContext):
         return None
 
@@ -189,11 +243,46 @@ class Wrapper(Method):
         """Per-head counts ``(B, H)`` given uniform ``counts`` ``(B, H)``; unchanged by default."""
         return counts
 
+    def select(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        received: torch.Tensor,
+        scores: torch.Tensor,
+        counts: torch.Tensor,
+        protected: torch.Tensor | None,
+        valid: torch.Tensor,
+        ctx: CompressionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Choose the kept entries, or None for the default ``topk_keep(scores, counts, …)``.
+
+        Args:
+            received: the scores this wrapper's :meth:`rescore` was given (e.g. attention scores).
+            scores: the final scores after every wrapper's rescore.
+            counts: ``(B, H)`` final per-head counts.
+
+        Returns:
+            ``(keep (B, H, K), lengths (B, H))`` as :func:`kvfold.methods.scoring.topk_keep`. When
+            several wrappers select, the innermost one decides.
+        """
+        return None
+
 
 class Folder(Method):
     """Decides what happens to evicted entries (merged into carriers, refitted, …)."""
 
     role: ClassVar[str] = "folder"
+    one_shot: ClassVar[bool] = False
+    """True: a spec with this folder compresses once after prefill and the selector's decode-time
+    policy is not used (``h2o+grkv`` = one-shot H2O, then GRKV), instead of being an error."""
+
+    @classmethod
+    def default_selector(cls) -> str | None:
+        """The selector spec a bare use of this folder's name implies (``grkv`` = ``snapkv+grkv``).
+
+        None means the folder cannot be used alone.
+        """
+        return None
 
     def fold(
         self,
@@ -206,6 +295,28 @@ class Folder(Method):
     ) -> None:
         """Write the layer's new content given kept indices ``keep`` ``(B, H, K)`` and ``lengths``."""
         raise NotImplementedError
+
+    def reselect(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        keep: torch.Tensor,
+        lengths: torch.Tensor,
+        scores: torch.Tensor,
+        protected: torch.Tensor | None,
+        valid: torch.Tensor,
+        ctx: CompressionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Revise the selector's kept entries before :meth:`fold` (KeepKV merges before it evicts).
+
+        Returns ``(keep, lengths)`` as :func:`kvfold.methods.scoring.topk_keep`; unchanged by default.
+        """
+        return keep, lengths
+
+    def online_policy(self, policy, ctx: CompressionContext):
+        """Fold what the selector's decode-time ``policy`` evicts: return the policy to use, or None
+        when this folder cannot run online (then ``SELECTOR+folder`` with an online selector is an error)."""
+        return None
 
 
 # ------------------------------------------------------------------------- registry
@@ -269,27 +380,48 @@ class ComposedMethod:
 
     @property
     def query_window(self) -> int:
-        parts = [*self.wrappers, self.selector, *([self.folder] if self.folder else [])]
-        return max(p.query_window for p in parts)
+        return max(p.query_window for p in self.parts)
 
     @property
     def is_identity(self) -> bool:
         return getattr(self.selector, "name", "") == "full"
+
+    @property
+    def parts(self) -> list[Method]:
+        """Wrappers (outermost first), the selector, and the folder if any."""
+        return [*self.wrappers, self.selector, *([self.folder] if self.folder else [])]
+
+    def prefill_observers(self) -> list:
+        """The parts' prefill observers, one per ``key``."""
+        found: dict[str, Any] = {}
+        for part in self.parts:
+            for observer in part.prefill_observers():
+                found.setdefault(observer.key, observer)
+        return list(found.values())
 
     def compress(self, ctx: CompressionContext) -> None:
         """Compress ``ctx.cache`` in place to ``ctx.budget``."""
         if isinstance(self.selector, Standalone):
             self.selector.compress(ctx)
             return
+        for part in reversed(self.parts):
+            part.prepare(ctx)
         budgets = self.selector.layer_budgets(ctx)
         for layer_idx, layer in ctx.cache.folded_layers:
             self._compress_layer(layer_idx, layer, budgets[layer_idx], ctx)
 
     def online_policy(self, ctx: CompressionContext):
+        if self.folder is not None and self.folder.one_shot:
+            return None
         policy = self.selector.online_policy(ctx)
+        if policy is not None and self.folder is not None and not self.wrappers:
+            folded = self.folder.online_policy(policy, ctx)  # e.g. KeepKV merges the policy's victims
+            if folded is not None:
+                return folded
         if policy is not None and (self.wrappers or self.folder is not None):
             raise SpecError(
-                f"{self.spec}: online (decode-time) compression is available for the plain selector only"
+                f"{self.spec}: online (decode-time) compression is available for the plain selector only; "
+                f"write {self.selector.name}[online=false] to compose it one-shot"
             )
         return policy
 
@@ -304,16 +436,32 @@ class ComposedMethod:
         if bool((counts >= n_valid).all()):
             return  # nothing to evict in this layer
         scores = self.selector.score(layer_idx, layer, ctx).float()
+        received = []  # the scores each wrapper's rescore was given, innermost first
         for wrapper in reversed(self.wrappers):
+            received.append(scores)
             scores = wrapper.rescore(layer_idx, layer, scores, ctx)
         protected = self.selector.protected(layer_idx, layer, ctx)
+        counts = self.selector.allocate(layer_idx, layer, scores, counts, protected, ctx)
         for wrapper in reversed(self.wrappers):
             counts = wrapper.allocate(layer_idx, layer, scores, counts, protected, ctx)
-        keep, lengths = topk_keep(scores, counts, protected=protected, valid=valid)
+        chosen = None
+        for wrapper, given in zip(reversed(self.wrappers), received, strict=True):
+            chosen = wrapper.select(layer_idx, layer, given, scores, counts, protected, valid, ctx)
+            if chosen is not None:
+                break
+        keep, lengths = chosen if chosen is not None else topk_keep(scores, counts, protected, valid)
+        if self.folder is not None:
+            keep, lengths = self.folder.reselect(layer_idx, layer, keep, lengths, scores, protected, valid, ctx)
+        ctx.record_kept(layer_idx, keep, lengths)
+        stats = {
+            name: torch.gather(t, 2, keep) for name, t in layer.entry_stats.items() if t.shape == valid.shape
+        }
         if self.folder is not None:
             self.folder.fold(layer_idx, layer, keep, lengths, scores, ctx)
         else:
             layer.replace(*gather_entries(layer, keep, lengths), lengths=lengths)
+        # statistics follow the kept entries (ascending position order); a folder's own win
+        layer.entry_stats = {**stats, **layer.entry_stats}
 
 
 def build_method(spec: str | ParsedSpec) -> ComposedMethod:
@@ -324,6 +472,7 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
     """
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     _load_builtin_methods()
+    parsed = _expand_bare_folder(parsed)
     selector = _lookup(parsed.selector, ("selector", "standalone"), "method")
     if selector.role == "standalone" and (parsed.wrappers or parsed.folder):
         raise SpecError(
@@ -332,3 +481,18 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
     wrappers = tuple(_lookup(c, ("wrapper",), "wrapper") for c in parsed.wrappers)
     folder = _lookup(parsed.folder, ("folder",), "folder") if parsed.folder else None
     return ComposedMethod(spec=parsed.text, wrappers=wrappers, selector=selector, folder=folder)
+
+
+def _expand_bare_folder(parsed: ParsedSpec) -> ParsedSpec:
+    """A folder named alone (``grkv[lam=0.1]``) runs on its default selector (``snapkv+grkv[lam=0.1]``)."""
+    cls = REGISTRY.get(parsed.selector.name)
+    if cls is None or cls.role != "folder" or parsed.folder is not None:
+        return parsed
+    default = cls.default_selector()
+    if default is None:
+        name = parsed.selector.name
+        raise SpecError(f"{name!r} is a folder: use it after a selector, e.g. snapkv+{name}")
+    base = parse_spec(default)
+    return ParsedSpec(
+        wrappers=parsed.wrappers + base.wrappers, selector=base.selector, folder=parsed.selector, text=parsed.text
+    )

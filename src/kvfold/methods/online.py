@@ -5,6 +5,8 @@ more than its limit it removes the lowest-scored unprotected entry of every row.
 decode step removes one entry per row by moving the newest entry into the victim's slot, so
 the work is proportional to the budget and the cache is never copied (issue 10, point 2).
 Entry order inside a row carries no meaning: positions are already encoded in the keys.
+With ``recent > 0`` the policy also tracks each slot's token position and never evicts the
+``recent`` newest tokens (H2O's local window, TOVA's current token).
 """
 
 from __future__ import annotations
@@ -22,14 +24,28 @@ class OnlineEviction:
     Args:
         limits: the number of entries per row each layer may hold, by layer index.
         needs_attention: whether the attention must hand over its probabilities each step.
+        recent: the newest tokens that are never evicted (0 = none). Entries present before the
+            policy's first step are assumed to be in ascending position order (as one-shot
+            compression leaves them) and to end at the newest token seen.
+
+    Attributes:
+        folder: an optional online folder (KeepKV) that merges victims instead of dropping them:
+            ``folder.observe(layer_idx, layer, query, probs)`` returns slot-aligned state tensors
+            ``(B, H, capacity)`` that move with the slots, and ``folder.fold(layer_idx, layer, victims)``
+            runs on the victims' slots ``(B, H, E)`` just before they are removed.
     """
 
     needs_attention: bool = False
+    folder = None
 
-    def __init__(self, limits: dict[int, int], needs_attention: bool = False) -> None:
+    def __init__(self, limits: dict[int, int], needs_attention: bool = False, recent: int = 0) -> None:
+        if recent < 0:
+            raise ValueError(f"recent must be ≥ 0; got {recent}")
         self.limits = limits
         self.needs_attention = needs_attention
+        self.recent = recent
         self._state: dict[int, torch.Tensor] = {}  # (B, H, capacity) scores aligned with slots
+        self._positions: dict[int, torch.Tensor] = {}  # (B, H, capacity) token positions (recent > 0)
         self.steps = 0
 
     # -- to override ------------------------------------------------------------------
@@ -58,12 +74,17 @@ class OnlineEviction:
         n = layer.physical_length
         state = self._state_for(layer_idx, layer, n - q_len)
         state[:, :, n - q_len : n] = self.new_scores(layer_idx, layer, state[:, :, : n - q_len], q_len, probs)
+        slots = [state]
+        if self.recent:
+            slots.append(self._positions_for(layer_idx, layer, state.shape[2], n - q_len))
+        if self.folder is not None:
+            slots.extend(self.folder.observe(layer_idx, layer, query, probs))
         limit = self.limits[layer_idx]
         excess = n - limit
         if excess == 1:
-            self._evict_one(layer, state, n)
+            self._evict_one(layer, slots, n, layer_idx)
         elif excess > 1:
-            self._evict_many(layer, state, n, limit)
+            self._evict_many(layer, slots, n, limit, layer_idx)
         if layer_idx == 0:
             self.steps += 1
 
@@ -82,28 +103,65 @@ class OnlineEviction:
             self._state[layer_idx] = state = grown
         return state
 
-    def _evict_one(self, layer: FoldedLayer, state: torch.Tensor, n: int) -> None:
+    def _positions_for(self, layer_idx: int, layer: FoldedLayer, capacity: int, old: int) -> torch.Tensor:
+        """Token positions of the slots (same capacity as the state); new entries get theirs."""
+        positions = self._positions.get(layer_idx)
+        n = layer.physical_length
+        newest = layer.logical_length  # one past the newest token
+        if positions is None:
+            positions = torch.zeros(layer.batch_size, layer.num_heads, capacity, dtype=torch.long, device=layer.device)
+            if old:
+                # earlier entries: ascending order, the last valid one is the token before the new ones
+                _, _, log_mass = layer.dense_buffers()
+                valid = torch.isfinite(log_mass[:, :, :old]).long()
+                from_end = valid.flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid entry
+                positions[:, :, :old] = newest - (n - old) - from_end
+            self._positions[layer_idx] = positions
+        elif positions.shape[2] < capacity:
+            grown = positions.new_zeros(positions.shape[0], positions.shape[1], capacity)
+            grown[:, :, : positions.shape[2]] = positions
+            self._positions[layer_idx] = positions = grown
+        positions[:, :, old:n] = torch.arange(newest - (n - old), newest, device=positions.device)
+        return positions
+
+    def _victim_scores(self, layer: FoldedLayer, slots: list[torch.Tensor], n: int) -> torch.Tensor:
+        """Scores that choose victims: empty slots first, the ``recent`` newest tokens never."""
+        _, _, log_mass = layer.dense_buffers()
+        valid = torch.isfinite(log_mass)
+        scores = torch.where(valid, slots[0][:, :, :n], torch.full_like(log_mass, -PROTECTED))
+        if self.recent:
+            recent = slots[1][:, :, :n] >= layer.logical_length - self.recent
+            scores = scores.masked_fill(valid & recent, PROTECTED)
+        return scores
+
+    def _evict_one(self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, layer_idx: int = -1) -> None:
+        victim = self._victim_scores(layer, slots, n).argmin(dim=-1, keepdim=True)  # (B, H, 1); ties: oldest slot
+        if self.folder is not None:
+            self.folder.fold(layer_idx, layer, victim)
         keys, values, log_mass = layer.dense_buffers()
-        scores = torch.where(torch.isfinite(log_mass), state[:, :, :n], torch.full_like(log_mass, -PROTECTED))
-        victim = scores.argmin(dim=-1, keepdim=True)  # (B, H, 1); ties: the oldest slot
         last = n - 1
         for tensor in (keys, values):
             idx = victim[..., None].expand(-1, -1, 1, tensor.shape[-1])
             tensor.scatter_(2, idx, tensor[:, :, last : last + 1].clone())
-        log_mass.scatter_(2, victim, log_mass[:, :, last : last + 1].clone())
-        state.scatter_(2, victim, state[:, :, last : last + 1].clone())
+        for tensor in (log_mass, *slots):
+            tensor.scatter_(2, victim, tensor[:, :, last : last + 1].clone())
         layer.truncate(last)
 
-    def _evict_many(self, layer: FoldedLayer, state: torch.Tensor, n: int, limit: int) -> None:
-        keys, values, log_mass = layer.dense_buffers()
-        scores = torch.where(torch.isfinite(log_mass), state[:, :, :n], torch.full_like(log_mass, -PROTECTED))
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :limit]
+    def _evict_many(
+        self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, limit: int, layer_idx: int = -1
+    ) -> None:
+        scores = self._victim_scores(layer, slots, n)
+        ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        if self.folder is not None:
+            self.folder.fold(layer_idx, layer, ranked[..., limit:])
+        order = ranked[..., :limit]
         keep = torch.sort(order, dim=-1).values
+        keys, values, log_mass = layer.dense_buffers()
         for tensor in (keys, values):
             kept = torch.gather(tensor, 2, keep[..., None].expand(-1, -1, -1, tensor.shape[-1]))
             tensor[:, :, :limit] = kept
-        log_mass[:, :, :limit] = torch.gather(log_mass, 2, keep)
-        state[:, :, :limit] = torch.gather(state[:, :, :n], 2, keep)
+        for tensor in (log_mass, *slots):
+            tensor[:, :, :limit] = torch.gather(tensor[:, :, :n], 2, keep)
         layer.truncate(limit)
 
 

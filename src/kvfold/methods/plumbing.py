@@ -45,6 +45,7 @@ class StreamingLLM(Selector):
     name: ClassVar[str] = "streamingllm"
     description: ClassVar[str] = "keep 4 sink tokens and the most recent tokens; online during decoding"
     paper: ClassVar[str] = "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks"
+    supports_chunked_prefill: ClassVar[bool] = True
     sinks: int = 4
     online: bool = True
 
@@ -75,6 +76,7 @@ class RandomKeep(Selector):
     name: ClassVar[str] = "random"
     description: ClassVar[str] = "random subset of entries (sanity floor)"
     paper: ClassVar[str] = "-"
+    supports_chunked_prefill: ClassVar[bool] = True
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor:
         b, h = layer.batch_size, layer.num_heads

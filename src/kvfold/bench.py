@@ -1,0 +1,403 @@
+"""``kvfold bench``: prefill, compression and decode speed and memory, as ratios against ``full``.
+
+Each configuration (method, budget, length, batch) runs in its own process so that its peak
+resident memory is its own. ``full`` runs in the same invocation at every length and at every
+compressed size ⌈budget × length⌉, which gives two ratios per configuration:
+
+* ``speedup`` = decode tokens/s of the method / decode tokens/s of ``full`` at the same length;
+* ``limit_speedup`` = decode tokens/s of ``full`` on a context as long as the compressed cache /
+  decode tokens/s of ``full`` at ``length`` — a compressed cache cannot decode faster than an
+  uncompressed one of its size, so this is the practical ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+WARMUP_STEPS = 4
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One measured configuration."""
+
+    model: str
+    method: str
+    budget: float | int
+    length: int
+    batch: int
+    new_tokens: int = 64
+    prefill_chunk: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+
+
+def context_ids(tokenizer, length: int, batch: int):
+    """``(batch, length)`` token ids of English prose (the shipped haystack), one offset per row."""
+    import torch
+
+    text = resources.files("kvfold.data").joinpath("haystack.txt").read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    rows = []
+    for row in range(batch):
+        offset = (row * 997) % max(1, len(ids))
+        need = []
+        while len(need) < length:
+            need.extend(ids[offset:] if not need else ids)
+        rows.append(need[:length])
+    return torch.tensor(rows)
+
+
+def run_config(config: BenchConfig) -> dict:
+    """Measure one configuration in this process (called in a child process by :func:`bench`)."""
+    import torch
+
+    import kvfold
+    from kvfold.chunked import prefill_chunked
+    from kvfold.pipeline import PrefilledContext
+
+    model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
+    base_rss = _rss_mb()
+    ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
+    method = kvfold.build_method(config.method)
+    budget = 1.0 if method.is_identity else config.budget
+    with torch.inference_mode():
+        if config.prefill_chunk:
+            compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
+            prefill_s = compressed.source.prefill_seconds
+        else:
+            cache = kvfold.FoldedCache(model.config)
+            cache.capture_window = max(64, method.query_window)
+            cache.prefill_observers = list(method.prefill_observers()) if hasattr(method, "prefill_observers") else []
+            start = time.perf_counter()
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            prefill_s = time.perf_counter() - start
+            cache.capture_window = 0
+            cache.prefill_observers = []
+            source = PrefilledContext(
+                model=model,
+                tokenizer=tokenizer,
+                cache=cache,
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                prefill_seconds=prefill_s,
+                last_logits=out.logits[:, -1],
+            )
+            compressed = _compress_in_place(source, method, budget)
+        kv_bytes = compressed.cache.nbytes()
+        kv_bytes_full = compressed.cache.full_nbytes()
+        tokens_per_s = _decode(model, compressed, config.new_tokens)
+    return {
+        **asdict(config),
+        "budget": config.budget if not method.is_identity else 1.0,
+        "prefill_s": prefill_s,
+        "compress_s": compressed.compress_seconds,
+        "decode_tokens_per_s": tokens_per_s,
+        "peak_rss_mb": _rss_mb(),
+        "base_rss_mb": base_rss,
+        "kv_bytes": kv_bytes,
+        "kv_bytes_full": kv_bytes_full,
+        "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
+    }
+
+
+def _compress_in_place(source, method, budget):
+    """Like :meth:`PrefilledContext.compress` but without copying the full cache first."""
+    import torch
+
+    from kvfold.budget import Budget
+    from kvfold.methods.base import CompressionContext
+    from kvfold.pipeline import CompressedContext
+
+    parsed = Budget.parse(budget)
+    ctx = CompressionContext(
+        model=source.model,
+        cache=source.cache,
+        input_ids=source.input_ids,
+        attention_mask=source.attention_mask,
+        budget=parsed,
+        tokenizer=source.tokenizer,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if not method.is_identity and not parsed.is_full:
+            method.compress(ctx)
+        policy = None if parsed.is_full else method.online_policy(ctx)
+    return CompressedContext(
+        source=source,
+        method=method,
+        budget=parsed,
+        cache=source.cache,
+        policy=policy,
+        compress_seconds=time.perf_counter() - start,
+        report=ctx.report,
+    )
+
+
+def _decode(model, compressed, new_tokens: int) -> float:
+    """Steady-state decode tokens/s summed over the batch (greedy, after warm-up steps)."""
+    import torch
+
+    cache = compressed.cache
+    cache.policy = compressed.policy
+    tokens = compressed.source.last_logits.argmax(-1)
+    batch = tokens.shape[0]
+    elapsed = 0.0
+    for step in range(WARMUP_STEPS + new_tokens):
+        position = torch.full((batch, 1), cache.get_seq_length(), device=tokens.device)
+        start = time.perf_counter()
+        logits = model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
+        tokens = logits.argmax(-1)
+        if step >= WARMUP_STEPS:
+            elapsed += time.perf_counter() - start
+    return batch * new_tokens / elapsed
+
+
+def _rss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (Linux reports KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _spawn(config: BenchConfig, timeout: float | None = None) -> dict:
+    """Run one configuration in a fresh Python process and return its record."""
+    cmd = [sys.executable, "-m", "kvfold.bench", "--worker", json.dumps(asdict(config))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"bench worker failed for {config.method} @ {config.length}x{config.batch}:\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plan(
+    model: str,
+    methods: list[str],
+    budgets: list[float | int],
+    lengths: list[int],
+    batches: list[int],
+    new_tokens: int,
+    prefill_chunk: int | None,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> tuple[list[BenchConfig], list[BenchConfig]]:
+    """The method configurations and the ``full`` references (every length and compressed size)."""
+    from kvfold.budget import Budget
+
+    runs, refs = [], {}
+    for length in lengths:
+        for batch in batches:
+            refs[(length, batch)] = BenchConfig(model, "full", 1.0, length, batch, new_tokens, None, dtype, device)
+            for method in methods:
+                if method == "full":
+                    continue
+                for budget in budgets:
+                    runs.append(
+                        BenchConfig(model, method, budget, length, batch, new_tokens, prefill_chunk, dtype, device)
+                    )
+                    size = Budget.parse(budget).count(length)
+                    refs.setdefault(
+                        (size, batch), BenchConfig(model, "full", 1.0, size, batch, new_tokens, None, dtype, device)
+                    )
+    return runs, list(refs.values())
+
+
+def bench(
+    model: str = "smollm2-135m",
+    methods: list[str] | None = None,
+    budgets: list[float | int] | None = None,
+    lengths: list[int] | None = None,
+    batches: list[int] | None = None,
+    new_tokens: int = 64,
+    prefill_chunk: int | None = None,
+    out_dir: str | Path | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+) -> dict:
+    """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
+
+    Returns:
+        ``{"records": [...]}`` with the fields of the issue plus ``speedup`` and ``limit_speedup``.
+    """
+    from tqdm import tqdm
+
+    from kvfold.budget import Budget
+
+    runs, refs = plan(
+        model,
+        methods or ["streamingllm"],
+        budgets or [0.1],
+        lengths or [2048],
+        batches or [1],
+        new_tokens,
+        prefill_chunk,
+        dtype,
+        device,
+    )
+    measured: dict[tuple, dict] = {}
+    records = []
+    for config in tqdm([*refs, *runs], desc="kvfold bench", disable=not progress):
+        record = _spawn(config)
+        if config.method == "full":
+            measured[(config.length, config.batch)] = record
+        else:
+            records.append(record)
+    full_records = [measured[(c.length, c.batch)] for c in refs if c.length in set(lengths or [2048])]
+    for record in records:
+        full = measured[(record["length"], record["batch"])]
+        small = measured[(Budget.parse(record["budget"]).count(record["length"]), record["batch"])]
+        record["speedup"] = record["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        record["limit_speedup"] = small["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        record["speedup_over_limit"] = record["speedup"] / record["limit_speedup"]
+    for record in full_records:
+        record.update(speedup=1.0, limit_speedup=1.0, speedup_over_limit=1.0)
+    result = {"model": model, "records": [*full_records, *records]}
+    if out_dir is not None:
+        write_bench_report(result, Path(out_dir))
+    return result
+
+
+def write_bench_report(result: dict, out_dir: Path) -> None:
+    """``bench.json``, ``bench.md`` (a table) and ``bench.png`` (throughput and memory vs length)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
+    lines = [
+        f"# kvfold bench — {result['model']}",
+        "",
+        "Decode throughput is steady state (after warm-up, prefill excluded), summed over the batch. "
+        "`speedup` is against `full` at the same length; `limit` is `full` at the compressed size against "
+        "`full` at the length (the ceiling); peak RSS is each configuration's own process.",
+        "",
+        "| method | budget | length | batch | prefill s | compress s | decode tok/s | speedup | limit | "
+        "speedup/limit | KV MB | full KV MB | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r['prefill_s']:.2f} | "
+            f"{r['compress_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['limit_speedup']:.2f} | "
+            f"{r['speedup_over_limit']:.2f} | {r['kv_bytes'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | "
+            f"{r['peak_rss_mb']:.0f} |"
+        )
+    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out_dir / "bench.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+    for col, batch in enumerate(batches):
+        series: dict[str, list[dict]] = {}
+        for r in rows:
+            if r["batch"] == batch:
+                label = r["method"] if r["method"] == "full" else f"{r['method']} @ {r['budget']}"
+                series.setdefault(label, []).append(r)
+        for label, points in sorted(series.items()):
+            points.sort(key=lambda r: r["length"])
+            style = {"linestyle": "--", "color": "black"} if label == "full" else {"marker": "o"}
+            lengths = [p["length"] for p in points]
+            axes[0][col].plot(lengths, [p["decode_tokens_per_s"] for p in points], label=label, **style)
+            axes[1][col].plot(lengths, [p["peak_rss_mb"] for p in points], label=label, **style)
+        axes[0][col].set_title(f"decode throughput, batch {batch}")
+        axes[0][col].set_ylabel("tokens / s (summed over batch)")
+        axes[1][col].set_title(f"peak resident memory, batch {batch}")
+        axes[1][col].set_ylabel("MB")
+        for row in (0, 1):
+            axes[row][col].set_xlabel("context length (tokens)")
+            axes[row][col].set_xscale("log", base=2)
+            axes[row][col].grid(True, alpha=0.3)
+            axes[row][col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    """Register ``kvfold bench`` with the CLI."""
+    from kvfold.cli import add_model_args
+
+    p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
+    add_model_args(p)
+    p.add_argument("--methods", default="streamingllm", help="comma-separated method specs")
+    p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
+    p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
+    p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=64, help="decode steps measured after warm-up")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks, compressing as it goes")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+
+
+def run_bench_command(args) -> int:
+    from kvfold.budget import Budget
+    from kvfold.methods import build_method, split_specs
+
+    methods = split_specs(args.methods)
+    for spec in methods:
+        build_method(spec)  # fail fast on unknown methods or options
+    budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
+    lengths = _positive_ints(args.lengths, "--lengths")
+    batches = _positive_ints(args.batch, "--batch")
+    if args.new_tokens < 1:
+        raise ValueError("--new-tokens must be ≥ 1")
+    result = bench(
+        args.model,
+        methods,
+        budgets,
+        lengths,
+        batches,
+        args.new_tokens,
+        args.prefill_chunk,
+        args.out,
+        args.dtype,
+        args.device,
+    )
+    print((Path(args.out) / "bench.md").read_text())
+    return 0 if result["records"] else 1
+
+
+def _positive_ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated positive integers; got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag} takes comma-separated positive integers; got {text!r}")
+    return values
+
+
+def _register_cli() -> None:
+    from kvfold import cli
+
+    if add_parser not in cli.EXTRA_PARSERS:
+        cli.EXTRA_PARSERS.append(add_parser)
+        cli.COMMANDS["bench"] = run_bench_command
+
+
+def _worker_main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvfold.bench")
+    parser.add_argument("--worker", required=True, help="a BenchConfig as JSON")
+    args = parser.parse_args()
+    config = BenchConfig(**json.loads(args.worker))
+    print(json.dumps(run_config(config)))
+    return 0
+
+
+_register_cli()
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main())

@@ -1,0 +1,70 @@
+"""``kvfold bench`` end to end on a tiny local model (one process per configuration)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfold.bench import bench
+from kvfold.cli import main
+from tests.conftest import make_tiny_model
+from tests.test_models import _write_tokenizer
+
+FIELDS = {
+    "method",
+    "budget",
+    "length",
+    "batch",
+    "prefill_s",
+    "compress_s",
+    "decode_tokens_per_s",
+    "peak_rss_mb",
+    "kv_bytes",
+    "kv_bytes_full",
+    "limit_speedup",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama").save_pretrained(path)
+    _write_tokenizer(path)
+    return path
+
+
+def test_bench_records_ratios_and_files(tiny_dir, tmp_path):
+    result = bench(
+        str(tiny_dir), ["streamingllm"], [0.25], [64], [1, 2], new_tokens=3, out_dir=tmp_path, progress=False
+    )
+    records = result["records"]
+    assert {(r["method"], r["batch"]) for r in records} == {
+        ("full", 1),
+        ("full", 2),
+        ("streamingllm", 1),
+        ("streamingllm", 2),
+    }
+    for record in records:
+        assert set(record) >= FIELDS
+        assert record["decode_tokens_per_s"] > 0 and record["peak_rss_mb"] > 0
+    small = [r for r in records if r["method"] == "streamingllm"]
+    assert all(r["kv_bytes"] <= 0.26 * r["kv_bytes_full"] for r in small)
+    assert json.loads((tmp_path / "bench.json").read_text())["records"]
+    assert "| streamingllm | 0.25 | 64 |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):
+    result = bench(
+        str(tiny_dir), ["streamingllm"], [16], [64], [1], new_tokens=2, prefill_chunk=16, out_dir=None, progress=False
+    )
+    record = next(r for r in result["records"] if r["method"] == "streamingllm")
+    assert record["physical_tokens"] <= 16
+
+
+def test_bench_cli_rejects_bad_input(capsys, tmp_path):
+    assert main(["bench", "--methods", "nosuch", "--out", str(tmp_path)]) == 2
+    assert "unknown method" in capsys.readouterr().err
+    assert main(["bench", "--lengths", "0", "--out", str(tmp_path)]) == 2
+    assert "--lengths takes comma-separated positive integers" in capsys.readouterr().err
