@@ -1,4 +1,4 @@
-"""Fixtures for the evaluation tests: a fast word tokenizer and the embedded model's real one."""
+"""Fixtures for the evaluation tests: fast offline tokenizers, a tiny random model, the embedded tokenizer."""
 
 from __future__ import annotations
 
@@ -39,6 +39,45 @@ class WordTokenizer:
 def word_tokenizer() -> WordTokenizer:
     """A fresh whitespace tokenizer (fast; for determinism, depth and loader tests)."""
     return WordTokenizer()
+
+
+class CharTokenizer:
+    """A tiny offline tokenizer for random models: one id per character, BOS = 1, pad = 0.
+
+    Newline and printable ASCII up to ``}`` map to ids 2..96 (other characters read as ``?``), so
+    ``decode`` inverts ``__call__`` on that alphabet and every id fits a 97-token vocabulary.
+    """
+
+    ALPHABET = "\n" + "".join(chr(c) for c in range(32, 126))
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> SimpleNamespace:
+        ids = [1] if add_special_tokens else []
+        ids += [self.ALPHABET.find(c) + 2 if c in self.ALPHABET else self.ALPHABET.index("?") + 2 for c in text]
+        return SimpleNamespace(input_ids=ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.ALPHABET[i - 2] for i in ids if i >= 2)
+
+    def convert_tokens_to_ids(self, token: str) -> None:
+        return None
+
+
+@pytest.fixture
+def char_tokenizer() -> CharTokenizer:
+    """A character tokenizer whose ids fit the tiny test models' vocabulary."""
+    return CharTokenizer()
+
+
+@pytest.fixture
+def tiny_lm():
+    """``(model, tokenizer)``: a tiny random Llama with the kvfold attention, and :class:`CharTokenizer`."""
+    import kvfold
+    from tests.conftest import make_tiny_model
+
+    return kvfold.enable(make_tiny_model("llama")), CharTokenizer()
 
 
 @pytest.fixture(scope="session")

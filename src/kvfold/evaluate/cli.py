@@ -1,0 +1,202 @@
+"""The ``kvfold eval`` and ``kvfold fidelity`` commands (loaded by :mod:`kvfold.cli`).
+
+Both take the same selection flags::
+
+    kvfold eval --dataset ruler --length 2048 --samples 3 --methods full,streamingllm \\
+        --budgets 0.5,0.2 --out runs/ruler-2k
+    kvfold fidelity --dataset ruler --length 1024 --samples 1 --methods full,streamingllm \\
+        --budgets 0.5,0.2,0.1 --out runs/fid-1k
+
+Methods and budgets are checked before the model loads, so a typo fails at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvfold.cli import EXTRA_PARSERS, add_model_args, command
+
+DATASET_HELP = (
+    "ruler[:TASKS] (synthetic, generated locally), PATH.jsonl (one {context, question, answers, ...} a line), "
+    "longbench[:TASKS][@DIR_OR_REPO], xsum[@PATH_OR_REPO], ruler-official[:TASKS]@PATH_OR_REPO"
+)
+
+
+def _add_selection_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.add_argument("--dataset", required=True, help=DATASET_HELP)
+    parser.add_argument(
+        "--length",
+        type=int,
+        default=2048,
+        help="context length in tokens (RULER), prompt limit (LongBench, XSum); default 2048",
+    )
+    parser.add_argument("--samples", type=int, default=3, help="samples per task (default 3)")
+    parser.add_argument("--tasks", default=None, help="comma-separated task names to keep")
+    parser.add_argument("--methods", required=True, help="comma-separated method specs, e.g. full,streamingllm")
+    parser.add_argument(
+        "--budgets",
+        default="0.5,0.2,0.1",
+        help="comma-separated fractions in (0, 1] or token counts (default 0.5,0.2,0.1)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="dataset and method seed")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` and ``fidelity`` sub-parsers to the ``kvfold`` parser."""
+    p = sub.add_parser("eval", help="score methods × budgets on a dataset (resumable)")
+    _add_selection_args(p)
+    p.add_argument("--query-aware", action="store_true", help="compress each context together with its question")
+
+    p = sub.add_parser("fidelity", help="attention-output error and NLL increase vs the full cache")
+    _add_selection_args(p)
+    p.add_argument(
+        "--continuation",
+        choices=("answer", "next"),
+        default="answer",
+        help="answer: question + reference answer, teacher-forced (default); next: the document's "
+        "last --next-tokens tokens",
+    )
+    p.add_argument("--next-tokens", type=int, default=64, help="held-out tokens with --continuation next")
+
+
+if add_parsers not in EXTRA_PARSERS:
+    EXTRA_PARSERS.append(add_parsers)
+
+
+def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
+    """Validate methods, budgets and counts before anything slow happens."""
+    from kvfold.budget import Budget
+    from kvfold.methods import build_method, split_specs
+
+    methods = split_specs(args.methods)
+    for spec in methods:
+        build_method(spec)
+    budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets:
+        raise ValueError("--budgets is empty; give e.g. 0.5,0.2")
+    if args.samples < 1:
+        raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
+    if args.length < 1:
+        raise ValueError(f"--length must be a positive number of tokens; got {args.length}")
+    return methods, budgets
+
+
+def _is_jsonl(spec: str) -> bool:
+    return spec.lower().endswith(".jsonl")
+
+
+def _check_dataset(spec: str) -> None:
+    """Fail on a malformed JSONL file or an unknown dataset form before the model loads."""
+    from kvfold.evaluate.datasets import load_dataset_spec, load_jsonl
+
+    if _is_jsonl(spec):
+        if not Path(spec).is_file():
+            raise ValueError(f"dataset file not found: {spec}")
+        load_jsonl(spec)
+        return
+    name = spec.partition("@")[0].partition(":")[0].strip().lower()
+    if name not in ("ruler", "longbench", "xsum", "ruler-official"):
+        load_dataset_spec(spec)  # raises the list of valid forms
+
+
+def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
+    """The samples the flags select: ``--samples`` per task, ``--tasks`` kept."""
+    from kvfold.evaluate.datasets import load_dataset_spec
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    spec = args.dataset
+    if tasks and spec.strip().lower() == "ruler":
+        spec = "ruler:" + ",".join(tasks)  # generate only what is asked
+    samples = load_dataset_spec(
+        spec, tokenizer, length=args.length, samples=None if _is_jsonl(spec) else args.samples, seed=args.seed
+    )
+    if tasks:
+        unknown = sorted(set(tasks) - {s.task for s in samples})
+        if unknown:
+            found = ", ".join(dict.fromkeys(s.task for s in samples))
+            raise ValueError(f"--tasks: no samples for {', '.join(unknown)}; this dataset has: {found}")
+        samples = [s for s in samples if s.task in tasks]
+    per_task: dict[str, int] = {}
+    kept = []
+    for sample in samples:
+        per_task[sample.task] = per_task.get(sample.task, 0) + 1
+        if per_task[sample.task] <= args.samples:
+            kept.append(sample)
+    return kept
+
+
+def _setup(args: argparse.Namespace):
+    from kvfold.models import load_model
+
+    methods, budgets = _check_selection(args)
+    _check_dataset(args.dataset)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    samples = load_samples(args, tokenizer)
+    config = {"model": args.model, "dataset": args.dataset, "length": args.length, "seed": args.seed}
+    return methods, budgets, model, tokenizer, samples, config
+
+
+@command("eval")
+def run_eval(args: argparse.Namespace) -> int:
+    """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
+    from kvfold.evaluate.runner import AVERAGE_TASK, evaluate
+
+    methods, budgets, model, tokenizer, samples, config = _setup(args)
+    print(f"{len(samples)} samples, {len({s.task for s in samples})} tasks → {args.out}", file=sys.stderr)
+    result = evaluate(
+        model,
+        tokenizer,
+        samples,
+        methods,
+        budgets,
+        query_aware=args.query_aware,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.quiet,
+        run_config=config,
+    )
+    for record in result.records:
+        if record["task"] == AVERAGE_TASK:
+            print(
+                f"{record['method']:<24} budget {record['budget']!s:<6} score {record['score']:6.1f}  "
+                f"kv {record['kv_ratio']:.3f}  (n={record['n']})"
+            )
+    print(
+        f"wrote {args.out}/results.json, predictions.jsonl, report.md, scores.png, scores_by_task.png", file=sys.stderr
+    )
+    return 0
+
+
+@command("fidelity")
+def run_fidelity(args: argparse.Namespace) -> int:
+    """``kvfold fidelity``: write fidelity.json, fidelity.md and fidelity.png to ``--out``."""
+    from kvfold.evaluate.fidelity import fidelity
+
+    methods, budgets, model, tokenizer, samples, config = _setup(args)
+    print(f"{len(samples)} samples, continuation '{args.continuation}' → {args.out}", file=sys.stderr)
+    result = fidelity(
+        model,
+        tokenizer,
+        samples,
+        methods,
+        budgets,
+        continuation=args.continuation,
+        next_tokens=args.next_tokens,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.quiet,
+        run_config=config,
+    )
+    for record in result.records:
+        print(
+            f"{record['method']:<24} budget {record['budget']!s:<6} rel_error {record['rel_error']:.4g}  "
+            f"nll_delta {record['nll_delta']:+.4g}  kl {record['kl']:.4g}  (n={record['n']})"
+        )
+    print(f"wrote {args.out}/fidelity.json, fidelity.md, fidelity.png", file=sys.stderr)
+    return 0

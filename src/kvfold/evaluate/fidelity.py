@@ -1,0 +1,321 @@
+"""Fidelity: how close a compressed cache computes to the full one on a held-out continuation.
+
+For each sample a context is prefilled once; a **continuation** is then run, teacher-forced, in one
+forward pass (all its tokens at once) over a copy of the full cache and over each compressed
+cache, and the two runs are compared (``shared/guide/evaluation.md``, "Fidelity"):
+
+* ``rel_error`` — per layer ``‖o − o_full‖_F / ‖o_full‖_F`` of the pre-``o_proj`` attention output
+  (captured by a forward pre-hook on each attention module's ``o_proj``: its input is the
+  ``(B, q, H·D)`` output of the heads) over all the continuation's tokens, averaged over layers
+  (``per_layer`` keeps each layer).
+* ``nll_delta`` — mean NLL (nats per token) of the scored continuation tokens, compressed minus full.
+* ``kl`` — mean KL(full ‖ compressed) of the next-token distributions at the scored tokens.
+
+Continuations:
+
+* ``"answer"`` (default): the question and answer prefix, as the pipeline appends them (chat
+  template when the model has one), followed by the reference answer (all answers joined with
+  ``", "`` for ``string_match_all`` tasks, else the first). Only the answer's tokens are scored.
+* ``"next"``: the document itself. The context is tokenized, its last ``next_tokens`` tokens are
+  held out as the continuation and the rest, decoded back to text, is prefilled without a chat
+  template. The first held-out token is predicted by the prefill alone (before any compression),
+  so it is not scored; the others are. Samples sharing a context give one continuation.
+
+Decode-time (online) policies are switched off (``cache.policy = None``): the continuation is
+teacher-forced in one pass, so what is measured is the compressed prefill cache itself.
+
+Example:
+    >>> from kvfold import load_model
+    >>> from kvfold.evaluate import fidelity, generate_ruler
+    >>> model, tokenizer = load_model()
+    >>> samples = generate_ruler(tokenizer, 1024, 1, tasks=["qa_1"])
+    >>> result = fidelity(model, tokenizer, samples, ["full", "streamingllm"], [0.5, 0.2])
+    >>> [(r["method"], r["budget"], round(r["rel_error"], 3)) for r in result.records]
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvfold.budget import Budget
+from kvfold.cache import FoldedCache
+from kvfold.evaluate.runner import plan_runs, sample_keys
+from kvfold.evaluate.samples import Sample, group_by_context
+from kvfold.methods import ComposedMethod, build_method
+from kvfold.pipeline import PrefilledContext, build_prompt, check_length, encode, prefill
+
+__all__ = ["FidelityResult", "fidelity", "reference_answer"]
+
+FIDELITY_FILE = "fidelity.json"
+DEFAULT_NEXT_TOKENS = 64
+
+
+@dataclass
+class FidelityResult:
+    """What :func:`fidelity` produced.
+
+    Attributes:
+        records: one dict per (method, budget): ``rel_error``, ``nll_delta``, ``kl``,
+            ``per_layer`` (relative error per layer), ``kv_ratio``, ``n`` (continuations), all
+            means over continuations.
+        samples: the same measures per continuation (``sample_id`` included).
+        continuation: ``"answer"`` or ``"next"``.
+        model: the model's name.
+        out_dir: where the files were written, or None.
+    """
+
+    records: list[dict[str, Any]]
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    continuation: str = "answer"
+    model: str = ""
+    out_dir: Path | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The content of ``fidelity.json``."""
+        return {"model": self.model, "continuation": self.continuation, "records": self.records}
+
+
+@dataclass
+class _Continuation:
+    """One prefilled context and the tokens teacher-forced after it."""
+
+    sample_id: str
+    task: str
+    context: PrefilledContext
+    ids: list[int]
+    scored: list[bool]
+
+
+def reference_answer(sample: Sample) -> str:
+    """The answer text teacher-forced in ``"answer"`` mode (every answer for ``string_match_all``)."""
+    text = ", ".join(sample.answers) if sample.metric == "string_match_all" else sample.answers[0]
+    prefix = sample.answer_prefix
+    return (" " if prefix and not prefix[-1].isspace() else "") + text
+
+
+def _continuations(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    mode: str,
+    next_tokens: int,
+    methods: list[ComposedMethod],
+):
+    """Yield one :class:`_Continuation` per sample (per distinct context in ``"next"`` mode)."""
+    key_of = {id(s): k for s, k in zip(samples, sample_keys(samples), strict=True)}
+    prefilled: dict[tuple[str, bool], PrefilledContext] = {}
+    seen: set[str] = set()
+    for sample in (s for _, group in group_by_context(samples) for s in group):
+        key = key_of[id(sample)]
+        if mode == "answer":
+            template = None if sample.chat_template else False
+            cache_key = (sample.context, sample.chat_template)
+            if cache_key not in prefilled:
+                prefilled.clear()  # keep one prefilled context alive at a time
+                prefilled[cache_key] = prefill(
+                    model, tokenizer, sample.context, use_chat_template=template, methods=methods
+                )
+            context = prefilled[cache_key]
+            suffix = build_prompt(
+                tokenizer, "", sample.question.lstrip(), sample.answer_prefix, use_chat_template=template
+            ).suffix
+            suffix_ids = encode(tokenizer, suffix, special=False)
+            answer_ids = encode(tokenizer, reference_answer(sample), special=False)
+            if not answer_ids:
+                raise ValueError(f"sample {key!r}: the reference answer has no tokens")
+            ids, scored = suffix_ids + answer_ids, [False] * len(suffix_ids) + [True] * len(answer_ids)
+        else:
+            if sample.context in seen:
+                continue
+            seen.add(sample.context)
+            doc = encode(tokenizer, sample.context, special=False)
+            if len(doc) < next_tokens + 16:
+                raise ValueError(
+                    f"sample {key!r}: the context has {len(doc)} tokens, too few to hold out "
+                    f"{next_tokens} (lower next_tokens)"
+                )
+            head = tokenizer.decode(doc[:-next_tokens])
+            context = prefill(model, tokenizer, head, use_chat_template=False, methods=methods)
+            ids, scored = doc[-next_tokens:], [False] + [True] * (next_tokens - 1)
+        check_length(model, context.input_ids.shape[1] + len(ids))
+        yield _Continuation(key, sample.task, context, ids, scored)
+
+
+def _attention_modules(model: PreTrainedModel) -> list[tuple[int, torch.nn.Module]]:
+    modules = [(m.layer_idx, m) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not modules:
+        raise ValueError(f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`")
+    return sorted(modules, key=lambda p: p[0])
+
+
+@torch.inference_mode()
+def _teacher_forced(
+    model: PreTrainedModel, cache: FoldedCache, cont: _Continuation
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One forward of the continuation over ``cache``: pre-o_proj outputs per layer and log-probs.
+
+    Returns:
+        ``([(q, H·D) per layer], (q, V) log-probabilities of each continuation token's prediction)``.
+    """
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(layer_idx: int):
+        def capture(module: torch.nn.Module, args: tuple) -> None:
+            captured[layer_idx] = args[0][0].detach().double()
+
+        return capture
+
+    cache.policy = None  # teacher-forced: no decode-time eviction inside the continuation
+    handles = [m.o_proj.register_forward_pre_hook(hook(i)) for i, m in _attention_modules(model)]
+    try:
+        device = model.device
+        start = cache.get_seq_length()
+        ids = torch.tensor([cont.ids], device=device)
+        pos = torch.arange(start, start + len(cont.ids), device=device)[None]
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).logits[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    # token t is predicted by the logits before it: the prefill's last ones for t = 0
+    predicting = torch.cat([cont.context.last_logits.to(logits.dtype), logits[:-1]], dim=0)
+    return [captured[i] for i in sorted(captured)], torch.log_softmax(predicting.double(), dim=-1)
+
+
+def _compare(
+    reference: tuple[list[torch.Tensor], torch.Tensor],
+    other: tuple[list[torch.Tensor], torch.Tensor],
+    cont: _Continuation,
+) -> dict[str, Any]:
+    ref_out, ref_logp = reference
+    out, logp = other
+    per_layer = [
+        float(torch.linalg.norm(o - r) / torch.linalg.norm(r).clamp_min(1e-30))
+        for o, r in zip(out, ref_out, strict=True)
+    ]
+    targets = torch.tensor(cont.ids, device=logp.device)
+    mask = torch.tensor(cont.scored, device=logp.device)
+    nll_ref = -ref_logp.gather(-1, targets[:, None])[:, 0][mask]
+    nll = -logp.gather(-1, targets[:, None])[:, 0][mask]
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)[mask]
+    return {
+        "rel_error": sum(per_layer) / len(per_layer),
+        "nll_delta": float((nll - nll_ref).mean()),
+        "kl": float(kl.mean()),
+        "nll_full": float(nll_ref.mean()),
+        "per_layer": per_layer,
+    }
+
+
+def fidelity(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    continuation: Literal["answer", "next"] = "answer",
+    next_tokens: int = DEFAULT_NEXT_TOKENS,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    run_config: Mapping[str, Any] | None = None,
+) -> FidelityResult:
+    """Measure attention-output error and NLL increase of each method × budget against the full cache.
+
+    Args:
+        model: a model with the kvfold attention.
+        tokenizer: its tokenizer.
+        samples: the samples whose contexts (and answers) are used.
+        methods: method specs; ``full`` runs once at budget 1.0 (and measures 0 by construction).
+        budgets: fractions in (0, 1] or token counts.
+        continuation: ``"answer"`` (question + reference answer) or ``"next"`` (held-out document
+            tokens); see the module docstring.
+        next_tokens: held-out tokens in ``"next"`` mode.
+        seed: seed for randomized methods.
+        out_dir: where to write ``fidelity.json``, ``fidelity_samples.jsonl``, ``fidelity.md`` and
+            ``fidelity.png``.
+        progress: show a progress bar.
+        run_config: facts shown in the report (model, dataset, ...).
+
+    Returns:
+        A :class:`FidelityResult`.
+
+    Raises:
+        ValueError: an invalid spec, budget or mode, no samples, or a context too short to split.
+    """
+    from tqdm.auto import tqdm
+
+    if continuation not in ("answer", "next"):
+        raise ValueError(f"continuation must be 'answer' or 'next'; got {continuation!r}")
+    if next_tokens < 2:
+        raise ValueError(f"next_tokens must be ≥ 2; got {next_tokens}")
+    if not samples:
+        raise ValueError("no samples to measure")
+    runs = plan_runs(methods, budgets)
+    built = {spec: build_method(spec) for spec, _ in runs}
+    total = (len(samples) if continuation == "answer" else len({s.context for s in samples})) * len(runs)
+    rows: list[dict[str, Any]] = []
+    with tqdm(total=total, disable=not progress, desc="fidelity", unit="run", dynamic_ncols=True) as bar:
+        for cont in _continuations(model, tokenizer, samples, continuation, next_tokens, list(built.values())):
+            reference = _teacher_forced(model, cont.context.cache.copy(), cont)
+            for spec, budget in runs:
+                bar.set_postfix_str(f"{spec} @ {budget}", refresh=False)
+                compressed = cont.context.compress(built[spec], budget, seed=seed)
+                measured = _compare(reference, _teacher_forced(model, compressed.cache.copy(), cont), cont)
+                rows.append(
+                    {
+                        "sample_id": cont.sample_id,
+                        "task": cont.task,
+                        "method": spec,
+                        "budget": budget.label(),
+                        "kv_ratio": compressed.kv_bytes / compressed.kv_bytes_full,
+                        "continuation_tokens": len(cont.ids),
+                        "scored_tokens": sum(cont.scored),
+                        **measured,
+                    }
+                )
+                bar.update(1)
+    config = dict(run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__})
+    config["continuation"] = continuation
+    result = FidelityResult(
+        records=_aggregate(rows),
+        samples=rows,
+        continuation=continuation,
+        model=str(config.get("model", "")),
+        out_dir=None if out_dir is None else Path(out_dir),
+    )
+    if result.out_dir is not None:
+        from kvfold.evaluate.report import write_fidelity_report
+
+        result.out_dir.mkdir(parents=True, exist_ok=True)
+        (result.out_dir / FIDELITY_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
+        (result.out_dir / "fidelity_samples.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"
+        )
+        write_fidelity_report(result.out_dir, result.records, title_info=config)
+    return result
+
+
+def _aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Means over continuations per (method, budget), per-layer errors averaged layer by layer."""
+    groups: dict[tuple[str, Any], list[Mapping[str, Any]]] = defaultdict(list)
+    for row in rows:
+        groups[(row["method"], row["budget"])].append(row)
+    records = []
+    for (method, budget), group in groups.items():
+        n = len(group)
+        record: dict[str, Any] = {"method": method, "budget": budget}
+        for key in ("rel_error", "nll_delta", "kl", "nll_full", "kv_ratio"):
+            record[key] = sum(r[key] for r in group) / n
+        record["per_layer"] = [sum(layer) / n for layer in zip(*(r["per_layer"] for r in group), strict=True)]
+        record["n"] = n
+        records.append(record)
+    return records

@@ -1,0 +1,187 @@
+"""The eval sweep on a tiny random model: record schema, one prefill per context, scoring, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvfold.evaluate.runner as runner
+from kvfold.evaluate import Sample, evaluate
+from kvfold.evaluate.runner import aggregate, plan_runs, sample_keys
+from kvfold.pipeline import Answer, CompressedContext
+
+CONTEXT_A = "The quick brown fox jumps over the lazy dog. " * 4
+CONTEXT_B = "A journey of a thousand miles begins with one step. " * 3
+
+
+def _samples() -> list[Sample]:
+    """Three questions on one context (two tasks) and one on another."""
+    return [
+        Sample(CONTEXT_A, "\nWhich animal jumps?", ("fox",), "animals", "Answer:", 3, sample_id="a1"),
+        Sample(CONTEXT_A, "\nWhich animal is lazy?", ("dog",), "animals", "Answer:", 3, sample_id="a2"),
+        Sample(CONTEXT_A, "\nWhat colour?", ("brown",), "colours", "Answer:", 3, sample_id="a3"),
+        Sample(CONTEXT_B, "\nHow long?", ("thousand",), "colours", "Answer:", 3, sample_id="b1"),
+    ]
+
+
+@pytest.fixture
+def generate_spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts CompressedContext.generate calls (the expensive part) and keeps the real behaviour."""
+    calls: list[str] = []
+    real = CompressedContext.generate
+
+    def spy(self: CompressedContext, *args, **kwargs):
+        calls.append(self.method.spec)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompressedContext, "generate", spy)
+    return calls
+
+
+def test_records_schema_and_full_once(tiny_lm, tmp_path: Path) -> None:
+    model, tok = tiny_lm
+    result = evaluate(model, tok, _samples(), ["full", "streamingllm"], [0.5, 0.2], out_dir=tmp_path, progress=False)
+    keys = {"method", "budget", "task", "score", "n", "query_aware", "kv_ratio"}
+    assert all(keys <= set(r) for r in result.records)
+    assert all(0.0 <= r["score"] <= 100.0 for r in result.records)
+    runs = {(r["method"], r["budget"]) for r in result.records}
+    assert runs == {("full", 1.0), ("streamingllm", 0.5), ("streamingllm", 0.2)}
+    assert sorted(r["task"] for r in result.records if r["method"] == "full") == ["animals", "average", "colours"]
+    average = next(r for r in result.records if r["method"] == "full" and r["task"] == "average")
+    assert average["n"] == 4 and average["kv_ratio"] == pytest.approx(1.0)
+    small = next(r for r in result.records if r["budget"] == 0.2 and r["task"] == "average")
+    assert 0.15 < small["kv_ratio"] < 0.3
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == json.loads(json.dumps(result.to_json()))
+    lines = (tmp_path / "predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 4 * 3
+    row = json.loads(lines[0])
+    for key in (
+        "sample_id",
+        "task",
+        "method",
+        "budget",
+        "prediction",
+        "answers",
+        "score",
+        "kv_bytes",
+        "kv_bytes_full",
+        "compress_seconds",
+        "query_aware",
+    ):
+        assert key in row
+    assert {p.name for p in tmp_path.iterdir()} >= {"run.json", "report.md", "scores.png", "scores_by_task.png"}
+
+
+def test_each_context_is_prefilled_once(tiny_lm, monkeypatch: pytest.MonkeyPatch, generate_spy) -> None:
+    model, tok = tiny_lm
+    prefills: list[bool] = []
+    real = runner.prefill
+
+    def spy(*args, **kwargs):
+        prefills.append(kwargs["query_aware"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "prefill", spy)
+    evaluate(model, tok, _samples(), ["full", "random"], [0.5, 0.2], progress=False)
+    assert prefills == [False, False]  # two contexts, whatever the methods and budgets
+    assert len(generate_spy) == 4 * 3
+    prefills.clear()
+    result = evaluate(model, tok, _samples()[:3], ["streamingllm"], [0.5], query_aware=True, progress=False)
+    assert prefills == [True] * 3  # query-aware: one prefill per question
+    assert all(r["query_aware"] for r in result.records)
+
+
+def test_scores_come_from_the_sample_metric(tiny_lm, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, tok = tiny_lm
+
+    def oracle(self, question="", **kwargs):
+        text = "a fox" if "jumps" in question else "no idea"
+        return [Answer(text=text, token_ids=[], new_tokens=0, decode_seconds=0.0)]
+
+    monkeypatch.setattr(CompressedContext, "generate", oracle)
+    result = evaluate(model, tok, _samples(), ["full"], [0.5], progress=False)
+    assert result.score("full", task="animals") == pytest.approx(50.0)
+    assert result.score("full", task="colours") == 0.0
+    assert result.score("full") == pytest.approx(25.0)  # macro average of the two tasks
+
+
+def test_resume_does_no_new_work(tiny_lm, tmp_path: Path, generate_spy) -> None:
+    model, tok = tiny_lm
+    first = evaluate(model, tok, _samples(), ["full", "streamingllm"], [0.5], out_dir=tmp_path, progress=False)
+    assert len(generate_spy) == 8
+    predictions = (tmp_path / "predictions.jsonl").read_text()
+    second = evaluate(model, tok, _samples(), ["full", "streamingllm"], [0.5], out_dir=tmp_path, progress=False)
+    assert len(generate_spy) == 8  # nothing generated again
+    assert second.records == first.records
+    assert (tmp_path / "predictions.jsonl").read_text() == predictions
+
+
+def test_resume_finishes_an_interrupted_run(tiny_lm, tmp_path: Path, generate_spy) -> None:
+    model, tok = tiny_lm
+    evaluate(model, tok, _samples(), ["full"], [0.5], out_dir=tmp_path, progress=False)
+    path = tmp_path / "predictions.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:25])  # killed while writing the 4th line
+    generate_spy.clear()
+    result = evaluate(model, tok, _samples(), ["full", "streamingllm"], [0.5], out_dir=tmp_path, progress=False)
+    assert sorted(generate_spy) == ["full"] + ["streamingllm"] * 4
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 8 and len({(r["sample_id"], r["method"]) for r in rows}) == 8
+    assert {r["method"] for r in result.records} == {"full", "streamingllm"}
+
+
+def test_changed_config_is_refused(tiny_lm, tmp_path: Path) -> None:
+    model, tok = tiny_lm
+    config = {"model": "tiny", "dataset": "a.jsonl", "length": 2048, "seed": 0}
+    evaluate(model, tok, _samples()[:1], ["full"], [0.5], out_dir=tmp_path, progress=False, run_config=config)
+    with pytest.raises(ValueError, match=r"another configuration \(seed: 0 → 1\); use a new --out"):
+        evaluate(
+            model,
+            tok,
+            _samples()[:1],
+            ["full"],
+            [0.5],
+            out_dir=tmp_path,
+            progress=False,
+            run_config={**config, "seed": 1},
+        )
+
+
+def test_plan_runs() -> None:
+    assert plan_runs(["full", "streamingllm", "full"], ["0.5", 0.2, 0.5]) == [
+        ("full", plan_runs(["full"], [0.5])[0][1]),
+        *[("streamingllm", b) for _, b in plan_runs(["streamingllm"], [0.5, 0.2])],
+    ]
+    assert [b.label() for _, b in plan_runs(["full"], [0.3])] == [1.0]
+    assert [b.label() for _, b in plan_runs(["random"], ["128"])] == [128]
+    with pytest.raises(ValueError, match="unknown method 'nosuch'"):
+        plan_runs(["nosuch"], [0.5])
+    with pytest.raises(ValueError, match="budget must be"):
+        plan_runs(["streamingllm"], [1.5])
+
+
+def test_sample_keys_are_unique() -> None:
+    s = _samples()[0]
+    other = Sample(s.context, s.question, s.answers, "t")
+    assert sample_keys([s, s, other, other]) == ["a1", "a1#2", "t/2", "t/3"]
+
+
+def test_aggregate_macro_average() -> None:
+    def pred(task: str, score: float) -> dict:
+        return {
+            "method": "m",
+            "budget": 0.5,
+            "query_aware": False,
+            "task": task,
+            "score": score,
+            "kv_bytes": 1,
+            "kv_bytes_full": 4,
+        }
+
+    records = aggregate([pred("a", 100.0), pred("a", 100.0), pred("a", 100.0), pred("b", 0.0)])
+    average = records[-1]
+    assert average["task"] == "average" and average["score"] == 50.0 and average["n"] == 4
+    assert average["kv_ratio"] == 0.25
