@@ -343,12 +343,14 @@ def best_match(
     Returns:
         ``(similarity (B, H, R), index (B, H, R))``; similarity ``-inf`` when nothing is allowed.
     """
-    a, b = _unit(rows), _unit(candidates)
+    a = _unit(rows)
+    b = candidates.to(a.dtype)
+    b_norm = b.norm(dim=-1).clamp_min(torch.finfo(a.dtype).tiny)[:, :, None, :]  # (B, H, 1, C)
     batch, heads, count = rows.shape[:3]
     step = max(1, _SIM_CHUNK // max(1, batch * heads * candidates.shape[2]))
     sims, idx = [], []
     for lo in range(0, count, step):  # chunks of rows bound the memory of the cosine matrix
-        sim = torch.matmul(a[:, :, lo : lo + step], b.transpose(-1, -2))  # (B, H, r, C)
+        sim = torch.matmul(a[:, :, lo : lo + step], b.transpose(-1, -2)) / b_norm  # (B, H, r, C)
         mask = allowed[:, :, None, :]
         if row_rank is not None and candidate_rank is not None:
             mask = mask & (candidate_rank[:, :, None, :] < row_rank[:, :, lo : lo + step, None])
@@ -668,16 +670,16 @@ class KeepKVOnline:
             return
         victim_keys = torch.gather(keys, 2, victims[..., None].expand(-1, -1, -1, keys.shape[-1]))
         sim, targets = best_match(victim_keys, keys, valid & ~leaving)
-        log_score = log_scores_of(log_sum, weight)
         goes = torch.gather(leaving, 2, victims) & (sim > self.folder.threshold)
-        goes = goes & torch.isfinite(torch.gather(log_score, 2, victims))
+        goes = goes & (torch.gather(weight, 2, victims) > 0)  # observed at least once: ŝ is defined
         beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
         if victims.shape[2] == 1:  # a decode step: merge on the (victim, carrier) pair only, O(D)
             idx = torch.cat([victims, targets], dim=2)  # (B, H, 2)
             index = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
             merge = torch.cat([goes, torch.zeros_like(goes)], dim=2)
+            pair_score = log_scores_of(torch.gather(log_sum, 2, idx), torch.gather(weight, 2, idx))
             merged = zip_merge(torch.gather(keys, 2, index), torch.gather(values, 2, index),
-                               torch.gather(beta, 2, idx), torch.gather(log_score, 2, idx),
+                               torch.gather(beta, 2, idx), pair_score,
                                torch.ones_like(idx), merge, self.folder.eps, self.folder.max_scale)  # fmt: skip
             new_weight = torch.gather(weight, 2, idx).amax(-1, keepdim=True).expand_as(idx)
             at, slot = merged.receivers[:, :, 1:], targets
@@ -686,6 +688,7 @@ class KeepKVOnline:
             slots = torch.arange(n, device=keys.device).expand_as(valid).contiguous()
             target_map = slots.scatter(2, victims, torch.where(goes, targets, victims))
             merge = torch.zeros_like(valid).scatter_(2, victims, goes)
+            log_score = log_scores_of(log_sum, weight)
             merged = zip_merge(keys, values, beta, log_score, target_map, merge, self.folder.eps,
                                self.folder.max_scale)  # fmt: skip
             new_weight = _merged_weight(weight, target_map, merge, merged.receivers)
