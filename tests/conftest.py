@@ -69,3 +69,22 @@ def smollm2():
         return load_model("smollm2-135m")
     except ModelLoadError as err:  # pragma: no cover - make install provides it
         pytest.skip(str(err))
+
+
+class CharTokenizer:
+    """A tiny offline tokenizer for tests on random models: one id per character, no chat template."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        ids = [1] if add_special_tokens else []
+        ids += [(ord(c) % 90) + 2 for c in text]
+        return type("Encoding", (), {"input_ids": ids})()
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i + 30) for i in ids)
+
+    def convert_tokens_to_ids(self, token: str):
+        return None

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 import kvfold
 from kvfold.cache import FoldedCache
 from kvfold.pipeline import greedy_decode
+from tests.conftest import CharTokenizer as _CharTokenizer
 from tests.conftest import make_tiny_model
 
 
@@ -126,20 +127,3 @@ def test_bad_budgets_are_clear_errors(budget):
         kvfold.Budget.parse(budget)
 
 
-class _CharTokenizer:
-    """A tiny offline tokenizer (one id per character) for tests on random models."""
-
-    pad_token_id = 0
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [1] if add_special_tokens else []
-        ids += [(ord(c) % 90) + 2 for c in text]
-        return type("Encoding", (), {"input_ids": ids})()
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i + 30) for i in ids)
-
-    def convert_tokens_to_ids(self, token: str):
-        return None

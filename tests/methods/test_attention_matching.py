@@ -20,7 +20,7 @@ from kvfold.methods.am_queries import QueryOptions, extract_reference_queries, r
 from kvfold.methods.am_schedule import HeadSchedule, _interp, build_head_schedule, config_hash, greedy_swap
 from kvfold.methods.am_solve import FitConfig, _fit_group, box_nnls, fit_problems, omp_keys
 from kvfold.methods.attention_matching import compact_layers
-from tests.conftest import make_tiny_model
+from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64
 TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps "
@@ -31,25 +31,6 @@ VARIANTS = [
     "am_omp_fast[selfstudy_tokens=3]",
     "streamingllm[online=false]+am_fit",
 ]
-
-
-class CharTokenizer:
-    """One id per character (offline, no chat template), enough for the pipeline."""
-
-    pad_token_id = 0
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [1] if add_special_tokens else []
-        ids += [(ord(c) % 90) + 2 for c in text]
-        return type("Encoding", (), {"input_ids": ids})()
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i + 30) for i in ids)
-
-    def convert_tokens_to_ids(self, token: str):
-        return None
 
 
 @pytest.fixture(autouse=True)

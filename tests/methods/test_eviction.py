@@ -20,28 +20,9 @@ from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods import CompressionContext, SpecError, build_method
 from kvfold.methods.budgets import pyramid_layer_budgets
 from kvfold.methods.eviction import H2OPrefillObserver, RepeatPrompt, unrotate
-from tests.conftest import FAMILIES, make_tiny_model
+from tests.conftest import FAMILIES, CharTokenizer, make_tiny_model
 
 F64 = torch.float64
-
-
-class CharTokenizer:
-    """One id per character (offline, no chat template), enough for the pipeline."""
-
-    pad_token_id = 0
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [1] if add_special_tokens else []
-        ids += [(ord(c) % 90) + 2 for c in text]
-        return type("Encoding", (), {"input_ids": ids})()
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i + 30) for i in ids)
-
-    def convert_tokens_to_ids(self, token: str):
-        return None
 
 
 # ---------------------------------------------------------------------------- fixtures and helpers

@@ -21,29 +21,10 @@ from kvfold.methods.d2o import (
     variance_layer_budgets,
 )
 from kvfold.methods.kvmerger import gaussian_merge, layer_joins, merging_sets
-from tests.conftest import FAMILIES, make_tiny_model
+from tests.conftest import FAMILIES, CharTokenizer, make_tiny_model
 
 F64 = torch.float64
 SPECS = ["cam", "snapkv+cam", "d2o", "snapkv+d2o_merge", "kvmerger"]
-
-
-class CharTokenizer:
-    """One id per character (offline, no chat template)."""
-
-    pad_token_id = 0
-    eos_token_id = None
-    chat_template = None
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [1] if add_special_tokens else []
-        ids += [(ord(c) % 90) + 2 for c in text]
-        return type("Encoding", (), {"input_ids": ids})()
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i + 30) for i in ids)
-
-    def convert_tokens_to_ids(self, token: str):
-        return None
 
 
 def model64(family: str = "llama", **overrides) -> torch.nn.Module:
