@@ -77,7 +77,8 @@ def test_merge_maps_record_every_method_and_write_the_files(tmp_path: Path):
         shares[token] = shares.get(token, 0.0) + share
     assert all(s == pytest.approx(1.0) for s in shares.values())  # v_e spread in full over its merge set
     assert "| `snapkv[window=8]+cam[window=8]` |" in (tmp_path / "mergemap.md").read_text()
-    silent = merge_maps(prefilled, ["full"], 0.3)  # a method that records nothing is marked, not dropped
+    silent = merge_maps(prefilled, ["full"], 0.3, out_dir=tmp_path / "silent")  # marked, not dropped
+    assert "records no merge map" in (tmp_path / "silent" / "mergemap.md").read_text()
     assert not silent.records[0]["recorded"] and silent.plot["maps"]["full"] == "unrecorded"
 
 

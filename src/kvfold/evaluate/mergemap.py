@@ -509,6 +509,9 @@ def mergemap_markdown(records: Sequence[Mapping[str, Any]], plot: Mapping[str, A
     ]
     for r in records:
         s = r["summary"]
+        if not r.get("recorded", True):
+            lines.append(f"| `{r['method']}` | {r['kv_ratio']:.3f} | records no merge map" + " | –" * 13 + " |")
+            continue
         boundary = (
             "–" if s.get("boundary_share") is None else (f"{s['boundary_share']:.2f} ({s['boundary_fraction']:.2f})")
         )

@@ -493,7 +493,7 @@ class _LayerState:
     """Per-slot bookkeeping of one layer, aligned with its dense buffers (capacity ≥ slots)."""
 
     score: Tensor  # (B, H, cap) s, eq. 5
-    position: Tensor  # (B, H, cap) long; RESIDUAL for residual slots
+    position: Tensor  # (B, H, cap) long token positions; RESIDUAL for residual, emptied and padding slots
     slot_id: Tensor  # (B, H, cap) long: the residual slot an entry is, or −1
     res_k: Tensor  # (B, H, S, D) residual means in the accumulation dtype
     res_v: Tensor
@@ -550,6 +550,16 @@ class ZSMergeOnline:
         self.limit = int(self.budgets.max())
         self.steps = 0
         self._state: dict[int, _LayerState] = {}
+        self._split_cache: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def _split_on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """``B_p``, ``B_c``, ``B_r`` as ``(B, 1)`` tensors on ``device`` (made once)."""
+        found = self._split_cache.get(device)
+        if found is None:
+            split = self.split
+            found = tuple(t.to(device)[:, None] for t in (split.proximity, split.context, split.residual))
+            self._split_cache[device] = found
+        return found
 
     # ------------------------------------------------------------------ entry point
     def after_forward(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
@@ -578,7 +588,7 @@ class ZSMergeOnline:
         for i in range(q_len):  # Algorithm 1, one step per new token
             if probs is not None:  # lines 4–5: s ← λ·s + a (eq. 5), a GQA-pooled
                 a = pool_gqa(probs[:, :, i].to(state.score.dtype), h, "mean")
-                state.score[:, :, :n] = self.decay * state.score[:, :, :n] + a
+                state.score[:, :, :n].mul_(self.decay).add_(a)
             self._arrive(layer, state, start + i)
         self._compact(layer, state)
         if layer_idx == min(self.layers):
@@ -673,14 +683,14 @@ class ZSMergeOnline:
         n = keys.shape[2]
         score, position, slot_id = (t[:, :, :n] for t in state.per_slot())
         dev = keys.device
-        b_p, b_c, b_r = (t.to(dev)[:, None] for t in (self.split.proximity, self.split.context, self.split.residual))
-        valid = torch.isfinite(log_mass)
-        plain = valid & (slot_id < 0) & (position <= now)
-        context = plain & (position <= now - b_p[..., None])  # outside the B_p newest: lines 7–9
+        b_p, b_c, b_r = self._split_on(dev)
+        # Plain tokens are the slots with a position ≥ 0 (residual, emptied and padding slots hold
+        # RESIDUAL); the context set is the plain tokens outside the B_p newest: lines 7–9.
+        context = (position >= 0) & (position <= now - b_p[..., None])
         evict = context.sum(-1) > b_c  # line 10
         if not bool(evict.any()):
             return
-        masked = torch.where(context, score, torch.full_like(score, float("inf")))
+        masked = torch.where(context, score, float("inf"))
         lowest = masked.amin(-1, keepdim=True)
         victim = torch.where(context & (masked == lowest), position, -1).argmax(-1, keepdim=True)  # line 11
         slots = state.res_k.shape[-2]
@@ -707,7 +717,6 @@ class ZSMergeOnline:
             slot_id.scatter_(
                 2, victim, torch.where(opens[..., None], fill_before[..., None], slot_id.gather(2, victim))
             )
-            position.scatter_(2, victim, torch.where(opens[..., None], RESIDUAL, position.gather(2, victim)))
             freed = evict & ~opens
             # line 15: write the merged slot back into the cache, β = α·log w (eq. 8)
             where = (slot_id == target[..., None]).to(torch.uint8).argmax(-1, keepdim=True)
@@ -723,7 +732,8 @@ class ZSMergeOnline:
             values.scatter_(2, where[..., None].expand_as(v_old), torch.where(m4, v_new.to(values.dtype), v_old))
             beta = (self.alpha * torch.log(w_new)).to(log_mass.dtype)
             log_mass.scatter_(2, where, torch.where(m, beta, log_mass.gather(2, where)))
-        # the merged (or, with B_r = 0, evicted) token's slot is emptied
+        # the victim leaves the plain tokens: it is a residual slot now, or its slot is emptied
+        position.scatter_(2, victim, torch.where(evict[..., None], RESIDUAL, position.gather(2, victim)))
         log_mass.scatter_(2, victim, torch.where(freed[..., None], NEG_INF, log_mass.gather(2, victim)))
 
     def _compact(self, layer: FoldedLayer, state: _LayerState) -> None:
