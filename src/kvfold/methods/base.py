@@ -280,7 +280,9 @@ class Folder(Method):
     def default_selector(cls) -> str | None:
         """The selector spec a bare use of this folder's name implies (``grkv`` = ``snapkv+grkv``).
 
-        None means the folder cannot be used alone.
+        None means the folder cannot be used alone. A standalone's name means that bare use is
+        the standalone instead, given the bare options (``kvmerger[sigma=1]`` =
+        ``kvmerger_sets[sigma=1]``), for a folder whose paper method is not selector + folder.
         """
         return None
 
@@ -484,7 +486,8 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
 
 
 def _expand_bare_folder(parsed: ParsedSpec) -> ParsedSpec:
-    """A folder named alone (``grkv[lam=0.1]``) runs on its default selector (``snapkv+grkv[lam=0.1]``)."""
+    """A folder named alone (``grkv[lam=0.1]``) runs on its default selector (``snapkv+grkv[lam=0.1]``),
+    or is the standalone its ``default_selector`` names (``kvmerger`` = ``kvmerger_sets``)."""
     cls = REGISTRY.get(parsed.selector.name)
     if cls is None or cls.role != "folder" or parsed.folder is not None:
         return parsed
@@ -493,6 +496,20 @@ def _expand_bare_folder(parsed: ParsedSpec) -> ParsedSpec:
         name = parsed.selector.name
         raise SpecError(f"{name!r} is a folder: use it after a selector, e.g. snapkv+{name}")
     base = parse_spec(default)
+    target = REGISTRY.get(base.selector.name)
+    if target is not None and target.role == "standalone" and not base.wrappers and base.folder is None:
+        name = parsed.selector.name
+        unknown = sorted(set(parsed.selector.options) - set(target.option_names()))
+        if unknown:
+            raise SpecError(
+                f"{name!r} alone is the standalone {target.name!r}, which has no option(s) {', '.join(unknown)} "
+                f"(valid: {', '.join(target.option_names())}); the folder's options apply after a selector, "
+                f"e.g. snapkv+{name}[...]"
+            )
+        options = {**base.selector.options, **parsed.selector.options}  # kvmerger → kvmerger_sets
+        return ParsedSpec(
+            wrappers=parsed.wrappers, selector=Component(base.selector.name, options), folder=None, text=parsed.text
+        )
     return ParsedSpec(
         wrappers=parsed.wrappers + base.wrappers, selector=base.selector, folder=parsed.selector, text=parsed.text
     )
