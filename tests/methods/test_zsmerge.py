@@ -236,8 +236,20 @@ def test_figure2_setting_step_by_step():
 # ---------------------------------------------------------------------------- online == Algorithm 1
 
 
-def _drive(policy: ZSMergeOnline, steps: list[int], batch: int, heads_q: int, heads: int, dim: int, seed: int):
+def _drive(
+    policy: ZSMergeOnline,
+    steps: list[int],
+    batch: int,
+    heads_q: int,
+    heads: int,
+    dim: int,
+    seed: int,
+    levels: int | None = None,
+):
     """Feed tokens (``steps`` = tokens per forward) with random attention to a one-layer cache.
+
+    ``levels``: attention values on a grid of that many quarter steps (exact in float64, so
+    scores tie and the tie rule of Algorithm 1 matters).
 
     Returns the layer, the attention table ``a[token_step][b, hq, token]`` and every key and value.
     """
@@ -246,6 +258,8 @@ def _drive(policy: ZSMergeOnline, steps: list[int], batch: int, heads_q: int, he
     keys = torch.randn(batch, heads, total, dim, generator=g, dtype=F64)
     values = torch.randn(batch, heads, total, dim, generator=g, dtype=F64)
     table = torch.rand(total, batch, heads_q, total, generator=g, dtype=F64)
+    if levels is not None:
+        table = torch.randint(0, levels, table.shape, generator=g).to(F64) / 4
     _, layer = _one_layer()
     seen = 0
 
@@ -271,16 +285,24 @@ def _drive(policy: ZSMergeOnline, steps: list[int], batch: int, heads_q: int, he
     return layer, table, keys, values, run
 
 
-def test_online_equals_sequential_algorithm1():
-    """Decode steps and a 4-token chunk, GQA (2 query heads per KV head), two batch rows with
-    different budgets: the policy's slots == Algorithm 1 run token by token with the same attention."""
+@pytest.mark.parametrize(
+    "steps,decay,levels",
+    [
+        ([1] * 20 + [4] + [1] * 12, 0.9, None),
+        # chunks: the vectorized path, over several score blocks (STEP_BLOCK = 64), then decode steps
+        ([1] * 6 + [70] + [3] + [1] * 4 + [9] + [1] * 3, 0.9, None),
+        ([1, 30] + [1] * 3 + [70] + [5] + [1] * 2, 0.0, 2),  # s = a ∈ {0, 1/8, 1/4}: ties, the newest goes
+    ],
+)
+def test_online_equals_sequential_algorithm1(steps, decay, levels):
+    """Decode steps and chunks, GQA (2 query heads per KV head), two batch rows with different
+    budgets: the policy's slots == Algorithm 1 run token by token with the same attention."""
     budgets = torch.tensor([12, 9])
     split = split_budget(budgets, 0.4, 3)
-    policy = ZSMergeOnline(budgets, split, {0: None}, alpha=0.6, decay=0.9)
-    steps = [1] * 20 + [4] + [1] * 12
-    layer, table, keys, values, run = _drive(policy, steps, batch=2, heads_q=4, heads=2, dim=5, seed=11)
+    policy = ZSMergeOnline(budgets, split, {0: None}, alpha=0.6, decay=decay)
+    layer, table, keys, values, run = _drive(policy, steps, batch=2, heads_q=4, heads=2, dim=5, seed=11, levels=levels)
     refs = {
-        (b, h): Algorithm1(int(split.proximity[b]), int(split.context[b]), int(split.residual[b]), decay=0.9)
+        (b, h): Algorithm1(int(split.proximity[b]), int(split.context[b]), int(split.residual[b]), decay=decay)
         for b in range(2)
         for h in range(2)
     }

@@ -336,10 +336,13 @@ class H2OOnline(OnlineEviction):
         sinks = _first_valid(torch.isfinite(log_mass[:, :, :count]), self.sinks)
         return stats.float().masked_fill(sinks, PROTECTED)
 
+    def export_scores(self, layer_idx: int, layer: FoldedLayer, scores: Tensor) -> None:
+        layer.entry_stats[H2OPrefillObserver.key] = scores  # the accumulated attention (sinks: +inf)
+
     def new_scores(self, layer_idx, layer, state, q_len, probs) -> Tensor:
         if probs is None:
             return state.new_zeros(state.shape[0], state.shape[1], q_len)
-        acc = h2o_update(state, probs, gqa_reduce="sum")  # Σ_steps attention, (B, H, N)
+        acc = h2o_update(state, probs, gqa_reduce="sum")  # Σ over every query seen of its attention
         old = state.shape[-1]
         state.copy_(acc[..., :old].to(state.dtype))
         return acc[..., old:]
@@ -354,7 +357,10 @@ class H2O(Selector):
     :class:`H2OPrefillObserver`, or by an extra forward pass when the prefill ran without it).
     The budget is split between heavy hitters and the most recent tokens, half and half as in
     the paper's experiments. Online (default): during decoding the scores keep accumulating and
-    the cache never exceeds the budget.
+    the cache never exceeds the budget. Chunked prefill runs the online policy over the chunks
+    after the first (:mod:`kvfold.chunked`): an entry's score is the attention it received from
+    every query seen, chunk after chunk, on the evolving cache (the H₂ policy of Algorithm 1,
+    ``chunk`` queries per step).
 
     Parameters:
         recent_ratio: share of the budget kept for the most recent tokens (0.5: the paper's
@@ -368,6 +374,8 @@ class H2O(Selector):
     paper: ClassVar[str] = (
         "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
     )
+    supports_chunked_prefill: ClassVar[bool] = True
+    chunked_prefill_online: ClassVar[bool] = True  # the scores need every chunk's attention
     recent_ratio: float = 0.5
     sinks: int = 0
     online: bool = True

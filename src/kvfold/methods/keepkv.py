@@ -51,7 +51,10 @@ left out is merged into its most similar carrier if the cosine is ``> T``, else 
 **Online** (decoding): on top of the selector's online policy (``h2o``, ``h2o_cosine``,
 ``streamingllm``, ``tova``, ``knorm``): each step updates ``ŝ`` with the step's attention and,
 before the policy removes its victim, ZIP-merges it into its most similar remaining entry, in
-place in the dense buffers (work ∝ budget).
+place in the dense buffers (work ∝ budget). **Chunked prefill** (:mod:`kvfold.chunked`) runs the
+same online half over the chunks after the first: each chunk's attention updates ``ŝ`` (its
+queries in order, eq. 8) and the chunk's victims are merged at once (eq. 25) into the entries
+that remain; a selector without an online mode (``snapkv``) cannot be chunked with KeepKV.
 
 **Votes** are conserved: ``Σ p`` over the cache plus the votes of evicted (below-threshold)
 entries equals the number of tokens seen (``votes_dropped`` in the reports).
@@ -73,7 +76,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedLayer
+from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.base import CompressionContext, Folder, register
 from kvfold.methods.budgets import cosine_layer_budgets
 from kvfold.methods.eviction import H2O, H2OOnline, attention_modules
@@ -443,6 +446,8 @@ class KeepKV(Folder):
     name: ClassVar[str] = "keepkv"
     description: ClassVar[str] = "merge evicted entries into the most similar kept one, output-preserving, votes"
     paper: ClassVar[str] = PAPER
+    supports_chunked_prefill: ClassVar[bool] = True
+    chunked_prefill_online: ClassVar[bool] = True  # merges the online selector's victims chunk after chunk
     threshold: float = 0.8
     window: int = 32
     alpha: float = 0.9
@@ -576,10 +581,10 @@ def _scalings(ctx: CompressionContext) -> dict[int, float]:
     cached = ctx.memo.get("keepkv_scalings")
     if cached is None:
         modules = attention_modules(ctx.model)
-        cached = {
-            i: float(getattr(modules[i], "scaling", layer.head_dim**-0.5)) if i in modules else layer.head_dim**-0.5
-            for i, layer in ctx.cache.folded_layers
-        }
+        cached = {}
+        for i, layer in ctx.cache.folded_layers:  # the module's scale, else 1/√D (only then read from the layer)
+            scaling = getattr(modules.get(i), "scaling", None)
+            cached[i] = float(scaling) if scaling is not None else layer.head_dim**-0.5
         ctx.memo["keepkv_scalings"] = cached
     return cached
 
@@ -658,6 +663,16 @@ class KeepKVOnline:
         weight[:, :, :n] = new_weight
         return [log_sum, weight]
 
+    def export_state(self, layer_idx: int, layer: FoldedLayer) -> None:
+        """Write the EMA state of a layer's slots where :meth:`_initial` of a fresh policy reads it."""
+        log_sum = self._log_sum.get(layer_idx)
+        if log_sum is None:
+            return
+        n = layer.physical_length
+        weight = self._weight[layer_idx][:, :, :n]
+        layer.entry_stats[STAT_LOG_SCORE] = log_scores_of(log_sum[:, :, :n], weight).float()
+        layer.entry_stats[STAT_WEIGHT] = weight.float()
+
     def fold(self, layer_idx: int, layer: FoldedLayer, victims: Tensor) -> None:
         """ZIP-merge the ``victims`` ``(B, H, E)`` (slots about to be removed) into carriers, in place."""
         keys, values, log_mass = layer.dense_buffers()
@@ -734,6 +749,11 @@ class LayerPolicies:
         policy = self.policies.get(layer_idx)
         if policy is not None:
             policy.after_forward(layer_idx, layer, query, probs)
+
+    def export_state(self, cache: FoldedCache) -> None:
+        """Every layer's policy writes its state into the cache (see :meth:`OnlineEviction.export_state`)."""
+        for policy in self.policies.values():
+            policy.export_state(cache)
 
 
 # ---------------------------------------------------------------------------- the default selector

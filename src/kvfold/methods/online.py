@@ -13,9 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.cache import FoldedLayer
+from kvfold.cache import FoldedCache, FoldedLayer
 
 PROTECTED = float("inf")
+POSITION_STAT = "online.position"
+"""``layer.entry_stats`` key of the slots' token positions as a policy tracks them, written by
+:meth:`OnlineEviction.export_state` (slots are no longer in position order once a single step has
+moved the newest entry into a victim's slot)."""
 
 
 class OnlineEviction:
@@ -24,15 +28,18 @@ class OnlineEviction:
     Args:
         limits: the number of entries per row each layer may hold, by layer index.
         needs_attention: whether the attention must hand over its probabilities each step.
-        recent: the newest tokens that are never evicted (0 = none). Entries present before the
-            policy's first step are assumed to be in ascending position order (as one-shot
-            compression leaves them) and to end at the newest token seen.
+        recent: the newest tokens that are never evicted (0 = none). The positions of the entries
+            present before the policy's first step come from an earlier policy's
+            :meth:`export_state` when the cache has them; otherwise they are assumed to be in
+            ascending position order (as one-shot compression leaves them) and to end at the
+            newest token seen.
 
     Attributes:
         folder: an optional online folder (KeepKV) that merges victims instead of dropping them:
             ``folder.observe(layer_idx, layer, query, probs)`` returns slot-aligned state tensors
-            ``(B, H, capacity)`` that move with the slots, and ``folder.fold(layer_idx, layer, victims)``
-            runs on the victims' slots ``(B, H, E)`` just before they are removed.
+            ``(B, H, capacity)`` that move with the slots, ``folder.fold(layer_idx, layer, victims)``
+            runs on the victims' slots ``(B, H, E)`` just before they are removed, and
+            ``folder.export_state(layer_idx, layer)`` writes its state into ``layer.entry_stats``.
     """
 
     needs_attention: bool = False
@@ -52,6 +59,10 @@ class OnlineEviction:
     def initial_scores(self, layer_idx: int, layer: FoldedLayer, count: int) -> torch.Tensor:
         """Scores ``(B, H, count)`` of the entries present before the policy's first step."""
         raise NotImplementedError
+
+    def export_scores(self, layer_idx: int, layer: FoldedLayer, scores: torch.Tensor) -> None:
+        """Write the slots' scores ``(B, H, N)`` where :meth:`initial_scores` of a fresh policy reads
+        them (nothing by default: scores derived from the cache itself need no copy)."""
 
     def new_scores(
         self,
@@ -88,6 +99,25 @@ class OnlineEviction:
         if layer_idx == 0:
             self.steps += 1
 
+    def export_state(self, cache: FoldedCache) -> None:
+        """Write this policy's per-slot state into ``layer.entry_stats`` (scores, token positions and
+        the folder's state), so that a fresh policy of the same method continues from it, as it
+        continues from a one-shot compression (e.g. after a chunked prefill, for every answer).
+
+        Args:
+            cache: the :class:`~kvfold.cache.FoldedCache` this policy ran on.
+        """
+        for layer_idx, layer in cache.folded_layers:
+            state = self._state.get(layer_idx)
+            if state is None:
+                continue  # never stepped on this layer: its statistics are still those it started from
+            n = layer.physical_length
+            self.export_scores(layer_idx, layer, state[:, :, :n].clone())
+            if self.recent:
+                layer.entry_stats[POSITION_STAT] = self._positions[layer_idx][:, :, :n].clone()
+            if self.folder is not None:
+                self.folder.export_state(layer_idx, layer)
+
     def _state_for(self, layer_idx: int, layer: FoldedLayer, old: int) -> torch.Tensor:
         state = self._state.get(layer_idx)
         n = layer.physical_length
@@ -110,7 +140,10 @@ class OnlineEviction:
         newest = layer.logical_length  # one past the newest token
         if positions is None:
             positions = torch.zeros(layer.batch_size, layer.num_heads, capacity, dtype=torch.long, device=layer.device)
-            if old:
+            exported = layer.entry_stats.get(POSITION_STAT)
+            if old and exported is not None and exported.shape == (layer.batch_size, layer.num_heads, old):
+                positions[:, :, :old] = exported  # from an earlier policy's export_state
+            elif old:
                 # earlier entries: ascending order, the last valid one is the token before the new ones
                 _, _, log_mass = layer.dense_buffers()
                 valid = torch.isfinite(log_mass[:, :, :old]).long()

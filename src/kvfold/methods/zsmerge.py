@@ -38,6 +38,11 @@ Two moments, one algorithm:
   token, one merge per token, and the cache never holds more than the budget. Residual slots are
   kept in float32 (float64 for float64 models) beside the cache, so a bf16 cache does not round
   away merges into a slot that already holds hundreds of tokens.
+* **chunked prefill** (:mod:`kvfold.chunked`): the first chunk is a prompt brought to budget by
+  the online policy (:meth:`ZSMergeOnline.adopt`: window scores, Algorithm 1 over it); every later
+  token goes through Algorithm 1 with the scores of eq. 5 updated by its own query's attention
+  (one masked minimum per token, the rest vectorized over the chunk), so the residual slots and
+  their counts carry over from chunk to chunk.
 
 ``residual=0`` is pure eviction with the same scores (``B_c`` takes the residual's share, as in
 §3.2: "this configuration subsumes eviction-based methods when B_r = 0"); ``alpha=0`` keeps the
@@ -59,7 +64,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.cache import NEG_INF, FoldedLayer
+from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.base import CompressionContext, Standalone, register
 from kvfold.methods.scoring import pool_gqa, pool_tokens, topk_keep, window_attention
 from kvfold.methods.spec import SpecError
@@ -85,6 +90,8 @@ POSITION = "zsmerge.position"
 contribution score s (float32), merge count w (1 for plain tokens) and token position
 (:data:`RESIDUAL` for residual slots)."""
 RESIDUAL = -1
+STEP_BLOCK = 64
+"""Steps of a multi-token forward whose scores (eq. 5) are computed at once (bounds their memory)."""
 STACK_ELEMENTS = 1 << 27
 """At most this many key elements are stacked into one stream (layers are grouped below it)."""
 
@@ -590,12 +597,13 @@ class ZSMergeOnline:
         state.score[:, :, old:n] = 0.0
         state.position[:, :, old:n] = torch.arange(start, start + q_len, device=dev)
         state.slot_id[:, :, old:n] = -1
-        h = layer.num_heads
-        for i in range(q_len):  # Algorithm 1, one step per new token
+        if q_len == 1:  # a decode step: Algorithm 1 for one token
             if probs is not None:  # lines 4–5: s ← λ·s + a (eq. 5), a GQA-pooled
-                a = pool_gqa(probs[:, :, i].to(state.score.dtype), h, "mean")
+                a = pool_gqa(probs[:, :, 0].to(state.score.dtype), layer.num_heads, "mean")
                 state.score[:, :, :n].mul_(self.decay).add_(a)
-            self._arrive(layer, state, start + i)
+            self._arrive(layer, state, start)
+        else:  # several tokens (a chunk): the same steps, vectorized where they allow it
+            self._arrive_many(layer, state, probs, start, q_len)
         self._compact(layer, state)
         if layer_idx == min(self.layers):
             self.steps += 1
@@ -625,6 +633,22 @@ class ZSMergeOnline:
             "residual_values": state.res_v.clone(),
             "residual_counts": state.res_w.clone(),
         }
+
+    def export_state(self, cache: FoldedCache) -> None:
+        """Write each layer's state as the one-shot compression writes it (``SCORE``, ``COUNT``,
+        ``POSITION`` in ``layer.entry_stats``), so that a fresh policy continues from it: the
+        residual slots keep their merge counts (their means are the cache's keys and values)."""
+        for layer_idx, layer in cache.folded_layers:
+            if layer_idx not in self._state:
+                continue
+            view = self.slots(layer_idx, layer)
+            plain = view["valid"] & (view["position"] >= 0)
+            layer.entry_stats = {
+                **layer.entry_stats,
+                SCORE: torch.where(plain, view["score"], 0.0),
+                COUNT: view["count"],
+                POSITION: view["position"],
+            }
 
     # ------------------------------------------------------------------ state
     def _has_statistics(self, layer: FoldedLayer, count: int) -> bool:
@@ -666,20 +690,49 @@ class ZSMergeOnline:
     def _bring_to_budget(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
         """A layer without zsmerge statistics (e.g. a prefill run under the policy): score it and
         fold it to budget with :func:`residual_stream`, then continue online from there."""
-        keys, _, log_mass, _ = layer.padded()
-        valid = torch.isfinite(log_mass)
-        beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
         if probs is None:  # a fresh prefill: the window of its last queries (App. B)
-            width = min(self.window, query.shape[2])
-            scaling = self.layers[layer_idx] or layer.head_dim**-0.5
-            scores = prefill_scores(query[:, :, -width:], keys, scaling, self.decay, self.kernel, beta, valid)
+            scores = self._window_scores(layer_idx, layer, query)
         else:
+            keys, _, log_mass, _ = layer.padded()
+            valid = torch.isfinite(log_mass)
             empty = torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=keys.device)
             scores = decayed_scores(empty, probs, self.decay).masked_fill(~valid, float("-inf"))
         offset = layer.logical_length - layer.physical_length
         _fold_layers([layer], [scores], self.split, self.alpha, self.mode, [offset])
         if layer.paged is None:
             self._state[layer_idx] = self._init_state(layer, layer.physical_length)
+
+    def adopt(self, cache: FoldedCache) -> None:
+        """Take over a freshly prefilled cache: bring every layer this policy has not seen to budget
+        as :meth:`after_forward` does for a prefill run under the policy (scores from the window of
+        the captured prefill queries, Algorithm 1 over the prompt), all layers in one stream.
+        A chunked prefill calls it after its first chunk (:mod:`kvfold.chunked`).
+
+        Raises:
+            ValueError: a layer holds merged entries already, or the prefill kept no queries.
+        """
+        layers = [(i, layer) for i, layer in cache.folded_layers if i in self.layers and i not in self._state]
+        scores = []
+        for layer_idx, layer in layers:
+            if layer.captured_queries is None:
+                raise ValueError(
+                    "zsmerge scores a prefill with its last queries, but this cache kept none "
+                    "(set cache.capture_window before the forward pass)"
+                )
+            scores.append(self._window_scores(layer_idx, layer, layer.captured_queries))
+        offsets = [layer.logical_length - layer.physical_length for _, layer in layers]
+        _fold_layers([layer for _, layer in layers], scores, self.split, self.alpha, self.mode, offsets)
+        for layer_idx, layer in layers:
+            self._state[layer_idx] = self._init_state(layer, layer.physical_length)
+
+    def _window_scores(self, layer_idx: int, layer: FoldedLayer, queries: Tensor) -> Tensor:
+        """Prefill scores (eq. 5 over the last ``window`` queries, App. B) of a plain layer."""
+        keys, _, log_mass, _ = layer.padded()
+        valid = torch.isfinite(log_mass)
+        beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
+        width = min(self.window, queries.shape[2], keys.shape[2])
+        scaling = self.layers[layer_idx] or layer.head_dim**-0.5
+        return prefill_scores(queries[:, :, -width:], keys, scaling, self.decay, self.kernel, beta, valid)
 
     # ------------------------------------------------------------------ Algorithm 1, lines 6–15
     def _arrive(self, layer: FoldedLayer, state: _LayerState, now: int) -> None:
@@ -742,6 +795,118 @@ class ZSMergeOnline:
         position.scatter_(2, victim, torch.where(evict[..., None], RESIDUAL, position.gather(2, victim)))
         log_mass.scatter_(2, victim, torch.where(freed[..., None], NEG_INF, log_mass.gather(2, victim)))
 
+    def _arrive_many(
+        self, layer: FoldedLayer, state: _LayerState, probs: Tensor | None, start: int, q_len: int
+    ) -> None:
+        """Algorithm 1 for the ``q_len`` tokens ``start …`` of one forward: the result of one
+        :meth:`_arrive` per token with the scores of eq. 5 updated by each token's query, in three passes.
+
+        1. **Victims** (lines 4–11). The scores of every step come in blocks of
+           :data:`STEP_BLOCK` steps, ``s_{i0+k} = λ^{k+1} s_{i0−1} + Σ_{j≤k} λ^{k−j} a_{i0+j}``, one
+           matrix product per block; when the context set exceeds ``B_c`` is known in closed form
+           (one token joins it per step, one leaves per eviction); each step is then a single
+           masked minimum over the slots, sorted newest first so that ties evict the newest.
+        2. **Merges** (lines 12–15): the victims join the residual slots in eviction order, one
+           step at a time on the small slot tensors (slot sums and counts: eq. 7's incremental
+           mean is their ratio; eq. 6 compares ``k_t`` with the means).
+        3. **Cache edits**, once: victims leave the plain tokens (a new residual slot, or an
+           emptied slot), merged slots get their means and β = α·log w (eq. 8).
+        """
+        keys, values, log_mass = layer.dense_buffers()
+        n, dev, acc = keys.shape[2], keys.device, state.score.dtype
+        b_p, b_c, b_r = (t[..., None] for t in self._split_on(dev))  # (B, 1, 1)
+        position = state.position[:, :, :n]
+        plain = position >= 0
+        # the step at which each plain token joins the context set (lines 7–9): -1 = already in it
+        joins = torch.where(plain, position + b_p - start, q_len).clamp(-1, q_len)
+        joined = torch.zeros(*joins.shape[:2], q_len + 2, dtype=torch.long, device=dev)
+        joined = joined.scatter_add_(-1, joins + 1, torch.ones_like(joins)).cumsum(-1)[..., 1 : q_len + 1]
+        # evictions (line 10): one per step while the set holds more than B_c → X_i = min((|C_i| − B_c)⁺, i + 1)
+        steps = torch.arange(1, q_len + 1, device=dev)
+        evicted_by = torch.minimum((joined - b_c).clamp_min(0), steps)
+        evict = torch.diff(evicted_by, dim=-1, prepend=torch.zeros_like(evicted_by[..., :1])) > 0  # (B, H, q)
+        # 1. victims (line 11), over the slots sorted newest first (argmin's first minimum = the newest)
+        order = torch.argsort(torch.where(plain, position, RESIDUAL - 1), dim=-1, descending=True)
+        joins = joins.gather(-1, order)
+        s = state.score[:, :, :n].gather(-1, order)
+        gone = torch.zeros(*joins.shape[:2], n + 1, dtype=torch.bool, device=dev)  # column n: "no victim"
+        chosen = []  # per block, (B, H, k) columns of the sorted slots
+        for i0 in range(0, q_len, STEP_BLOCK):
+            k = min(q_len, i0 + STEP_BLOCK) - i0
+            if probs is not None:  # eq. 5 over the block: s_k = λ^{k+1} s + Σ_{j≤k} λ^{k−j} a_j
+                a = pool_gqa(probs[:, :, i0 : i0 + k].to(acc), layer.num_heads, "mean")
+                a = a.gather(-1, order[:, :, None, :].expand(-1, -1, k, -1))
+                lag = torch.arange(k, device=dev, dtype=acc)
+                lag = lag[:, None] - lag[None, :]
+                decay = torch.where(lag >= 0, torch.pow(self.decay, lag.clamp_min(0)), 0.0)
+                block = torch.pow(self.decay, torch.arange(1, k + 1, device=dev, dtype=acc))[:, None] * s[:, :, None]
+                block = block + decay @ a
+            else:  # no attention: the scores stay as they are
+                block = s[:, :, None].expand(-1, -1, k, -1)
+            s = block[:, :, -1]
+            member = joins[:, :, None, :] <= torch.arange(i0, i0 + k, device=dev)[:, None]
+            masked = block.masked_fill(~member | gone[:, :, None, :n], float("inf"))
+            # step j's own spare column n + j wins its minimum when it evicts nothing
+            spare = masked.new_full((*masked.shape[:3], k), float("inf"))
+            spare.diagonal(dim1=2, dim2=3).copy_(torch.where(evict[:, :, i0 : i0 + k], float("inf"), float("-inf")))
+            masked = torch.cat([masked, spare], dim=-1)
+            picked = []
+            for j in range(k):
+                victim = masked[:, :, j].argmin(-1)
+                if j + 1 < k:  # the victim leaves the set for the rest of the block
+                    masked[:, :, j + 1 :].scatter_(
+                        -1, victim[:, :, None, None].expand(-1, -1, k - j - 1, 1), float("inf")
+                    )
+                picked.append(victim)
+            chosen.append(torch.stack(picked, dim=-1).clamp(max=n))  # a spare column: n, no victim
+            gone.scatter_(-1, chosen[-1], True)
+        state.score[:, :, :n] = torch.empty_like(s).scatter_(-1, order, s)
+        victims = F.pad(order, (0, 1), value=n).gather(-1, torch.cat(chosen, dim=-1))  # slots, (B, H, q); n: none
+        # 2. merges into the residual slots, in eviction order (lines 12–15: eq. 6, eq. 7)
+        slots = state.res_k.shape[-2]
+        merging = evict & (b_r > 0)
+        fill_before = state.fill[..., None] + merging.long().cumsum(-1) - merging.long()
+        opens = merging & (fill_before < b_r)  # line 13: the victim itself becomes a new slot
+        if slots:  # sums instead of means: each step is one scatter-add per tensor
+            at = victims.clamp(max=n - 1)
+            k_t = keys.gather(2, at[..., None].expand(-1, -1, -1, keys.shape[-1])).to(acc) * merging[..., None]
+            v_t = values.gather(2, at[..., None].expand(-1, -1, -1, values.shape[-1])).to(acc) * merging[..., None]
+            added = merging.to(acc)
+            key_sum = state.res_k * state.res_w[..., None]
+            value_sum = state.res_v * state.res_w[..., None]
+            weight = state.res_w.clone()
+            closed = torch.arange(slots, device=dev) >= fill_before[..., None]  # (B, H, q, S): not opened yet
+            new_slot = fill_before.clamp(max=slots - 1)
+            for i in torch.nonzero(merging.flatten(0, 1).any(0)).flatten().tolist():
+                dots = (key_sum @ k_t[:, :, i, :, None])[..., 0] / weight.clamp_min(1)  # eq. 6: k_r·k_t, k_r the mean
+                nearest = dots.masked_fill(closed[:, :, i], float("-inf")).argmax(-1)  # ties: the first slot
+                target = torch.where(opens[:, :, i], new_slot[:, :, i], nearest)[..., None]  # line 13 or line 15
+                key_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, key_sum.shape[-1]), k_t[:, :, i, None])
+                value_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, value_sum.shape[-1]), v_t[:, :, i, None])
+                weight.scatter_add_(2, target, added[:, :, i, None])  # eq. 7: w_r̂ ← w_r̂ + 1
+            state.res_k = key_sum / weight.clamp_min(1)[..., None]  # eq. 7: the means
+            state.res_v = value_sum / weight.clamp_min(1)[..., None]
+            state.res_w = weight
+            state.fill += opens.sum(-1)
+        # 3. the cache: victims leave the plain tokens; new slots are numbered; emptied slots go
+        # (a spare column n takes the writes of the steps without a victim)
+        padded = F.pad(state.slot_id[:, :, :n], (0, 1), value=-1)
+        padded.scatter_(-1, torch.where(opens, victims, n), fill_before)
+        state.slot_id[:, :, :n] = padded[..., :n]
+        padded = F.pad(position, (0, 1)).scatter_(-1, victims, RESIDUAL)
+        state.position[:, :, :n] = padded[..., :n]
+        padded = F.pad(log_mass, (0, 1)).scatter_(-1, torch.where(evict & ~opens, victims, n), NEG_INF)
+        log_mass.copy_(padded[..., :n])
+        if slots:  # line 15: every residual slot holds its mean, β = α·log w (eq. 8)
+            slot_id = state.slot_id[:, :, :n]
+            is_slot = (slot_id >= 0) & torch.isfinite(log_mass)
+            at = slot_id.clamp_min(0)
+            for buffer, means in ((keys, state.res_k), (values, state.res_v)):
+                mean = means.gather(2, at[..., None].expand(-1, -1, -1, buffer.shape[-1])).to(buffer.dtype)
+                buffer.copy_(torch.where(is_slot[..., None], mean, buffer))
+            beta = (self.alpha * torch.log(state.res_w.gather(2, at))).to(log_mass.dtype)
+            log_mass.copy_(torch.where(is_slot, beta, log_mass))
+
     def _compact(self, layer: FoldedLayer, state: _LayerState) -> None:
         """Drop emptied slots so that the layer holds at most the budget."""
         n = layer.physical_length
@@ -799,6 +964,8 @@ class ZSMerge(Standalone):
     description: ClassVar[str] = (
         "recent + top decayed-attention tokens; evicted ones merged into residual slots, β = α·log w (α=1); online"
     )
+    supports_chunked_prefill: ClassVar[bool] = True
+    chunked_prefill_online: ClassVar[bool] = True  # Algorithm 1 runs on, token by token, over the chunks
     paper: ClassVar[str] = (
         "Liu, Liu and Tang 2025, ZSMerge: Zero-Shot KV Cache Compression for Memory-Efficient Long-Context LLMs"
     )
