@@ -106,21 +106,28 @@ def _causal_probs(
     if query_start < 0 or query_start + width > length:
         raise ValueError(f"{width} queries starting at key position {query_start} do not fit {length} keys")
     dtype = _compute_dtype(queries, keys, log_mass)
-    q = queries.to(dtype).reshape(batch, num_kv_heads, groups, width, dim)
-    k = keys.to(dtype)
-    # logits = q·k · scaling + β   (β = log_mass, the entry's log multiplicity)
-    logits = torch.einsum("bkgwd,bknd->bkgwn", q, k) * scaling
+    # logits = q·k · scaling + β (β = log_mass, the entry's log multiplicity). Built in one buffer
+    # and edited in place: the (B, H_q, W, N) matrix is the cost here, so it is written once by the
+    # matmul, masked only where masking can apply and normalised by one fused softmax.
+    q = (queries.to(dtype) * scaling).reshape(batch, num_kv_heads, groups * width, dim)
+    logits = torch.matmul(q, keys.to(dtype).transpose(-1, -2)).view(batch, num_kv_heads, groups, width, length)
     if log_mass is not None:
-        logits = logits + log_mass.to(dtype)[:, :, None, None, :]
-    key_pos = torch.arange(length, device=keys.device)
-    query_pos = query_start + torch.arange(width, device=keys.device)
-    allowed = (key_pos[None, :] <= query_pos[:, None])[None, None, None]  # (1, 1, 1, W, N)
-    if valid is not None:
+        beta = log_mass.to(dtype)
+        if bool((beta != 0).any()):
+            logits.add_(beta[:, :, None, None, :])
+    # causal: only the keys at the queries' own positions can lie in a query's future
+    future = torch.ones(width, width, dtype=torch.bool, device=keys.device).triu_(1)
+    logits[..., query_start : query_start + width].masked_fill_(future, float("-inf"))
+    padded = valid is not None and not bool(valid.all())
+    if padded:
         valid = valid.to(torch.bool)
-        query_valid = valid[:, :, query_pos]  # (B, H_kv, W)
-        allowed = allowed & valid[:, :, None, None, :] & query_valid[:, :, None, :, None]
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    return _safe_softmax(logits).reshape(batch, num_q_heads, width, length)
+        logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if padded:  # a padding query sees no valid key (NaN row): it gets an all-zero row
+        query_valid = valid[:, :, query_start : query_start + width]  # (B, H_kv, W)
+        probs.masked_fill_(~query_valid[:, :, None, :, None], 0.0)
+        probs.nan_to_num_(0.0)
+    return probs.reshape(batch, num_q_heads, width, length)
 
 
 # ---------------------------------------------------------------------------- attention + pooling
