@@ -95,7 +95,7 @@ def prefill_chunked(
             f"{', '.join(chunked_methods())}"
         )
     batch, length = input_ids.shape
-    check_length(model, length + 1)
+    check_length(model, length)
     parsed = Budget.parse(budget)
     keep = parsed.count(length)
     cache = FoldedCache(model.config)
