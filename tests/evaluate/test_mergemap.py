@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import kvfold
 import kvfold.models
@@ -80,6 +81,28 @@ def test_merge_maps_record_every_method_and_write_the_files(tmp_path: Path):
     silent = merge_maps(prefilled, ["full"], 0.3, out_dir=tmp_path / "silent")  # marked, not dropped
     assert "records no merge map" in (tmp_path / "silent" / "mergemap.md").read_text()
     assert not silent.records[0]["recorded"] and silent.plot["maps"]["full"] == "unrecorded"
+
+
+def test_zsmerge_merge_map_names_slot_founders_as_carriers(tmp_path: Path):
+    """Algorithm 1 (ZSMerge §3.2): the first victim opens a residual slot and later victims join it,
+    so every absorbed token's carrier is a slot founder, and founders + absorbed = Σ w per head."""
+    model = kvfold.enable(make_tiny_model("llama", initializer_range=0.2))
+    tok = CharTokenizer()
+    spec = "zsmerge[residual=0.25]"
+    prefilled = kvfold.prefill(model, tok, [TEXT, TEXT[:90]], use_chat_template=False, methods=[spec])
+    result = merge_maps(prefilled, [spec], 0.3, layer=1, out_dir=tmp_path)
+    record = result.records[0]
+    assert record["recorded"] and record["summary"]["absorbed"] > 0
+    drawn = result.plot["maps"][spec]
+    carriers = {p[0] for p in drawn["pairs"]}
+    absorbed = [p[1] for p in drawn["pairs"]]
+    assert carriers <= set(drawn["retained"]) and not set(absorbed) & set(drawn["retained"])
+    assert len(absorbed) == len(set(absorbed))
+    compressed = prefilled.compress(spec, 0.3)
+    layer = dict(compressed.cache.folded_layers)[1]
+    _, _, log_mass, _ = layer.padded()
+    w = log_mass[0, 0].exp()[torch.isfinite(log_mass[0, 0])]  # α = 1: β = log w, plain tokens w = 1
+    assert len(absorbed) == round(float(w.sum()) - w.numel())  # each join adds one to some slot's w
 
 
 @pytest.fixture

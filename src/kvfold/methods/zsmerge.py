@@ -58,6 +58,7 @@ limit is the uniform mean of the merged values, not the mass compensation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -225,12 +226,19 @@ class Residuals:
             were opened; float32 (float64 for float64 inputs).
         values: ``(R, S, D)`` the same for values.
         counts: ``(R, S)`` merge counts ``w`` (0 for a slot never opened).
+        founders: ``(R, S)`` position of the token that opened each slot (Algorithm 1, line 13: the
+            first victim *is* the slot), −1 for a slot never opened; None in ``pool`` mode.
+        merged: ``(R, E)`` positions of the later victims merged into a slot (−1 = none), and
+        merged_slot: ``(R, E)`` the slot each joined; None in ``pool`` mode. For the merge map.
     """
 
     kept: Tensor
     keys: Tensor
     values: Tensor
     counts: Tensor
+    founders: Tensor | None = None
+    merged: Tensor | None = None
+    merged_slot: Tensor | None = None
 
 
 def _last_valid(valid: Tensor, count: Tensor) -> Tensor:
@@ -298,6 +306,9 @@ def residual_stream(
     slot_ids = torch.arange(slots, device=device)
     flat_keys = keys.reshape(rows * n, dim)
     flat_values = values.reshape(rows * n, values.shape[-1])
+    founders = torch.full((rows, slots), -1, dtype=torch.long, device=device)
+    merged = torch.full((rows, steps), -1, dtype=torch.long, device=device)
+    merged_slot = torch.full((rows, steps), -1, dtype=torch.long, device=device)
     for i in range(steps):
         active = i < stream_len
         pos = order[:, i]
@@ -316,11 +327,24 @@ def residual_stream(
             flat = row_ids * n + victim
             k_t = flat_keys.index_select(0, flat).to(acc)
             v_t = flat_values.index_select(0, flat).to(acc)
-            _merge_into(res_k, res_v, res_w, fill, k_t, v_t, evict & (b_r > 0), b_r, slot_ids)
+            joins = evict & (b_r > 0)
+            opens = joins & (fill < b_r)
+            target = _merge_into(res_k, res_v, res_w, fill, k_t, v_t, joins, b_r, slot_ids)
+            founders[row_ids, target] = torch.where(opens, victim, founders[row_ids, target])
+            merged[:, i] = torch.where(joins & ~opens, victim, -1)
+            merged_slot[:, i] = torch.where(joins & ~opens, target, -1)
     context = torch.zeros(rows, n + 1, dtype=torch.bool, device=device)
     context.scatter_(1, torch.where(member >= 0, member, n), True)  # empty cells land in a dropped column
     context = context[:, :n]
-    return Residuals(kept=proximity | (context & stream), keys=res_k, values=res_v, counts=res_w)
+    return Residuals(
+        kept=proximity | (context & stream),
+        keys=res_k,
+        values=res_v,
+        counts=res_w,
+        founders=founders,
+        merged=merged,
+        merged_slot=merged_slot,
+    )
 
 
 def _merge_into(
@@ -396,11 +420,14 @@ def _fold_layers(
     alpha: float,
     mode: str,
     position_offsets: list[int] | None = None,
+    record: Callable[[int, Tensor, Tensor, Residuals], None] | None = None,
 ) -> None:
     """Run :func:`residual_stream` on plain layers (β ∈ {0, −inf}) and write the results back.
 
     Layers of the same shape are stacked into one stream (up to :data:`STACK_ELEMENTS` key
-    elements), so the stream's loop runs once for all of them.
+    elements), so the stream's loop runs once for all of them. ``record(i, keep, lengths,
+    residuals)`` receives, for layer ``i`` of ``layers``, the prefill slots the layer holds
+    afterwards and the stream's residual bookkeeping (the merge map).
     """
     offsets = position_offsets or [0] * len(layers)
     groups: list[list[int]] = []
@@ -439,26 +466,27 @@ def _fold_layers(
         result = residual_stream(k, v, s, valid, row_split, mode)
         for j, i in enumerate(group):
             part = slice(j * b * h, (j + 1) * b * h)
-            _write_layer(
-                layers[i],
-                contents[j][0],
-                contents[j][1],
-                s[part].view(b, h, -1),
-                Residuals(
-                    *(
-                        t[part].view(b, h, *t.shape[1:])
-                        for t in (result.kept, result.keys, result.values, result.counts)
-                    )
-                ),
-                alpha,
-                offsets[i],
+            fields = (result.kept, result.keys, result.values, result.counts)
+            extra = (result.founders, result.merged, result.merged_slot)
+            row = Residuals(
+                *(t[part].view(b, h, *t.shape[1:]) for t in fields),
+                *(None if t is None else t[part].view(b, h, *t.shape[1:]) for t in extra),
             )
+            keep, lengths = _write_layer(
+                layers[i], contents[j][0], contents[j][1], s[part].view(b, h, -1), row, alpha, offsets[i]
+            )
+            if record is not None:
+                record(i, keep, lengths, row)
 
 
 def _write_layer(
     layer: FoldedLayer, keys: Tensor, values: Tensor, scores: Tensor, res: Residuals, alpha: float, offset: int
-) -> None:
-    """Kept tokens (position order) then residual slots; β = α·log w (eq. 8); statistics for online."""
+) -> tuple[Tensor, Tensor]:
+    """Kept tokens (position order) then residual slots; β = α·log w (eq. 8); statistics for online.
+
+    Returns the prefill slot each new entry comes from ``(B, H, K)`` (a residual slot: the token
+    that opened it, −1 in ``pool`` mode) and the lengths ``(B, H)``.
+    """
     n = keys.shape[2]
     acc = _acc(layer.dtype)
     n_kept = res.kept.sum(-1)  # (B, H)
@@ -486,6 +514,10 @@ def _write_layer(
         COUNT: torch.where(is_kept | is_res, w, 0.0),
         POSITION: torch.where(is_kept, order + offset, RESIDUAL),
     }
+    founders = res.founders if res.founders is not None else torch.full_like(res.counts, -1, dtype=torch.long)
+    founders = F.pad(founders, (0, 1), value=-1)
+    source = torch.where(is_kept, order, torch.where(is_res, founders.gather(2, res_slot), -1))
+    return source, lengths
 
 
 def _attention_scalings(model: torch.nn.Module) -> dict[int, float | None]:
@@ -1010,7 +1042,19 @@ class ZSMerge(Standalone):
         for layer_idx, layer in layers:
             scores.append(self._scores(layer, scalings.get(layer_idx)))
         split = self.split(ctx.row_budgets)
-        _fold_layers([layer for _, layer in layers], scores, split, self.alpha, self.prefill)
+        indices = [layer_idx for layer_idx, _ in layers]
+
+        def record(i: int, keep: Tensor, lengths: Tensor, res: Residuals) -> None:
+            """Merge map: kept slots; each later victim absorbed by the token that opened its slot."""
+            if res.founders is None:  # pool mode: groups have no carrier token
+                return
+            ctx.record_kept(indices[i], keep, lengths)
+            founder = F.pad(res.founders, (0, 1), value=-1)
+            carrier = founder.gather(2, torch.where(res.merged_slot >= 0, res.merged_slot, founder.shape[-1] - 1))
+            ctx.record_merges(indices[i], torch.where(res.merged >= 0, carrier, -1), res.merged)
+
+        recorder = record if ctx.merge_recorder is not None else None
+        _fold_layers([layer for _, layer in layers], scores, split, self.alpha, self.prefill, record=recorder)
 
     def online_policy(self, ctx: CompressionContext) -> ZSMergeOnline | None:
         if not self.online:
