@@ -211,3 +211,17 @@ def test_online_methods_without_a_policy_are_refused(spec):
     model = kvfold.enable(make_tiny_model("llama"))
     with pytest.raises(ValueError, match="online"):
         prefill_chunked(model, None, _ids(), spec, 16, chunk_size=8)
+
+
+def test_chunked_online_prefill_releases_the_chunk_capacity():
+    """After an online method's chunked prefill the cache holds about the budget, not budget + chunk."""
+    model = kvfold.enable(make_tiny_model("llama"))
+    compressed = prefill_chunked(model, None, _ids(), "h2o", 16, chunk_size=24)
+    for _, layer in compressed.cache.folded_layers:
+        assert layer.physical_length <= 16
+        assert layer.nbytes() <= layer.batch_size * layer.num_heads * (16 + 16) * (2 * layer.head_dim * 4 + 4)
+    cache = compressed.cache
+    cache.policy = compressed.policy
+    answer = greedy_decode(model, CharTokenizer(), cache, [5, 6], 4, stop_at_eos=False)
+    assert answer.new_tokens == 4
+    assert all(layer.physical_length <= 16 for _, layer in cache.folded_layers)  # the policy still holds it

@@ -416,6 +416,12 @@ class FoldedLayer(CacheLayerMixin):
             raise ValueError("truncate() applies to the dense layout and cannot grow it")
         self._length = length
 
+    def shrink_to_fit(self, headroom: int = 16) -> None:
+        """Release dense capacity beyond ``length + headroom`` slots (e.g. the last chunk of a chunked
+        prefill that an online policy evicted in place); the paged layout is already compact."""
+        if self.paged is None and self._keys is not None and self._keys.shape[2] > self._length + headroom:
+            self._resize(self._length + headroom)
+
     def set_log_mass(self, log_mass: torch.Tensor) -> None:
         """Overwrite β of the dense layout, ``(B, H, N)`` (−inf marks empty slots)."""
         self._ensure_log_mass()
@@ -592,6 +598,11 @@ class FoldedCache(Cache):
     def folded_layers(self) -> list[tuple[int, FoldedLayer]]:
         """``(index, layer)`` for every layer that kvfold compresses (full-attention layers)."""
         return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, FoldedLayer)]
+
+    def shrink_to_fit(self, headroom: int = 16) -> None:
+        """Release unused dense capacity in every folded layer (see :meth:`FoldedLayer.shrink_to_fit`)."""
+        for _, layer in self.folded_layers:
+            layer.shrink_to_fit(headroom)
 
     def nbytes(self) -> int:
         """Exact bytes held by all layers' tensors (keys, values, log-mass, page tables)."""

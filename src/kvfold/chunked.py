@@ -154,6 +154,7 @@ def prefill_chunked(
     cache.policy = None
     if online:
         policy.export_state(cache)
+    cache.shrink_to_fit()  # an online policy evicts in place: release the last chunk's capacity
     source = PrefilledContext(
         model=model,
         tokenizer=tokenizer,
