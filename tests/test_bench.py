@@ -55,6 +55,28 @@ def test_bench_records_ratios_and_files(tiny_dir, tmp_path):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_resumes_from_finished_records(tiny_dir, tmp_path, monkeypatch):
+    import kvfold.bench as bench_module
+
+    first = bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 3  # full@64, full@16, streamingllm
+
+    spawned = []
+    real_spawn = bench_module._spawn
+    monkeypatch.setattr(bench_module, "_spawn", lambda config: spawned.append(config) or real_spawn(config))
+    again = bench(
+        str(tiny_dir), ["streamingllm", "h2o"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
+    )
+    assert [c.method for c in spawned] == ["h2o"]  # only the configuration not measured before
+    by_method = {r["method"]: r for r in again["records"]}
+    old = {r["method"]: r for r in first["records"]}
+    assert by_method["streamingllm"]["decode_tokens_per_s"] == old["streamingllm"]["decode_tokens_per_s"]
+
+    (tmp_path / "records.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="line 1 is not a bench record"):
+        bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+
+
 def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):
     result = bench(
         str(tiny_dir), ["streamingllm"], [16], [64], [1], new_tokens=2, prefill_chunk=16, out_dir=None, progress=False

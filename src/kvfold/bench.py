@@ -225,6 +225,9 @@ def bench(
 ) -> dict:
     """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
 
+    Every finished configuration is appended to ``out_dir/records.jsonl`` at once; a run started
+    again on the same directory reuses the configurations found there and measures only the rest.
+
     Returns:
         ``{"records": [...]}`` with the fields of the issue plus ``speedup`` and ``limit_speedup``.
     """
@@ -245,8 +248,13 @@ def bench(
     )
     measured: dict[tuple, dict] = {}
     records = []
+    done = load_finished_records(Path(out_dir)) if out_dir is not None else {}
     for config in tqdm([*refs, *runs], desc="kvfold bench", disable=not progress):
-        record = _spawn(config)
+        record = done.get(_config_key(config))
+        if record is None:
+            record = _spawn(config)
+            if out_dir is not None:
+                _append_record(Path(out_dir), record)
         if config.method == "full":
             measured[(config.length, config.batch)] = record
         else:
@@ -264,6 +272,43 @@ def bench(
     if out_dir is not None:
         write_bench_report(result, Path(out_dir))
     return result
+
+
+RECORDS_FILE = "records.jsonl"
+
+
+def _config_key(config: BenchConfig | dict) -> str:
+    """The identity of a configuration: every :class:`BenchConfig` field, as canonical JSON."""
+    fields = asdict(config) if isinstance(config, BenchConfig) else config
+    return json.dumps({name: fields[name] for name in BenchConfig.__dataclass_fields__}, sort_keys=True)
+
+
+def _append_record(out_dir: Path, record: dict) -> None:
+    """Append one finished configuration to ``out_dir/records.jsonl`` (so a killed run loses nothing)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / RECORDS_FILE).open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def load_finished_records(out_dir: Path) -> dict[str, dict]:
+    """Records of configurations already measured into ``out_dir`` (a resumed run skips them).
+
+    A configuration is reused only when every field matches (model, method, budget, length, batch,
+    new tokens, prefill chunk, dtype, device); anything else is measured again.
+    """
+    path = out_dir / RECORDS_FILE
+    if not path.exists():
+        return {}
+    done = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            done[_config_key(record)] = record
+        except (ValueError, KeyError):
+            raise ValueError(f"{path} line {number} is not a bench record; delete the line to resume") from None
+    return done
 
 
 def write_bench_report(result: dict, out_dir: Path) -> None:
