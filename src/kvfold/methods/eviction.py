@@ -35,7 +35,6 @@ from kvfold.methods.scoring import (
     critical_two_stage_select,
     expected_attention_scores,
     h2o_scores,
-    h2o_update,
     knorm_scores,
     pool_gqa,
     protected_mask,
@@ -342,10 +341,14 @@ class H2OOnline(OnlineEviction):
     def new_scores(self, layer_idx, layer, state, q_len, probs) -> Tensor:
         if probs is None:
             return state.new_zeros(state.shape[0], state.shape[1], q_len)
-        acc = h2o_update(state, probs, gqa_reduce="sum")  # Σ over every query seen of its attention
+        # h2o_update in place: Σ over every query seen of its attention (new entries start from 0)
         old = state.shape[-1]
-        state.copy_(acc[..., :old].to(state.dtype))
-        return acc[..., old:]
+        if probs.shape[-1] < old:
+            raise ValueError(f"accumulator has {old} entries but the step attends {probs.shape[-1]}")
+        step = probs[:, :, 0] if q_len == 1 else probs.sum(dim=2)
+        added = pool_gqa(step, state.shape[1], "sum")
+        state.add_(added[..., :old])  # computed in the promoted dtype, rounded to the state's
+        return added[..., old:]
 
 
 @register

@@ -80,7 +80,7 @@ from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.base import CompressionContext, Folder, register
 from kvfold.methods.budgets import cosine_layer_budgets
 from kvfold.methods.eviction import H2O, H2OOnline, attention_modules
-from kvfold.methods.online import OnlineEviction
+from kvfold.methods.online import OnlineEviction, StepView
 from kvfold.methods.scoring import _priority_order, topk_keep
 from kvfold.methods.spec import SpecError
 
@@ -89,6 +89,8 @@ Tensor = torch.Tensor
 PAPER = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"
 _SIM_CHUNK = 1 << 22
 """Similarity entries computed at once (bounds the memory of the cosine matrices)."""
+_TALLY_BATCH = 256
+"""Decode steps (of all layers) whose merge counts :class:`KeepKVOnline` adds up at once."""
 
 
 # ---------------------------------------------------------------------------- scores (eq. 8)
@@ -146,34 +148,41 @@ def window_log_scores(
 
 
 def step_log_scores(
-    query: Tensor, keys: Tensor, log_mass: Tensor, scaling: float, probs: Tensor | None = None
+    query: Tensor,
+    keys: Tensor,
+    log_mass: Tensor,
+    scaling: float,
+    probs: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> Tensor:
     """``ln s = q·k·scaling`` of this forward's queries for every entry, ``(B, H_q, q, N)``.
 
     With the attention's probabilities ``P = p s / Z`` (votes included), ``ln s = ln P − β + ln Z``
     where ``ln Z`` comes from one anchor entry per query (its highest probability), so no second
     ``q·Kᵀ`` is needed. Without ``probs`` the logits are computed directly. Invalid slots get -inf.
+    ``valid``: the ``(B, H, N)`` mask of finite ``log_mass`` when the caller has it already.
     """
     batch, num_q, q_len, dim = query.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = num_q // heads
     dtype = torch.promote_types(_dtype(query, keys), torch.float32)
     beta = log_mass.to(dtype)
-    valid = torch.isfinite(beta)
+    if valid is None:
+        valid = torch.isfinite(beta)
     folded = query.to(dtype).reshape(batch, heads, groups * q_len, dim)
     if probs is None:
         logits = torch.matmul(folded, keys.to(dtype).transpose(-1, -2)) * scaling
     else:
         p = probs.to(dtype).reshape(batch, heads, groups * q_len, length)
         log_p = p.clamp_min(torch.finfo(dtype).tiny).log()
-        beta = torch.where(valid, beta, torch.zeros_like(beta))[:, :, None, :]  # (B, H, 1, N)
+        beta = torch.where(valid, beta, 0.0)[:, :, None, :]  # (B, H, 1, N)
         anchor = p.argmax(dim=-1, keepdim=True)  # (B, H, G·q, 1): each query's most attended entry
-        k_anchor = torch.gather(keys.to(dtype), 2, anchor.expand(-1, -1, -1, dim))
+        k_anchor = torch.gather(keys, 2, anchor.expand(-1, -1, -1, dim)).to(dtype)
         logit_anchor = (folded * k_anchor).sum(-1, keepdim=True) * scaling
         # ln Z = ln s_a + β_a − ln P_a at the anchor a
         log_z = logit_anchor + torch.gather(beta.expand_as(p), 3, anchor) - torch.gather(log_p, 3, anchor)
         logits = log_p - beta + log_z
-    logits = logits.masked_fill(~valid[:, :, None, :], NEG_INF)
+    logits = torch.where(valid[:, :, None, :], logits, NEG_INF)
     return logits.reshape(batch, num_q, q_len, length)
 
 
@@ -206,6 +215,43 @@ def ema_step(
     added_weight = (seen.to(dtype) * log_w.exp()[:, None]).sum(0)
     decay = q_len * math.log(alpha)
     return torch.logaddexp(log_sum + decay, added), weight * math.exp(decay) + added_weight
+
+
+def ema_step_one_(log_sum: Tensor, weight: Tensor, log_s: Tensor, alpha: float) -> None:
+    """:func:`ema_step` for a forward of one query (a decode step), in place and with the same
+    rounding: every slot is seen, ``S ← α S + (1 − α) s`` and ``Σω ← α Σω + (1 − α)`` (eq. 8).
+
+    Args:
+        log_sum, weight: ``(B, H_kv, N)``, updated in place (views are fine).
+        log_s: ``(B, H_q, 1, N)``.
+        alpha: ``α``.
+    """
+    batch, num_q, q_len, length = log_s.shape
+    if q_len != 1:
+        raise ValueError(f"ema_step_one_ folds one query; got {q_len} (use ema_step)")
+    heads = log_sum.shape[1]
+    groups = num_q // heads
+    log_w, w = _one_query_weight(alpha, log_sum.dtype)
+    x = log_s.to(log_sum.dtype).reshape(batch, heads, groups, length) + log_w
+    added = torch.logsumexp(x, dim=2) - math.log(groups)
+    decay = math.log(alpha)
+    # into a fresh tensor first: logaddexp's vector and scalar loops round differently, and a
+    # strided ``out`` would move slots between them
+    log_sum.copy_(torch.logaddexp(log_sum + decay, added))
+    weight.mul_(math.exp(decay)).add_(w)
+
+
+_ONE_QUERY_WEIGHT: dict[tuple[float, torch.dtype], tuple[float, float]] = {}
+
+
+def _one_query_weight(alpha: float, dtype: torch.dtype) -> tuple[float, float]:
+    """``(log ω, ω)`` of a single query as :func:`ema_step` rounds them in ``dtype`` (``ω = 1 − α``)."""
+    found = _ONE_QUERY_WEIGHT.get((alpha, dtype))
+    if found is None:
+        log_w = ema_log_weights(1, alpha, dtype)
+        found = (float(log_w[0]), float(log_w.exp()[0]))
+        _ONE_QUERY_WEIGHT[(alpha, dtype)] = found
+    return found
 
 
 def log_scores_of(log_sum: Tensor, weight: Tensor) -> Tensor:
@@ -319,12 +365,62 @@ def zip_merge(
     )
 
 
+def zip_merge_pair(
+    keys: Tensor,
+    values: Tensor,
+    log_votes: Tensor,
+    log_scores: Tensor,
+    eps: float = 1e-3,
+    max_scale: float = math.inf,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`zip_merge` of one entry into one carrier (eq. 7, a decode step's victim), row by row,
+    with the same arithmetic (so the same rounding) and without the group maps: the four weighted
+    sums of eq. 7 (keys, values, ``ln ŝ``, ``|ln ŝ|``) are taken at once.
+
+    Args:
+        keys, values: ``(B, H, 2, D)``: the absorbed entry (index 0) and its carrier (index 1).
+        log_votes, log_scores: ``(B, H, 2)`` ``log p`` and ``log ŝ`` of the pair.
+        eps, max_scale: as in :func:`zip_merge`.
+
+    Returns:
+        The merged entry of every row: ``key (B, H, 1, D)``, ``value (B, H, 1, D)``,
+        ``log p_r (B, H, 1)``, ``log ŝ_r (B, H, 1)`` and ``exact (B, H, 1)`` (False: the key is the
+        convex fallback), as :func:`zip_merge` writes them at the carrier's slot.
+    """
+    dtype = torch.promote_types(_dtype(keys, log_scores), torch.float32)
+    k = keys if keys.dtype == dtype else keys.to(dtype)
+    v = values if values.dtype == dtype else values.to(dtype)
+    log_p = (log_votes if log_votes.dtype == dtype else log_votes.to(dtype)).unsqueeze(-1)  # (B, H, 2, 1)
+    log_s = (log_scores if log_scores.dtype == dtype else log_scores.to(dtype)).unsqueeze(-1)
+    log_w = log_p + log_s  # log w_i = log p_i + log ŝ_i
+    top = log_w.amax(dim=2, keepdim=True)
+    omega = torch.exp(log_w - top)  # w_i / max w
+    total = omega.sum(dim=2, keepdim=True)  # (B, H, 1, 1)
+    parts = torch.cat([k, v, log_s, log_s.abs()], dim=-1)
+    means = (omega * parts).sum(dim=2, keepdim=True) / total  # Σ w x / Σ w of each part
+    key_mean, value_mean, mu, spread = means.split([k.shape[-1], v.shape[-1], 1, 1], dim=-1)
+    p_top = log_p.amax(dim=2, keepdim=True)
+    log_p_r = p_top + torch.exp(log_p - p_top).sum(dim=2, keepdim=True).log()  # log Σ p_i
+    if log_votes.dtype != dtype:
+        log_p_r = log_p_r.to(log_votes.dtype).to(dtype)  # as stored: the key absorbs its rounding
+    log_s_r = top + total.log() - log_p_r  # ln(Σ w / Σ p)
+    scale = log_s_r / torch.where(mu != 0, mu, 1.0)
+    exact = mu.abs() > eps * spread
+    if math.isfinite(max_scale):  # in [1/max_scale, max_scale]: finite too
+        exact = exact & (scale.clamp(1.0 / max_scale, max_scale) == scale)
+    else:
+        exact = exact & torch.isfinite(scale)
+    merged_key = torch.where(exact, scale * key_mean, key_mean)  # eq. 7 / fallback
+    return merged_key, value_mean, log_p_r.squeeze(-1), log_s_r.squeeze(-1), exact.squeeze(-1)
+
+
 # ---------------------------------------------------------------------------- similarity
 
 
 def _unit(x: Tensor) -> Tensor:
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x = x if x.dtype == dtype else x.to(dtype)
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
 
 
 def best_match(
@@ -347,8 +443,8 @@ def best_match(
         ``(similarity (B, H, R), index (B, H, R))``; similarity ``-inf`` when nothing is allowed.
     """
     a = _unit(rows)
-    b = candidates.to(a.dtype)
-    b_norm = b.norm(dim=-1).clamp_min(torch.finfo(a.dtype).tiny)[:, :, None, :]  # (B, H, 1, C)
+    b = candidates if candidates.dtype == a.dtype else candidates.to(a.dtype)
+    b_norm = torch.linalg.vector_norm(b, dim=-1).clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(2)  # (B, H, 1, C)
     batch, heads, count = rows.shape[:3]
     step = max(1, _SIM_CHUNK // max(1, batch * heads * candidates.shape[2]))
     sims, idx = [], []
@@ -357,9 +453,11 @@ def best_match(
         mask = allowed[:, :, None, :]
         if row_rank is not None and candidate_rank is not None:
             mask = mask & (candidate_rank[:, :, None, :] < row_rank[:, :, lo : lo + step, None])
-        best = sim.masked_fill(~mask, NEG_INF).max(dim=-1)
+        best = torch.where(mask, sim, NEG_INF).max(dim=-1)
         sims.append(best.values)
         idx.append(best.indices)
+    if len(sims) == 1:
+        return sims[0], idx[0]
     return torch.cat(sims, dim=2), torch.cat(idx, dim=2)
 
 
@@ -603,14 +701,62 @@ class KeepKVOnline:
         self.scalings = scalings
         self._log_sum: dict[int, Tensor] = {}
         self._weight: dict[int, Tensor] = {}
-        self.merged = 0
-        self.evicted = 0
-        self.votes_dropped = 0.0
-        self.fallbacks = 0
+        self._counts: dict[str, float] = {"merged": 0, "evicted": 0, "votes_dropped": 0.0, "fallbacks": 0}
+        self._pending: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # decode steps not counted yet
+
+    @property
+    def merged(self) -> int:
+        """Victims merged into a carrier."""
+        return int(self._counted("merged"))
+
+    @property
+    def evicted(self) -> int:
+        """Victims dropped (no carrier above the threshold)."""
+        return int(self._counted("evicted"))
+
+    @property
+    def votes_dropped(self) -> float:
+        """Votes ``p`` of the dropped victims."""
+        return float(self._counted("votes_dropped"))
+
+    @property
+    def fallbacks(self) -> int:
+        """Merged keys that fell back to the convex merge."""
+        return int(self._counted("fallbacks"))
 
     def report(self) -> dict[str, float]:
         return {"merged": self.merged, "evicted": self.evicted, "votes_dropped": self.votes_dropped,
                 "fallbacks": self.fallbacks}  # fmt: skip
+
+    def _counted(self, key: str) -> float:
+        self._flush()
+        return self._counts[key]
+
+    def _tally(self, goes: Tensor, leaving: Tensor, exact: Tensor, victim_beta: Tensor) -> None:
+        """Keep a decode step's outcome ``(B, H, 1)`` per row; :meth:`_flush` counts it later, with
+        many steps at once (no host synchronisation per step)."""
+        self._pending.append((goes, leaving, exact, victim_beta))
+        if len(self._pending) >= _TALLY_BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Add the pending decode steps to the counters (runs of steps with equal shapes at once)."""
+        pending, self._pending = self._pending, []
+        start = 0
+        while start < len(pending):
+            end = start + 1
+            while end < len(pending) and pending[end][0].shape == pending[start][0].shape:
+                end += 1
+            goes, leaving, exact, beta = (torch.stack(group) for group in zip(*pending[start:end], strict=True))
+            merged, leaving_count, exact_count = torch.stack([goes, leaving, goes & exact]).flatten(1).sum(1).tolist()
+            self._counts["merged"] += merged
+            self._counts["evicted"] += leaving_count - merged
+            self._counts["fallbacks"] += merged - exact_count
+            if leaving_count > merged:  # each step's dropped votes, added step after step
+                dropped = torch.where(leaving & ~goes, beta.exp(), 0.0).flatten(1).sum(1)
+                for votes in dropped.tolist():
+                    self._counts["votes_dropped"] += votes
+            start = end
 
     def _state(self, layer_idx: int, layer: FoldedLayer, old: int, n: int) -> tuple[Tensor, Tensor]:
         log_sum = self._log_sum.get(layer_idx)
@@ -649,18 +795,30 @@ class KeepKVOnline:
         empty = torch.zeros(layer.batch_size, layer.num_heads, count, device=layer.device)
         return empty.fill_(NEG_INF), torch.zeros_like(empty)
 
-    def observe(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> list[Tensor]:
-        """Update the EMA with this forward's queries; return the slot-aligned state tensors."""
-        keys, _, log_mass = layer.dense_buffers()
-        n = keys.shape[2]
-        old = n - query.shape[2]
+    def observe(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, view: StepView | None = None
+    ) -> list[Tensor]:
+        """Update the EMA with this forward's queries; return the slot-aligned state tensors.
+
+        ``view``: the layer's buffers for this step, when the policy has taken them already.
+        """
+        if view is None:
+            keys, values, log_mass = layer.dense_buffers()
+            view = StepView(keys, values, log_mass, torch.isfinite(log_mass))
+        n = view.keys.shape[2]
+        q_len = query.shape[2]
+        old = n - q_len
         log_sum, weight = self._state(layer_idx, layer, old, n)
-        log_sum[:, :, old:n] = NEG_INF
-        weight[:, :, old:n] = 0.0
-        log_s = step_log_scores(query, keys, log_mass, self.scalings[layer_idx], probs)
-        new_sum, new_weight = ema_step(log_sum[:, :, :n], weight[:, :, :n], log_s, old, self.folder.alpha)
-        log_sum[:, :, :n] = new_sum
-        weight[:, :, :n] = new_weight
+        log_sum_n, weight_n = log_sum.narrow(2, 0, n), weight.narrow(2, 0, n)
+        log_sum_n.narrow(2, old, q_len).fill_(NEG_INF)
+        weight_n.narrow(2, old, q_len).fill_(0.0)
+        log_s = step_log_scores(query, view.keys, view.log_mass, self.scalings[layer_idx], probs, view.valid)
+        if q_len == 1:  # a decode step: the same update, in place
+            ema_step_one_(log_sum_n, weight_n, log_s, self.folder.alpha)
+        else:
+            new_sum, new_weight = ema_step(log_sum_n, weight_n, log_s, old, self.folder.alpha)
+            log_sum_n.copy_(new_sum)
+            weight_n.copy_(new_weight)
         return [log_sum, weight]
 
     def export_state(self, layer_idx: int, layer: FoldedLayer) -> None:
@@ -673,13 +831,23 @@ class KeepKVOnline:
         layer.entry_stats[STAT_LOG_SCORE] = log_scores_of(log_sum[:, :, :n], weight).float()
         layer.entry_stats[STAT_WEIGHT] = weight.float()
 
-    def fold(self, layer_idx: int, layer: FoldedLayer, victims: Tensor) -> None:
-        """ZIP-merge the ``victims`` ``(B, H, E)`` (slots about to be removed) into carriers, in place."""
-        keys, values, log_mass = layer.dense_buffers()
+    def fold(self, layer_idx: int, layer: FoldedLayer, victims: Tensor, view: StepView | None = None) -> None:
+        """ZIP-merge the ``victims`` ``(B, H, E)`` (slots about to be removed) into carriers, in place.
+
+        ``view``: the layer's buffers for this step, when the policy has taken them already.
+        """
+        if view is None:
+            keys, values, log_mass = layer.dense_buffers()
+            valid = torch.isfinite(log_mass)
+        else:
+            keys, values, log_mass, valid = view
         n = keys.shape[2]
-        log_sum = self._log_sum[layer_idx][:, :, :n]
-        weight = self._weight[layer_idx][:, :, :n]
-        valid = torch.isfinite(log_mass)
+        log_sum = self._log_sum[layer_idx].narrow(2, 0, n)
+        weight = self._weight[layer_idx].narrow(2, 0, n)
+        if victims.shape[2] == 1:
+            self._fold_one(keys, values, log_mass, log_sum, weight, victims, valid)
+            return
+        # several victims (a multi-token forward): closed form over the whole row (eq. 25)
         leaving = torch.zeros_like(valid).scatter_(2, victims, True) & valid
         if not bool(leaving.any()):
             return
@@ -688,49 +856,74 @@ class KeepKVOnline:
         goes = torch.gather(leaving, 2, victims) & (sim > self.folder.threshold)
         goes = goes & (torch.gather(weight, 2, victims) > 0)  # observed at least once: ŝ is defined
         beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
-        if victims.shape[2] == 1:  # a decode step: merge on the (victim, carrier) pair only, O(D)
-            idx = torch.cat([victims, targets], dim=2)  # (B, H, 2)
-            index = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
-            merge = torch.cat([goes, torch.zeros_like(goes)], dim=2)
-            pair_score = log_scores_of(torch.gather(log_sum, 2, idx), torch.gather(weight, 2, idx))
-            merged = zip_merge(torch.gather(keys, 2, index), torch.gather(values, 2, index),
-                               torch.gather(beta, 2, idx), pair_score,
-                               torch.ones_like(idx), merge, self.folder.eps, self.folder.max_scale)  # fmt: skip
-            new_weight = torch.gather(weight, 2, idx).amax(-1, keepdim=True).expand_as(idx)
-            at, slot = merged.receivers[:, :, 1:], targets
-            part = slice(1, 2)
-        else:  # several victims (a multi-token forward): closed form over the whole row
-            slots = torch.arange(n, device=keys.device).expand_as(valid).contiguous()
-            target_map = slots.scatter(2, victims, torch.where(goes, targets, victims))
-            merge = torch.zeros_like(valid).scatter_(2, victims, goes)
-            log_score = log_scores_of(log_sum, weight)
-            merged = zip_merge(keys, values, beta, log_score, target_map, merge, self.folder.eps,
-                               self.folder.max_scale)  # fmt: skip
-            new_weight = _merged_weight(weight, target_map, merge, merged.receivers)
-            at, slot = merged.receivers, slots
-            part = slice(None)
-        self._write(keys, values, log_mass, log_sum, weight, merged, new_weight[:, :, part], at, slot, part)
-        dropped = leaving & ~(torch.zeros_like(valid).scatter_(2, victims, goes))
-        self.merged += int(goes.sum())
-        self.evicted += int(dropped.sum())
-        self.votes_dropped += float(beta.exp()[dropped].sum())
-        self.fallbacks += int(merged.fallback.sum())
+        slots = torch.arange(n, device=keys.device).expand_as(valid).contiguous()
+        target_map = slots.scatter(2, victims, torch.where(goes, targets, victims))
+        merge = torch.zeros_like(valid).scatter_(2, victims, goes)
+        log_score = log_scores_of(log_sum, weight)
+        merged = zip_merge(keys, values, beta, log_score, target_map, merge, self.folder.eps, self.folder.max_scale)
+        new_weight = _merged_weight(weight, target_map, merge, merged.receivers)
+        at = merged.receivers
+        for buffer, new in (
+            (keys, merged.keys),
+            (values, merged.values),
+            (log_mass, merged.log_votes),
+            (log_sum, merged.log_scores + new_weight.clamp_min(1e-300).log()),
+            (weight, new_weight),
+        ):
+            buffer.copy_(torch.where(at if buffer.dim() == 3 else at[..., None], new.to(buffer.dtype), buffer))
+        dropped = leaving & ~merge
+        self._flush()  # the counts stay in step order
+        self._counts["merged"] += int(goes.sum())
+        self._counts["evicted"] += int(dropped.sum())
+        self._counts["votes_dropped"] += float(beta.exp()[dropped].sum())
+        self._counts["fallbacks"] += int(merged.fallback.sum())
 
-    @staticmethod
-    def _write(keys, values, log_mass, log_sum, weight, merged: ZipMerge, new_weight, at, slot, part) -> None:
-        """Write the merged entries (``merged`` rows ``part``, at slots ``slot`` where ``at``) in place."""
+    def _fold_one(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        log_mass: Tensor,
+        log_sum: Tensor,
+        weight: Tensor,
+        victim: Tensor,
+        valid: Tensor,
+    ) -> None:
+        """A decode step's victim ``(B, H, 1)`` per row: ZIP-merge it into its most similar
+        remaining entry (eq. 7, on the (victim, carrier) pair only, O(D) per row).
 
-        def put(buffer: Tensor, new: Tensor) -> None:
-            index = slot if buffer.dim() == 3 else slot[..., None].expand(-1, -1, -1, buffer.shape[-1])
-            old = torch.gather(buffer, 2, index)
-            mask = at if buffer.dim() == 3 else at[..., None]
-            buffer.scatter_(2, index, torch.where(mask, new.to(buffer.dtype), old))
-
-        put(keys, merged.keys[:, :, part])
-        put(values, merged.values[:, :, part])
-        put(log_mass, merged.log_votes[:, :, part])
-        put(log_sum, merged.log_scores[:, :, part] + new_weight.clamp_min(1e-300).log())
-        put(weight, new_weight)
+        :meth:`observe` has run on this forward, so every slot's EMA weight is ``≥ 1 − α > 0``:
+        ``ŝ`` is defined everywhere (``log ŝ = log S − log Σω``). The merged entry goes to the
+        carrier's slot; a row that does not merge writes it into the victim's own slot instead,
+        which the policy overwrites or drops next (so no masked write).
+        """
+        dim = keys.shape[-1]
+        leaving = valid.gather(2, victim)  # the victim is an entry, not an empty slot
+        victim_key = keys.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim))
+        sim, target = best_match(victim_key, keys, valid.scatter(2, victim, False))  # Algorithm 1, lines 4–5
+        goes = leaving & (sim > self.folder.threshold)
+        pair = torch.cat([victim, target], dim=2)  # (B, H, 2)
+        pair_k = keys.gather(2, pair.unsqueeze(-1).expand(-1, -1, -1, dim))
+        pair_v = values.gather(2, pair.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1]))
+        pair_beta = log_mass.gather(2, pair)  # finite wherever the row merges
+        pair_weight = weight.gather(2, pair)
+        pair_score = log_sum.gather(2, pair) - pair_weight.log()  # log ŝ (log_scores_of, every weight > 0)
+        key, value, log_p, log_s, exact = zip_merge_pair(
+            pair_k, pair_v, pair_beta, pair_score, self.folder.eps, self.folder.max_scale
+        )
+        new_weight = pair_weight.amax(-1, keepdim=True)  # the EMA weight of the group: its largest
+        slot = torch.where(goes, target, victim)
+        keys.scatter_(
+            2, slot.unsqueeze(-1).expand(-1, -1, 1, dim), key if key.dtype == keys.dtype else key.to(keys.dtype)
+        )
+        values.scatter_(
+            2,
+            slot.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1]),
+            value if value.dtype == values.dtype else value.to(values.dtype),
+        )
+        log_mass.scatter_(2, slot, log_p if log_p.dtype == log_mass.dtype else log_p.to(log_mass.dtype))
+        log_sum.scatter_(2, slot, (log_s + new_weight.log()).to(log_sum.dtype))
+        weight.scatter_(2, slot, new_weight)
+        self._tally(goes, leaving, exact, pair_beta.narrow(2, 0, 1))
 
 
 class LayerPolicies:

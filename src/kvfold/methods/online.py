@@ -11,6 +11,8 @@ With ``recent > 0`` the policy also tracks each slot's token position and never 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvfold.cache import FoldedCache, FoldedLayer
@@ -20,6 +22,16 @@ POSITION_STAT = "online.position"
 """``layer.entry_stats`` key of the slots' token positions as a policy tracks them, written by
 :meth:`OnlineEviction.export_state` (slots are no longer in position order once a single step has
 moved the newest entry into a victim's slot)."""
+
+
+class StepView(NamedTuple):
+    """A layer's dense buffers during one policy step (views of :meth:`FoldedLayer.dense_buffers`,
+    taken once per step and handed to the folder)."""
+
+    keys: torch.Tensor  # (B, H, N, D)
+    values: torch.Tensor  # (B, H, N, D_v)
+    log_mass: torch.Tensor  # (B, H, N) β, −inf on empty slots
+    valid: torch.Tensor  # (B, H, N) bool, the occupied slots (finite β)
 
 
 class OnlineEviction:
@@ -36,10 +48,11 @@ class OnlineEviction:
 
     Attributes:
         folder: an optional online folder (KeepKV) that merges victims instead of dropping them:
-            ``folder.observe(layer_idx, layer, query, probs)`` returns slot-aligned state tensors
-            ``(B, H, capacity)`` that move with the slots, ``folder.fold(layer_idx, layer, victims)``
-            runs on the victims' slots ``(B, H, E)`` just before they are removed, and
-            ``folder.export_state(layer_idx, layer)`` writes its state into ``layer.entry_stats``.
+            ``folder.observe(layer_idx, layer, query, probs, view)`` returns slot-aligned state
+            tensors ``(B, H, capacity)`` that move with the slots, ``folder.fold(layer_idx, layer,
+            victims, view)`` runs on the victims' slots ``(B, H, E)`` just before they are removed
+            (it may write anything into them), and ``folder.export_state(layer_idx, layer)`` writes
+            its state into ``layer.entry_stats``. ``view`` is the step's :class:`StepView`.
     """
 
     needs_attention: bool = False
@@ -83,19 +96,24 @@ class OnlineEviction:
             return
         q_len = query.shape[2]
         n = layer.physical_length
-        state = self._state_for(layer_idx, layer, n - q_len)
-        state[:, :, n - q_len : n] = self.new_scores(layer_idx, layer, state[:, :, : n - q_len], q_len, probs)
+        old = n - q_len
+        state = self._state_for(layer_idx, layer, old)
+        new = self.new_scores(layer_idx, layer, state.narrow(2, 0, old), q_len, probs)  # may update the old in place
+        state.narrow(2, old, q_len).copy_(new)
         slots = [state]
         if self.recent:
-            slots.append(self._positions_for(layer_idx, layer, state.shape[2], n - q_len))
-        if self.folder is not None:
-            slots.extend(self.folder.observe(layer_idx, layer, query, probs))
+            slots.append(self._positions_for(layer_idx, layer, state.shape[2], old))
         limit = self.limits[layer_idx]
         excess = n - limit
-        if excess == 1:
-            self._evict_one(layer, slots, n, layer_idx)
-        elif excess > 1:
-            self._evict_many(layer, slots, n, limit, layer_idx)
+        if self.folder is not None or excess > 0:
+            keys, values, log_mass = layer.dense_buffers()  # once per step, shared with the folder
+            view = StepView(keys, values, log_mass, torch.isfinite(log_mass))
+            if self.folder is not None:
+                slots.extend(self.folder.observe(layer_idx, layer, query, probs, view))
+            if excess == 1:
+                self._evict_one(layer, slots, n, layer_idx, view)
+            elif excess > 1:
+                self._evict_many(layer, slots, n, limit, layer_idx, view)
         if layer_idx == 0:
             self.steps += 1
 
@@ -154,42 +172,44 @@ class OnlineEviction:
             grown = positions.new_zeros(positions.shape[0], positions.shape[1], capacity)
             grown[:, :, : positions.shape[2]] = positions
             self._positions[layer_idx] = positions = grown
-        positions[:, :, old:n] = torch.arange(newest - (n - old), newest, device=positions.device)
+        if n - old == 1:  # a decode step: one new token
+            positions[:, :, old].fill_(newest - 1)
+        else:
+            positions[:, :, old:n] = torch.arange(newest - (n - old), newest, device=positions.device)
         return positions
 
-    def _victim_scores(self, layer: FoldedLayer, slots: list[torch.Tensor], n: int) -> torch.Tensor:
-        """Scores that choose victims: empty slots first, the ``recent`` newest tokens never."""
-        _, _, log_mass = layer.dense_buffers()
-        valid = torch.isfinite(log_mass)
-        scores = torch.where(valid, slots[0][:, :, :n], torch.full_like(log_mass, -PROTECTED))
+    def _victim_scores(self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, view: StepView) -> torch.Tensor:
+        """Scores that choose victims: empty slots first (their β, −inf), the ``recent`` newest tokens never."""
+        scores = slots[0].narrow(2, 0, n)
         if self.recent:
-            recent = slots[1][:, :, :n] >= layer.logical_length - self.recent
-            scores = scores.masked_fill(valid & recent, PROTECTED)
-        return scores
+            scores = scores.masked_fill(slots[1].narrow(2, 0, n) >= layer.logical_length - self.recent, PROTECTED)
+        return torch.where(view.valid, scores, view.log_mass)  # β = −inf = −PROTECTED on the empty slots
 
-    def _evict_one(self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, layer_idx: int = -1) -> None:
-        victim = self._victim_scores(layer, slots, n).argmin(dim=-1, keepdim=True)  # (B, H, 1); ties: oldest slot
+    def _evict_one(self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, layer_idx: int, view: StepView) -> None:
+        victim = self._victim_scores(layer, slots, n, view).argmin(dim=-1, keepdim=True)  # (B, H, 1); ties: oldest
         if self.folder is not None:
-            self.folder.fold(layer_idx, layer, victim)
-        keys, values, log_mass = layer.dense_buffers()
+            self.folder.fold(layer_idx, layer, victim, view)
+        keys, values, log_mass, _ = view
         last = n - 1
-        for tensor in (keys, values):
-            idx = victim[..., None].expand(-1, -1, 1, tensor.shape[-1])
-            tensor.scatter_(2, idx, tensor[:, :, last : last + 1].clone())
+        index = victim.unsqueeze(-1).expand(-1, -1, 1, keys.shape[-1])
+        keys.scatter_(2, index, keys.narrow(2, last, 1).clone())
+        if values.shape[-1] != keys.shape[-1]:
+            index = victim.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1])
+        values.scatter_(2, index, values.narrow(2, last, 1).clone())
         for tensor in (log_mass, *slots):
-            tensor.scatter_(2, victim, tensor[:, :, last : last + 1].clone())
+            tensor.scatter_(2, victim, tensor.narrow(2, last, 1).clone())
         layer.truncate(last)
 
     def _evict_many(
-        self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, limit: int, layer_idx: int = -1
+        self, layer: FoldedLayer, slots: list[torch.Tensor], n: int, limit: int, layer_idx: int, view: StepView
     ) -> None:
-        scores = self._victim_scores(layer, slots, n)
+        scores = self._victim_scores(layer, slots, n, view)
         ranked = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         if self.folder is not None:
-            self.folder.fold(layer_idx, layer, ranked[..., limit:])
+            self.folder.fold(layer_idx, layer, ranked[..., limit:], view)
         order = ranked[..., :limit]
         keep = torch.sort(order, dim=-1).values
-        keys, values, log_mass = layer.dense_buffers()
+        keys, values, log_mass, _ = view
         for tensor in (keys, values):
             kept = torch.gather(tensor, 2, keep[..., None].expand(-1, -1, -1, tensor.shape[-1]))
             tensor[:, :, :limit] = kept

@@ -544,6 +544,8 @@ class _LayerState:
     res_v: Tensor
     res_w: Tensor  # (B, H, S) w
     fill: Tensor  # (B, H) residual slots opened
+    steady: bool | None = None  # every row's B_r slots are open (and B_r > 0); None: not known yet
+    closed: Tensor | None = None  # (B, H, S) slots a row cannot use (≥ its B_r) once steady; None: none
 
     def per_slot(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.score, self.position, self.slot_id
@@ -622,20 +624,22 @@ class ZSMergeOnline:
                     self.steps += 1
                 return
         state.grow(max(n, self.limit + 1))
-        _, _, log_mass = layer.dense_buffers()
         old = n - q_len
         start = layer.logical_length - q_len
-        dev = log_mass.device
-        state.score[:, :, old:n] = 0.0
-        state.position[:, :, old:n] = torch.arange(start, start + q_len, device=dev)
-        state.slot_id[:, :, old:n] = -1
+        state.score.narrow(2, old, q_len).fill_(0.0)
+        state.slot_id.narrow(2, old, q_len).fill_(-1)
         if q_len == 1:  # a decode step: Algorithm 1 for one token
+            state.position.select(2, old).fill_(start)
             if probs is not None:  # lines 4–5: s ← λ·s + a (eq. 5), a GQA-pooled
-                a = pool_gqa(probs[:, :, 0].to(state.score.dtype), layer.num_heads, "mean")
-                state.score[:, :, :n].mul_(self.decay).add_(a)
-            self._arrive(layer, state, start)
+                a = pool_gqa(probs.select(2, 0).to(state.score.dtype), layer.num_heads, "mean")
+                state.score.narrow(2, 0, n).mul_(self.decay).add_(a)
+            if self._arrive(layer, state, start):
+                return  # the steady step compacted the layer already
         else:  # several tokens (a chunk): the same steps, vectorized where they allow it
+            dev = state.position.device
+            state.position[:, :, old:n] = torch.arange(start, start + q_len, device=dev)
             self._arrive_many(layer, state, probs, start, q_len)
+            state.steady = None
         self._compact(layer, state)
         if layer_idx == min(self.layers):
             self.steps += 1
@@ -767,23 +771,33 @@ class ZSMergeOnline:
         return prefill_scores(queries[:, :, -width:], keys, scaling, self.decay, self.kernel, beta, valid)
 
     # ------------------------------------------------------------------ Algorithm 1, lines 6–15
-    def _arrive(self, layer: FoldedLayer, state: _LayerState, now: int) -> None:
+    def _arrive(self, layer: FoldedLayer, state: _LayerState, now: int) -> bool:
         """Token ``now`` has joined the proximity part: move the FIFO's oldest to the context
-        set and, if the context set exceeds ``B_c``, evict its lowest-scored token into R."""
+        set and, if the context set exceeds ``B_c``, evict its lowest-scored token into R.
+
+        Returns:
+            True when the layer is compacted already (:meth:`_steady_step`).
+        """
         keys, values, log_mass = layer.dense_buffers()
         n = keys.shape[2]
-        score, position, slot_id = (t[:, :, :n] for t in state.per_slot())
+        score, position, slot_id = (t.narrow(2, 0, n) for t in state.per_slot())
         dev = keys.device
         b_p, b_c, b_r = self._split_on(dev)
         # Plain tokens are the slots with a position ≥ 0 (residual, emptied and padding slots hold
         # RESIDUAL); the context set is the plain tokens outside the B_p newest: lines 7–9.
-        context = (position >= 0) & (position <= now - b_p[..., None])
+        context = (position >= 0) & (position <= now - b_p.unsqueeze(-1))
         evict = context.sum(-1) > b_c  # line 10
-        if not bool(evict.any()):
-            return
+        evicting = int(evict.sum())
+        if not evicting:
+            return False
         masked = torch.where(context, score, float("inf"))
         lowest = masked.amin(-1, keepdim=True)
         victim = torch.where(context & (masked == lowest), position, -1).argmax(-1, keepdim=True)  # line 11
+        if evicting == evict.numel() and n - self.limit == 1 and self._is_steady(state, b_r):
+            self._steady_step(keys, values, log_mass, state, victim, n)
+            layer.truncate(n - 1)
+            return True
+        state.steady = None  # a slot may open
         slots = state.res_k.shape[-2]
         freed = evict.clone()
         if slots:
@@ -826,6 +840,64 @@ class ZSMergeOnline:
         # the victim leaves the plain tokens: it is a residual slot now, or its slot is emptied
         position.scatter_(2, victim, torch.where(evict[..., None], RESIDUAL, position.gather(2, victim)))
         log_mass.scatter_(2, victim, torch.where(freed[..., None], NEG_INF, log_mass.gather(2, victim)))
+        return False
+
+    def _is_steady(self, state: _LayerState, b_r: Tensor) -> bool:
+        """Whether every row has opened all its ``B_r ≥ 1`` residual slots (then no slot opens again:
+        every eviction merges, line 15). Known once per change of ``state.fill``."""
+        if state.steady is None:
+            state.steady = bool(((state.fill >= b_r) & (b_r > 0)).all())
+            if state.steady:
+                closed = torch.arange(state.res_k.shape[-2], device=b_r.device) >= state.fill.unsqueeze(-1)
+                state.closed = closed if bool(closed.any()) else None
+        return state.steady
+
+    def _steady_step(
+        self, keys: Tensor, values: Tensor, log_mass: Tensor, state: _LayerState, victim: Tensor, n: int
+    ) -> None:
+        """Lines 12–15 and the compaction of :meth:`_arrive` + :meth:`_compact` when every row evicts,
+        every row's residual slots are all open and the layer is one entry over the limit (the
+        decode steps once the cache is full), with the same arithmetic and no masked writes: the
+        victim merges into ``r̂ = argmax_r k_r·k_t`` (eq. 6) by the incremental mean of eq. 7, that
+        slot's cache entry gets the mean and β = α·log w (eq. 8), the victim's slot is emptied and
+        the newest slot moves into the first empty one."""
+        acc = state.res_k.dtype
+        dim, dim_v = keys.shape[-1], values.shape[-1]
+        k_t = keys.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim)).squeeze(2).to(acc)
+        v_t = values.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim_v)).squeeze(2).to(acc)
+        dots = torch.matmul(state.res_k, k_t.unsqueeze(-1)).squeeze(-1)  # eq. 6: k_r·k_t
+        if state.closed is not None:
+            dots = dots.masked_fill(state.closed, float("-inf"))
+        target = dots.argmax(-1, keepdim=True)  # (B, H, 1)
+        w = state.res_w.gather(-1, target)
+        k_old = state.res_k.gather(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim)).squeeze(2)
+        v_old = state.res_v.gather(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim_v)).squeeze(2)
+        w_new = w + 1.0  # w_r̂ ← w_r̂ + 1
+        k_new = ((w * k_old + k_t) / w_new).unsqueeze(2)  # eq. 7
+        v_new = ((w * v_old + v_t) / w_new).unsqueeze(2)
+        state.res_k.scatter_(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim), k_new)
+        state.res_v.scatter_(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim_v), v_new)
+        state.res_w.scatter_(-1, target, w_new)
+        # line 15: the cache slot holding r̂ gets its mean, β = α·log w (eq. 8)
+        slot_id = state.slot_id.narrow(2, 0, n)
+        where = (slot_id == target).to(torch.uint8).argmax(-1, keepdim=True)
+        keys.scatter_(2, where.unsqueeze(-1).expand(-1, -1, 1, dim), k_new.to(keys.dtype))
+        values.scatter_(2, where.unsqueeze(-1).expand(-1, -1, 1, dim_v), v_new.to(values.dtype))
+        log_mass.scatter_(2, where, (self.alpha * torch.log(w_new)).to(log_mass.dtype))
+        # the victim leaves the plain tokens and its slot is emptied
+        position = state.position.narrow(2, 0, n)
+        position.scatter_(2, victim, RESIDUAL)
+        log_mass.scatter_(2, victim, NEG_INF)
+        # _compact: every row has an empty slot now; the newest slot moves into the first one
+        free = log_mass.argmin(-1, keepdim=True)  # β = −inf is the minimum: the first empty slot
+        last = n - 1
+        index = free.unsqueeze(-1).expand(-1, -1, 1, dim)
+        keys.scatter_(2, index, keys.narrow(2, last, 1).clone())
+        if dim_v != dim:
+            index = free.unsqueeze(-1).expand(-1, -1, 1, dim_v)
+        values.scatter_(2, index, values.narrow(2, last, 1).clone())
+        for tensor in (log_mass, state.score.narrow(2, 0, n), position, slot_id):
+            tensor.scatter_(2, free, tensor.narrow(2, last, 1).clone())
 
     def _arrive_many(
         self, layer: FoldedLayer, state: _LayerState, probs: Tensor | None, start: int, q_len: int
