@@ -10,6 +10,12 @@ cache, and the two runs are compared (``shared/guide/evaluation.md``, "Fidelity"
   (``per_layer`` keeps each layer).
 * ``nll_delta`` — mean NLL (nats per token) of the scored continuation tokens, compressed minus full.
 * ``kl`` — mean KL(full ‖ compressed) of the next-token distributions at the scored tokens.
+* ``block_error`` — per layer ``‖o_c − o‖_F / ‖o‖_F`` where ``o`` and ``o_c`` are the attention
+  outputs of the *context block alone* (the prefilled cache, before the continuation) over the
+  full run's continuation queries, with the full and with the compressed cache (β included).
+  The queries are the same in both, so no error propagates from earlier layers: this is the
+  numerical error of the compressed cache itself (ZSMerge §4.3, Fig. 4; Attention Matching's
+  eq. 1 on held-out queries), averaged over layers (``block_per_layer`` keeps each layer).
 
 Continuations:
 
@@ -63,9 +69,9 @@ class FidelityResult:
     """What :func:`fidelity` produced.
 
     Attributes:
-        records: one dict per (method, budget): ``rel_error``, ``nll_delta``, ``kl``,
-            ``per_layer`` (relative error per layer), ``kv_ratio``, ``n`` (continuations), all
-            means over continuations.
+        records: one dict per (method, budget): ``rel_error``, ``block_error``, ``nll_delta``,
+            ``kl``, ``per_layer`` and ``block_per_layer`` (the two errors per layer), ``kv_ratio``,
+            ``n`` (continuations), all means over continuations.
         samples: the same measures per continuation (``sample_id`` included).
         continuation: ``"answer"`` or ``"next"``.
         model: the model's name.
@@ -156,11 +162,68 @@ def _attention_modules(model: PreTrainedModel) -> list[tuple[int, torch.nn.Modul
     return sorted(modules, key=lambda p: p[0])
 
 
+def _context_blocks(cache: FoldedCache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer the cached context as ``(keys, values, β)`` of batch row 0, in float64."""
+    blocks = []
+    for _, layer in cache.folded_layers:
+        keys, values, log_mass, _ = layer.padded()
+        blocks.append((keys[0].double(), values[0].double(), log_mass[0].double()))
+    return blocks
+
+
+def _block_outputs(
+    queries: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scaling: float
+) -> torch.Tensor:
+    """Attention output of ``queries`` ``(H_q, q, D)`` over one context block alone, ``(H_q, q, D_v)``.
+
+    ``logits = q·k · scaling + β`` over the block's entries (empty slots have β = −inf); the G query
+    heads of a GQA group read their KV head.
+    """
+    keys, values, log_mass = block
+    h_q, q_len, d = queries.shape
+    h_kv = keys.shape[0]
+    grouped = queries.double().reshape(h_kv, (h_q // h_kv) * q_len, d)
+    logits = grouped @ keys.mT * scaling + log_mass[:, None, :]
+    out = torch.softmax(logits, dim=-1) @ values
+    return out.reshape(h_q, q_len, values.shape[-1])
+
+
+def _block_errors(
+    queries: list[torch.Tensor],
+    full_blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scalings: list[float],
+) -> list[float]:
+    """Per layer ``‖o_c − o‖ / ‖o‖`` of the context block's attention outputs (see the module docstring)."""
+    errors = []
+    for q, full, block, scaling in zip(queries, full_blocks, blocks, scalings, strict=True):
+        reference = _block_outputs(q, full, scaling)
+        errors.append(
+            float(
+                torch.linalg.norm(_block_outputs(q, block, scaling) - reference)
+                / torch.linalg.norm(reference).clamp_min(1e-30)
+            )
+        )
+    return errors
+
+
+def _scalings(model: PreTrainedModel) -> list[float]:
+    """Each attention module's softmax scaling (``module.scaling``, else ``head_dim**-0.5``)."""
+    out = []
+    for _, module in _attention_modules(model):
+        scaling = getattr(module, "scaling", None)
+        out.append(float(scaling) if scaling is not None else float(module.head_dim) ** -0.5)
+    return out
+
+
 @torch.inference_mode()
 def _teacher_forced(
-    model: PreTrainedModel, cache: FoldedCache, cont: _Continuation
+    model: PreTrainedModel, cache: FoldedCache, cont: _Continuation, queries: list[torch.Tensor] | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """One forward of the continuation over ``cache``: pre-o_proj outputs per layer and log-probs.
+
+    Args:
+        queries: if given, filled with each layer's continuation queries ``(H_q, q, D)`` (post-RoPE).
 
     Returns:
         ``([(q, H·D) per layer], (q, V) log-probabilities of each continuation token's prediction)``.
@@ -174,6 +237,10 @@ def _teacher_forced(
         return capture
 
     cache.policy = None  # teacher-forced: no decode-time eviction inside the continuation
+    if queries is not None:
+        cache.capture_window = len(cont.ids)
+        for _, layer in cache.folded_layers:
+            layer.captured_queries = None
     handles = [m.o_proj.register_forward_pre_hook(hook(i)) for i, m in _attention_modules(model)]
     try:
         device = model.device
@@ -184,6 +251,9 @@ def _teacher_forced(
     finally:
         for handle in handles:
             handle.remove()
+        cache.capture_window = 0
+    if queries is not None:
+        queries.extend(layer.captured_queries[0] for _, layer in cache.folded_layers)
     # token t is predicted by the logits before it: the prefill's last ones for t = 0
     predicting = torch.cat([cont.context.last_logits.to(logits.dtype), logits[:-1]], dim=0)
     return [captured[i] for i in sorted(captured)], torch.log_softmax(predicting.double(), dim=-1)
@@ -263,13 +333,18 @@ def fidelity(
     built = {spec: build_method(spec) for spec, _ in runs}
     total = (len(samples) if continuation == "answer" else len({s.context for s in samples})) * len(runs)
     rows: list[dict[str, Any]] = []
+    scalings = _scalings(model)
     with tqdm(total=total, disable=not progress, desc="fidelity", unit="run", dynamic_ncols=True) as bar:
         for cont in _continuations(model, tokenizer, samples, continuation, next_tokens, list(built.values())):
-            reference = _teacher_forced(model, cont.context.cache.copy(), cont)
+            queries: list[torch.Tensor] = []
+            reference = _teacher_forced(model, cont.context.cache.copy(), cont, queries)
+            full_blocks = _context_blocks(cont.context.cache)
             for spec, budget in runs:
                 bar.set_postfix_str(f"{spec} @ {budget}", refresh=False)
                 compressed = cont.context.compress(built[spec], budget, seed=seed)
                 measured = _compare(reference, _teacher_forced(model, compressed.cache.copy(), cont), cont)
+                block = _block_errors(queries, full_blocks, _context_blocks(compressed.cache), scalings)
+                measured.update(block_error=sum(block) / len(block), block_per_layer=block)
                 rows.append(
                     {
                         "sample_id": cont.sample_id,
@@ -313,9 +388,10 @@ def _aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for (method, budget), group in groups.items():
         n = len(group)
         record: dict[str, Any] = {"method": method, "budget": budget}
-        for key in ("rel_error", "nll_delta", "kl", "nll_full", "kv_ratio"):
+        for key in ("rel_error", "block_error", "nll_delta", "kl", "nll_full", "kv_ratio"):
             record[key] = sum(r[key] for r in group) / n
-        record["per_layer"] = [sum(layer) / n for layer in zip(*(r["per_layer"] for r in group), strict=True)]
+        for key in ("per_layer", "block_per_layer"):
+            record[key] = [sum(layer) / n for layer in zip(*(r[key] for r in group), strict=True)]
         record["n"] = n
         records.append(record)
     return records

@@ -279,7 +279,7 @@ def _title_suffix(info: Mapping[str, Any] | None) -> str:
 
 
 def fidelity_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, Any] | None = None) -> str:
-    """The fidelity report: rel_error, nll_delta and KL per method × budget, then per-layer errors."""
+    """The fidelity report: rel_error, block_error, nll_delta and KL per method × budget, then per-layer errors."""
     methods = _ordered([r["method"] for r in records])
     budgets = _table_budgets({r["budget"] for r in records if not _is_full(r)})
     index = {(r["method"], r["budget"]): r for r in records}
@@ -287,7 +287,9 @@ def fidelity_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, A
     lines = _header_lines("kvfold fidelity", info)
     lines += [
         "`rel_error`: ‖o − o_full‖ / ‖o_full‖ of the pre-o_proj attention outputs of the continuation, "
-        "averaged over layers. `nll_delta`: mean NLL increase (nats/token) of the continuation's scored "
+        "averaged over layers. `block_error`: the same error of the context block's own attention output "
+        "over the full run's continuation queries (no propagation from earlier layers). "
+        "`nll_delta`: mean NLL increase (nats/token) of the continuation's scored "
         "tokens. `kl`: mean KL(full ‖ compressed) of their next-token distributions. "
         "`full` is measured once (budget 1.0) and repeated in every column.",
         "",
@@ -300,6 +302,7 @@ def fidelity_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, A
 
     for key, title in (
         ("rel_error", "Relative attention-output error"),
+        ("block_error", "Relative error of the context block's attention output"),
         ("nll_delta", "NLL increase (nats/token)"),
         ("kl", "KL(full ‖ compressed) (nats/token)"),
         ("kv_ratio", "KV-cache size (compressed / full)"),
