@@ -100,9 +100,15 @@ def _dense_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over the dense layout with β; returns ``(B, q, H_q, D)`` and optional probs."""
     b, h_q, q_len, d = query.shape
-    keys, values, _ = _dense_views(layer)
+    keys, values, log_mass = _dense_views(layer)
     h_kv, n = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
+    if log_mass is None and q_len > 1 and not need_probs:
+        # Uncompressed cache (a repeat pass, a chunked prefill before compression): one (q, N)
+        # additive mask shared by every head and layer instead of a (G·q, N) bias per layer.
+        mask = _causal_after_cache(q_len, n, query.device, query.dtype)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
     # Fold the G query heads of each KV head into the query axis: (B, H_kv, G·q, D).
     folded = query.reshape(b, h_kv, groups * q_len, d)
     bias = _dense_bias(layer, q_len, groups, query.dtype)
@@ -119,6 +125,25 @@ def _dense_attention(
         probs = None
     out = out.view(b, h_q, q_len, d).transpose(1, 2)
     return out, probs
+
+
+_CAUSAL_MASKS: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _causal_after_cache(q_len: int, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``(q, N)`` additive mask (0 or −inf): the ``q`` newest entries see every older entry and,
+    causally, each other.
+
+    The last mask built is kept (every layer of one forward asks for the same one).
+    """
+    key = (q_len, n, device, dtype)
+    mask = _CAUSAL_MASKS.get(key)
+    if mask is None:
+        mask = torch.zeros(q_len, n, dtype=dtype, device=device)
+        mask[:, n - q_len :] = torch.full((q_len, q_len), NEG_INF, dtype=dtype, device=device).triu(1)
+        _CAUSAL_MASKS.clear()
+        _CAUSAL_MASKS[key] = mask
+    return mask
 
 
 def _dense_views(layer: FoldedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
