@@ -197,6 +197,30 @@ def test_omp_mass_residual_is_non_increasing(k, tau):
     torch.testing.assert_close(plain[1], ref.weights, rtol=1e-7, atol=1e-9)
 
 
+def test_omp_beta_min_pruning_resumes_at_most_refills_times():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 80, 50, generator=g, dtype=F64) * 5  # a few keys carry the mass
+    phi = torch.exp(logits - logits.amax(-1, keepdim=True))
+    mass = phi.sum(-1)
+    runs = {}
+    for refills in (0, 2, 1000):
+        idx, w, lengths, history = omp_keys(
+            phi,
+            mass,
+            torch.full((4,), 20),
+            torch.ones(4, 50, dtype=torch.bool),
+            k=4,
+            tau=2,
+            beta_min=0.5,
+            refills=refills,
+        )
+        kept = torch.arange(20)[None, :] < lengths[:, None]
+        assert bool((w[kept] >= math.exp(0.5)).all()) and bool((w[~kept] == 0).all())  # App. C.2: β ≥ β_min
+        runs[refills] = (int(lengths.sum()), history.shape[-1])
+    assert runs[0][0] < runs[1000][0]  # refilling after a pruning keeps more of the budget
+    assert runs[0][1] <= runs[2][1] <= runs[1000][1]
+
+
 def test_nnls_matches_the_float64_reference():
     g = torch.Generator().manual_seed(4)
     A = torch.rand(5, 40, 12, generator=g, dtype=F64) ** 2

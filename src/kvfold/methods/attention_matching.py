@@ -458,6 +458,7 @@ class _AttentionMatching(Standalone):
             nnls_iters=self.nnls_iters,
             beta_min=self.beta_min,
             beta_max=self.beta_max,
+            refills=getattr(self, "refills", 0),
             fit_values=self.fit_values,
             solver=self.solver,  # type: ignore[arg-type]
         )
@@ -581,6 +582,8 @@ class AMOmp(_AttentionMatching):
     Parameters:
         k: keys added per greedy step (1).
         tau: greedy steps between NNLS refits (1).
+        refills: times selection resumes after dropping keys with β < −7 (8; the paper has no
+            limit — see :func:`kvfold.methods.am_solve.omp_keys`).
     """
 
     name: ClassVar[str] = "am_omp"
@@ -591,11 +594,12 @@ class AMOmp(_AttentionMatching):
     beta_max: float = 7.0
     k: int = 1
     tau: int = 1
+    refills: int = 8
 
     def validate(self) -> None:
         super().validate()
-        if self.k < 1 or self.tau < 1:
-            raise SpecError(f"{self.name}: k and tau must be ≥ 1")
+        if self.k < 1 or self.tau < 1 or self.refills < 0:
+            raise SpecError(f"{self.name}: k and tau must be ≥ 1 and refills ≥ 0")
 
 
 @register
