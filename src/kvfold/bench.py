@@ -95,6 +95,7 @@ def run_config(config: BenchConfig) -> dict:
             compressed = _compress_in_place(source, method, budget)
         kv_bytes = compressed.cache.nbytes()
         kv_bytes_full = compressed.cache.full_nbytes()
+        release_freed_memory()
         tokens_per_s = _decode(model, compressed, config.new_tokens)
     return {
         **asdict(config),
@@ -102,7 +103,7 @@ def run_config(config: BenchConfig) -> dict:
         "prefill_s": prefill_s,
         "compress_s": compressed.compress_seconds,
         "decode_tokens_per_s": tokens_per_s,
-        "peak_rss_mb": _rss_mb(),
+        "peak_rss_mb": _rss_mb(),  # the process's peak (ru_maxrss), prefill included
         "base_rss_mb": base_rss,
         "kv_bytes": kv_bytes,
         "kv_bytes_full": kv_bytes_full,
@@ -160,6 +161,32 @@ def _decode(model, compressed, new_tokens: int) -> float:
         if step >= WARMUP_STEPS:
             elapsed += time.perf_counter() - start
     return batch * new_tokens / elapsed
+
+
+def release_freed_memory() -> bool:
+    """Give the memory freed after prefill and compression back to the operating system.
+
+    The full cache, the prefill's activations and the evicted entries are freed but stay in the
+    C allocator's arenas; on this machine, decoding in such a process was 20–30% slower than in a
+    fresh process holding the same small cache (snapkv at 4K → 410 tokens, batch 4: 99.5 against
+    68.0 ms per step; 70.6 ms after the release). Every configuration, ``full`` included, calls
+    this before its decode is timed, so the ratios compare caches, not allocator states.
+
+    Returns:
+        True where glibc's ``malloc_trim`` was called (Linux); other platforms only collect garbage.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl): nothing to trim
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def _rss_mb() -> float:
