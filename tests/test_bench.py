@@ -23,6 +23,8 @@ FIELDS = {
     "kv_bytes",
     "kv_bytes_full",
     "limit_speedup",
+    "reference_length",
+    "reference_tokens_per_s",
 }
 
 
@@ -50,6 +52,13 @@ def test_bench_records_ratios_and_files(tiny_dir, tmp_path):
         assert record["decode_tokens_per_s"] > 0 and record["peak_rss_mb"] > 0
     small = [r for r in records if r["method"] == "streamingllm"]
     assert all(r["kv_bytes"] <= 0.26 * r["kv_bytes_full"] for r in small)
+    for record in small:  # the reference (full at the compressed size) decoded in the method's process
+        full = next(r for r in records if r["method"] == "full" and r["batch"] == record["batch"])
+        assert record["reference_length"] == 16
+        assert record["limit_speedup"] == pytest.approx(record["reference_tokens_per_s"] / full["decode_tokens_per_s"])
+        assert record["speedup_over_limit"] == pytest.approx(
+            record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
+        )
     assert json.loads((tmp_path / "bench.json").read_text())["records"]
     assert "| streamingllm | 0.25 | 64 |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -59,7 +68,7 @@ def test_bench_resumes_from_finished_records(tiny_dir, tmp_path, monkeypatch):
     import kvfold.bench as bench_module
 
     first = bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
-    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 3  # full@64, full@16, streamingllm
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 2  # full@64, streamingllm
 
     spawned = []
     real_spawn = bench_module._spawn
@@ -71,6 +80,15 @@ def test_bench_resumes_from_finished_records(tiny_dir, tmp_path, monkeypatch):
     by_method = {r["method"]: r for r in again["records"]}
     old = {r["method"]: r for r in first["records"]}
     assert by_method["streamingllm"]["decode_tokens_per_s"] == old["streamingllm"]["decode_tokens_per_s"]
+
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    older = [json.loads(line) for line in lines]
+    for record in older:  # records of an older kvfold (no paired reference) are measured again
+        record.pop("reference_tokens_per_s", None)
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in older))
+    spawned.clear()
+    bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+    assert sorted(c.method for c in spawned) == ["full", "streamingllm"]
 
     (tmp_path / "records.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match="line 1 is not a bench record"):

@@ -1,13 +1,19 @@
 """``kvfold bench``: prefill, compression and decode speed and memory, as ratios against ``full``.
 
 Each configuration (method, budget, length, batch) runs in its own process so that its peak
-resident memory is its own. ``full`` runs in the same invocation at every length and at every
-compressed size ⌈budget × length⌉, which gives two ratios per configuration:
+resident memory is its own. ``full`` runs in the same invocation at every length, which gives two
+ratios per configuration:
 
 * ``speedup`` = decode tokens/s of the method / decode tokens/s of ``full`` at the same length;
-* ``limit_speedup`` = decode tokens/s of ``full`` on a context as long as the compressed cache /
-  decode tokens/s of ``full`` at ``length`` — a compressed cache cannot decode faster than an
-  uncompressed one of its size, so this is the practical ceiling.
+* ``limit_speedup`` = decode tokens/s of ``full`` on a context as long as the compressed cache
+  (⌈budget × length⌉ tokens) / decode tokens/s of ``full`` at ``length`` — a compressed cache
+  cannot decode faster than an uncompressed one of its size, so this is the practical ceiling.
+
+The ``full`` cache of the compressed size (the *reference*) is prefilled in the method's own
+process, after its peak memory is read, and its decode steps alternate with the method's: on a
+shared machine the speed of one process drifts by 20–30% from one run to the next, and
+``speedup / limit_speedup`` = method / reference is then a paired measurement. Decode speed is
+the batch over the median step time of the measured steps (warm-up steps excluded).
 """
 
 from __future__ import annotations
@@ -58,12 +64,17 @@ def context_ids(tokenizer, length: int, batch: int):
 
 
 def run_config(config: BenchConfig) -> dict:
-    """Measure one configuration in this process (called in a child process by :func:`bench`)."""
+    """Measure one configuration in this process (called in a child process by :func:`bench`).
+
+    After prefill and compression the peak memory is read; then, for a compressing method, the
+    reference (``full`` on ⌈budget × length⌉ tokens) is prefilled and decoded step for step
+    alongside the method (:func:`_decode_interleaved`).
+    """
     import torch
 
     import kvfold
+    from kvfold.budget import Budget
     from kvfold.chunked import prefill_chunked
-    from kvfold.pipeline import PrefilledContext
 
     model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
     base_rss = _rss_mb()
@@ -75,40 +86,61 @@ def run_config(config: BenchConfig) -> dict:
             compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
             prefill_s = compressed.source.prefill_seconds
         else:
-            cache = kvfold.FoldedCache(model.config)
-            cache.capture_window = max(64, method.query_window)
-            cache.prefill_observers = list(method.prefill_observers()) if hasattr(method, "prefill_observers") else []
-            start = time.perf_counter()
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            prefill_s = time.perf_counter() - start
-            cache.capture_window = 0
-            cache.prefill_observers = []
-            source = PrefilledContext(
-                model=model,
-                tokenizer=tokenizer,
-                cache=cache,
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                prefill_seconds=prefill_s,
-                last_logits=out.logits[:, -1],
-            )
+            source = _prefill_full(model, tokenizer, ids, method)
+            prefill_s = source.prefill_seconds
             compressed = _compress_in_place(source, method, budget)
         kv_bytes = compressed.cache.nbytes()
         kv_bytes_full = compressed.cache.full_nbytes()
+        peak_rss = _rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
         release_freed_memory()
-        tokens_per_s = _decode(model, compressed, config.new_tokens)
+        runs = [compressed]
+        reference_length = None
+        if not method.is_identity:
+            reference_length = Budget.parse(config.budget).count(config.length)
+            reference_ids = context_ids(tokenizer, reference_length, config.batch).to(model.device)
+            runs.append(_prefill_full(model, tokenizer, reference_ids, method=None))
+        speeds = _decode_interleaved(model, runs, config.new_tokens)
     return {
         **asdict(config),
         "budget": config.budget if not method.is_identity else 1.0,
         "prefill_s": prefill_s,
         "compress_s": compressed.compress_seconds,
-        "decode_tokens_per_s": tokens_per_s,
-        "peak_rss_mb": _rss_mb(),  # the process's peak (ru_maxrss), prefill included
+        "decode_tokens_per_s": speeds[0],
+        "reference_length": reference_length or config.length,
+        "reference_tokens_per_s": speeds[1] if reference_length else speeds[0],
+        "peak_rss_mb": peak_rss,
         "base_rss_mb": base_rss,
         "kv_bytes": kv_bytes,
         "kv_bytes_full": kv_bytes_full,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
     }
+
+
+def _prefill_full(model, tokenizer, ids, method=None):
+    """Prefill ``ids`` into a full :class:`~kvfold.cache.FoldedCache`, capturing what ``method`` needs."""
+    import torch
+
+    import kvfold
+    from kvfold.pipeline import PrefilledContext
+
+    cache = kvfold.FoldedCache(model.config)
+    if method is not None:
+        cache.capture_window = max(64, method.query_window)
+        cache.prefill_observers = list(method.prefill_observers()) if hasattr(method, "prefill_observers") else []
+    start = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefill_s = time.perf_counter() - start
+    cache.capture_window = 0
+    cache.prefill_observers = []
+    return PrefilledContext(
+        model=model,
+        tokenizer=tokenizer,
+        cache=cache,
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        prefill_seconds=prefill_s,
+        last_logits=out.logits[:, -1],
+    )
 
 
 def _compress_in_place(source, method, budget):
@@ -144,23 +176,37 @@ def _compress_in_place(source, method, budget):
     )
 
 
-def _decode(model, compressed, new_tokens: int) -> float:
-    """Steady-state decode tokens/s summed over the batch (greedy, after warm-up steps)."""
+def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
+    """Greedy decode of every context, one step of each in turn; steady-state tokens/s of each.
+
+    Each context is a :class:`~kvfold.pipeline.CompressedContext` (its cache decodes under its
+    online policy) or a :class:`~kvfold.pipeline.PrefilledContext` (a full cache). The order of the
+    contexts within a step alternates from step to step. Speed is the batch over the median time
+    of the ``new_tokens`` steps after :data:`WARMUP_STEPS` warm-up steps, summed over the batch.
+    """
+    import statistics
+
     import torch
 
-    cache = compressed.cache
-    cache.policy = compressed.policy
-    tokens = compressed.source.last_logits.argmax(-1)
-    batch = tokens.shape[0]
-    elapsed = 0.0
+    states = []
+    for context in contexts:
+        cache = context.cache
+        cache.policy = getattr(context, "policy", None)
+        source = getattr(context, "source", context)
+        states.append([cache, source.last_logits.argmax(-1)])
+    times: list[list[float]] = [[] for _ in contexts]
     for step in range(WARMUP_STEPS + new_tokens):
-        position = torch.full((batch, 1), cache.get_seq_length(), device=tokens.device)
-        start = time.perf_counter()
-        logits = model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
-        tokens = logits.argmax(-1)
-        if step >= WARMUP_STEPS:
-            elapsed += time.perf_counter() - start
-    return batch * new_tokens / elapsed
+        order = range(len(states)) if step % 2 == 0 else reversed(range(len(states)))
+        for index in order:
+            cache, tokens = states[index]
+            batch = tokens.shape[0]
+            position = torch.full((batch, 1), cache.get_seq_length(), device=tokens.device)
+            start = time.perf_counter()
+            logits = model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
+            states[index][1] = logits.argmax(-1)
+            if step >= WARMUP_STEPS:
+                times[index].append(time.perf_counter() - start)
+    return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
 
 
 def release_freed_memory() -> bool:
@@ -216,9 +262,10 @@ def plan(
     dtype: str = "auto",
     device: str = "auto",
 ) -> tuple[list[BenchConfig], list[BenchConfig]]:
-    """The method configurations and the ``full`` references (every length and compressed size)."""
-    from kvfold.budget import Budget
+    """The method configurations and the ``full`` runs at every length and batch.
 
+    (``full`` at each compressed size is measured inside the method's own process.)
+    """
     runs, refs = [], {}
     for length in lengths:
         for batch in batches:
@@ -229,10 +276,6 @@ def plan(
                 for budget in budgets:
                     runs.append(
                         BenchConfig(model, method, budget, length, batch, new_tokens, prefill_chunk, dtype, device)
-                    )
-                    size = Budget.parse(budget).count(length)
-                    refs.setdefault(
-                        (size, batch), BenchConfig(model, "full", 1.0, size, batch, new_tokens, None, dtype, device)
                     )
     return runs, list(refs.values())
 
@@ -256,11 +299,13 @@ def bench(
     again on the same directory reuses the configurations found there and measures only the rest.
 
     Returns:
-        ``{"records": [...]}`` with the fields of the issue plus ``speedup`` and ``limit_speedup``.
+        ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
+        ``decode_tokens_per_s``, ``peak_rss_mb``, ``kv_bytes``, ``kv_bytes_full``, ``speedup``,
+        ``limit_speedup``, ``speedup_over_limit`` and the reference's ``reference_length`` and
+        ``reference_tokens_per_s`` (module docstring).
     """
     from tqdm import tqdm
 
-    from kvfold.budget import Budget
 
     runs, refs = plan(
         model,
@@ -278,7 +323,7 @@ def bench(
     done = load_finished_records(Path(out_dir)) if out_dir is not None else {}
     for config in tqdm([*refs, *runs], desc="kvfold bench", disable=not progress):
         record = done.get(_config_key(config))
-        if record is None:
+        if record is None or "reference_tokens_per_s" not in record:  # none, or from an older kvfold
             record = _spawn(config)
             if out_dir is not None:
                 _append_record(Path(out_dir), record)
@@ -286,13 +331,12 @@ def bench(
             measured[(config.length, config.batch)] = record
         else:
             records.append(record)
-    full_records = [measured[(c.length, c.batch)] for c in refs if c.length in set(lengths or [2048])]
+    full_records = [measured[(c.length, c.batch)] for c in refs]
     for record in records:
         full = measured[(record["length"], record["batch"])]
-        small = measured[(Budget.parse(record["budget"]).count(record["length"]), record["batch"])]
         record["speedup"] = record["decode_tokens_per_s"] / full["decode_tokens_per_s"]
-        record["limit_speedup"] = small["decode_tokens_per_s"] / full["decode_tokens_per_s"]
-        record["speedup_over_limit"] = record["speedup"] / record["limit_speedup"]
+        record["limit_speedup"] = record["reference_tokens_per_s"] / full["decode_tokens_per_s"]
+        record["speedup_over_limit"] = record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
     for record in full_records:
         record.update(speedup=1.0, limit_speedup=1.0, speedup_over_limit=1.0)
     result = {"model": model, "records": [*full_records, *records]}
@@ -347,8 +391,11 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         f"# kvfold bench — {result['model']}",
         "",
         "Decode throughput is steady state (after warm-up, prefill excluded), summed over the batch. "
+        "Decode speed is the batch over the median step time. "
         "`speedup` is against `full` at the same length; `limit` is `full` at the compressed size against "
-        "`full` at the length (the ceiling); peak RSS is each configuration's own process.",
+        "`full` at the length (the ceiling); `full` at the compressed size decodes in the method's own process, "
+        "step for step with it, so `speedup/limit` is a paired ratio. Peak RSS is each configuration's own "
+        "process (prefill and compression).",
         "",
         "| method | budget | length | batch | prefill s | compress s | decode tok/s | speedup | limit | "
         "speedup/limit | KV MB | full KV MB | peak RSS MB |",
