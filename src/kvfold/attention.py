@@ -39,8 +39,22 @@ class OnlinePolicy(Protocol):
     needs_attention: bool
 
     def after_forward(
-        self, layer_idx: int, layer: FoldedLayer, query: torch.Tensor, probs: torch.Tensor | None
-    ) -> None: ...
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        query: torch.Tensor,
+        probs: torch.Tensor | None,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """Called after the attention of layer ``layer_idx`` (its cache already holds the new entries).
+
+        Args:
+            query: ``(B, H_q, q, D)`` this forward's query states.
+            probs: ``(B, H_q, q, N)`` attention probabilities when ``needs_attention`` and the layer
+                held a compressed or filled cache; None on a fresh prefill.
+            logits: with ``probs``, the scaled scores ``q·k·scaling`` before β, ``(B, H_kv, G·q, N)``
+                (the G query heads of a KV head folded into the query axis).
+        """
 
 
 def kvfold_attention(
@@ -75,7 +89,7 @@ def kvfold_attention(
         _capture_queries(layer, query, kvfold_cache.capture_window)
     policy = kvfold_cache.policy
     need_probs = policy is not None and policy.needs_attention
-    probs = None
+    probs = logits = None
     fresh = layer.paged is None and layer.physical_length == q_len and not layer.has_log_mass
     if fresh:
         out, _ = sdpa_attention_forward(
@@ -89,16 +103,21 @@ def kvfold_attention(
         if layer.paged is not None and q_len == 1:
             out = _paged_decode(query, layer.paged, scaling)
         else:
-            out, probs = _dense_attention(query, layer, scaling, need_probs)
+            out, probs, logits = _dense_attention(query, layer, scaling, need_probs)
     if policy is not None:
-        policy.after_forward(module.layer_idx, layer, query, probs)
+        policy.after_forward(module.layer_idx, layer, query, probs, logits)
     return out, None
 
 
 def _dense_attention(
     query: torch.Tensor, layer: FoldedLayer, scaling: float, need_probs: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention over the dense layout with β; returns ``(B, q, H_q, D)`` and optional probs."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Attention over the dense layout with β.
+
+    Returns:
+        ``(output (B, q, H_q, D), probs, logits)``; with ``need_probs`` the probabilities
+        ``(B, H_q, q, N)`` and the scaled scores before β ``(B, H_kv, G·q, N)``, else None.
+    """
     b, h_q, q_len, d = query.shape
     keys, values, log_mass = _dense_views(layer)
     h_kv, n = keys.shape[1], keys.shape[2]
@@ -108,23 +127,21 @@ def _dense_attention(
         # additive mask shared by every head and layer instead of a (G·q, N) bias per layer.
         mask = _causal_after_cache(q_len, n, query.device, query.dtype)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2), None, None
     # Fold the G query heads of each KV head into the query axis: (B, H_kv, G·q, D).
     folded = query.reshape(b, h_kv, groups * q_len, d)
     bias = _dense_bias(layer, q_len, groups, query.dtype)
     if need_probs:
         acc = torch.promote_types(query.dtype, torch.float32)
         logits = torch.matmul(folded, keys.transpose(-1, -2)).to(acc) * scaling
-        if bias is not None:
-            logits = logits + bias
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits if bias is None else logits + bias, dim=-1)
         out = torch.matmul(probs.to(values.dtype), values)
         probs = probs.view(b, h_q, q_len, n)
     else:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scaling)
-        probs = None
+        probs = logits = None
     out = out.view(b, h_q, q_len, d).transpose(1, 2)
-    return out, probs
+    return out, probs, logits
 
 
 _CAUSAL_MASKS: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}

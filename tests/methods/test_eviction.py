@@ -455,10 +455,10 @@ class BudgetSpy:
         self.longest = 0
         self.calls = 0
 
-    def after_forward(self, layer_idx, layer, query, probs) -> None:
+    def after_forward(self, layer_idx, layer, query, probs, logits=None) -> None:
         keys = layer.dense_buffers()[0]
         self.newest[layer_idx].extend(keys[0, :, -query.shape[2] + j].clone() for j in range(query.shape[2]))
-        self.policy.after_forward(layer_idx, layer, query, probs)
+        self.policy.after_forward(layer_idx, layer, query, probs, logits)
         assert layer.physical_length <= self.policy.limits[layer_idx]
         held = layer.dense_buffers()[0][0]  # (H, N, D)
         for key in self.newest[layer_idx][-self.recent :] if self.recent else []:
@@ -496,10 +496,10 @@ def test_online_h2o_evicts_the_least_accumulated_attention():
     class Recorder:
         needs_attention = True
 
-        def after_forward(self, layer_idx, layer, query, probs):
+        def after_forward(self, layer_idx, layer, query, probs, logits=None):
             if layer_idx == 0:
                 seen["keys"], seen["probs"] = layer.padded()[0].clone(), probs.clone()
-            policy.after_forward(layer_idx, layer, query, probs)
+            policy.after_forward(layer_idx, layer, query, probs, logits)
 
     accumulated = cache.layers[0].entry_stats["h2o"].clone()  # (1, H_kv, 8) of the kept entries
     cache.policy = Recorder()

@@ -205,6 +205,9 @@ def test_ema_step_equals_one_query_at_a_time_and_scores_come_back_from_probabili
     from_probs = step_log_scores(query, keys, beta, scaling, probs)
     seen = torch.isfinite(direct) & causal
     torch.testing.assert_close(from_probs[seen], direct[seen], rtol=0, atol=1e-10)
+    folded = logits.reshape(1, 2, 2 * 3, 9)  # the attention's scores: G query heads folded per KV head
+    from_logits = step_log_scores(query, keys, beta, scaling, probs, logits=folded)
+    torch.testing.assert_close(from_logits, direct, rtol=0, atol=1e-12)  # empty slot: -inf in both
     log_sum = torch.randn(1, 2, 9, generator=g, dtype=F64)
     weight = torch.rand(1, 2, 9, generator=g, dtype=F64)
     log_sum[..., 6:], weight[..., 6:] = float("-inf"), 0.0
@@ -431,12 +434,12 @@ def test_online_theorem3_with_the_current_step_scores():
     class Checking:
         needs_attention = True
 
-        def after_forward(self, layer_idx, layer, query, probs):
+        def after_forward(self, layer_idx, layer, query, probs, logits=None):
             scaling = model.model.layers[layer_idx].self_attn.scaling
             q = query[:, :, -1]
             keys, values, beta = (t.clone() for t in layer.dense_buffers())
             before = attend(q, keys, values, beta, scaling)
-            policy.after_forward(layer_idx, layer, query, probs)
+            policy.after_forward(layer_idx, layer, query, probs, logits)
             keys, values, beta = layer.dense_buffers()
             errors.append(rel(attend(q, keys, values, beta, scaling), before))
 

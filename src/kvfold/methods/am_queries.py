@@ -145,7 +145,9 @@ class QueryRecorder:
         self._queries: dict[int, Tensor] = {}
         self._keys: dict[int, Tensor] = {}
 
-    def after_forward(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
         if layer_idx in self.layers:
             pooled = pool_gqa_queries(query.detach().to(self.dtype), layer.num_heads)
             keys = torch.rand(pooled.shape[:3], generator=self.generator).to(pooled.device)

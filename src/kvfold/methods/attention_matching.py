@@ -353,7 +353,9 @@ class AttentionMatchingOnline:
         self.buffers: dict[int, ReferenceQueries] = dict(initial or {})
         self.compactions: dict[int, int] = {i: 0 for i in limits}
 
-    def after_forward(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
         if layer_idx not in self.limits:
             return
         dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32

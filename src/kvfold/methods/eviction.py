@@ -705,7 +705,9 @@ class RepeatAttentionRecorder:
         self.context_slots = context_slots
         self.scores: dict[int, Tensor] = {}
 
-    def after_forward(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
         if probs is None:
             raise RuntimeError("KVzip's repeat pass needs attention probabilities from a filled dense cache")
         received = probs[..., : self.context_slots].amax(dim=2)  # max over queries, (B, H_q, N)

@@ -154,10 +154,12 @@ def step_log_scores(
     scaling: float,
     probs: Tensor | None = None,
     valid: Tensor | None = None,
+    logits: Tensor | None = None,
 ) -> Tensor:
     """``ln s = q·k·scaling`` of this forward's queries for every entry, ``(B, H_q, q, N)``.
 
-    With the attention's probabilities ``P = p s / Z`` (votes included), ``ln s = ln P − β + ln Z``
+    With the attention's scores ``logits`` (``(B, H_kv, G·q, N)``, before β) they are used as
+    they are. With the attention's probabilities ``P = p s / Z`` (votes included), ``ln s = ln P − β + ln Z``
     where ``ln Z`` comes from one anchor entry per query (its highest probability), so no second
     ``q·Kᵀ`` is needed. Without ``probs`` the logits are computed directly. Invalid slots get -inf.
     ``valid``: the ``(B, H, N)`` mask of finite ``log_mass`` when the caller has it already.
@@ -169,6 +171,9 @@ def step_log_scores(
     beta = log_mass.to(dtype)
     if valid is None:
         valid = torch.isfinite(beta)
+    if logits is not None:
+        logits = torch.where(valid[:, :, None, :], logits.to(dtype), NEG_INF)
+        return logits.reshape(batch, num_q, q_len, length)
     folded = query.to(dtype).reshape(batch, heads, groups * q_len, dim)
     if probs is None:
         logits = torch.matmul(folded, keys.to(dtype).transpose(-1, -2)) * scaling
@@ -429,6 +434,7 @@ def best_match(
     allowed: Tensor,
     row_rank: Tensor | None = None,
     candidate_rank: Tensor | None = None,
+    candidate_norms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Most cosine-similar allowed candidate of every row key (Algorithm 1, lines 4–5).
 
@@ -438,13 +444,17 @@ def best_match(
         allowed: ``(B, H, C)`` bool (e.g. retained, valid).
         row_rank, candidate_rank: optional ``(B, H, R)`` and ``(B, H, C)``; when given, a row may only
             match candidates of lower rank (higher priority).
+        candidate_norms: optional ``(B, H, C)`` Euclidean norms of the candidates, when the caller
+            keeps them (a decode step then reads each key once, in the similarity itself).
 
     Returns:
         ``(similarity (B, H, R), index (B, H, R))``; similarity ``-inf`` when nothing is allowed.
     """
     a = _unit(rows)
     b = candidates if candidates.dtype == a.dtype else candidates.to(a.dtype)
-    b_norm = torch.linalg.vector_norm(b, dim=-1).clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(2)  # (B, H, 1, C)
+    if candidate_norms is None:
+        candidate_norms = torch.linalg.vector_norm(b, dim=-1)
+    b_norm = candidate_norms.to(a.dtype).clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(2)  # (B, H, 1, C)
     batch, heads, count = rows.shape[:3]
     step = max(1, _SIM_CHUNK // max(1, batch * heads * candidates.shape[2]))
     sims, idx = [], []
@@ -701,6 +711,7 @@ class KeepKVOnline:
         self.scalings = scalings
         self._log_sum: dict[int, Tensor] = {}
         self._weight: dict[int, Tensor] = {}
+        self._key_norm: dict[int, Tensor] = {}  # slot-aligned ‖k‖ (B, H, capacity), for best_match
         self._counts: dict[str, float] = {"merged": 0, "evicted": 0, "votes_dropped": 0.0, "fallbacks": 0}
         self._pending: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # decode steps not counted yet
 
@@ -758,9 +769,12 @@ class KeepKVOnline:
                     self._counts["votes_dropped"] += votes
             start = end
 
-    def _state(self, layer_idx: int, layer: FoldedLayer, old: int, n: int) -> tuple[Tensor, Tensor]:
+    def _state(self, layer_idx: int, layer: FoldedLayer, old: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The slot-aligned EMA ``(log S, Σω)`` and key norms of a layer, created or grown to ``n``
+        slots; a created or grown state has its norms computed for every slot."""
         log_sum = self._log_sum.get(layer_idx)
         weight = self._weight.get(layer_idx)
+        key_norm = self._key_norm.get(layer_idx)
         if log_sum is None:
             dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
             capacity = n + 16
@@ -775,8 +789,13 @@ class KeepKVOnline:
             grow = n + 16 - log_sum.shape[2]
             log_sum = torch.cat([log_sum, log_sum.new_full((*log_sum.shape[:2], grow), NEG_INF)], dim=2)
             weight = torch.cat([weight, weight.new_zeros(*weight.shape[:2], grow)], dim=2)
-        self._log_sum[layer_idx], self._weight[layer_idx] = log_sum, weight
-        return log_sum, weight
+            key_norm = None
+        if key_norm is None:
+            key_norm = torch.zeros_like(weight)
+            keys = layer.dense_buffers()[0]
+            key_norm[:, :, :n] = torch.linalg.vector_norm(keys.to(key_norm.dtype), dim=-1)
+        self._log_sum[layer_idx], self._weight[layer_idx], self._key_norm[layer_idx] = log_sum, weight, key_norm
+        return log_sum, weight, key_norm
 
     def _initial(self, layer_idx: int, layer: FoldedLayer, count: int) -> tuple[Tensor, Tensor]:
         """Scores of the entries present before the first step: from the one-shot fold, else from the
@@ -796,11 +815,18 @@ class KeepKVOnline:
         return empty.fill_(NEG_INF), torch.zeros_like(empty)
 
     def observe(
-        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, view: StepView | None = None
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        query: Tensor,
+        probs: Tensor | None,
+        view: StepView | None = None,
+        logits: Tensor | None = None,
     ) -> list[Tensor]:
         """Update the EMA with this forward's queries; return the slot-aligned state tensors.
 
         ``view``: the layer's buffers for this step, when the policy has taken them already.
+        ``logits``: the attention's scores before β (``(B, H_kv, G·q, N)``), when it computed them.
         """
         if view is None:
             keys, values, log_mass = layer.dense_buffers()
@@ -808,18 +834,23 @@ class KeepKVOnline:
         n = view.keys.shape[2]
         q_len = query.shape[2]
         old = n - q_len
-        log_sum, weight = self._state(layer_idx, layer, old, n)
+        fresh = self._key_norm.get(layer_idx) is None or self._key_norm[layer_idx].shape[2] < n
+        log_sum, weight, key_norm = self._state(layer_idx, layer, old, n)
+        if not fresh:  # the norms of the entries this forward appended
+            key_norm.narrow(2, old, q_len).copy_(
+                torch.linalg.vector_norm(view.keys.narrow(2, old, q_len).to(key_norm.dtype), dim=-1)
+            )
         log_sum_n, weight_n = log_sum.narrow(2, 0, n), weight.narrow(2, 0, n)
         log_sum_n.narrow(2, old, q_len).fill_(NEG_INF)
         weight_n.narrow(2, old, q_len).fill_(0.0)
-        log_s = step_log_scores(query, view.keys, view.log_mass, self.scalings[layer_idx], probs, view.valid)
+        log_s = step_log_scores(query, view.keys, view.log_mass, self.scalings[layer_idx], probs, view.valid, logits)
         if q_len == 1:  # a decode step: the same update, in place
             ema_step_one_(log_sum_n, weight_n, log_s, self.folder.alpha)
         else:
             new_sum, new_weight = ema_step(log_sum_n, weight_n, log_s, old, self.folder.alpha)
             log_sum_n.copy_(new_sum)
             weight_n.copy_(new_weight)
-        return [log_sum, weight]
+        return [log_sum, weight, key_norm]
 
     def export_state(self, layer_idx: int, layer: FoldedLayer) -> None:
         """Write the EMA state of a layer's slots where :meth:`_initial` of a fresh policy reads it."""
@@ -844,8 +875,9 @@ class KeepKVOnline:
         n = keys.shape[2]
         log_sum = self._log_sum[layer_idx].narrow(2, 0, n)
         weight = self._weight[layer_idx].narrow(2, 0, n)
+        key_norm = self._key_norm[layer_idx].narrow(2, 0, n)
         if victims.shape[2] == 1:
-            self._fold_one(keys, values, log_mass, log_sum, weight, victims, valid)
+            self._fold_one(keys, values, log_mass, log_sum, weight, key_norm, victims, valid)
             return
         # several victims (a multi-token forward): closed form over the whole row (eq. 25)
         leaving = torch.zeros_like(valid).scatter_(2, victims, True) & valid
@@ -871,6 +903,7 @@ class KeepKVOnline:
             (weight, new_weight),
         ):
             buffer.copy_(torch.where(at if buffer.dim() == 3 else at[..., None], new.to(buffer.dtype), buffer))
+        key_norm.copy_(torch.linalg.vector_norm(keys.to(key_norm.dtype), dim=-1))
         dropped = leaving & ~merge
         self._flush()  # the counts stay in step order
         self._counts["merged"] += int(goes.sum())
@@ -885,6 +918,7 @@ class KeepKVOnline:
         log_mass: Tensor,
         log_sum: Tensor,
         weight: Tensor,
+        key_norm: Tensor,
         victim: Tensor,
         valid: Tensor,
     ) -> None:
@@ -899,7 +933,8 @@ class KeepKVOnline:
         dim = keys.shape[-1]
         leaving = valid.gather(2, victim)  # the victim is an entry, not an empty slot
         victim_key = keys.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim))
-        sim, target = best_match(victim_key, keys, valid.scatter(2, victim, False))  # Algorithm 1, lines 4–5
+        allowed = valid.scatter(2, victim, False)
+        sim, target = best_match(victim_key, keys, allowed, candidate_norms=key_norm)  # Algorithm 1, lines 4–5
         goes = leaving & (sim > self.folder.threshold)
         pair = torch.cat([victim, target], dim=2)  # (B, H, 2)
         pair_k = keys.gather(2, pair.unsqueeze(-1).expand(-1, -1, -1, dim))
@@ -912,9 +947,9 @@ class KeepKVOnline:
         )
         new_weight = pair_weight.amax(-1, keepdim=True)  # the EMA weight of the group: its largest
         slot = torch.where(goes, target, victim)
-        keys.scatter_(
-            2, slot.unsqueeze(-1).expand(-1, -1, 1, dim), key if key.dtype == keys.dtype else key.to(keys.dtype)
-        )
+        stored = key if key.dtype == keys.dtype else key.to(keys.dtype)
+        keys.scatter_(2, slot.unsqueeze(-1).expand(-1, -1, 1, dim), stored)
+        key_norm.scatter_(2, slot, torch.linalg.vector_norm(stored.to(key_norm.dtype), dim=-1))
         values.scatter_(
             2,
             slot.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1]),
@@ -938,10 +973,12 @@ class LayerPolicies:
     def steps(self) -> int:
         return self.policies[min(self.policies)].steps if self.policies else 0
 
-    def after_forward(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
         policy = self.policies.get(layer_idx)
         if policy is not None:
-            policy.after_forward(layer_idx, layer, query, probs)
+            policy.after_forward(layer_idx, layer, query, probs, logits)
 
     def export_state(self, cache: FoldedCache) -> None:
         """Every layer's policy writes its state into the cache (see :meth:`OnlineEviction.export_state`)."""

@@ -48,7 +48,7 @@ class OnlineEviction:
 
     Attributes:
         folder: an optional online folder (KeepKV) that merges victims instead of dropping them:
-            ``folder.observe(layer_idx, layer, query, probs, view)`` returns slot-aligned state
+            ``folder.observe(layer_idx, layer, query, probs, view, logits)`` returns slot-aligned state
             tensors ``(B, H, capacity)`` that move with the slots, ``folder.fold(layer_idx, layer,
             victims, view)`` runs on the victims' slots ``(B, H, E)`` just before they are removed
             (it may write anything into them), and ``folder.export_state(layer_idx, layer)`` writes
@@ -90,7 +90,12 @@ class OnlineEviction:
 
     # -- the shared mechanism ---------------------------------------------------------
     def after_forward(
-        self, layer_idx: int, layer: FoldedLayer, query: torch.Tensor, probs: torch.Tensor | None
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        query: torch.Tensor,
+        probs: torch.Tensor | None,
+        logits: torch.Tensor | None = None,
     ) -> None:
         if layer_idx not in self.limits:
             return
@@ -109,7 +114,7 @@ class OnlineEviction:
             keys, values, log_mass = layer.dense_buffers()  # once per step, shared with the folder
             view = StepView(keys, values, log_mass, torch.isfinite(log_mass))
             if self.folder is not None:
-                slots.extend(self.folder.observe(layer_idx, layer, query, probs, view))
+                slots.extend(self.folder.observe(layer_idx, layer, query, probs, view, logits))
             if excess == 1:
                 self._evict_one(layer, slots, n, layer_idx, view)
             elif excess > 1:

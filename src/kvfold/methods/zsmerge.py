@@ -609,7 +609,9 @@ class ZSMergeOnline:
         return found
 
     # ------------------------------------------------------------------ entry point
-    def after_forward(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
         if layer_idx not in self.layers:
             return
         q_len = query.shape[2]
