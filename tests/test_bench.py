@@ -103,6 +103,15 @@ def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):
     assert record["physical_tokens"] <= 16
 
 
+def test_bench_rejects_a_length_beyond_the_model_positions(tiny_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(tiny_dir).max_position_embeddings
+    code = main(["bench", "--model", str(tiny_dir), "--lengths", str(limit), "--batch", "1", "--out", str(tmp_path)])
+    assert code == 2
+    assert f"supports {limit} positions" in capsys.readouterr().err
+
+
 def test_bench_cli_rejects_bad_input(capsys, tmp_path):
     assert main(["bench", "--methods", "nosuch", "--out", str(tmp_path)]) == 2
     assert "unknown method" in capsys.readouterr().err

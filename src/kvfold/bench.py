@@ -75,8 +75,10 @@ def run_config(config: BenchConfig) -> dict:
     import kvfold
     from kvfold.budget import Budget
     from kvfold.chunked import prefill_chunked
+    from kvfold.pipeline import check_length
 
     model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
+    check_length(model, config.length + WARMUP_STEPS + config.new_tokens)
     base_rss = _rss_mb()
     ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
     method = kvfold.build_method(config.method)
@@ -246,8 +248,14 @@ def _spawn(config: BenchConfig, timeout: float | None = None) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"bench worker failed for {config.method} @ {config.length}x{config.batch}:\n{tail}")
+        lines = proc.stderr.strip().splitlines()
+        where = f"{config.method} @ {config.length} tokens x {config.batch}"
+        last = lines[-1] if lines else ""
+        for kind in ("ValueError", "NotImplementedError", "kvfold.models.ModelLoadError", "ModelLoadError"):
+            if last.startswith(kind + ": "):  # the user's input, not a crash: say it plainly
+                raise ValueError(f"{where}: {last[len(kind) + 2 :]}")
+        tail = "\n".join(lines[-5:])
+        raise RuntimeError(f"bench worker failed for {where}:\n{tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
