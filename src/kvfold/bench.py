@@ -75,7 +75,7 @@ def run_config(config: BenchConfig) -> dict:
     import kvfold
     from kvfold.budget import Budget
     from kvfold.chunked import prefill_chunked
-    from kvfold.pipeline import check_length
+    from kvfold.pipeline import check_length, prefill_ids
 
     model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
     check_length(model, config.length + WARMUP_STEPS + config.new_tokens)
@@ -88,7 +88,7 @@ def run_config(config: BenchConfig) -> dict:
             compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
             prefill_s = compressed.source.prefill_seconds
         else:
-            source = _prefill_full(model, tokenizer, ids, method)
+            source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
             prefill_s = source.prefill_seconds
             compressed = _compress_in_place(source, method, budget)
         kv_bytes = compressed.cache.nbytes()
@@ -100,7 +100,7 @@ def run_config(config: BenchConfig) -> dict:
         if not method.is_identity:
             reference_length = Budget.parse(config.budget).count(config.length)
             reference_ids = context_ids(tokenizer, reference_length, config.batch).to(model.device)
-            runs.append(_prefill_full(model, tokenizer, reference_ids, method=None))
+            runs.append(prefill_ids(model, tokenizer, reference_ids, capture_window=0))
         speeds = _decode_interleaved(model, runs, config.new_tokens)
     return {
         **asdict(config),
@@ -116,33 +116,6 @@ def run_config(config: BenchConfig) -> dict:
         "kv_bytes_full": kv_bytes_full,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
     }
-
-
-def _prefill_full(model, tokenizer, ids, method=None):
-    """Prefill ``ids`` into a full :class:`~kvfold.cache.FoldedCache`, capturing what ``method`` needs."""
-    import torch
-
-    import kvfold
-    from kvfold.pipeline import PrefilledContext
-
-    cache = kvfold.FoldedCache(model.config)
-    if method is not None:
-        cache.capture_window = max(64, method.query_window)
-        cache.prefill_observers = list(method.prefill_observers()) if hasattr(method, "prefill_observers") else []
-    start = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    prefill_s = time.perf_counter() - start
-    cache.capture_window = 0
-    cache.prefill_observers = []
-    return PrefilledContext(
-        model=model,
-        tokenizer=tokenizer,
-        cache=cache,
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        prefill_seconds=prefill_s,
-        last_logits=out.logits[:, -1],
-    )
 
 
 def _compress_in_place(source, method, budget):

@@ -420,15 +420,46 @@ def prefill(
     attention_mask = torch.tensor(
         [[0] * (longest - len(r)) + [1] * len(r) for r in rows], device=model.device
     )
+    return prefill_ids(
+        model,
+        tokenizer,
+        input_ids,
+        attention_mask if len(rows) > 1 else None,
+        capture_window=capture_window,
+        methods=methods,
+        suffixes=suffixes if query_aware else None,
+    )
+
+
+@torch.inference_mode()
+def prefill_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    capture_window: int = DEFAULT_SNAPSHOT_WINDOW,
+    methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None = None,
+    suffixes: list[str] | None = None,
+) -> PrefilledContext:
+    """Prefill token ids already encoded (``(B, N)``, left-padded) into a full :class:`FoldedCache`.
+
+    Args:
+        attention_mask: ``(B, N)`` with 0 on left padding; None when no row is padded (the model
+            then runs without a mask).
+        capture_window, methods: as in :func:`prefill`.
+        suffixes: the query-aware suffixes, kept on the returned context.
+    """
     cache = FoldedCache(model.config)
     planned = _planned_methods(methods)
     cache.capture_window = max([capture_window, *(m.query_window for m in planned)])
     cache.prefill_observers = list({o.key: o for m in planned for o in m.prefill_observers()}.values())
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     start = time.perf_counter()
     out = model(
         input_ids=input_ids,
-        attention_mask=attention_mask if len(rows) > 1 else None,
+        attention_mask=attention_mask,
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,
@@ -442,8 +473,8 @@ def prefill(
         tokenizer=tokenizer,
         cache=cache,
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=mask,
         prefill_seconds=elapsed,
-        suffixes=suffixes if query_aware else None,
+        suffixes=suffixes,
         last_logits=out.logits[:, -1],
     )
