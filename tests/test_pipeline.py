@@ -45,3 +45,15 @@ def test_one_compressed_context_answers_several_questions(smollm2):
     assert first == again  # answering does not modify the compressed cache
     assert compressed.kv_bytes <= 0.11 * compressed.kv_bytes_full
     assert compressed.cache.get_seq_length() == compressed.source.context_tokens
+
+
+def test_prefill_ids_equals_prefill_of_the_same_tokens(smollm2):
+    model, tokenizer = smollm2
+    context = build_context(tokenizer, target_tokens=120)
+    from_text = kvfold.prefill(model, tokenizer, context, methods="snapkv")
+    from_ids = kvfold.pipeline.prefill_ids(model, tokenizer, from_text.input_ids, methods="snapkv")
+    torch.testing.assert_close(from_ids.last_logits, from_text.last_logits, rtol=0, atol=0)
+    assert torch.equal(from_ids.attention_mask, from_text.attention_mask)
+    for (_, a), (_, b) in zip(from_ids.cache.folded_layers, from_text.cache.folded_layers, strict=True):
+        assert torch.equal(a.dense_buffers()[0], b.dense_buffers()[0])
+        assert torch.equal(a.captured_queries, b.captured_queries)
