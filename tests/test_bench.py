@@ -107,7 +107,8 @@ def test_bench_rejects_a_length_beyond_the_model_positions(tiny_dir, tmp_path, c
     from transformers import AutoConfig
 
     limit = AutoConfig.from_pretrained(tiny_dir).max_position_embeddings
-    code = main(["bench", "--model", str(tiny_dir), "--lengths", str(limit + 1), "--batch", "1", "--out", str(tmp_path)])
+    args = ["bench", "--model", str(tiny_dir), "--lengths", str(limit + 1), "--batch", "1", "--out", str(tmp_path)]
+    code = main(args)
     assert code == 2
     assert f"supports {limit} positions" in capsys.readouterr().err
 
