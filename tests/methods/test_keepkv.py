@@ -22,11 +22,13 @@ from kvfold.methods.keepkv import (
     KeepKVOnline,
     best_match,
     ema_step,
+    ema_step_one_,
     log_scores_of,
     merge_first_keep,
     step_log_scores,
     window_log_scores,
     zip_merge,
+    zip_merge_pair,
 )
 from kvfold.pipeline import greedy_decode
 from tests.conftest import FAMILIES, make_tiny_model
@@ -224,6 +226,46 @@ def test_ema_step_equals_one_query_at_a_time_and_scores_come_back_from_probabili
     const = torch.full((1, 4, 1, 9), 1.5, dtype=F64)
     s, w = ema_step(torch.full((1, 2, 9), float("-inf"), dtype=F64), torch.zeros(1, 2, 9, dtype=F64), const, 9, 0.9)
     torch.testing.assert_close(log_scores_of(s, w), torch.full((1, 2, 9), 1.5, dtype=F64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_the_decode_step_ema_equals_ema_step(dtype):
+    """:func:`ema_step_one_` (in place, a logaddexp chain over the GQA group) is :func:`ema_step`
+    of one query, empty slots included."""
+    g = torch.Generator().manual_seed(5)
+    log_sum = torch.randn(2, 3, 11, generator=g, dtype=dtype) * 4
+    weight = torch.rand(2, 3, 11, generator=g, dtype=dtype)
+    log_sum[:, :, -1], weight[:, :, -1] = float("-inf"), 0.0  # the entry this step appended
+    log_s = torch.randn(2, 12, 1, 11, generator=g, dtype=dtype) * 6  # 4 query heads per KV head
+    log_s[0, 4:8, :, 2] = float("-inf")  # an empty slot of KV head 1
+    log_sum[0, 1, 2], weight[0, 1, 2] = float("-inf"), 0.0
+    expected_sum, expected_weight = ema_step(log_sum, weight, log_s, 10, 0.7)
+    in_place_sum, in_place_weight = log_sum.clone(), weight.clone()
+    ema_step_one_(in_place_sum, in_place_weight, log_s, 0.7)
+    torch.testing.assert_close(in_place_weight, expected_weight)
+    torch.testing.assert_close(in_place_sum, expected_sum)  # -inf at the empty slot in both
+    assert in_place_sum[0, 1, 2] == float("-inf")
+
+
+@pytest.mark.parametrize("max_scale", [math.inf, 3.0])
+def test_the_pair_merge_equals_zip_merge_of_one_entry(max_scale):
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randn(3, 2, 2, 5, generator=g, dtype=F64)
+    values = torch.randn(3, 2, 2, 5, generator=g, dtype=F64)
+    log_votes = torch.randint(0, 3, (3, 2, 2), generator=g).to(F64)
+    log_scores = torch.randn(3, 2, 2, generator=g, dtype=F64) * 2
+    log_scores[0, 0] = torch.tensor([1.0, -1.0], dtype=F64)  # equal weights w = p ŝ = e: μ = 0, the fallback
+    log_votes[0, 0] = torch.tensor([0.0, 2.0], dtype=F64)
+    key, value, log_p, log_s, exact = zip_merge_pair(keys, values, log_votes, log_scores, 1e-3, max_scale)
+    merge = torch.tensor([True, False]).expand(3, 2, 2)
+    whole = zip_merge(keys, values, log_votes, log_scores, torch.ones(3, 2, 2, dtype=torch.long), merge,
+                      1e-3, max_scale)  # fmt: skip
+    torch.testing.assert_close(key[:, :, 0], whole.keys[:, :, 1])
+    torch.testing.assert_close(value[:, :, 0], whole.values[:, :, 1])
+    torch.testing.assert_close(log_p[..., 0], whole.log_votes[..., 1])
+    torch.testing.assert_close(log_s[..., 0], whole.log_scores[..., 1])
+    assert torch.equal(~exact[..., 0], whole.fallback[..., 1])
+    assert not bool(exact[0, 0, 0])
 
 
 # ---------------------------------------------------------------------------- the folder on a layer

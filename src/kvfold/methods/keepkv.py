@@ -168,12 +168,12 @@ def step_log_scores(
     heads, length = keys.shape[1], keys.shape[2]
     groups = num_q // heads
     dtype = torch.promote_types(_dtype(query, keys), torch.float32)
-    beta = log_mass.to(dtype)
     if valid is None:
-        valid = torch.isfinite(beta)
+        valid = torch.isfinite(log_mass)
     if logits is not None:
-        logits = torch.where(valid[:, :, None, :], logits.to(dtype), NEG_INF)
+        logits = torch.where(valid[:, :, None, :], logits if logits.dtype == dtype else logits.to(dtype), NEG_INF)
         return logits.reshape(batch, num_q, q_len, length)
+    beta = log_mass.to(dtype)
     folded = query.to(dtype).reshape(batch, heads, groups * q_len, dim)
     if probs is None:
         logits = torch.matmul(folded, keys.to(dtype).transpose(-1, -2)) * scaling
@@ -223,8 +223,12 @@ def ema_step(
 
 
 def ema_step_one_(log_sum: Tensor, weight: Tensor, log_s: Tensor, alpha: float) -> None:
-    """:func:`ema_step` for a forward of one query (a decode step), in place and with the same
-    rounding: every slot is seen, ``S ← α S + (1 − α) s`` and ``Σω ← α Σω + (1 − α)`` (eq. 8).
+    """:func:`ema_step` for a forward of one query (a decode step), in place: every slot is seen,
+    ``S ← α S + (1 − α) s`` and ``Σω ← α Σω + (1 − α)`` (eq. 8).
+
+    The mean over the GQA group is a chain of ``logaddexp`` over its query heads (no max-shift
+    pass: one decode step's row is small and this runs in every layer at every step); it agrees
+    with :func:`ema_step` to rounding.
 
     Args:
         log_sum, weight: ``(B, H_kv, N)``, updated in place (views are fine).
@@ -237,13 +241,15 @@ def ema_step_one_(log_sum: Tensor, weight: Tensor, log_s: Tensor, alpha: float) 
     heads = log_sum.shape[1]
     groups = num_q // heads
     log_w, w = _one_query_weight(alpha, log_sum.dtype)
-    x = log_s.to(log_sum.dtype).reshape(batch, heads, groups, length) + log_w
-    added = torch.logsumexp(x, dim=2) - math.log(groups)
-    decay = math.log(alpha)
-    # into a fresh tensor first: logaddexp's vector and scalar loops round differently, and a
-    # strided ``out`` would move slots between them
-    log_sum.copy_(torch.logaddexp(log_sum + decay, added))
-    weight.mul_(math.exp(decay)).add_(w)
+    x = log_s.reshape(batch, heads, groups, length)
+    if x.dtype != log_sum.dtype:
+        x = x.to(log_sum.dtype)
+    added = x[:, :, 0]
+    for head in range(1, groups):
+        added = torch.logaddexp(added, x[:, :, head])
+    added = added + (log_w - math.log(groups))
+    log_sum.copy_(torch.logaddexp(log_sum + math.log(alpha), added))
+    weight.mul_(alpha).add_(w)
 
 
 _ONE_QUERY_WEIGHT: dict[tuple[float, torch.dtype], tuple[float, float]] = {}
@@ -379,8 +385,9 @@ def zip_merge_pair(
     max_scale: float = math.inf,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`zip_merge` of one entry into one carrier (eq. 7, a decode step's victim), row by row,
-    with the same arithmetic (so the same rounding) and without the group maps: the four weighted
-    sums of eq. 7 (keys, values, ``ln ŝ``, ``|ln ŝ|``) are taken at once.
+    without the group maps: with two entries every weighted mean of eq. 7 is one ``lerp`` by the
+    absorbed entry's weight share ``w_0 / (w_0 + w_1) = σ(ln w_0 − ln w_1)``, and the sums of
+    ``p`` and ``w`` are ``logaddexp``. Agrees with :func:`zip_merge` to rounding.
 
     Args:
         keys, values: ``(B, H, 2, D)``: the absorbed entry (index 0) and its carrier (index 1).
@@ -395,28 +402,26 @@ def zip_merge_pair(
     dtype = torch.promote_types(_dtype(keys, log_scores), torch.float32)
     k = keys if keys.dtype == dtype else keys.to(dtype)
     v = values if values.dtype == dtype else values.to(dtype)
-    log_p = (log_votes if log_votes.dtype == dtype else log_votes.to(dtype)).unsqueeze(-1)  # (B, H, 2, 1)
-    log_s = (log_scores if log_scores.dtype == dtype else log_scores.to(dtype)).unsqueeze(-1)
+    log_p = log_votes if log_votes.dtype == dtype else log_votes.to(dtype)
+    log_s = log_scores if log_scores.dtype == dtype else log_scores.to(dtype)
     log_w = log_p + log_s  # log w_i = log p_i + log ŝ_i
-    top = log_w.amax(dim=2, keepdim=True)
-    omega = torch.exp(log_w - top)  # w_i / max w
-    total = omega.sum(dim=2, keepdim=True)  # (B, H, 1, 1)
-    parts = torch.cat([k, v, log_s, log_s.abs()], dim=-1)
-    means = (omega * parts).sum(dim=2, keepdim=True) / total  # Σ w x / Σ w of each part
-    key_mean, value_mean, mu, spread = means.split([k.shape[-1], v.shape[-1], 1, 1], dim=-1)
-    p_top = log_p.amax(dim=2, keepdim=True)
-    log_p_r = p_top + torch.exp(log_p - p_top).sum(dim=2, keepdim=True).log()  # log Σ p_i
+    w0, w1 = log_w.narrow(2, 0, 1), log_w.narrow(2, 1, 1)  # (B, H, 1)
+    share = torch.sigmoid(w0 - w1)  # w_0 / (w_0 + w_1)
+    parts = torch.cat([k, v, log_s.unsqueeze(-1), log_s.abs().unsqueeze(-1)], dim=-1)  # (B, H, 2, 2D + 2)
+    means = torch.lerp(parts[:, :, 1], parts[:, :, 0], share)  # Σ w x / Σ w of each part
+    key_mean, value_mean, mu, spread = means.unsqueeze(2).split([k.shape[-1], v.shape[-1], 1, 1], dim=-1)
+    log_p_r = torch.logaddexp(log_p.narrow(2, 0, 1), log_p.narrow(2, 1, 1))  # log Σ p_i
     if log_votes.dtype != dtype:
         log_p_r = log_p_r.to(log_votes.dtype).to(dtype)  # as stored: the key absorbs its rounding
-    log_s_r = top + total.log() - log_p_r  # ln(Σ w / Σ p)
-    scale = log_s_r / torch.where(mu != 0, mu, 1.0)
+    log_s_r = torch.logaddexp(w0, w1) - log_p_r  # ln(Σ w / Σ p)
+    scale = log_s_r.unsqueeze(-1) / mu  # μ = 0 gives ±inf or nan, and fails the first test below
     exact = mu.abs() > eps * spread
     if math.isfinite(max_scale):  # in [1/max_scale, max_scale]: finite too
         exact = exact & (scale.clamp(1.0 / max_scale, max_scale) == scale)
     else:
         exact = exact & torch.isfinite(scale)
     merged_key = torch.where(exact, scale * key_mean, key_mean)  # eq. 7 / fallback
-    return merged_key, value_mean, log_p_r.squeeze(-1), log_s_r.squeeze(-1), exact.squeeze(-1)
+    return merged_key, value_mean, log_p_r, log_s_r, exact.squeeze(-1)
 
 
 # ---------------------------------------------------------------------------- similarity
@@ -450,11 +455,15 @@ def best_match(
     Returns:
         ``(similarity (B, H, R), index (B, H, R))``; similarity ``-inf`` when nothing is allowed.
     """
-    a = _unit(rows)
-    b = candidates if candidates.dtype == a.dtype else candidates.to(a.dtype)
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    a = rows if rows.dtype == dtype else rows.to(dtype)
+    b = candidates if candidates.dtype == dtype else candidates.to(dtype)
     if candidate_norms is None:
         candidate_norms = torch.linalg.vector_norm(b, dim=-1)
-    b_norm = candidate_norms.to(a.dtype).clamp_min(torch.finfo(a.dtype).tiny).unsqueeze(2)  # (B, H, 1, C)
+    tiny = torch.finfo(dtype).tiny
+    b_norm = candidate_norms.to(dtype).clamp_min(tiny).unsqueeze(2)  # (B, H, 1, C)
+    # a row's own norm scales all its similarities alike: it divides the best one only
+    a_norm = torch.linalg.vector_norm(a, dim=-1).clamp_min(tiny)  # (B, H, R)
     batch, heads, count = rows.shape[:3]
     step = max(1, _SIM_CHUNK // max(1, batch * heads * candidates.shape[2]))
     sims, idx = [], []
@@ -467,8 +476,8 @@ def best_match(
         sims.append(best.values)
         idx.append(best.indices)
     if len(sims) == 1:
-        return sims[0], idx[0]
-    return torch.cat(sims, dim=2), torch.cat(idx, dim=2)
+        return sims[0] / a_norm, idx[0]
+    return torch.cat(sims, dim=2) / a_norm, torch.cat(idx, dim=2)
 
 
 def merge_first_keep(

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 
 PROTECTED = float("inf")
 POSITION_STAT = "online.position"
@@ -112,7 +112,7 @@ class OnlineEviction:
         excess = n - limit
         if self.folder is not None or excess > 0:
             keys, values, log_mass = layer.dense_buffers()  # once per step, shared with the folder
-            view = StepView(keys, values, log_mass, torch.isfinite(log_mass))
+            view = StepView(keys, values, log_mass, log_mass > NEG_INF)  # β is finite or −inf: one comparison
             if self.folder is not None:
                 slots.extend(self.folder.observe(layer_idx, layer, query, probs, view, logits))
             if excess == 1:
