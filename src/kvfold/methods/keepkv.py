@@ -673,6 +673,10 @@ class KeepKV(Folder):
         policy.needs_attention = True
         if isinstance(policy, LayerPolicies):
             policy.folder = state
+            if all(type(p) is H2OOnline and len(p.limits) == 1 for p in inner):
+                from kvfold.methods.keepkv_decode import LayerBatchedDecode
+
+                policy.batched = LayerBatchedDecode(policy.policies, state)
         return policy
 
 
@@ -971,12 +975,21 @@ class KeepKVOnline:
 
 
 class LayerPolicies:
-    """One online policy per layer (layers with different limits and recent windows)."""
+    """One online policy per layer (layers with different limits and recent windows).
+
+    With ``batched`` (a :class:`~kvfold.methods.keepkv_decode.LayerBatchedDecode`, which KeepKV
+    sets on H2O's per-layer policies), a decode forward's layers are held until its last layer
+    and stepped at once; whenever that cannot be done (a longer forward, a layer not yet at its
+    limit) each layer's policy steps as it would have, in layer order.
+    """
 
     def __init__(self, policies: dict[int, OnlineEviction]) -> None:
         self.policies = policies
         self.needs_attention = any(p.needs_attention for p in policies.values())
         self.folder = None
+        self.batched = None
+        self._last = max(policies) if policies else -1
+        self._held: list[tuple] = []  # this forward's decode steps, until its last layer
 
     @property
     def steps(self) -> int:
@@ -986,11 +999,28 @@ class LayerPolicies:
         self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
     ) -> None:
         policy = self.policies.get(layer_idx)
-        if policy is not None:
+        if policy is None:
+            return
+        if self._held and layer_idx <= self._held[-1][0]:  # a new forward: the last one stopped early
+            self._step_held()
+        if self.batched is None or query.shape[2] != 1:
             policy.after_forward(layer_idx, layer, query, probs, logits)
+            return
+        self._held.append((layer_idx, layer, query, probs, logits))
+        if layer_idx == self._last:
+            self._step_held()
+
+    def _step_held(self) -> None:
+        held, self._held = self._held, []
+        if not self.batched.step(held):
+            for item in held:
+                self.policies[item[0]].after_forward(*item)
+            self.batched.adopt()
 
     def export_state(self, cache: FoldedCache) -> None:
         """Every layer's policy writes its state into the cache (see :meth:`OnlineEviction.export_state`)."""
+        if self._held:
+            self._step_held()
         for policy in self.policies.values():
             policy.export_state(cache)
 
