@@ -69,6 +69,7 @@ from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.base import CompressionContext, Standalone, register
 from kvfold.methods.scoring import pool_gqa, pool_tokens, topk_keep, window_attention
 from kvfold.methods.spec import SpecError
+from kvfold.methods.zsmerge_decode import ZSMergeLayerBatch
 
 Tensor = torch.Tensor
 
@@ -598,6 +599,9 @@ class ZSMergeOnline:
         self.steps = 0
         self._state: dict[int, _LayerState] = {}
         self._split_cache: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self._batch = ZSMergeLayerBatch(self)
+        self._last = max(layers) if layers else -1
+        self._held: list[tuple] = []  # this decode forward's layers, until its last one
 
     def _split_on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """``B_p``, ``B_c``, ``B_r`` as ``(B, 1)`` tensors on ``device`` (made once)."""
@@ -612,8 +616,31 @@ class ZSMergeOnline:
     def after_forward(
         self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
     ) -> None:
+        """Algorithm 1 on the layer's new tokens. A decode step of a layer with state waits for the
+        forward's last layer: then every layer steps at once (:class:`ZSMergeLayerBatch`) or, where
+        that cannot be done, each in layer order."""
         if layer_idx not in self.layers:
             return
+        if self._held and layer_idx <= self._held[-1][0]:  # a new forward: the last one stopped early
+            self._step_held()
+        if query.shape[2] == 1 and probs is not None and layer_idx in self._state:
+            self._held.append((layer_idx, layer, query, probs, logits))
+            if layer_idx == self._last:
+                self._step_held()
+            return
+        self._step_layer(layer_idx, layer, query, probs)
+
+    def _step_held(self) -> None:
+        held, self._held = self._held, []
+        if self._batch.step(held):
+            return
+        for layer_idx, layer, query, probs, _ in held:
+            self._step_layer(layer_idx, layer, query, probs)
+        if not self._batch._is_stacked():
+            self._batch.adopt()
+
+    def _step_layer(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
+        """Algorithm 1 on one layer's new tokens (one decode step or a chunk)."""
         q_len = query.shape[2]
         n = layer.physical_length
         state = self._state.get(layer_idx)
@@ -635,8 +662,10 @@ class ZSMergeOnline:
             if probs is not None:  # lines 4–5: s ← λ·s + a (eq. 5), a GQA-pooled
                 a = pool_gqa(probs.select(2, 0).to(state.score.dtype), layer.num_heads, "mean")
                 state.score.narrow(2, 0, n).mul_(self.decay).add_(a)
-            if self._arrive(layer, state, start):
-                return  # the steady step compacted the layer already
+            if self._arrive(layer, state, start):  # the steady step compacted the layer already
+                if layer_idx == min(self.layers):
+                    self.steps += 1
+                return
         else:  # several tokens (a chunk): the same steps, vectorized where they allow it
             dev = state.position.device
             state.position[:, :, old:n] = torch.arange(start, start + q_len, device=dev)
@@ -676,6 +705,8 @@ class ZSMergeOnline:
         """Write each layer's state as the one-shot compression writes it (``SCORE``, ``COUNT``,
         ``POSITION`` in ``layer.entry_stats``), so that a fresh policy continues from it: the
         residual slots keep their merge counts (their means are the cache's keys and values)."""
+        if self._held:
+            self._step_held()
         for layer_idx, layer in cache.folded_layers:
             if layer_idx not in self._state:
                 continue
