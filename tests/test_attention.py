@@ -127,3 +127,30 @@ def test_bad_budgets_are_clear_errors(budget):
         kvfold.Budget.parse(budget)
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_tokens_after_an_uncompressed_cache_match_one_masked_attention(dtype):
+    """The split path (old entries unmasked, the new block causal, merged by log-sum-exp) equals
+    one masked attention computed in float64, GQA included, on views into a larger capacity."""
+    from kvfold.attention import _attend_after_cache
+
+    gen = torch.Generator().manual_seed(3)
+    b, h_kv, groups, q_len, n, d = 2, 3, 3, 7, 40, 16
+    capacity_keys = torch.randn(b, h_kv, 64, d, generator=gen)
+    capacity_values = torch.randn(b, h_kv, 64, d, generator=gen)
+    keys, values = capacity_keys[:, :, :n].to(dtype), capacity_values[:, :, :n].to(dtype)
+    query = torch.randn(b, h_kv * groups, q_len, d, generator=gen).to(dtype)
+    ours = _attend_after_cache(query, keys, values, 0.25)
+    allowed = torch.ones(q_len, n, dtype=torch.bool)
+    allowed[:, n - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.double(),
+        keys.double().repeat_interleave(groups, 1),
+        values.double().repeat_interleave(groups, 1),
+        attn_mask=allowed,
+        scale=0.25,
+    )
+    assert ours.shape == ref.shape and ours.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=tol)

@@ -15,7 +15,9 @@ Paths:
 * **decode, paged layout** (per-head lengths) — block-wise scores, a segment softmax and a
   segment sum over the blocks each row owns; work is proportional to the entries held.
 * **several query tokens on a filled cache** (question after compression, chunked prefill) —
-  a float mask of β plus the causal block of the new tokens.
+  a float mask of β plus the causal block of the new tokens; on an uncompressed cache (a repeat
+  pass, a chunked prefill before its first compression) the old entries and the new causal block
+  are attended apart and merged by their log-sum-exp, with no mask.
 """
 
 from __future__ import annotations
@@ -123,11 +125,8 @@ def _dense_attention(
     h_kv, n = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
     if log_mass is None and q_len > 1 and not need_probs:
-        # Uncompressed cache (a repeat pass, a chunked prefill before compression): one (q, N)
-        # additive mask shared by every head and layer instead of a (G·q, N) bias per layer.
-        mask = _causal_after_cache(q_len, n, query.device, query.dtype)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None, None
+        # Uncompressed cache (a repeat pass, a chunked prefill before compression).
+        return _attend_after_cache(query, keys, values, scaling).transpose(1, 2), None, None
     # Fold the G query heads of each KV head into the query axis: (B, H_kv, G·q, D).
     folded = query.reshape(b, h_kv, groups * q_len, d)
     bias = _dense_bias(layer, q_len, groups, query.dtype)
@@ -142,6 +141,43 @@ def _dense_attention(
         probs = logits = None
     out = out.view(b, h_q, q_len, d).transpose(1, 2)
     return out, probs, logits
+
+
+def _flash_with_lse():
+    """The CPU flash-attention kernel that also returns each query's log-sum-exp, or None."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_after_cache(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of ``q`` new tokens over an uncompressed cache whose last ``q`` entries are
+    theirs: every older entry is visible, the new ones causally. Returns ``(B, H_q, q, D)``.
+
+    On CPU the two parts are computed apart and merged by their log-sum-exp (the block
+    decomposition of attention, Zweiger et al. 2026 §2): the old entries with no mask and the G
+    query heads of a KV head folded into the query axis, the new block with the kernel's own
+    causal mask. Neither part reads a mask, and the masked half of the new block is skipped
+    (Attention Matching's repeat pass on SmolLM2 at 4K tokens: 19.9 → 18.4 s). Other devices,
+    other dtypes and a CPU build without the kernel use one ``(q, N)`` additive mask.
+    """
+    b, h_q, q_len, d = query.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    old = n - q_len
+    flash = _flash_with_lse()
+    if query.device.type != "cpu" or flash is None or old <= 0 or query.dtype not in (torch.float32, torch.bfloat16):
+        mask = _causal_after_cache(q_len, n, query.device, query.dtype)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    groups = h_q // h_kv
+    folded = query.reshape(b, h_kv, groups * q_len, d)
+    out_old, lse_old = flash(folded, keys[:, :, :old], values[:, :, :old], 0.0, False, scale=scaling)
+    new_keys = keys[:, :, old:].repeat_interleave(groups, dim=1)
+    new_values = values[:, :, old:].repeat_interleave(groups, dim=1)
+    out_new, lse_new = flash(query, new_keys, new_values, 0.0, True, scale=scaling)
+    lse_old = lse_old.reshape(b, h_q, q_len)
+    lse = torch.logaddexp(lse_old, lse_new)
+    weight_old = (lse_old - lse).exp_()[..., None]
+    weight_new = (lse_new - lse).exp_()[..., None]
+    out = out_old.reshape(b, h_q, q_len, d).float() * weight_old + out_new.float() * weight_new
+    return out.to(query.dtype)
 
 
 _CAUSAL_MASKS: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
