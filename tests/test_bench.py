@@ -118,3 +118,11 @@ def test_bench_cli_rejects_bad_input(capsys, tmp_path):
     assert "unknown method" in capsys.readouterr().err
     assert main(["bench", "--lengths", "0", "--out", str(tmp_path)]) == 2
     assert "--lengths takes comma-separated positive integers" in capsys.readouterr().err
+
+
+def test_mmap_threshold_is_set_where_the_c_library_is_glibc():
+    from kvfold import bench as bench_module
+
+    expected = bench_module._glibc() is not None
+    assert bench_module.set_mmap_threshold(bench_module.MEASURED_MMAP_THRESHOLD) is expected
+    assert bench_module.set_mmap_threshold(bench_module.DECODE_MMAP_THRESHOLD) is expected
