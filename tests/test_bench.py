@@ -126,3 +126,13 @@ def test_mmap_threshold_is_set_where_the_c_library_is_glibc():
     expected = bench_module._glibc() is not None
     assert bench_module.set_mmap_threshold(bench_module.MEASURED_MMAP_THRESHOLD) is expected
     assert bench_module.set_mmap_threshold(bench_module.DECODE_MMAP_THRESHOLD) is expected
+
+
+def test_a_chunked_sweep_measures_every_configuration_with_a_fixed_mmap_threshold():
+    from kvfold.bench import plan
+
+    runs, refs = plan("m", ["snapkv"], [0.1], [64, 128], [1], 4, prefill_chunk=32)
+    assert runs and refs and all(c.bounded_memory for c in runs + refs)  # `full` included
+    assert all(c.prefill_chunk is None for c in refs)
+    runs, refs = plan("m", ["snapkv"], [0.1], [64], [1], 4, prefill_chunk=None)
+    assert not any(c.bounded_memory for c in runs + refs)

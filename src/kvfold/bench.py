@@ -45,6 +45,9 @@ class BenchConfig:
     prefill_chunk: int | None = None
     dtype: str = "auto"
     device: str = "auto"
+    bounded_memory: bool = False
+    """Peak RSS with glibc's mmap threshold fixed (every configuration of a ``--prefill-chunk``
+    sweep, ``full`` included; see :func:`set_mmap_threshold`)."""
 
 
 def context_ids(tokenizer, length: int, batch: int):
@@ -80,7 +83,8 @@ def run_config(config: BenchConfig) -> dict:
     model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
     check_length(model, config.length)  # the context must fit; timed decode steps may run past it (speed only)
     base_rss = _rss_mb()
-    set_mmap_threshold(MEASURED_MMAP_THRESHOLD)  # peak RSS = memory in use, not glibc's heap (see there)
+    if config.bounded_memory:  # what a chunked sweep measures: see set_mmap_threshold
+        set_mmap_threshold(MEASURED_MMAP_THRESHOLD)
     ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
     method = kvfold.build_method(config.method)
     budget = 1.0 if method.is_identity else config.budget
@@ -95,7 +99,8 @@ def run_config(config: BenchConfig) -> dict:
         kv_bytes = compressed.cache.nbytes()
         kv_bytes_full = compressed.cache.full_nbytes()
         peak_rss = _rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
-        set_mmap_threshold(DECODE_MMAP_THRESHOLD)
+        if config.bounded_memory:
+            set_mmap_threshold(DECODE_MMAP_THRESHOLD)
         release_freed_memory()
         runs = [compressed]
         reference_length = None
@@ -222,10 +227,13 @@ def set_mmap_threshold(nbytes: int) -> bool:
     after the first layers a forward's temporaries come from the heap and stay there, fragmented:
     the peak RSS of a chunked prefill then follows the number of chunks, not what the process
     holds (H2O at budget 512, chunks of 1024: +149 MB from 2K to 8K tokens with the dynamic
-    threshold, +34 MB with it fixed at 128 KiB). :func:`run_config` fixes it at
+    threshold, +34 MB with it fixed at 128 KiB). In a ``--prefill-chunk`` sweep, every
+    configuration (``full`` included: ``BenchConfig.bounded_memory``) fixes it at
     :data:`MEASURED_MMAP_THRESHOLD` for prefill and compression, so peak RSS measures memory in
-    use, and at :data:`DECODE_MMAP_THRESHOLD` before decoding is timed (every configuration
-    alike). Set ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment for the same in your process.
+    use, and at :data:`DECODE_MMAP_THRESHOLD` before decoding is timed. Other sweeps keep glibc's
+    default: mapping every temporary of 128 KiB or more costs time (ZSMerge's compression at 4K
+    tokens, batch 2: 2.55 → 4.48 s), and their peak is the full prefill's anyway. Set
+    ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment for the same in your process.
 
     Returns:
         True where it was set (glibc); False elsewhere.
@@ -288,15 +296,20 @@ def plan(
     (``full`` at each compressed size is measured inside the method's own process.)
     """
     runs, refs = [], {}
+    bounded = prefill_chunk is not None
     for length in lengths:
         for batch in batches:
-            refs[(length, batch)] = BenchConfig(model, "full", 1.0, length, batch, new_tokens, None, dtype, device)
+            refs[(length, batch)] = BenchConfig(
+                model, "full", 1.0, length, batch, new_tokens, None, dtype, device, bounded
+            )
             for method in methods:
                 if method == "full":
                     continue
                 for budget in budgets:
                     runs.append(
-                        BenchConfig(model, method, budget, length, batch, new_tokens, prefill_chunk, dtype, device)
+                        BenchConfig(
+                            model, method, budget, length, batch, new_tokens, prefill_chunk, dtype, device, bounded
+                        )
                     )
     return runs, list(refs.values())
 
@@ -372,7 +385,7 @@ RECORDS_FILE = "records.jsonl"
 def _config_key(config: BenchConfig | dict) -> str:
     """The identity of a configuration: every :class:`BenchConfig` field, as canonical JSON."""
     fields = asdict(config) if isinstance(config, BenchConfig) else config
-    return json.dumps({name: fields[name] for name in BenchConfig.__dataclass_fields__}, sort_keys=True)
+    return json.dumps({name: fields.get(name) for name in BenchConfig.__dataclass_fields__}, sort_keys=True)
 
 
 def _append_record(out_dir: Path, record: dict) -> None:
