@@ -127,8 +127,6 @@ def test_bad_budgets_are_clear_errors(budget):
         kvfold.Budget.parse(budget)
 
 
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_new_tokens_after_an_uncompressed_cache_match_one_masked_attention(dtype):
     """The split path (old entries unmasked, the new block causal, merged by log-sum-exp) equals

@@ -143,9 +143,8 @@ def _dense_attention(
     return out, probs, logits
 
 
-def _flash_with_lse():
-    """The CPU flash-attention kernel that also returns each query's log-sum-exp, or None."""
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""The CPU flash-attention kernel that also returns each query's log-sum-exp (None in builds without it)."""
 
 
 def _attend_after_cache(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -162,7 +161,7 @@ def _attend_after_cache(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     old = n - q_len
-    flash = _flash_with_lse()
+    flash = _FLASH_WITH_LSE
     if query.device.type != "cpu" or flash is None or old <= 0 or query.dtype not in (torch.float32, torch.bfloat16):
         mask = _causal_after_cache(q_len, n, query.device, query.dtype)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
