@@ -140,3 +140,45 @@ def test_eval_on_smollm2(capsys, monkeypatch: pytest.MonkeyPatch, smollm2, tmp_p
     assert len((out / "predictions.jsonl").read_text().splitlines()) == 4
     for name in ("report.md", "scores.png", "scores_by_task.png", "run.json"):
         assert (out / name).exists()
+
+
+def test_own_file_runs_every_line_unless_limited(capsys, loads, tmp_path: Path) -> None:
+    rows = [
+        {"context": f"Item {i} is kept in box {i}. " * 3, "question": f"\nBox of item {i}?", "answers": [str(i)],
+         "max_new_tokens": 2, "task": "boxes"}
+        for i in range(7)
+    ]  # fmt: skip
+    data = _write_jsonl(tmp_path / "boxes.jsonl", rows)
+    code, _, err = run(capsys, "eval --dataset", data, "--methods full --quiet --out", tmp_path / "all")
+    assert code == 0 and "7 samples (7 contexts) in 1 tasks" in err
+    assert len((tmp_path / "all" / "predictions.jsonl").read_text().splitlines()) == 7  # more than 3 (old default)
+    code, _, err = run(capsys, "eval --dataset", data, "--limit 2 --methods full --quiet --out", tmp_path / "two")
+    assert code == 0 and "2 samples" in err
+    assert len((tmp_path / "two" / "predictions.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_multi_question_line_is_compressed_once(capsys, loads, tmp_path: Path, monkeypatch) -> None:
+    from kvfold.pipeline import PrefilledContext
+
+    calls: list[str] = []
+    original = PrefilledContext.compress
+
+    def counting(self, method, budget, **kwargs):
+        calls.append(str(budget))
+        return original(self, method, budget, **kwargs)
+
+    monkeypatch.setattr(PrefilledContext, "compress", counting)
+    row = {"context": FOX, "questions": ["\nWhat jumps?", "\nWho is lazy?", "\nWhat colour?"],
+           "answers": [["fox"], ["dog"], ["brown"]], "max_new_tokens": 3, "task": "animals"}  # fmt: skip
+    data = _write_jsonl(tmp_path / "multi.jsonl", [row])
+    flags = "--methods streamingllm --budgets 0.5 --quiet --out"
+    code, _, err = run(capsys, "eval --dataset", data, flags, tmp_path / "m")
+    assert code == 0 and "3 samples (1 contexts)" in err
+    assert len(calls) == 1  # one compression, three answers
+    predictions = [json.loads(line) for line in (tmp_path / "m" / "predictions.jsonl").read_text().splitlines()]
+    assert [p["sample_id"] for p in predictions] == ["animals/1/q0", "animals/1/q1", "animals/1/q2"]
+    assert len({p["context_id"] for p in predictions}) == 1
+    bad = dict(row, answers=[["fox"], ["dog"]])
+    code, _, err = run(capsys, "eval --dataset", _write_jsonl(tmp_path / "bad.jsonl", [bad]),
+                       "--methods full --quiet --out", tmp_path / "b")  # fmt: skip
+    assert code == 2 and "one per question" in err

@@ -371,7 +371,13 @@ def test_ruler_official_without_a_marker_is_a_clear_error(tmp_path: Path) -> Non
 def test_spec_forms(tmp_path: Path, word_tokenizer, longbench_dir: Path, ruler_dir: Path) -> None:
     ruler = load_dataset_spec("ruler:niah_single_1,vt", word_tokenizer, length=600, samples=2)
     assert [s.task for s in ruler] == ["niah_single_1"] * 2 + ["vt"] * 2
-    assert len(load_dataset_spec("ruler", word_tokenizer, length=600, samples=1)) == 13
+    from kvfold.evaluate.ruler import HEADLINE_TASKS, RULER_TASKS
+
+    headline = load_dataset_spec("ruler", word_tokenizer, length=600, samples=1)
+    assert list(dict.fromkeys(s.task for s in headline)) == list(HEADLINE_TASKS)
+    assert len({s.context for s in headline}) == len(HEADLINE_TASKS)  # one context a task
+    everything = load_dataset_spec("ruler:all", word_tokenizer, length=600, samples=1)
+    assert list(dict.fromkeys(s.task for s in everything)) == list(RULER_TASKS)
     jsonl = _write_jsonl(tmp_path / "own.jsonl", [GOOD, GOOD, GOOD])
     assert len(load_dataset_spec(str(jsonl), samples=2)) == 2
     assert [s.task for s in load_dataset_spec(f"longbench:qasper,trec@{longbench_dir}")] == ["qasper"] * 3 + ["trec"]

@@ -20,6 +20,7 @@ def _records(budgets=(0.5, 0.2)) -> list[dict]:
                         "method": method,
                         "budget": budget,
                         "task": task,
+                        "sample_id": f"{task}/0",
                         "query_aware": False,
                         "score": score * (budget if isinstance(budget, float) else 0.5),
                         "kv_bytes": 10,
@@ -46,9 +47,19 @@ def test_eval_markdown_tables() -> None:
     assert "| `streamingllm[sinks=8]` | 0.250 | 0.250 |" in text  # KV ratio table
 
 
+def test_retention_ranking_leaves_out_what_the_full_cache_fails() -> None:
+    text = eval_markdown(_records(), {"model": "tiny"})
+    # full: niah_single_1 100, vt 40 -> vt is reported apart; retention = score / 100 on niah_single_1
+    assert "tasks the full cache solves (≥ 50): niah_single_1." in text
+    assert "Reported apart (full cache below 50): vt." in text
+    section = text.split("### Budget 0.5")[1].split("##")[0]
+    assert "| 1 | `streamingllm` | 50.0 [50.0, 50.0] | 50.0 [50.0, 50.0] |" in section
+
+
 def test_write_eval_report_writes_valid_pngs(tmp_path: Path) -> None:
     paths = write_eval_report(tmp_path, _records(), {"model": "tiny"})
-    assert [p.name for p in paths] == ["report.md", "scores.png", "scores_by_task.png"]
+    names = ["report.md", "retention.png", "retention_time.png", "scores.png", "scores_by_task.png"]
+    assert [p.name for p in paths] == names
     for path in paths[1:]:
         _assert_png(path)
     assert "![average score vs budget](scores.png)" in paths[0].read_text()

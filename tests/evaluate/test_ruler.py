@@ -8,10 +8,13 @@ from collections import Counter
 import pytest
 
 from kvfold.evaluate.ruler import (
+    HEADLINE_TASKS,
     NOISE_SENTENCES,
     PROMPT_RESERVE_TOKENS,
-    RULER_MAX_NEW_TOKENS,
     RULER_TASKS,
+    SUITE_MAX_NEW_TOKENS,
+    TASK_HAYSTACKS,
+    VT_HOPS,
     count_tokens,
     cwe_frequencies,
     generate_ruler,
@@ -70,15 +73,31 @@ def test_thirteen_tasks_in_ruler_order() -> None:
 
 
 def test_sample_fields(real_suite: list[Sample]) -> None:
-    assert [s.task for s in real_suite] == [t for t in RULER_TASKS for _ in range(3)]
+    questions = {"niah_multiquery": 4}  # the multi-query task asks each of its keys on its own
+    assert [s.task for s in real_suite] == [t for t in RULER_TASKS for _ in range(3 * questions.get(t, 1))]
     for s in real_suite:
         assert s.metric == ("string_match_part" if s.task.startswith("qa") else "string_match_all")
-        assert s.max_new_tokens == RULER_MAX_NEW_TOKENS[s.task]
+        assert s.max_new_tokens == SUITE_MAX_NEW_TOKENS[s.task]
+        assert s.haystack == TASK_HAYSTACKS[s.task] and s.haystack in ("noise", "prose")
         assert s.answer_prefix.startswith("Answer:")
         assert s.question.startswith("\n")
         assert s.length == 2048
         assert (s.depth is None) == (s.task in ("cwe", "fwe"))
     assert len({s.sample_id for s in real_suite}) == len(real_suite)
+
+
+def test_headline_has_prose_and_noise_tasks() -> None:
+    haystacks = Counter(TASK_HAYSTACKS[t] for t in HEADLINE_TASKS)
+    assert len(HEADLINE_TASKS) >= 6 and haystacks["prose"] >= 2 and haystacks["noise"] >= 1
+
+
+def test_multiquery_questions_share_one_context(real_suite: list[Sample]) -> None:
+    samples = _of(real_suite, "niah_multiquery")
+    by_context = Counter(s.context for s in samples)
+    assert sorted(by_context.values()) == [4, 4, 4]
+    for context in by_context:
+        asked = [s for s in samples if s.context == context]
+        assert len({s.answers for s in asked}) == 4 and len({s.sample_id for s in asked}) == 4
 
 
 def test_prose_haystack_ships_with_the_package() -> None:
@@ -94,10 +113,12 @@ def test_prose_haystack_ships_with_the_package() -> None:
 
 
 @pytest.mark.parametrize("task", LOOKUP_TASKS)
-def test_answers_occur_in_the_context(real_suite: list[Sample], task: str) -> None:
+def test_answers_occur_in_the_context_exactly_once(real_suite: list[Sample], task: str) -> None:
     for s in _of(real_suite, task):
         for answer in s.answers:
-            assert answer in s.context, (task, answer)
+            # a tracked variable is named where it is assigned, and again where the next one copies it
+            spelled = f"VAR {answer} =" if task == "vt" else answer
+            assert s.context.count(spelled) == 1, (task, answer)
 
 
 @pytest.mark.parametrize("task", NIAH_TASKS)
@@ -114,9 +135,9 @@ def test_queried_keys_have_only_their_own_needles(real_suite: list[Sample], task
 
 def test_multi_needle_counts(real_suite: list[Sample]) -> None:
     for s in _of(real_suite, "niah_multivalue"):
-        assert len(set(s.answers)) == 4 and len(NEEDLE.findall(s.context)) == 4
+        assert len(set(s.answers)) == 2 and len(NEEDLE.findall(s.context)) == 2
     for s in _of(real_suite, "niah_multiquery"):
-        assert len(set(s.answers)) == 4 and s.question.count("-") >= 4
+        assert len(s.answers) == 1 and len(NEEDLE.findall(s.context)) == 4
     for s in _of(real_suite, "niah_multikey_1"):
         assert len(s.answers) == 1 and len(NEEDLE.findall(s.context)) == 4
     for task in ("niah_multikey_2", "niah_multikey_3"):  # the haystack is made of distractor needles
@@ -134,7 +155,7 @@ def test_vt_chain_leads_from_the_value_to_every_answer(real_suite: list[Sample])
         for _ in range(len(assignments)):
             holding |= {var for var, source in assignments.items() if source in holding}
         assert holding - {value} == set(s.answers)
-        assert len(s.answers) == 5
+        assert len(s.answers) == VT_HOPS + 1
 
 
 def test_cwe_answers_are_the_most_common_words(real_suite: list[Sample]) -> None:
@@ -249,7 +270,8 @@ def test_samples_do_not_depend_on_how_many_or_which_tasks_are_asked(word_tokeniz
 def test_samples_within_a_task_differ(word_tokenizer) -> None:
     samples = generate_ruler(word_tokenizer, length=800, samples_per_task=3, seed=0)
     for task in RULER_TASKS:
-        assert len({s.answers for s in _of(samples, task)}) == 3
+        assert len({s.context for s in _of(samples, task)}) == 3
+        assert len({s.answers for s in _of(samples, task)}) == len(_of(samples, task))
 
 
 # --- length --------------------------------------------------------------------------------------
@@ -297,7 +319,7 @@ def test_mapping_style_tokenizer_is_accepted() -> None:
 
 def test_too_short_length_is_a_clear_error(word_tokenizer) -> None:
     with pytest.raises(ValueError, match="too small for task 'niah_single_1'.*increase length"):
-        generate_ruler(word_tokenizer, 100, 1, tasks=["niah_single_1"])
+        generate_ruler(word_tokenizer, 60, 1, tasks=["niah_single_1"])
 
 
 def test_unknown_task_and_bad_counts(word_tokenizer) -> None:

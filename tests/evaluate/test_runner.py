@@ -182,6 +182,32 @@ def test_aggregate_macro_average() -> None:
         }
 
     records = aggregate([pred("a", 100.0), pred("a", 100.0), pred("a", 100.0), pred("b", 0.0)])
-    average = records[-1]
-    assert average["task"] == "average" and average["score"] == 50.0 and average["n"] == 4
+    average = next(r for r in records if r["task"] == "average")
+    assert average["score"] == 50.0 and average["n"] == 4
     assert average["kv_ratio"] == 0.25
+    # no full run: nothing tells which tasks it solves, so every task is in the headline, no retention
+    headline = next(r for r in records if r["task"] == "headline")
+    assert headline["tasks"] == ["a", "b"] and headline["retention"] is None
+
+
+def test_aggregate_retention_pairs_samples_with_the_full_cache() -> None:
+    def pred(method: str, task: str, index: int, score: float) -> dict:
+        budget = 1.0 if method == "full" else 0.1
+        return {"method": method, "budget": budget, "query_aware": False, "task": task, "score": score,
+                "sample_id": f"{task}/{index}", "kv_bytes": 1, "kv_bytes_full": 1, "haystack": "prose"}  # fmt: skip
+
+    full = [pred("full", "a", i, 100.0) for i in range(4)]
+    full += [pred("full", "b", i, s) for i, s in enumerate([100.0, 0, 0, 0])]
+    snap = [pred("snapkv", "a", i, s) for i, s in enumerate([100.0, 100.0, 0.0, 100.0])]
+    snap += [pred("snapkv", "b", i, 100.0) for i in range(4)]
+    records = {(r["method"], r["task"]): r for r in aggregate(full + snap)}
+    task_a = records[("snapkv", "a")]
+    assert task_a["retention"] == 0.75 and task_a["headline"] is True
+    low, high = task_a["retention_ci"]
+    assert 0.0 <= low < 0.75 < high <= 1.0
+    assert records[("snapkv", "b")]["headline"] is False  # the full cache scores 25 on b
+    headline = records[("snapkv", "headline")]
+    assert headline["tasks"] == ["a"] and headline["retention"] == 0.75
+    assert records[("snapkv", "headline_prose")]["retention"] == 0.75
+    assert ("snapkv", "headline_noise") not in records
+    assert records[("snapkv", "average")]["score"] == (75.0 + 100.0) / 2

@@ -34,7 +34,14 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
         default=2048,
         help="context length in tokens (RULER), prompt limit (LongBench, XSum); default 2048",
     )
-    parser.add_argument("--samples", type=int, default=3, help="samples per task (default 3)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per task: contexts per task for ruler (default 3); for a file or a published "
+        "benchmark every sample runs unless this (or --limit) is given",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="run at most this many samples in all")
     parser.add_argument("--tasks", default=None, help="comma-separated task names to keep")
     parser.add_argument("--methods", required=True, help="comma-separated method specs, e.g. full,streamingllm")
     parser.add_argument(
@@ -80,8 +87,10 @@ def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets:
         raise ValueError("--budgets is empty; give e.g. 0.5,0.2")
-    if args.samples < 1:
+    if args.samples is not None and args.samples < 1:
         raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be ≥ 1; got {args.limit}")
     if args.length < 1:
         raise ValueError(f"--length must be a positive number of tokens; got {args.length}")
     return methods, budgets
@@ -106,15 +115,25 @@ def _check_dataset(spec: str) -> None:
 
 
 def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
-    """The samples the flags select: ``--samples`` per task, ``--tasks`` kept."""
+    """The samples the flags select: ``--tasks`` kept, ``--samples`` per task, at most ``--limit``.
+
+    A file or a published benchmark runs whole unless ``--samples`` or ``--limit`` is given. For
+    ``ruler`` ``--samples`` counts contexts: a context with several questions (the multi-query
+    task) keeps all of them.
+    """
     from kvfold.evaluate.datasets import load_dataset_spec
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     spec = args.dataset
-    if tasks and spec.strip().lower() == "ruler":
+    synthetic = spec.strip().lower() == "ruler"
+    if tasks and synthetic:
         spec = "ruler:" + ",".join(tasks)  # generate only what is asked
     samples = load_dataset_spec(
-        spec, tokenizer, length=args.length, samples=None if _is_jsonl(spec) else args.samples, seed=args.seed
+        spec,
+        tokenizer,
+        length=args.length,
+        samples=args.samples if synthetic or spec.lower().startswith("ruler:") else None,
+        seed=args.seed,
     )
     if tasks:
         unknown = sorted(set(tasks) - {s.task for s in samples})
@@ -122,13 +141,27 @@ def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
             found = ", ".join(dict.fromkeys(s.task for s in samples))
             raise ValueError(f"--tasks: no samples for {', '.join(unknown)}; this dataset has: {found}")
         samples = [s for s in samples if s.task in tasks]
+    if args.samples is not None and not (synthetic or spec.lower().startswith("ruler:")):
+        per_task: dict[str, int] = {}
+        kept = []
+        for sample in samples:
+            per_task[sample.task] = per_task.get(sample.task, 0) + 1
+            if per_task[sample.task] <= args.samples:
+                kept.append(sample)
+        samples = kept
+    if args.limit is not None:
+        samples = samples[: args.limit]
+    return samples
+
+
+def describe_samples(samples: list) -> str:
+    """``"40 samples (34 contexts) in 8 tasks: niah_single_1 5, ..."`` for the log."""
     per_task: dict[str, int] = {}
-    kept = []
     for sample in samples:
         per_task[sample.task] = per_task.get(sample.task, 0) + 1
-        if per_task[sample.task] <= args.samples:
-            kept.append(sample)
-    return kept
+    contexts = len({s.context for s in samples})
+    listing = ", ".join(f"{task} {n}" for task, n in per_task.items())
+    return f"{len(samples)} samples ({contexts} contexts) in {len(per_task)} tasks: {listing}"
 
 
 def _setup(args: argparse.Namespace):
@@ -145,10 +178,10 @@ def _setup(args: argparse.Namespace):
 @command("eval")
 def run_eval(args: argparse.Namespace) -> int:
     """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
-    from kvfold.evaluate.runner import AVERAGE_TASK, evaluate
+    from kvfold.evaluate.runner import AVERAGE_TASK, HEADLINE_TASK, evaluate
 
     methods, budgets, model, tokenizer, samples, config = _setup(args)
-    print(f"{len(samples)} samples, {len({s.task for s in samples})} tasks → {args.out}", file=sys.stderr)
+    print(f"{describe_samples(samples)} → {args.out}", file=sys.stderr)
     result = evaluate(
         model,
         tokenizer,
@@ -162,10 +195,12 @@ def run_eval(args: argparse.Namespace) -> int:
         run_config=config,
     )
     for record in result.records:
-        if record["task"] == AVERAGE_TASK:
+        if record["task"] in (AVERAGE_TASK, HEADLINE_TASK):
+            retention = record.get("retention")
+            kept = f"  retention {100 * retention:5.1f}%" if retention is not None else ""
             print(
-                f"{record['method']:<24} budget {record['budget']!s:<6} score {record['score']:6.1f}  "
-                f"kv {record['kv_ratio']:.3f}  (n={record['n']})"
+                f"{record['method']:<24} budget {record['budget']!s:<6} {record['task']:<8} "
+                f"score {record['score']:6.1f}{kept}  kv {record['kv_ratio']:.3f}  (n={record['n']})"
             )
     print(
         f"wrote {args.out}/results.json, predictions.jsonl, report.md, scores.png, scores_by_task.png", file=sys.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfold.evaluate.metrics import METRICS
-from kvfold.evaluate.ruler import RULER_MAX_NEW_TOKENS, RULER_TASKS, count_tokens, generate_ruler
+from kvfold.evaluate.ruler import HEADLINE_TASKS, RULER_MAX_NEW_TOKENS, RULER_TASKS, count_tokens, generate_ruler
 from kvfold.evaluate.ruler import token_ids as _encode
 from kvfold.evaluate.samples import Sample
 
@@ -32,13 +32,13 @@ __all__ = [
     "truncate_middle",
 ]
 
-DEFAULT_RULER_SAMPLES = 10
+DEFAULT_RULER_SAMPLES = 3
 """Samples per task for the ``ruler`` spec when none is given."""
 
 
 # --- bring-your-own JSONL ------------------------------------------------------------------------
 
-_REQUIRED_FIELDS = ("context", "question", "answers")
+_REQUIRED_FIELDS = ("context", "answers")
 
 
 def _type_name(value: Any) -> str:
@@ -65,8 +65,39 @@ def _optional_string(record: Mapping[str, Any], field: str, default: str, where:
     return value
 
 
-def _sample_from_record(record: Any, where: str, default_task: str, line_number: int) -> Sample:
-    """Validates one JSONL record and builds its sample."""
+def _questions(record: Mapping[str, Any], where: str) -> list[tuple[str, tuple[str, ...]]]:
+    """``(question, answers)`` pairs: one ``question`` with its ``answers`` list, or ``questions``
+    (a list of strings) with ``answers`` as a list of answer lists, one per question."""
+    if "questions" in record:
+        if "question" in record:
+            raise ValueError(f"{where}: give either 'question' or 'questions', not both")
+        questions = _string_list(record, "questions", where)
+        if not questions:
+            raise ValueError(f"{where}: 'questions' must contain at least one string")
+        answers = record["answers"]
+        if not isinstance(answers, list) or len(answers) != len(questions):
+            raise ValueError(
+                f"{where}: with 'questions', 'answers' must be a list of {len(questions)} answer lists "
+                f"(one per question), got {_type_name(answers)}"
+                + (f" of {len(answers)}" if isinstance(answers, list) else "")
+            )
+        pairs = []
+        for k, (question, refs) in enumerate(zip(questions, answers, strict=True)):
+            refs = _string_list({"answers": refs}, "answers", f"{where} question {k + 1}")
+            if not refs:
+                raise ValueError(f"{where} question {k + 1}: its answer list must contain at least one string")
+            pairs.append((question, refs))
+        return pairs
+    if "question" not in record:
+        raise ValueError(f"{where}: missing required field 'question' (or 'questions')")
+    answers = _string_list(record, "answers", where)
+    if not answers:
+        raise ValueError(f"{where}: 'answers' must contain at least one string")
+    return [(_optional_string(record, "question", "", where), answers)]
+
+
+def _samples_from_record(record: Any, where: str, default_task: str, line_number: int) -> list[Sample]:
+    """Validates one JSONL record and builds its samples (one per question; they share the context)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: each line must be a JSON object, got {_type_name(record)}")
     missing = [field for field in _REQUIRED_FIELDS if field not in record]
@@ -75,10 +106,7 @@ def _sample_from_record(record: Any, where: str, default_task: str, line_number:
     context = _optional_string(record, "context", "", where)
     if not context.strip():
         raise ValueError(f"{where}: 'context' must be a non-empty string")
-    question = _optional_string(record, "question", "", where)
-    answers = _string_list(record, "answers", where)
-    if not answers:
-        raise ValueError(f"{where}: 'answers' must contain at least one string")
+    pairs = _questions(record, where)
     max_new_tokens = record.get("max_new_tokens", 32)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}")
@@ -86,18 +114,25 @@ def _sample_from_record(record: Any, where: str, default_task: str, line_number:
     if metric not in METRICS:
         raise ValueError(f"{where}: unknown metric {metric!r}; valid metrics: {', '.join(sorted(METRICS))}")
     task = _optional_string(record, "task", default_task, where) or default_task
-    sample_id = record.get("sample_id", record.get("id", f"{task}/{line_number}"))
-    return Sample(
-        context=context,
-        question=question,
-        answers=answers,
-        task=task,
-        answer_prefix=_optional_string(record, "answer_prefix", "", where),
-        max_new_tokens=max_new_tokens,
-        metric=metric,
-        sample_id=str(sample_id),
-        all_classes=() if record.get("all_classes") is None else _string_list(record, "all_classes", where),
-    )
+    sample_id = str(record.get("sample_id", record.get("id", f"{task}/{line_number}")))
+    haystack = record.get("haystack")
+    if haystack is not None and haystack not in ("noise", "prose"):
+        raise ValueError(f"{where}: 'haystack' must be \"noise\" or \"prose\", got {haystack!r}")
+    return [
+        Sample(
+            context=context,
+            question=question,
+            answers=answers,
+            task=task,
+            answer_prefix=_optional_string(record, "answer_prefix", "", where),
+            max_new_tokens=max_new_tokens,
+            metric=metric,
+            sample_id=sample_id if len(pairs) == 1 else f"{sample_id}/q{k}",
+            all_classes=() if record.get("all_classes") is None else _string_list(record, "all_classes", where),
+            haystack=haystack,
+        )
+        for k, (question, answers) in enumerate(pairs)
+    ]
 
 
 def load_jsonl(path: str | Path) -> list[Sample]:
@@ -105,7 +140,10 @@ def load_jsonl(path: str | Path) -> list[Sample]:
 
     Fields: ``context`` (non-empty string), ``question`` (string, appended verbatim after the
     context, so start it with a newline if one is wanted) and ``answers`` (non-empty list of
-    strings) are required; ``answer_prefix`` (string), ``max_new_tokens`` (positive int, default
+    strings) are required — or, for several questions about one context, ``questions`` (a list of
+    strings) with ``answers`` a list of answer lists, one per question (the context is compressed
+    once and each question answered from a copy; sample ids get ``/q0``, ``/q1``, ...);
+    ``haystack`` (``"noise"``/``"prose"``), ``answer_prefix`` (string), ``max_new_tokens`` (positive int, default
     32), ``task`` (string, default the file's stem), ``metric`` (a name in
     :data:`~kvfold.evaluate.metrics.METRICS`, default ``string_match_all``), ``id`` and
     ``all_classes`` are optional. Other keys are ignored; blank lines are skipped. Samples that
@@ -138,7 +176,7 @@ def load_jsonl(path: str | Path) -> list[Sample]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            samples.append(_sample_from_record(record, where, path.stem, line_number))
+            samples.extend(_samples_from_record(record, where, path.stem, line_number))
     if not samples:
         raise ValueError(f"{path}: no samples (the file is empty)")
     return samples
@@ -672,8 +710,9 @@ def load_dataset_spec(
 ) -> list[Sample]:
     """Loads the samples a command-line dataset spec names.
 
-    Forms: ``ruler`` / ``ruler:TASK1,TASK2`` (synthetic, needs ``tokenizer`` and ``length``;
-    ``samples`` per task, default :data:`DEFAULT_RULER_SAMPLES`); ``PATH.jsonl`` (bring your own;
+    Forms: ``ruler`` (the headline tasks, :data:`~kvfold.evaluate.ruler.HEADLINE_TASKS`) /
+    ``ruler:TASK1,TASK2`` / ``ruler:all`` (synthetic, needs ``tokenizer`` and ``length``;
+    ``samples`` contexts per task, default :data:`DEFAULT_RULER_SAMPLES`); ``PATH.jsonl`` (bring your own;
     first ``samples``); ``longbench`` / ``longbench:TASKS`` with an optional ``@DIR_OR_REPO``
     (``samples`` per task; with ``tokenizer`` and ``length``, prompts are middle-truncated to
     ``length`` tokens); ``xsum`` / ``xsum@PATH_OR_REPO``; ``ruler-official[:TASKS]@PATH_OR_REPO``.
@@ -699,7 +738,11 @@ def load_dataset_spec(
     if name == "ruler" and location is None:
         if tokenizer is None or length is None:
             raise ValueError("the 'ruler' dataset needs the model's tokenizer and a length in tokens")
-        return generate_ruler(tokenizer, length, samples or DEFAULT_RULER_SAMPLES, seed=seed, tasks=tasks)
+        if tasks == ("all",):
+            tasks = RULER_TASKS
+        return generate_ruler(
+            tokenizer, length, samples or DEFAULT_RULER_SAMPLES, seed=seed, tasks=tasks or HEADLINE_TASKS
+        )
     if name == "longbench":
         return load_longbench(tasks, location or "THUDM/LongBench", samples, tokenizer=tokenizer, max_length=length)
     if name == "xsum" and tasks is None:

@@ -20,12 +20,15 @@ __all__ = [
     "eval_markdown",
     "fidelity_markdown",
     "plot_fidelity",
+    "plot_retention",
     "plot_scores",
     "write_eval_report",
     "write_fidelity_report",
 ]
 
 AVERAGE_TASK = "average"
+HEADLINE_TASK = "headline"
+SUMMARY_TASKS = (AVERAGE_TASK, HEADLINE_TASK, f"{HEADLINE_TASK}_noise", f"{HEADLINE_TASK}_prose")
 FULL_BUDGET = 1.0
 
 
@@ -74,7 +77,7 @@ def _split(records: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[Any], 
     """Methods (as first seen), compressed budgets (sorted) and tasks (as first seen, average last)."""
     methods = _ordered([r["method"] for r in records])
     budgets = sorted({r["budget"] for r in records if not _is_full(r)}, key=_budget_sort_key)
-    tasks = [t for t in _ordered([r["task"] for r in records]) if t != AVERAGE_TASK]
+    tasks = [t for t in _ordered([r["task"] for r in records]) if t not in SUMMARY_TASKS]
     return methods, budgets, tasks
 
 
@@ -91,6 +94,67 @@ def _header_lines(title: str, info: Mapping[str, Any] | None) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ eval
+
+
+def _with_interval(value: float | None, interval: Sequence[float] | None, scale: float, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    text = f"{value * scale:.{digits}f}"
+    if interval and not any(v is None or math.isnan(v) for v in interval):
+        text += f" [{interval[0] * scale:.{digits}f}, {interval[1] * scale:.{digits}f}]"
+    return text
+
+
+def _retention_section(
+    records: Sequence[Mapping[str, Any]], methods: Sequence[str], budgets: Sequence[Any], full: Sequence[str]
+) -> list[str]:
+    """Methods ranked by headline retention at each budget, with 95% intervals, then the task split."""
+    headline = [r for r in records if r["task"] == HEADLINE_TASK and r.get("retention") is not None]
+    if not full:
+        return ["No `full` run: retention (score / full-cache score) needs one.", ""]
+    if not headline:
+        return ["The full cache scores below 50 on every task: no headline (retention is not informative).", ""]
+    tasks = headline[0].get("tasks", [])
+    apart = sorted({r["task"] for r in records if r.get("headline") is False})
+    lines = [
+        "## Retention (headline)",
+        "",
+        "Retention = score / the full cache's score on the same samples, macro-averaged over the tasks the "
+        f"full cache solves (≥ 50): {', '.join(tasks)}. Brackets: 95% intervals (paired bootstrap over "
+        "contexts). Two methods differ only where their intervals do not overlap.",
+        "",
+    ]
+    if apart:
+        lines += [f"Reported apart (full cache below 50): {', '.join(apart)}.", ""]
+    index = {(r["method"], r["budget"], r["task"]): r for r in records}
+    for budget in budgets:
+        ranked = sorted(
+            (r for r in headline if r["budget"] == budget and r["method"] not in full),
+            key=lambda r: -r["retention"],
+        )
+        if not ranked:
+            continue
+        rows = []
+        for rank, r in enumerate(ranked, start=1):
+            noise = index.get((r["method"], budget, f"{HEADLINE_TASK}_noise"), {})
+            prose = index.get((r["method"], budget, f"{HEADLINE_TASK}_prose"), {})
+            rows.append(
+                [
+                    str(rank),
+                    f"`{r['method']}`",
+                    _with_interval(r["retention"], r.get("retention_ci"), 100, 1),
+                    _with_interval(r["score"], r.get("score_ci"), 1, 1),
+                    _with_interval(noise.get("retention"), noise.get("retention_ci"), 100, 1),
+                    _with_interval(prose.get("retention"), prose.get("retention_ci"), 100, 1),
+                    _fmt(r.get("compress_over_prefill"), 2),
+                ]
+            )
+        header = ["#", "method", "retention %", "score", "noise ret. %", "prose ret. %", "compress / prefill"]
+        lines += [f"### Budget {_budget_label(budget)}", "", _table(header, rows), ""]
+    reference = index.get((full[0], FULL_BUDGET, HEADLINE_TASK))
+    if reference:
+        lines += [f"`full` headline score: {_with_interval(reference['score'], reference.get('score_ci'), 1, 1)}.", ""]
+    return lines
 
 
 def eval_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, Any] | None = None) -> str:
@@ -118,6 +182,7 @@ def eval_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, Any] 
         record = index.get((method, FULL_BUDGET if method in full else budget, task))
         return _fmt(record.get(key) if record else None, digits)
 
+    lines += _retention_section(records, methods, budgets, full)
     lines += ["## Average score by budget", ""]
     header = ["method", *(_budget_label(b) for b in budgets)] if budgets else ["method", "score"]
     rows = [[f"`{m}`", *(cell(m, b, AVERAGE_TASK) for b in budgets or [FULL_BUDGET])] for m in methods]
@@ -140,7 +205,7 @@ def eval_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, Any] 
             for m in shown
         ]
         lines += [_table(header_t, rows), ""]
-    n = {r["task"]: r["n"] for r in records if r["task"] != AVERAGE_TASK}
+    n = {r["task"]: r["n"] for r in records if r["task"] not in SUMMARY_TASKS}
     lines += ["Samples per task: " + ", ".join(f"{t} {n[t]}" for t in tasks), ""]
     return "\n".join(lines)
 
@@ -241,6 +306,127 @@ def plot_scores(
     return path
 
 
+def _pareto(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both axes (less time, more retention), by time."""
+    front: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or y > front[-1][1]:
+            front.append((x, y))
+    return front
+
+
+def plot_retention(
+    records: Sequence[Mapping[str, Any]], path: str | Path, *, against: str = "budget", title: str = ""
+) -> Path | None:
+    """Headline retention (%) with 95% intervals against budget, or against compression time.
+
+    Args:
+        records: ``results.json`` records (needs ``headline`` rows with ``retention``).
+        path: the PNG to write.
+        against: ``"budget"`` (one line per method) or ``"time"`` (compression seconds over the
+            prefill seconds of the same context; one point per method × budget, the Pareto front
+            drawn): the picture for choosing a method.
+        title: the figure title.
+
+    Returns:
+        The PNG path, or None when no record has a retention to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [
+        r
+        for r in records
+        if r["task"] == HEADLINE_TASK
+        and r.get("retention") is not None
+        and not _is_full(r)
+    ]
+    if not rows:
+        return None
+    methods = _ordered([r["method"] for r in rows])
+    budgets = sorted({r["budget"] for r in rows}, key=_budget_sort_key)
+    cmap = plt.get_cmap("tab20")
+    markers = "os^Dv<>p*hX"
+    fig, ax = plt.subplots(figsize=(8.5, 5.5))
+    positions, numeric = _axis_positions(budgets)
+    for i, method in enumerate(methods):
+        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: _budget_sort_key(r["budget"]))
+        ys = [100 * r["retention"] for r in mine]
+        errors = [
+            [
+                max(0.0, y - 100 * (r.get("retention_ci") or [math.nan])[0]) if r.get("retention_ci") else 0.0
+                for y, r in zip(ys, mine, strict=True)
+            ],
+            [
+                max(0.0, 100 * (r.get("retention_ci") or [0, math.nan])[1] - y) if r.get("retention_ci") else 0.0
+                for y, r in zip(ys, mine, strict=True)
+            ],
+        ]
+        errors = [[0.0 if math.isnan(e) else e for e in side] for side in errors]
+        if against == "time":
+            for r, y, lo, hi in zip(mine, ys, *errors, strict=True):
+                ax.errorbar(
+                    r.get("compress_over_prefill", math.nan),
+                    y,
+                    yerr=[[lo], [hi]],
+                    color=cmap(i % 20),
+                    marker=markers[budgets.index(r["budget"]) % len(markers)],
+                    capsize=2,
+                    linestyle="none",
+                    label=method if r is mine[0] else None,
+                )
+        else:
+            ax.errorbar(
+                [positions[r["budget"]] for r in mine],
+                ys,
+                yerr=errors,
+                color=cmap(i % 20),
+                marker="o",
+                capsize=2,
+                label=method,
+            )
+    ax.axhline(100, color="black", linestyle="--", linewidth=1, label="full cache")
+    if against == "time":
+        front = _pareto(
+            [
+                (r["compress_over_prefill"], 100 * r["retention"])
+                for r in rows
+                if not math.isnan(r.get("compress_over_prefill", math.nan))
+            ]
+        )
+        if front:
+            ax.step(
+                [x for x, _ in front],
+                [y for _, y in front],
+                where="post",
+                color="grey",
+                alpha=0.6,
+                label="Pareto front",
+            )
+        ax.set_xscale("symlog", linthresh=0.1)
+        ax.set_xlabel(
+            "compression time / prefill time of the same context (marker shape = budget: "
+            + ", ".join(f"{markers[i % len(markers)]} {_budget_label(b)}" for i, b in enumerate(budgets))
+            + ")"
+        )
+    else:
+        _style_budget_axis(ax, budgets, numeric)
+    ax.set_ylabel("headline retention (% of the full cache's score)")
+    ax.set_ylim(-3, 110)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+    fig.suptitle(
+        title or ("Retention vs compression time" if against == "time" else "Retention vs cache budget"), fontsize=12
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_eval_report(
     out_dir: str | Path, records: Sequence[Mapping[str, Any]], title_info: Mapping[str, Any] | None = None
 ) -> list[Path]:
@@ -252,11 +438,20 @@ def write_eval_report(
     out_dir = Path(out_dir)
     report = out_dir / "report.md"
     body = eval_markdown(records, title_info)
+    suffix = _title_suffix(title_info)
+    retention = [
+        plot_retention(records, out_dir / "retention.png", title="Retention vs cache budget" + suffix),
+        plot_retention(
+            records, out_dir / "retention_time.png", against="time", title="Retention vs compression time" + suffix
+        ),
+    ]
+    if retention[0] is not None:
+        body += "\n![retention vs budget](retention.png)\n\n![retention vs compression time](retention_time.png)\n"
     body += "\n![average score vs budget](scores.png)\n\n![score vs budget by task](scores_by_task.png)\n"
     report.write_text(body, encoding="utf-8")
-    suffix = _title_suffix(title_info)
     return [
         report,
+        *(p for p in retention if p is not None),
         plot_scores(records, out_dir / "scores.png", title="Score vs cache budget" + suffix),
         plot_scores(
             records, out_dir / "scores_by_task.png", by_task=True, title="Score vs cache budget by task" + suffix

@@ -106,7 +106,39 @@ RULER_MAX_NEW_TOKENS: dict[str, int] = {
     "qa_1": 32,
     "qa_2": 32,
 }
-"""Generation budget per task: RULER's ``tokens_to_generate``."""
+"""Generation budget per task: RULER's ``tokens_to_generate`` (used for official RULER files)."""
+
+HEADLINE_TASKS: tuple[str, ...] = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "qa_1",
+)
+"""The tasks ``--dataset ruler`` runs by default: those SmolLM2-135M solves with the full cache at
+2K tokens (see the README). The others stay runnable by name (``ruler:cwe``)."""
+
+TASK_HAYSTACKS: dict[str, str] = {
+    **{task: "prose" for task in RULER_TASKS if task.startswith("niah")},
+    "niah_single_1": "noise",
+    "niah_multikey_2": "noise",
+    "niah_multikey_3": "noise",
+    "vt": "noise",
+    "cwe": "noise",
+    "fwe": "noise",
+    "qa_1": "prose",
+    "qa_2": "prose",
+}
+"""What each task hides its facts in: ``noise`` (repeated filler sentences, a haystack of
+distractor needles, word lists) or ``prose`` (English text: the project's essay, or documents)."""
+
+VT_HOPS = 1
+"""Assignments after the first in a variable-tracking chain (RULER: 4)."""
+
+
 
 PROMPT_RESERVE_TOKENS = 8
 """Tokens kept free for a BOS token and the separators around the answer prefix."""
@@ -243,12 +275,20 @@ _STOPWORDS = frozenset(
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """One sample before its length is fitted: fixed texts plus ``build(units) -> context``."""
+class _Question:
+    """One question about a context, with its references and the start of its answer."""
 
     question: str
     answers: tuple[str, ...]
     answer_prefix: str
+    depth: float | None = None  # where this question's first needle sits, when not the plan's
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One context before its length is fitted: its questions plus ``build(units) -> context``."""
+
+    questions: tuple[_Question, ...]
     build: Callable[[int], str]
     depth: float | None = None
     min_units: int = 0
@@ -379,28 +419,68 @@ def _join_keys(keys: Sequence[str]) -> str:
 class _NiahConfig:
     """A NIAH variant: haystack kind, key and value kinds, and needle counts."""
 
-    haystack: str  # "noise" | "essay" | "needle"
+    haystack: str  # "noise" | "prose" | "needle"
     key_kind: str  # "words" | "uuids"
     value_kind: str  # "numbers" | "uuids"
     num_keys: int = 1  # keys that get needles (queried ones first, then distractors)
     num_values: int = 1  # values per key
-    num_queries: int = 1  # keys asked about
+    num_queries: int = 1  # keys asked about, each in a question of its own
 
 
 _NIAH_CONFIGS: dict[str, _NiahConfig] = {
     "niah_single_1": _NiahConfig("noise", "words", "numbers"),
-    "niah_single_2": _NiahConfig("essay", "words", "numbers"),
-    "niah_single_3": _NiahConfig("essay", "words", "uuids"),
-    "niah_multikey_1": _NiahConfig("essay", "words", "numbers", num_keys=4),
+    "niah_single_2": _NiahConfig("prose", "words", "numbers"),
+    "niah_single_3": _NiahConfig("prose", "words", "uuids"),
+    "niah_multikey_1": _NiahConfig("prose", "words", "numbers", num_keys=4),
     "niah_multikey_2": _NiahConfig("needle", "words", "numbers"),
     "niah_multikey_3": _NiahConfig("needle", "uuids", "uuids"),
-    "niah_multivalue": _NiahConfig("essay", "words", "numbers", num_values=4),
-    "niah_multiquery": _NiahConfig("essay", "words", "numbers", num_keys=4, num_queries=4),
+    "niah_multivalue": _NiahConfig("prose", "words", "numbers", num_values=2),
+    "niah_multiquery": _NiahConfig("prose", "words", "numbers", num_keys=4, num_queries=4),
 }
+
+_VALUE_TOKENS = {"numbers": 12, "uuids": 40}
+"""Decode budget per reported value: a 7-digit number or a UUID with its punctuation."""
+
+
+SUITE_MAX_NEW_TOKENS: dict[str, int] = {
+    **{task: 4 + _VALUE_TOKENS[c.value_kind] * c.num_values for task, c in _NIAH_CONFIGS.items()},
+    "vt": 30,
+    "cwe": 120,
+    "fwe": 50,
+    "qa_1": 16,
+    "qa_2": 32,
+}
+"""Greedy decoding limit per task in this suite: what the longest correct answer needs (RULER
+gives needle tasks 128 tokens; a small model then repeats itself, and decoding dominates a sweep)."""
 
 
 def _needle(kind: str, key: str, value: str) -> str:
     return f"One of the special magic {kind} for {key} is: {value}."
+
+
+def _distinct_keys(
+    rng: random.Random, make_key: Callable[[random.Random], str], count: int, used: set[str]
+) -> list[str]:
+    """``count`` keys of which no two share a word (``silky-crown`` never beside ``silky-fiddle``)."""
+    words: set[str] = set()
+    keys: list[str] = []
+    while len(keys) < count:
+        key = make_key(rng)
+        parts = set(key.split("-")) if make_key is _word_key else {key}
+        if key not in used and not parts & words:
+            used.add(key)
+            words |= parts
+            keys.append(key)
+    return keys
+
+
+def _niah_question(kind: str, key: str, values: Sequence[str], depth: float) -> _Question:
+    """The question about one key: "What is the ..." for one value, "What are all the ..." for several."""
+    singular = kind.removesuffix("s")
+    text = f"the special magic {singular if len(values) == 1 else kind} for {key} mentioned in the provided text"
+    if len(values) == 1:
+        return _Question(f"\nWhat is {text}?", tuple(values), f"Answer: The {text.removeprefix('the ')} is", depth)
+    return _Question(f"\nWhat are all {text}?", tuple(values), f"Answer: The {text.removeprefix('the ')} are", depth)
 
 
 def _plan_niah(config: _NiahConfig, seed: str) -> _Plan:
@@ -410,26 +490,28 @@ def _plan_niah(config: _NiahConfig, seed: str) -> _Plan:
     make_value = _uuid if config.value_kind == "uuids" else _number
     kind = "UUIDs" if config.value_kind == "uuids" else "numbers"
     used_keys: set[str] = set()
-    keys = _unique(rng, make_key, max(config.num_keys, config.num_queries), used_keys)
+    keys = _distinct_keys(rng, make_key, max(config.num_keys, config.num_queries), used_keys)
     values = _unique(rng, make_value, len(keys) * config.num_values, set())
     depth = rng.random()
     needles: list[tuple[float, str]] = []
+    key_depths: list[float] = []
     for k, key in enumerate(keys):
         for v in range(config.num_values):
             needle_depth = depth if not needles else rng.random()
             needles.append((needle_depth, _needle(kind, key, values[k * config.num_values + v])))
-    queried = keys[: config.num_queries]
-    answers = tuple(values[: config.num_queries * config.num_values])
+            if v == 0:
+                key_depths.append(needle_depth)
+    questions = tuple(
+        _niah_question(kind, key, values[k * config.num_values : (k + 1) * config.num_values], key_depths[k])
+        for k, key in enumerate(keys[: config.num_queries])
+    )
     units = _niah_haystack(config, seed, rng, kind, make_key, make_value, used_keys)
     preamble = (
         f"A few special magic {kind} are hidden in the text below. "
         f"Memorize them; you will be asked about the {kind} afterwards.\n"
     )
-    asked = f"the special magic {kind} for {_join_keys(queried)} mentioned in the provided text"
     return _Plan(
-        question=f"\nWhat are all {asked}?",
-        answers=answers,
-        answer_prefix=f"Answer: The {asked.removeprefix('the ')} are",
+        questions=questions,
         build=lambda n: preamble + " ".join(_insert_at_depths(units(n), needles, " ")),
         depth=depth,
     )
@@ -447,7 +529,7 @@ def _niah_haystack(
     """``units(n)``: the first ``n`` haystack units for the config's haystack kind."""
     if config.haystack == "noise":
         return lambda n: _cycle(NOISE_SENTENCES, 0, n)
-    if config.haystack == "essay":
+    if config.haystack == "prose":
         sentences = haystack_sentences()
         start = rng.randrange(len(sentences))
         return lambda n: _cycle(sentences, start, n)
@@ -468,8 +550,8 @@ def _variable_name(rng: random.Random) -> str:
     return "".join(rng.choices(string.ascii_uppercase, k=5))
 
 
-def _plan_vt(seed: str, num_hops: int = 4) -> _Plan:
-    """One assignment chain of ``num_hops`` hops hidden in the noise haystack (RULER's default)."""
+def _plan_vt(seed: str, num_hops: int) -> _Plan:
+    """One assignment chain of ``num_hops`` hops hidden in the noise haystack (RULER: 4 hops)."""
     rng = random.Random(seed)
     value = str(rng.randint(10_000, 99_999))
     names = _unique(rng, _variable_name, num_hops + 1, set())
@@ -479,13 +561,13 @@ def _plan_vt(seed: str, num_hops: int = 4) -> _Plan:
     later = sorted(rng.uniform(depth, 1.0) for _ in statements[1:])
     needles = list(zip([depth, *later], statements, strict=True))
     preamble = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
+    question = _Question(
+        f"\nQuestion: Find all variables that are assigned the value {value} in the text above.",
+        tuple(names),
+        f"Answer: Following the chain of assignments in the text above, the variables assigned the value {value} are:",
+    )
     return _Plan(
-        question=f"\nQuestion: Find all variables that are assigned the value {value} in the text above.",
-        answers=tuple(names),
-        answer_prefix=(
-            f"Answer: Following the chain of assignments in the text above, "
-            f"the variables assigned the value {value} are:"
-        ),
+        questions=(question,),
         build=lambda n: preamble + " ".join(_insert_at_depths(_cycle(NOISE_SENTENCES, 0, n), needles, " ")),
         depth=depth,
     )
@@ -551,10 +633,13 @@ def _plan_cwe(seed: str, num_common: int = 10) -> _Plan:
             "memorize the ones that occur most often.\n" + listing
         )
 
+    question = _Question(
+        f"\nQuestion: What are the {num_common} most common words in the list above?",
+        tuple(common_words),
+        f"Answer: The top {num_common} words that appear most often in the list are:",
+    )
     return _Plan(
-        question=f"\nQuestion: What are the {num_common} most common words in the list above?",
-        answers=tuple(common_words),
-        answer_prefix=f"Answer: The top {num_common} words that appear most often in the list are:",
+        questions=(question,),
         build=build,
         min_units=4 * num_common,
     )
@@ -591,13 +676,14 @@ def _plan_fwe(seed: str, alpha: float = 2.0) -> _Plan:
         preamble = "Read the coded text below and keep count of how often each coded word occurs.\n"
         return preamble + " ".join(items)
 
+    question = _Question(
+        "\nQuestion: Ignore the dots '...'. What are the three most frequently appearing coded words "
+        "in the text above? Do not explain.",
+        tuple(coded.take(3)),
+        "Answer: The three most frequently appearing coded words in the text above are:",
+    )
     return _Plan(
-        question=(
-            "\nQuestion: Ignore the dots '...'. What are the three most frequently appearing coded words "
-            "in the text above? Do not explain."
-        ),
-        answers=tuple(coded.take(3)),
-        answer_prefix="Answer: The three most frequently appearing coded words in the text above are:",
+        questions=(question,),
         build=build,
         min_units=100,  # counts 25 > 11 > 6 > 4 for ranks 2-5: the top three are never tied
     )
@@ -678,13 +764,22 @@ _QA2_QUESTIONS = (
 )
 
 
-def _distractor_documents(seed: str, person_name: str, company_name: str) -> Callable[[int], list[str]]:
+def _distractor_documents(
+    seed: str, person_name: str, company_name: str, answer: str
+) -> Callable[[int], list[str]]:
     """``docs(n)``: the first ``n`` distractor documents (biographies and company profiles).
 
-    None of them is about the gold person or the gold company.
+    None of them is about the gold person or the gold company, and none contains the answer, so
+    the answer occurs in the context exactly once.
     """
 
     def document(rng: random.Random) -> str:
+        text = one_document(rng)
+        while answer in text:
+            text = one_document(rng)
+        return text
+
+    def one_document(rng: random.Random) -> str:
         if rng.random() < 0.5:
             name = _person_name(rng)
             while name == person_name:
@@ -720,15 +815,16 @@ def _plan_qa(seed: str, hops: int) -> _Plan:
         template, field = rng.choice(_QA2_QUESTIONS)
         answer = company[field]
         gold = [(depth, _company_profile(company)), (rng.random(), _biography(person))]
-    distractors = _distractor_documents(seed, person["name"], company["name"])
+    distractors = _distractor_documents(seed, person["name"], company["name"], answer)
     question = template.format(name=person["name"])
+    asked = _Question(
+        "\n\nAnswer the question based on the given documents. Only give the answer and no other "
+        f"words.\n\nQuestion: {question}",
+        (answer,),
+        "Answer:",
+    )
     return _Plan(
-        question=(
-            "\n\nAnswer the question based on the given documents. Only give the answer and no other "
-            f"words.\n\nQuestion: {question}"
-        ),
-        answers=(answer,),
-        answer_prefix="Answer:",
+        questions=(asked,),
         build=lambda n: _qa_context(distractors, gold, n),
         depth=depth,
     )
@@ -738,11 +834,11 @@ def _plan_qa(seed: str, hops: int) -> _Plan:
 
 
 def _plan(task: str, seed: str) -> _Plan:
-    """The plan for one sample of ``task``."""
+    """The plan for one context of ``task``."""
     if task in _NIAH_CONFIGS:
         return _plan_niah(_NIAH_CONFIGS[task], seed)
     if task == "vt":
-        return _plan_vt(seed)
+        return _plan_vt(seed, VT_HOPS)
     if task == "cwe":
         return _plan_cwe(seed)
     if task == "fwe":
@@ -750,33 +846,33 @@ def _plan(task: str, seed: str) -> _Plan:
     return _plan_qa(seed, hops=1 if task == "qa_1" else 2)
 
 
-def _generate_one(
+def _generate_context(
     tokenizer: TokenizerLike, task: str, length: int, seed: int, index: int, reserve_tokens: int
-) -> Sample:
-    """Sample ``index`` of ``task``, its context fitted to the token budget."""
+) -> list[Sample]:
+    """Context ``index`` of ``task``, fitted to the token budget, with one sample per question."""
     plan = _plan(task, f"kvfold-ruler/{seed}/{task}/{index}")
-    max_new_tokens = RULER_MAX_NEW_TOKENS[task]
-    budget = (
-        length
-        - count_tokens(tokenizer, plan.question)
-        - count_tokens(tokenizer, plan.answer_prefix)
-        - max_new_tokens
-        - PROMPT_RESERVE_TOKENS
-        - reserve_tokens
-    )
+    max_new_tokens = SUITE_MAX_NEW_TOKENS[task]
+    longest = max(count_tokens(tokenizer, q.question + q.answer_prefix) for q in plan.questions)
+    budget = length - longest - max_new_tokens - PROMPT_RESERVE_TOKENS - reserve_tokens
     units = _fit_units(lambda n: count_tokens(tokenizer, plan.build(n)), budget, plan.min_units, task)
-    return Sample(
-        context=plan.build(units),
-        question=plan.question,
-        answers=plan.answers,
-        task=task,
-        answer_prefix=plan.answer_prefix,
-        max_new_tokens=max_new_tokens,
-        metric="string_match_part" if task.startswith("qa") else "string_match_all",
-        sample_id=f"{task}/{length}/seed{seed}/{index}",
-        depth=plan.depth,
-        length=length,
-    )
+    context = plan.build(units)
+    base_id = f"{task}/{length}/seed{seed}/{index}"
+    return [
+        Sample(
+            context=context,
+            question=q.question,
+            answers=q.answers,
+            task=task,
+            answer_prefix=q.answer_prefix,
+            max_new_tokens=max_new_tokens,
+            metric="string_match_part" if task.startswith("qa") else "string_match_all",
+            sample_id=base_id if len(plan.questions) == 1 else f"{base_id}/q{k}",
+            depth=plan.depth if q.depth is None else q.depth,
+            length=length,
+            haystack=TASK_HAYSTACKS[task],
+        )
+        for k, q in enumerate(plan.questions)
+    ]
 
 
 def generate_ruler(
@@ -820,7 +916,8 @@ def generate_ruler(
     if length < 1:
         raise ValueError(f"length must be a positive number of tokens; got {length}")
     return [
-        _generate_one(tokenizer, task, length, seed, index, reserve_tokens)
+        sample
         for task in dict.fromkeys(selected)
         for index in range(samples_per_task)
+        for sample in _generate_context(tokenizer, task, length, seed, index, reserve_tokens)
     ]

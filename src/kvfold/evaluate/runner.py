@@ -28,9 +28,11 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,15 +42,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvfold.budget import Budget
 from kvfold.evaluate.metrics import score_sample_metrics
 from kvfold.evaluate.samples import Sample, group_by_context
+from kvfold.evaluate.stats import Interval, TaskScores, macro_retention, macro_score, task_retention, task_score
 from kvfold.methods import build_method
 from kvfold.pipeline import prefill
 
-__all__ = ["EvalResult", "aggregate", "evaluate", "plan_runs", "sample_keys"]
+__all__ = ["EvalResult", "aggregate", "answer_context", "context_id", "evaluate", "plan_runs", "sample_keys"]
 
 PREDICTIONS_FILE = "predictions.jsonl"
 RESULTS_FILE = "results.json"
 RUN_FILE = "run.json"
 AVERAGE_TASK = "average"
+HEADLINE_TASK = "headline"
+SUMMARY_TASKS = (AVERAGE_TASK, HEADLINE_TASK, f"{HEADLINE_TASK}_noise", f"{HEADLINE_TASK}_prose")
+"""The task names of average rows (see :func:`aggregate`)."""
 
 
 @dataclass
@@ -88,6 +94,14 @@ class EvalResult:
 
 def _is_full(spec: str) -> bool:
     return build_method(spec).is_identity
+
+
+def _names_full(label: str) -> bool:
+    """Whether a result's method label is the uncompressed cache (False for labels of no method)."""
+    try:
+        return _is_full(label)
+    except ValueError:
+        return False
 
 
 def plan_runs(methods: Sequence[str], budgets: Sequence[float | int | str | Budget]) -> list[tuple[str, Budget]]:
@@ -173,49 +187,139 @@ def read_predictions(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def aggregate(predictions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Records per (method, budget, task) and an ``"average"`` task row per (method, budget).
+HEADLINE_MIN_FULL_SCORE = 50.0
+"""A task whose full-cache score is below this says nothing about compression: it is reported
+apart and left out of the headline average."""
 
-    ``score`` is the mean per-sample score of a task; the average row is the macro average over
-    tasks (each task weighs the same) with ``n`` the number of samples. ``kv_ratio`` is the mean
-    of compressed over full cache bytes; other metric names hold their mean scores.
+
+def _task_scores(preds: Sequence[Mapping[str, Any]]) -> TaskScores:
+    ordered = sorted(preds, key=lambda p: p.get("sample_id", ""))
+    return TaskScores.from_pairs(
+        [(p.get("context_id") or p.get("sample_id") or str(i), p["score"]) for i, p in enumerate(ordered)]
+    )
+
+
+def _interval_fields(prefix: str, interval: Interval | None, scale: float = 1.0) -> dict[str, Any]:
+    """``{prefix: value, prefix_ci: [low, high]}``; undefined numbers become None (JSON null)."""
+
+    def number(x: float) -> float | None:
+        return None if math.isnan(x) else x * scale
+
+    if interval is None or math.isnan(interval.value):
+        return {prefix: None, f"{prefix}_ci": None}
+    ci = [number(interval.low), number(interval.high)]
+    return {prefix: number(interval.value), f"{prefix}_ci": None if None in ci else ci}
+
+
+def _full_predictions(predictions: Sequence[Mapping[str, Any]]) -> dict[tuple[bool, str], dict[str, Mapping[str, Any]]]:
+    """The full cache's predictions by (query_aware, task), keyed by sample id."""
+    full: dict[tuple[bool, str], dict[str, Mapping[str, Any]]] = defaultdict(dict)
+    for p in predictions:
+        if _names_full(p["method"]) and "sample_id" in p:
+            full[(bool(p["query_aware"]), p["task"])][p["sample_id"]] = p
+    return full
+
+
+def _paired_full(preds: Sequence[Mapping[str, Any]], full: Mapping[str, Mapping[str, Any]]) -> TaskScores | None:
+    """The full cache's scores on exactly these samples, or None if it did not answer all of them."""
+    if not full or any(p.get("sample_id") not in full for p in preds):
+        return None
+    return _task_scores([full[p["sample_id"]] for p in preds])
+
+
+def aggregate(predictions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Records per (method, budget, task) and average rows per (method, budget).
+
+    Per task: ``score`` (mean per-sample score, 0-100) with ``score_ci`` (95%), ``retention``
+    (score / the full cache's score on the same samples, a fraction) with ``retention_ci``, when a
+    ``full`` run answered the same samples; ``headline`` (the full cache scores at least
+    :data:`HEADLINE_MIN_FULL_SCORE` on the task, or no ``full`` run to tell); ``haystack``;
+    ``kv_ratio`` (mean compressed / full bytes); ``compress_over_prefill`` (mean compression
+    seconds over the prefill seconds of the same context); other metric names hold their means.
+
+    Averages (macro: each task weighs the same; intervals by a stratified paired bootstrap over
+    contexts, see :mod:`kvfold.evaluate.stats`): ``"average"`` over every task, ``"headline"``
+    over the headline tasks, ``"headline_noise"`` / ``"headline_prose"`` over the headline tasks
+    of each haystack (a row is left out when it would cover no task). An average row lists its
+    ``tasks``.
     """
     groups: dict[tuple[str, Any, bool], dict[str, list[Mapping[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for p in predictions:
         groups[(p["method"], p["budget"], bool(p["query_aware"]))][p["task"]].append(p)
+    full_by_task = _full_predictions(predictions)
+    full_scores = {
+        key: _task_scores(list(rows.values())).mean() for key, rows in full_by_task.items() if rows
+    }
     records = []
     for (method, budget, query_aware), tasks in groups.items():
         rows = []
+        method_scores: dict[str, TaskScores] = {}
+        paired_full: dict[str, TaskScores | None] = {}
         for task, preds in tasks.items():
+            scores = _task_scores(preds)
+            full = _paired_full(preds, full_by_task.get((query_aware, task), {}))
+            method_scores[task], paired_full[task] = scores, full
+            full_score = full_scores.get((query_aware, task))
             row = {
                 "method": method,
                 "budget": budget,
                 "task": task,
-                "score": _mean(p["score"] for p in preds),
+                **_interval_fields("score", task_score(scores)),
+                **_interval_fields("retention", task_retention(scores, full) if full is not None else None),
                 "n": len(preds),
+                "contexts": len(scores.contexts),
+                "headline": full_score is None or full_score >= HEADLINE_MIN_FULL_SCORE,
+                "haystack": preds[0].get("haystack"),
                 "query_aware": query_aware,
                 "kv_ratio": _mean(p["kv_bytes"] / p["kv_bytes_full"] for p in preds),
+                "compress_over_prefill": _mean(
+                    p["compress_seconds"] / p["prefill_seconds"] for p in preds if p.get("prefill_seconds")
+                ),
             }
             names = dict.fromkeys(name for p in preds for name in p.get("metrics", {}))
             row.update(
                 {name: _mean(p["metrics"][name] for p in preds if name in p.get("metrics", {})) for name in names}
             )
             rows.append(row)
-        average = {
-            "method": method,
-            "budget": budget,
-            "task": AVERAGE_TASK,
-            "score": _mean(r["score"] for r in rows),
-            "n": sum(r["n"] for r in rows),
-            "query_aware": query_aware,
-            "kv_ratio": _mean(r["kv_ratio"] for r in rows),
+        headline = [r for r in rows if r["headline"]]
+        selections = {
+            AVERAGE_TASK: rows,
+            HEADLINE_TASK: headline,
+            f"{HEADLINE_TASK}_noise": [r for r in headline if r["haystack"] == "noise"],
+            f"{HEADLINE_TASK}_prose": [r for r in headline if r["haystack"] == "prose"],
         }
-        records.extend([*rows, average])
+        averages = []
+        for name, chosen in selections.items():
+            if not chosen:
+                continue
+            names = [r["task"] for r in chosen]
+            fulls = {t: paired_full[t] for t in names}
+            retention = (
+                macro_retention({t: method_scores[t] for t in names}, fulls)  # type: ignore[arg-type]
+                if all(f is not None for f in fulls.values())
+                else None
+            )
+            averages.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    "task": name,
+                    **_interval_fields("score", macro_score({t: method_scores[t] for t in names})),
+                    **_interval_fields("retention", retention),
+                    "n": sum(r["n"] for r in chosen),
+                    "contexts": sum(r["contexts"] for r in chosen),
+                    "tasks": names,
+                    "query_aware": query_aware,
+                    "kv_ratio": _mean(r["kv_ratio"] for r in chosen),
+                    "compress_over_prefill": _mean(r["compress_over_prefill"] for r in chosen),
+                }
+            )
+        records.extend([*rows, *averages])
     return records
 
 
 def _mean(values: Any) -> float:
-    values = list(values)
+    values = [v for v in values if v is not None]
     return float(sum(values) / len(values)) if values else float("nan")
 
 
@@ -259,7 +363,6 @@ def evaluate(
     if not samples:
         raise ValueError("no samples to evaluate")
     runs = plan_runs(methods, budgets)
-    built = {spec: build_method(spec) for spec, _ in runs}
     config = dict(
         run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__, "seed": seed}
     )
@@ -286,55 +389,23 @@ def evaluate(
             ]
             if not pending:
                 continue
-            first = group[0]
-            context = prefill(
+            skip = {k for k in done if k[0] in {key_of[id(s)] for s in group}}
+            for row in answer_context(
                 model,
                 tokenizer,
-                first.context,
-                question=_question(first) if query_aware else None,
+                group,
+                [key_of[id(s)] for s in group],
+                pending,
                 query_aware=query_aware,
-                answer_prefix=first.answer_prefix if query_aware else "",
-                use_chat_template=_use_chat_template(first),
-                methods=[built[spec] for spec, _ in pending],
-            )
-            for spec, budget in pending:
-                bar.set_postfix_str(f"{spec} @ {budget}", refresh=False)
-                compressed = context.compress(built[spec], budget, seed=seed)
-                for sample in group:
-                    key = _unit_key(key_of[id(sample)], spec, budget.label(), query_aware)
-                    if key in done:
-                        continue
-                    answer = compressed.generate(
-                        "" if query_aware else _question(sample),
-                        answer_prefix="" if query_aware else sample.answer_prefix,
-                        max_new_tokens=sample.max_new_tokens,
-                        use_chat_template=_use_chat_template(sample),
-                    )[0]
-                    metrics = score_sample_metrics(sample, answer.text)
-                    row = {
-                        "sample_id": key_of[id(sample)],
-                        "task": sample.task,
-                        "method": spec,
-                        "budget": budget.label(),
-                        "query_aware": query_aware,
-                        "prediction": answer.text,
-                        "answers": list(sample.answers),
-                        "score": metrics[sample.metric],
-                        "kv_bytes": compressed.kv_bytes,
-                        "kv_bytes_full": compressed.kv_bytes_full,
-                        "context_tokens": context.context_tokens,
-                        "prefill_seconds": context.prefill_seconds,
-                        "compress_seconds": compressed.compress_seconds,
-                        "decode_seconds": answer.decode_seconds,
-                        "new_tokens": answer.new_tokens,
-                    }
-                    if len(metrics) > 1:
-                        row["metrics"] = metrics
-                    done[key] = row
-                    if writer is not None:
-                        writer.write(json.dumps(row) + "\n")
-                        writer.flush()
-                    bar.update(1)
+                seed=seed,
+                skip=skip,
+                on_method=lambda spec, budget: bar.set_postfix_str(f"{spec} @ {budget}", refresh=False),
+            ):
+                done[_unit_key(row["sample_id"], row["method"], row["budget"], query_aware)] = row
+                if writer is not None:
+                    writer.write(json.dumps(row) + "\n")
+                    writer.flush()
+                bar.update(1)
     finally:
         bar.close()
         if writer is not None:
@@ -349,6 +420,97 @@ def evaluate(
         (out_dir / RESULTS_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
         write_eval_report(out_dir, result.records, title_info=config)
     return result
+
+
+def context_id(context: str) -> str:
+    """A short stable id of a context text: questions that share it are one bootstrap cluster."""
+    return hashlib.sha1(context.encode("utf-8")).hexdigest()[:12]
+
+
+def answer_context(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    group: Sequence[Sample],
+    sample_ids: Sequence[str],
+    runs: Sequence[tuple[str, Budget]],
+    *,
+    query_aware: bool = False,
+    seed: int = 0,
+    skip: Collection[tuple[str, str, str, bool]] = (),
+    on_method: Callable[[str, Budget], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The unit of work of a sweep: one context, prefilled once, compressed once per (method, budget).
+
+    Every question of ``group`` (samples sharing one context and prompt format) is answered from its
+    own copy of the same compressed cache, so a context's questions cost one compression.
+
+    Args:
+        model, tokenizer: the model (kvfold attention) and its tokenizer.
+        group: samples that share a context (one sample when ``query_aware``).
+        sample_ids: their ids (:func:`sample_keys`).
+        runs: ``(method spec, budget)`` pairs to run.
+        query_aware: compress the context together with the (single) question.
+        seed: seed for randomized methods.
+        skip: unit keys ``(sample_id, method, budget label json, query_aware)`` already done.
+        on_method: called before each (method, budget) is compressed (progress display).
+
+    Yields:
+        One prediction row per sample × (method, budget) not in ``skip``, as soon as it is scored.
+    """
+    built = {spec: build_method(spec) for spec, _ in runs}
+    first = group[0]
+    context = prefill(
+        model,
+        tokenizer,
+        first.context,
+        question=_question(first) if query_aware else None,
+        query_aware=query_aware,
+        answer_prefix=first.answer_prefix if query_aware else "",
+        use_chat_template=_use_chat_template(first),
+        methods=list(built.values()),
+    )
+    cluster = context_id(first.context)
+    for spec, budget in runs:
+        todo = [
+            (sample, sid)
+            for sample, sid in zip(group, sample_ids, strict=True)
+            if _unit_key(sid, spec, budget.label(), query_aware) not in skip
+        ]
+        if not todo:
+            continue
+        if on_method is not None:
+            on_method(spec, budget)
+        compressed = context.compress(built[spec], budget, seed=seed)
+        for sample, sid in todo:
+            answer = compressed.generate(
+                "" if query_aware else _question(sample),
+                answer_prefix="" if query_aware else sample.answer_prefix,
+                max_new_tokens=sample.max_new_tokens,
+                use_chat_template=_use_chat_template(sample),
+            )[0]
+            metrics = score_sample_metrics(sample, answer.text)
+            row = {
+                "sample_id": sid,
+                "context_id": cluster,
+                "task": sample.task,
+                "haystack": sample.haystack,
+                "method": spec,
+                "budget": budget.label(),
+                "query_aware": query_aware,
+                "prediction": answer.text,
+                "answers": list(sample.answers),
+                "score": metrics[sample.metric],
+                "kv_bytes": compressed.kv_bytes,
+                "kv_bytes_full": compressed.kv_bytes_full,
+                "context_tokens": context.context_tokens,
+                "prefill_seconds": context.prefill_seconds,
+                "compress_seconds": compressed.compress_seconds,
+                "decode_seconds": answer.decode_seconds,
+                "new_tokens": answer.new_tokens,
+            }
+            if len(metrics) > 1:
+                row["metrics"] = metrics
+            yield row
 
 
 def _prefill_groups(samples: Sequence[Sample], query_aware: bool) -> Iterator[list[Sample]]:

@@ -31,6 +31,8 @@ class Sample:
         depth: For needle tasks, where the needle holding ``answers[0]`` sits, as the fraction of
             the haystack's characters that precede it (0 = start, 1 = end); ``None`` otherwise.
         length: The target length in tokens the sample was generated for (synthetic tasks).
+        haystack: What the context hides its facts in, for synthetic tasks: ``"noise"`` (repeated
+            filler, word lists, distractor needles) or ``"prose"`` (English text); ``None`` otherwise.
         all_classes: Label set for ``classification_score`` (LongBench ``trec``).
         first_line_only: Score only the first non-empty line of the prediction (LongBench does
             this for few-shot tasks, whose models tend to continue with a new example).
@@ -59,6 +61,7 @@ class Sample:
     sample_id: str = ""
     depth: float | None = None
     length: int | None = None
+    haystack: str | None = None
     all_classes: tuple[str, ...] = ()
     first_line_only: bool = False
     extra_metrics: tuple[str, ...] = ()
