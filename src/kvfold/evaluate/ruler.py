@@ -112,14 +112,14 @@ HEADLINE_TASKS: tuple[str, ...] = (
     "niah_single_1",
     "niah_single_2",
     "niah_single_3",
-    "niah_multikey_1",
     "niah_multivalue",
     "niah_multiquery",
     "vt",
     "qa_1",
 )
-"""The tasks ``--dataset ruler`` runs by default: those SmolLM2-135M solves with the full cache at
-2K tokens (see the README). The others stay runnable by name (``ruler:cwe``)."""
+"""The tasks ``--dataset ruler`` runs by default. ``niah_multikey_1`` is left out: SmolLM2-135M
+with the full cache answered 0 of 6 probes at 2K tokens (it returns the first needle whatever the
+key). Every task stays runnable by name (``ruler:niah_multikey_1``, ``ruler:all``)."""
 
 TASK_HAYSTACKS: dict[str, str] = {
     **{task: "prose" for task in RULER_TASKS if task.startswith("niah")},
