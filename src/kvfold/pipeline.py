@@ -221,6 +221,18 @@ class CompressedContext:
         texts = [a.text for a in answers]
         return texts[0] if len(texts) == 1 else texts
 
+    def decode_cache(self, row: int = 0) -> FoldedCache:
+        """A copy of one batch row of the compressed cache, ready to decode from.
+
+        The copy carries a fresh decode-time policy of the method (``cache.policy``) when the method
+        has an online path, so it stays at its budget while tokens are appended, exactly as during
+        :meth:`generate`; the policy's state follows this copy only.
+        """
+        cache = _row_cache(self.cache, row, self.source.input_ids.shape[0])
+        if self.policy is not None:
+            cache.policy = self.method.online_policy(_row_context(self, cache, row))
+        return cache
+
     def generate(
         self,
         question: str = "",
@@ -243,15 +255,11 @@ class CompressedContext:
             suffixes = [parts.suffix] * src.input_ids.shape[0]
         results = []
         for row, suffix in enumerate(suffixes):
-            cache = _row_cache(self.cache, row, src.input_ids.shape[0])
+            cache = self.decode_cache(row)
             suffix_ids = encode(src.tokenizer, suffix, special=False) if suffix else []
             check_length(src.model, src.input_ids.shape[1] + len(suffix_ids) + max_new_tokens)
             start_pos = int(src.attention_mask[row].sum())
             pad = src.input_ids.shape[1] - start_pos
-            policy = self.policy
-            if policy is not None:  # a fresh policy per answer: its state follows this cache copy
-                policy = self.method.online_policy(_row_context(self, cache, row))
-            cache.policy = policy
             first_logits = None if suffix_ids else src.last_logits[row : row + 1]
             results.append(
                 greedy_decode(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfold.evaluate import Sample, fidelity
-from kvfold.evaluate.fidelity import _block_outputs, reference_answer
+from kvfold.evaluate.fidelity import _block_outputs, decode_schedule, reference_answer
 
 CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank at dawn. " * 4
 
@@ -93,3 +93,81 @@ def test_block_outputs_read_beta_and_gqa_groups() -> None:
     empty = torch.full((h_kv, 1), -math.inf, dtype=torch.float64)  # an empty slot changes nothing
     padded = (dup_k[:, :6].double(), dup_v[:, :6].double(), torch.cat([folded_beta, empty], 1))
     torch.testing.assert_close(_block_outputs(queries, padded, 0.3), _block_outputs(queries, folded, 0.3))
+
+
+def test_decode_schedule_feeds_the_prompt_whole_and_then_one_token_a_forward() -> None:
+    assert decode_schedule([False, False, True, True, True], online=False) == [5]
+    assert decode_schedule([False, False, True, True, True], online=True) == [2, 1, 1, 1]
+    assert decode_schedule([True, True], online=True) == [1, 1]
+    assert decode_schedule([False, True], online=True) == [1, 1]
+
+
+def test_online_runs_the_decode_policy_and_equals_offline_at_full_budget(tiny_lm) -> None:
+    model, tok = tiny_lm
+    methods = ["full", "streamingllm", "h2o"]
+    offline = fidelity(model, tok, _samples(), methods, [1.0, 0.3], progress=False)
+    online = fidelity(model, tok, _samples(), methods, [1.0, 0.3], online=True, progress=False)
+    off = {(r["method"], r["budget"]): r for r in offline.records}
+    on = {(r["method"], r["budget"]): r for r in online.records}
+    assert online.online and not offline.online
+    for method in methods:  # nothing compressed: exactly the full cache, in both modes
+        assert on[(method, 1.0)]["rel_error"] == off[(method, 1.0)]["rel_error"] == 0.0
+        assert on[(method, 1.0)]["nll_delta"] == off[(method, 1.0)]["nll_delta"] == 0.0
+    for method in ("streamingllm", "h2o"):  # the policy evicts while the continuation comes in
+        a, b = on[(method, 0.3)], off[(method, 0.3)]
+        assert a["online_path"] is True and "online_path" not in b
+        assert abs(a["rel_error"] - b["rel_error"]) > 1e-3
+        assert a["block_error"] == b["block_error"]  # the compressed prefill cache is the same
+
+
+def test_online_cache_stays_at_its_budget(tiny_lm) -> None:
+    from kvfold.evaluate.fidelity import _Continuation, _teacher_forced
+    from kvfold.pipeline import prefill
+
+    model, tok = tiny_lm
+    context = prefill(model, tok, CONTEXT, use_chat_template=False)
+    compressed = context.compress("streamingllm", 0.3)
+    held = [layer.valid_mask().sum(-1).max().item() for _, layer in compressed.cache.folded_layers]
+    ids = tok("Answer: the brown fox jumps", add_special_tokens=False).input_ids
+    cont = _Continuation("s", "qa", context, ids, [False] * 2 + [True] * (len(ids) - 2))
+    for online, grows in ((True, 0), (False, len(ids))):
+        cache = compressed.decode_cache() if online else compressed.cache.copy()
+        _teacher_forced(model, cache, cont, online=online)
+        after = [layer.valid_mask().sum(-1).max().item() for _, layer in cache.folded_layers]
+        assert after == [h + grows for h in held]
+
+
+def test_online_reports_methods_without_online_path(tiny_lm, tmp_path: Path) -> None:
+    model, tok = tiny_lm
+    result = fidelity(
+        model, tok, _samples()[:1], ["snapkv", "streamingllm"], [0.3], online=True, out_dir=tmp_path, progress=False
+    )
+    snap, stream = result.records
+    assert snap["online_path"] is False and "rel_error" not in snap and snap["n"] == 0
+    assert stream["online_path"] is True and stream["rel_error"] > 0
+    report = (tmp_path / "fidelity.md").read_text()
+    assert "No online path" in report and "`snapkv`" in report.split("No online path")[1]
+    assert json.loads((tmp_path / "fidelity.json").read_text())["online"] is True
+
+
+def test_fidelity_resumes_without_redoing_work(tiny_lm, tmp_path: Path, monkeypatch) -> None:
+    from kvfold.pipeline import PrefilledContext
+
+    model, tok = tiny_lm
+    calls = []
+    compress = PrefilledContext.compress
+    monkeypatch.setattr(PrefilledContext, "compress", lambda self, *a, **k: calls.append(a) or compress(self, *a, **k))
+    args = (model, tok, _samples(), ["full", "streamingllm"], [0.5, 0.3])
+    first = fidelity(*args, out_dir=tmp_path, progress=False)
+    assert len(calls) == 6  # 2 samples × (full + 2 budgets)
+    lines = (tmp_path / "fidelity_samples.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "fidelity_samples.jsonl").write_text("".join(lines[:4]) + lines[4][:20])  # killed mid-write
+    calls.clear()
+    again = fidelity(*args, out_dir=tmp_path, progress=False)
+    assert len(calls) == 2  # only the two lost runs
+    assert again.records == first.records
+    calls.clear()
+    fidelity(*args, out_dir=tmp_path, progress=False)
+    assert calls == []
+    with pytest.raises(ValueError, match="another configuration"):
+        fidelity(*args, online=True, out_dir=tmp_path, progress=False)

@@ -60,7 +60,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_selection_args(p)
     p.add_argument("--query-aware", action="store_true", help="compress each context together with its question")
 
-    p = sub.add_parser("fidelity", help="attention-output error and NLL increase vs the full cache")
+    p = sub.add_parser("fidelity", help="attention-output error and NLL increase vs the full cache (resumable)")
     _add_selection_args(p)
     p.add_argument(
         "--continuation",
@@ -70,6 +70,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "last --next-tokens tokens",
     )
     p.add_argument("--next-tokens", type=int, default=64, help="held-out tokens with --continuation next")
+    p.add_argument(
+        "--online",
+        action="store_true",
+        help="run each method's decode-time policy while the continuation is teacher-forced (the cache "
+        "held at its budget, as during generation); methods with no online path are reported, not run",
+    )
 
 
 if add_parsers not in EXTRA_PARSERS:
@@ -214,7 +220,8 @@ def run_fidelity(args: argparse.Namespace) -> int:
     from kvfold.evaluate.fidelity import fidelity
 
     methods, budgets, model, tokenizer, samples, config = _setup(args)
-    print(f"{len(samples)} samples, continuation '{args.continuation}' → {args.out}", file=sys.stderr)
+    mode = "online" if args.online else "offline"
+    print(f"{describe_samples(samples)}, continuation '{args.continuation}', {mode} → {args.out}", file=sys.stderr)
     result = fidelity(
         model,
         tokenizer,
@@ -223,12 +230,16 @@ def run_fidelity(args: argparse.Namespace) -> int:
         budgets,
         continuation=args.continuation,
         next_tokens=args.next_tokens,
+        online=args.online,
         seed=args.seed,
         out_dir=args.out,
         progress=not args.quiet,
         run_config=config,
     )
     for record in result.records:
+        if "rel_error" not in record:
+            print(f"{record['method']:<24} budget {record['budget']!s:<6} no online path (not measured)")
+            continue
         print(
             f"{record['method']:<24} budget {record['budget']!s:<6} rel_error {record['rel_error']:.4g}  "
             f"nll_delta {record['nll_delta']:+.4g}  kl {record['kl']:.4g}  (n={record['n']})"

@@ -27,8 +27,22 @@ Continuations:
   template. The first held-out token is predicted by the prefill alone (before any compression),
   so it is not scored; the others are. Samples sharing a context give one continuation.
 
-Decode-time (online) policies are switched off (``cache.policy = None``): the continuation is
-teacher-forced in one pass, so what is measured is the compressed prefill cache itself.
+Offline (default), decode-time policies are switched off (``cache.policy = None``): the continuation
+is teacher-forced in one pass, so what is measured is the compressed prefill cache itself.
+
+**Online** (``online=True``, ``kvfold fidelity --online``): the method's decode-time policy runs
+while the continuation is teacher-forced, the cache held at its budget the whole way, as during
+generation: the unscored lead of the continuation (the question and answer prefix) goes in as one
+forward, as :meth:`~kvfold.pipeline.CompressedContext.generate` feeds a prompt, and every later
+token in a forward of its own, after which the policy evicts (or merges) back to the budget. This
+is how ZSMerge measures its error (§4.3). The full-cache reference runs the same schedule, so a
+method that compresses nothing gives exactly 0. ``block_error`` is that of the compressed prefill
+cache before the continuation, the same in both modes. A method with no online path is not run
+offline in its place: its record says ``"online_path": false`` and carries no measures.
+
+Results are written as they are produced (``fidelity_samples.jsonl``, one line per continuation ×
+method × budget); a rerun into the same directory with the same configuration measures only what
+is missing, and the progress bar shows the time left.
 
 Example:
     >>> from kvfold import load_model
@@ -53,7 +67,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache
-from kvfold.evaluate.runner import plan_runs, sample_keys
+from kvfold.evaluate.runner import check_run_config, plan_runs, read_predictions, sample_keys
 from kvfold.evaluate.samples import Sample, group_by_context
 from kvfold.methods import ComposedMethod, build_method
 from kvfold.pipeline import PrefilledContext, build_prompt, check_length, encode, prefill
@@ -61,6 +75,7 @@ from kvfold.pipeline import PrefilledContext, build_prompt, check_length, encode
 __all__ = ["FidelityResult", "fidelity", "reference_answer"]
 
 FIDELITY_FILE = "fidelity.json"
+SAMPLES_FILE = "fidelity_samples.jsonl"
 DEFAULT_NEXT_TOKENS = 64
 
 
@@ -74,6 +89,7 @@ class FidelityResult:
             ``n`` (continuations), all means over continuations.
         samples: the same measures per continuation (``sample_id`` included).
         continuation: ``"answer"`` or ``"next"``.
+        online: whether decode-time policies ran during the continuation.
         model: the model's name.
         out_dir: where the files were written, or None.
     """
@@ -81,12 +97,13 @@ class FidelityResult:
     records: list[dict[str, Any]]
     samples: list[dict[str, Any]] = field(default_factory=list)
     continuation: str = "answer"
+    online: bool = False
     model: str = ""
     out_dir: Path | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The content of ``fidelity.json``."""
-        return {"model": self.model, "continuation": self.continuation, "records": self.records}
+        return {"model": self.model, "continuation": self.continuation, "online": self.online, "records": self.records}
 
 
 @dataclass
@@ -114,13 +131,22 @@ def _continuations(
     mode: str,
     next_tokens: int,
     methods: list[ComposedMethod],
+    finished: set[str] = frozenset(),
 ):
-    """Yield one :class:`_Continuation` per sample (per distinct context in ``"next"`` mode)."""
+    """Yield one :class:`_Continuation` per sample (per distinct context in ``"next"`` mode).
+
+    Samples whose key is in ``finished`` are passed over before anything is prefilled.
+    """
     key_of = {id(s): k for s, k in zip(samples, sample_keys(samples), strict=True)}
     prefilled: dict[tuple[str, bool], PrefilledContext] = {}
     seen: set[str] = set()
     for sample in (s for _, group in group_by_context(samples) for s in group):
         key = key_of[id(sample)]
+        if mode == "next" and sample.context in seen:
+            continue
+        seen.add(sample.context)
+        if key in finished:
+            continue
         if mode == "answer":
             template = None if sample.chat_template else False
             cache_key = (sample.context, sample.chat_template)
@@ -139,9 +165,6 @@ def _continuations(
                 raise ValueError(f"sample {key!r}: the reference answer has no tokens")
             ids, scored = suffix_ids + answer_ids, [False] * len(suffix_ids) + [True] * len(answer_ids)
         else:
-            if sample.context in seen:
-                continue
-            seen.add(sample.context)
             doc = encode(tokenizer, sample.context, special=False)
             if len(doc) < next_tokens + 16:
                 raise ValueError(
@@ -216,47 +239,78 @@ def _scalings(model: PreTrainedModel) -> list[float]:
     return out
 
 
+def decode_schedule(scored: Sequence[bool], online: bool) -> list[int]:
+    """How many continuation tokens each forward takes.
+
+    Offline the whole continuation is one forward. Online, as during generation, the unscored lead
+    (the prompt: question and answer prefix) is one forward and every later token one of its own.
+    """
+    total = len(scored)
+    if not online:
+        return [total]
+    lead = next((i for i, s in enumerate(scored) if s), total)
+    return ([lead] if lead else []) + [1] * (total - lead)
+
+
 @torch.inference_mode()
 def _teacher_forced(
-    model: PreTrainedModel, cache: FoldedCache, cont: _Continuation, queries: list[torch.Tensor] | None = None
+    model: PreTrainedModel,
+    cache: FoldedCache,
+    cont: _Continuation,
+    queries: list[torch.Tensor] | None = None,
+    *,
+    online: bool = False,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """One forward of the continuation over ``cache``: pre-o_proj outputs per layer and log-probs.
+    """Teacher-force the continuation over ``cache``: pre-o_proj outputs per layer and log-probs.
 
     Args:
-        queries: if given, filled with each layer's continuation queries ``(H_q, q, D)`` (post-RoPE).
+        queries: if given, filled with each layer's continuation queries ``(H_q, q, D)`` (post-RoPE);
+            offline only.
+        online: keep ``cache.policy`` (the method's decode-time policy, or None) and feed the
+            continuation as :func:`decode_schedule` says; offline the policy is switched off and
+            the continuation is one forward.
 
     Returns:
         ``([(q, H·D) per layer], (q, V) log-probabilities of each continuation token's prediction)``.
     """
-    captured: dict[int, torch.Tensor] = {}
+    captured: dict[int, list[torch.Tensor]] = defaultdict(list)
 
     def hook(layer_idx: int):
         def capture(module: torch.nn.Module, args: tuple) -> None:
-            captured[layer_idx] = args[0][0].detach().double()
+            captured[layer_idx].append(args[0][0].detach().double())
 
         return capture
 
-    cache.policy = None  # teacher-forced: no decode-time eviction inside the continuation
+    if not online:
+        cache.policy = None  # teacher-forced: no decode-time eviction inside the continuation
     if queries is not None:
+        if online:
+            raise ValueError("continuation queries are captured offline only")
         cache.capture_window = len(cont.ids)
         for _, layer in cache.folded_layers:
             layer.captured_queries = None
     handles = [m.o_proj.register_forward_pre_hook(hook(i)) for i, m in _attention_modules(model)]
+    chunks: list[torch.Tensor] = []
     try:
         device = model.device
-        start = cache.get_seq_length()
-        ids = torch.tensor([cont.ids], device=device)
-        pos = torch.arange(start, start + len(cont.ids), device=device)[None]
-        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).logits[0]
+        done = 0
+        for size in decode_schedule(cont.scored, online):
+            start = cache.get_seq_length()  # logical: unchanged by eviction
+            ids = torch.tensor([cont.ids[done : done + size]], device=device)
+            pos = torch.arange(start, start + size, device=device)[None]
+            chunks.append(model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).logits[0])
+            done += size
     finally:
         for handle in handles:
             handle.remove()
         cache.capture_window = 0
     if queries is not None:
         queries.extend(layer.captured_queries[0] for _, layer in cache.folded_layers)
+    logits = torch.cat(chunks, dim=0)
     # token t is predicted by the logits before it: the prefill's last ones for t = 0
     predicting = torch.cat([cont.context.last_logits.to(logits.dtype), logits[:-1]], dim=0)
-    return [captured[i] for i in sorted(captured)], torch.log_softmax(predicting.double(), dim=-1)
+    outputs = [torch.cat(captured[i], dim=0) for i in sorted(captured)]
+    return outputs, torch.log_softmax(predicting.double(), dim=-1)
 
 
 def _compare(
@@ -293,6 +347,7 @@ def fidelity(
     *,
     continuation: Literal["answer", "next"] = "answer",
     next_tokens: int = DEFAULT_NEXT_TOKENS,
+    online: bool = False,
     seed: int = 0,
     out_dir: str | Path | None = None,
     progress: bool = True,
@@ -309,17 +364,20 @@ def fidelity(
         continuation: ``"answer"`` (question + reference answer) or ``"next"`` (held-out document
             tokens); see the module docstring.
         next_tokens: held-out tokens in ``"next"`` mode.
+        online: run each method's decode-time policy during the continuation (module docstring);
+            a method without one gets a record with ``"online_path": false`` and no measures.
         seed: seed for randomized methods.
         out_dir: where to write ``fidelity.json``, ``fidelity_samples.jsonl``, ``fidelity.md`` and
-            ``fidelity.png``.
-        progress: show a progress bar.
-        run_config: facts shown in the report (model, dataset, ...).
+            ``fidelity.png``; a run found there with the same configuration is resumed.
+        progress: show a progress bar (with the time left).
+        run_config: what identifies the run for resuming (model, dataset, ...), shown in the report.
 
     Returns:
         A :class:`FidelityResult`.
 
     Raises:
-        ValueError: an invalid spec, budget or mode, no samples, or a context too short to split.
+        ValueError: an invalid spec, budget or mode, no samples, a context too short to split, or
+            ``out_dir`` holding a run with another configuration.
     """
     from tqdm.auto import tqdm
 
@@ -331,52 +389,94 @@ def fidelity(
         raise ValueError("no samples to measure")
     runs = plan_runs(methods, budgets)
     built = {spec: build_method(spec) for spec, _ in runs}
-    total = (len(samples) if continuation == "answer" else len({s.context for s in samples})) * len(runs)
-    rows: list[dict[str, Any]] = []
+    config = dict(run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__})
+    config.update(continuation=continuation, online=online, seed=seed)
+    if continuation == "next":
+        config["next_tokens"] = next_tokens
+    done: dict[tuple[str, str, str], dict[str, Any]] = {}
+    writer = None
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        check_run_config(out_dir, config)
+        for row in read_predictions(out_dir / SAMPLES_FILE):
+            done[(row["sample_id"], row["method"], row["budget"])] = row
+        writer = (out_dir / SAMPLES_FILE).open("a", encoding="utf-8")
+    keys = _continuation_keys(samples, continuation)
+    finished = {k for k in keys if all((k, spec, b.label()) in done for spec, b in runs)}
+    total = len(keys) * len(runs)
+    initial = sum((k, spec, b.label()) in done for k in keys for spec, b in runs)
     scalings = _scalings(model)
-    with tqdm(total=total, disable=not progress, desc="fidelity", unit="run", dynamic_ncols=True) as bar:
-        for cont in _continuations(model, tokenizer, samples, continuation, next_tokens, list(built.values())):
+    bar = tqdm(total=total, initial=initial, disable=not progress, desc="fidelity", unit="run", dynamic_ncols=True)
+    try:
+        for cont in _continuations(
+            model, tokenizer, samples, continuation, next_tokens, list(built.values()), finished
+        ):
             queries: list[torch.Tensor] = []
             reference = _teacher_forced(model, cont.context.cache.copy(), cont, queries)
+            if online:  # the full cache fed on the same schedule as the compressed ones
+                reference = _teacher_forced(model, cont.context.cache.copy(), cont, online=True)
             full_blocks = _context_blocks(cont.context.cache)
             for spec, budget in runs:
+                if (cont.sample_id, spec, budget.label()) in done:
+                    continue
                 bar.set_postfix_str(f"{spec} @ {budget}", refresh=False)
                 compressed = cont.context.compress(built[spec], budget, seed=seed)
-                measured = _compare(reference, _teacher_forced(model, compressed.cache.copy(), cont), cont)
-                block = _block_errors(queries, full_blocks, _context_blocks(compressed.cache), scalings)
-                measured.update(block_error=sum(block) / len(block), block_per_layer=block)
-                rows.append(
-                    {
-                        "sample_id": cont.sample_id,
-                        "task": cont.task,
-                        "method": spec,
-                        "budget": budget.label(),
-                        "kv_ratio": compressed.kv_bytes / compressed.kv_bytes_full,
-                        "continuation_tokens": len(cont.ids),
-                        "scored_tokens": sum(cont.scored),
-                        **measured,
-                    }
-                )
+                row: dict[str, Any] = {
+                    "sample_id": cont.sample_id,
+                    "task": cont.task,
+                    "method": spec,
+                    "budget": budget.label(),
+                    "kv_ratio": compressed.kv_bytes / compressed.kv_bytes_full,
+                    "continuation_tokens": len(cont.ids),
+                    "scored_tokens": sum(cont.scored),
+                }
+                if online and compressed.policy is None and not (built[spec].is_identity or budget.is_full):
+                    row["online_path"] = False  # not run offline in its place
+                else:
+                    cache = compressed.decode_cache() if online else compressed.cache.copy()
+                    row.update(_compare(reference, _teacher_forced(model, cache, cont, online=online), cont))
+                    block = _block_errors(queries, full_blocks, _context_blocks(compressed.cache), scalings)
+                    row.update(block_error=sum(block) / len(block), block_per_layer=block)
+                    if online:
+                        row["online_path"] = compressed.policy is not None
+                done[(cont.sample_id, spec, budget.label())] = row
+                if writer is not None:
+                    writer.write(json.dumps(row) + "\n")
+                    writer.flush()
                 bar.update(1)
-    config = dict(run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__})
-    config["continuation"] = continuation
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    rows = [done[(k, spec, b.label())] for spec, b in runs for k in keys]
     result = FidelityResult(
         records=_aggregate(rows),
         samples=rows,
         continuation=continuation,
+        online=online,
         model=str(config.get("model", "")),
-        out_dir=None if out_dir is None else Path(out_dir),
+        out_dir=out_dir,
     )
     if result.out_dir is not None:
         from kvfold.evaluate.report import write_fidelity_report
 
-        result.out_dir.mkdir(parents=True, exist_ok=True)
         (result.out_dir / FIDELITY_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-        (result.out_dir / "fidelity_samples.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8"
-        )
         write_fidelity_report(result.out_dir, result.records, title_info=config)
     return result
+
+
+def _continuation_keys(samples: Sequence[Sample], continuation: str) -> list[str]:
+    """The sample id of every continuation, in the order :func:`_continuations` yields them."""
+    key_of = {id(s): k for s, k in zip(samples, sample_keys(samples), strict=True)}
+    keys, seen = [], set()
+    for sample in (s for _, group in group_by_context(samples) for s in group):
+        if continuation == "next":
+            if sample.context in seen:
+                continue
+            seen.add(sample.context)
+        keys.append(key_of[id(sample)])
+    return keys
 
 
 def _aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -388,6 +488,12 @@ def _aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for (method, budget), group in groups.items():
         n = len(group)
         record: dict[str, Any] = {"method": method, "budget": budget}
+        if any(r.get("online_path") is False and "rel_error" not in r for r in group):
+            record.update(online_path=False, kv_ratio=sum(r["kv_ratio"] for r in group) / n, n=0)
+            records.append(record)  # no online path: reported, not measured
+            continue
+        if "online_path" in group[0]:
+            record["online_path"] = all(r["online_path"] for r in group)
         for key in ("rel_error", "block_error", "nll_delta", "kl", "nll_full", "kv_ratio"):
             record[key] = sum(r[key] for r in group) / n
         for key in ("per_layer", "block_per_layer"):

@@ -474,7 +474,14 @@ def _title_suffix(info: Mapping[str, Any] | None) -> str:
 
 
 def fidelity_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, Any] | None = None) -> str:
-    """The fidelity report: rel_error, block_error, nll_delta and KL per method × budget, then per-layer errors."""
+    """The fidelity report: rel_error, block_error, nll_delta and KL per method × budget, then per-layer errors.
+
+    Records of an online run with ``"online_path": false`` (a method with no decode-time policy) are
+    listed apart, not measured.
+    """
+    unmeasured = [r for r in records if r.get("online_path") is False and "rel_error" not in r]
+    records = [r for r in records if r not in unmeasured]
+    online = bool(info and info.get("online"))
     methods = _ordered([r["method"] for r in records])
     budgets = _table_budgets({r["budget"] for r in records if not _is_full(r)})
     index = {(r["method"], r["budget"]): r for r in records}
@@ -489,6 +496,16 @@ def fidelity_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, A
         "`full` is measured once (budget 1.0) and repeated in every column.",
         "",
     ]
+    if online:
+        lines += [
+            "**Online**: each method's decode-time policy ran while the continuation was teacher-forced "
+            "(the prompt in one forward, then one token a forward, the cache held at its budget), and the "
+            "full cache was fed on the same schedule. `block_error` is that of the compressed prefill cache.",
+            "",
+        ]
+    if unmeasured:
+        names = ", ".join(f"`{m}`" for m in _ordered([r["method"] for r in unmeasured]))
+        lines += [f"No online path (not measured, not run offline in its place): {names}.", ""]
     header = ["method", *(_budget_label(b) for b in budgets)]
 
     def cell(method: str, budget: Any, key: str) -> str:
@@ -537,6 +554,7 @@ def plot_fidelity(
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
+    records = [r for r in records if "rel_error" in r]  # online runs: methods with no online path
     methods = _ordered([r["method"] for r in records])
     budgets = sorted({r["budget"] for r in records if not _is_full(r)}, key=_budget_sort_key) or [FULL_BUDGET]
     positions, numeric = _axis_positions(budgets)
@@ -590,7 +608,5 @@ def write_fidelity_report(
     report.write_text(
         fidelity_markdown(records, title_info) + "\n![fidelity vs budget](fidelity.png)\n", encoding="utf-8"
     )
-    return [
-        report,
-        plot_fidelity(records, out_dir / "fidelity.png", title="Fidelity vs cache budget" + _title_suffix(title_info)),
-    ]
+    title = ("Online fidelity" if title_info and title_info.get("online") else "Fidelity") + " vs cache budget"
+    return [report, plot_fidelity(records, out_dir / "fidelity.png", title=title + _title_suffix(title_info))]

@@ -149,7 +149,7 @@ def _question(sample: Sample) -> str:
     return sample.question.lstrip()
 
 
-def _check_run_config(out_dir: Path, config: Mapping[str, Any]) -> None:
+def check_run_config(out_dir: Path, config: Mapping[str, Any]) -> None:
     """Write ``run.json`` on the first run; on a rerun, refuse a different configuration."""
     path = out_dir / RUN_FILE
     config = json.loads(json.dumps(dict(config)))
@@ -372,7 +372,7 @@ def evaluate(
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        _check_run_config(out_dir, config)
+        check_run_config(out_dir, config)
         for row in read_predictions(out_dir / PREDICTIONS_FILE):
             done[_unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])] = row
         writer = (out_dir / PREDICTIONS_FILE).open("a", encoding="utf-8")
