@@ -159,7 +159,7 @@ def test_fidelity_resumes_without_redoing_work(tiny_lm, tmp_path: Path, monkeypa
     monkeypatch.setattr(PrefilledContext, "compress", lambda self, *a, **k: calls.append(a) or compress(self, *a, **k))
     args = (model, tok, _samples(), ["full", "streamingllm"], [0.5, 0.3])
     first = fidelity(*args, out_dir=tmp_path, progress=False)
-    assert len(calls) == 6  # 2 samples × (full + 2 budgets)
+    assert len(calls) == 3  # full + 2 budgets, once for the context both questions share
     lines = (tmp_path / "fidelity_samples.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "fidelity_samples.jsonl").write_text("".join(lines[:4]) + lines[4][:20])  # killed mid-write
     calls.clear()

@@ -407,6 +407,8 @@ def fidelity(
     total = len(keys) * len(runs)
     initial = sum((k, spec, b.label()) in done for k in keys for spec, b in runs)
     scalings = _scalings(model)
+    compressed_runs: dict[tuple[str, Budget], Any] = {}
+    compressed_for: PrefilledContext | None = None
     bar = tqdm(total=total, initial=initial, disable=not progress, desc="fidelity", unit="run", dynamic_ncols=True)
     try:
         for cont in _continuations(
@@ -417,11 +419,15 @@ def fidelity(
             if online:  # the full cache fed on the same schedule as the compressed ones
                 reference = _teacher_forced(model, cont.context.cache.copy(), cont, online=True)
             full_blocks = _context_blocks(cont.context.cache)
+            if cont.context is not compressed_for:  # questions of one context share its compressions
+                compressed_runs, compressed_for = {}, cont.context
             for spec, budget in runs:
                 if (cont.sample_id, spec, budget.label()) in done:
                     continue
                 bar.set_postfix_str(f"{spec} @ {budget}", refresh=False)
-                compressed = cont.context.compress(built[spec], budget, seed=seed)
+                if (spec, budget) not in compressed_runs:
+                    compressed_runs[(spec, budget)] = cont.context.compress(built[spec], budget, seed=seed)
+                compressed = compressed_runs[(spec, budget)]
                 row: dict[str, Any] = {
                     "sample_id": cont.sample_id,
                     "task": cont.task,
