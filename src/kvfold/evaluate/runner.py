@@ -221,10 +221,14 @@ def _full_predictions(predictions: Sequence[Mapping[str, Any]]) -> dict[tuple[bo
 
 
 def _paired_full(preds: Sequence[Mapping[str, Any]], full: Mapping[str, Mapping[str, Any]]) -> TaskScores | None:
-    """The full cache's scores on exactly these samples, or None if it did not answer all of them."""
+    """The full cache's scores on exactly these samples, or None if it did not answer all of them.
+
+    They are grouped by the method's context ids, so the two sides pair up even when one side's
+    rows were written without ``context_id`` (predictions from before it existed, on resume).
+    """
     if not full or any(p.get("sample_id") not in full for p in preds):
         return None
-    return _task_scores([full[p["sample_id"]] for p in preds])
+    return _task_scores([{**full[p["sample_id"]], "context_id": p.get("context_id")} for p in preds])
 
 
 def aggregate(predictions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
