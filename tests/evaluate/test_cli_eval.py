@@ -10,6 +10,7 @@ import pytest
 import kvfold
 import kvfold.models
 from kvfold.cli import main
+from kvfold.evaluate.datasets import DEFAULT_RULER_SAMPLES
 from tests.conftest import make_tiny_model
 from tests.evaluate.conftest import CharTokenizer
 
@@ -148,6 +149,7 @@ def test_own_file_runs_every_line_unless_limited(capsys, loads, tmp_path: Path) 
          "max_new_tokens": 2, "task": "boxes"}
         for i in range(7)
     ]  # fmt: skip
+    assert len(rows) > DEFAULT_RULER_SAMPLES  # the per-task default that used to cut a user's file
     data = _write_jsonl(tmp_path / "boxes.jsonl", rows)
     code, _, err = run(capsys, "eval --dataset", data, "--methods full --quiet --out", tmp_path / "all")
     assert code == 0 and "7 samples (7 contexts) in 1 tasks" in err
@@ -171,12 +173,13 @@ def test_a_multi_question_line_is_compressed_once(capsys, loads, tmp_path: Path,
     row = {"context": FOX, "questions": ["\nWhat jumps?", "\nWho is lazy?", "\nWhat colour?"],
            "answers": [["fox"], ["dog"], ["brown"]], "max_new_tokens": 3, "task": "animals"}  # fmt: skip
     data = _write_jsonl(tmp_path / "multi.jsonl", [row])
-    flags = "--methods streamingllm --budgets 0.5 --quiet --out"
+    flags = "--methods streamingllm --budgets 0.5,0.2 --quiet --out"
     code, _, err = run(capsys, "eval --dataset", data, flags, tmp_path / "m")
     assert code == 0 and "3 samples (1 contexts)" in err
-    assert len(calls) == 1  # one compression, three answers
+    assert len(calls) == 2 and len(set(calls)) == 2  # one compression per budget, three answers from each
     predictions = [json.loads(line) for line in (tmp_path / "m" / "predictions.jsonl").read_text().splitlines()]
-    assert [p["sample_id"] for p in predictions] == ["animals/1/q0", "animals/1/q1", "animals/1/q2"]
+    assert [p["sample_id"] for p in predictions] == ["animals/1/q0", "animals/1/q1", "animals/1/q2"] * 2
+    assert [p["budget"] for p in predictions] == [0.5] * 3 + [0.2] * 3
     assert len({p["context_id"] for p in predictions}) == 1
     bad = dict(row, answers=[["fox"], ["dog"]])
     code, _, err = run(capsys, "eval --dataset", _write_jsonl(tmp_path / "bad.jsonl", [bad]),

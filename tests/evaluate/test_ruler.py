@@ -113,13 +113,25 @@ def test_prose_haystack_ships_with_the_package() -> None:
 # --- answers really are in the context -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("task", LOOKUP_TASKS)
-def test_answers_occur_in_the_context_exactly_once(real_suite: list[Sample], task: str) -> None:
-    for s in _of(real_suite, task):
+def _check_answers_occur_once(samples: list[Sample], task: str) -> None:
+    assert samples
+    for s in samples:
         for answer in s.answers:
             # a tracked variable is named where it is assigned, and again where the next one copies it
             spelled = f"VAR {answer} =" if task == "vt" else answer
             assert s.context.count(spelled) == 1, (task, answer)
+
+
+@pytest.mark.parametrize("task", LOOKUP_TASKS)
+def test_answers_occur_in_the_context_exactly_once(real_suite: list[Sample], task: str) -> None:
+    _check_answers_occur_once(_of(real_suite, task), task)
+
+
+@pytest.mark.parametrize("task", LOOKUP_TASKS)
+def test_answers_occur_exactly_once_with_any_tokenizer(word_tokenizer, task: str) -> None:
+    # the same check where the model's tokenizer is not installed (the test above is then skipped)
+    samples = generate_ruler(word_tokenizer, length=1500, samples_per_task=5, seed=12, tasks=[task])
+    _check_answers_occur_once(samples, task)
 
 
 @pytest.mark.parametrize("task", NIAH_TASKS)
@@ -191,6 +203,46 @@ def test_qa_answer_sits_in_a_document_about_the_asked_person(real_suite: list[Sa
         employer = re.search(r"for (.+?)\. Outside", biography).group(1)
         (profile,) = [d for d in _documents(s.context) if d.startswith(f"{employer} is ")]
         assert s.answers[0] in profile
+
+
+# --- haystacks ----------------------------------------------------------------------------------
+
+PROSE_NIAH_TASKS = [t for t in NIAH_TASKS if TASK_HAYSTACKS[t] == "prose"]
+SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")  # how haystack_sentences splits the prose
+
+
+def _haystack(sample: Sample) -> list[str]:
+    """The sentences around the needles: the context after its instruction line, needles removed."""
+    body = NEEDLE.sub(" ", VT_STATEMENT.sub(" ", sample.context.split("\n", 1)[1]))
+    return [s for s in SENTENCE_BREAK.split(" ".join(body.split())) if s]
+
+
+def test_haystack_label_says_what_the_needles_hide_in(word_tokenizer) -> None:
+    tasks = [*NIAH_TASKS, "vt"]
+    samples = generate_ruler(word_tokenizer, length=900, samples_per_task=2, seed=6, tasks=tasks)
+    prose, noise = set(haystack_sentences()), set(NOISE_SENTENCES)
+    for s in samples:
+        sentences = _haystack(s)
+        if s.task in ("niah_multikey_2", "niah_multikey_3"):  # noise made of distractor needles only
+            assert s.haystack == "noise" and sentences == [], s.task
+        elif s.haystack == "prose":
+            assert len(sentences) > 10 and set(sentences) <= prose, s.task
+        else:
+            assert s.haystack == "noise" and len(sentences) > 10 and set(sentences) <= noise, s.task
+    assert {s.task for s in samples if s.haystack == "prose"} == set(PROSE_NIAH_TASKS)
+
+
+@pytest.mark.parametrize("task", PROSE_NIAH_TASKS)
+def test_prose_haystack_is_deterministic_for_a_seed(word_tokenizer, task: str) -> None:
+    first = [_haystack(s) for s in generate_ruler(word_tokenizer, 900, 3, seed=8, tasks=[task])]
+    load_haystack.cache_clear()  # read the prose again, as a new process would
+    haystack_sentences.cache_clear()
+    again = [_haystack(s) for s in generate_ruler(word_tokenizer, 900, 3, seed=8, tasks=[task])]
+    assert again == first
+    # the seed, not the call, picks where in the prose each context starts
+    other = [_haystack(s) for s in generate_ruler(word_tokenizer, 900, 3, seed=9, tasks=[task])]
+    assert [h[0] for h in other] != [h[0] for h in first]
+    assert len({h[0] for h in first}) == 3  # and the contexts of one seed start at different places
 
 
 # --- needle depth --------------------------------------------------------------------------------

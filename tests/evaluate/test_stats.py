@@ -62,3 +62,57 @@ def test_macro_average_weighs_tasks_equally() -> None:
         macro_retention({"a": method["a"]}, full)
     with pytest.raises(ValueError, match="same samples"):
         task_retention(TaskScores(((1.0,),)), TaskScores(((1.0,), (2.0,))))
+
+
+def test_wilson_interval_for_3_of_8_by_hand() -> None:
+    # p = 3/8 = 0.375, n = 8, z = 1.959964, z² = 3.841459:
+    #   denominator = 1 + z²/n = 1 + 0.480182 = 1.480182
+    #   centre = (p + z²/(2n)) / denominator = (0.375 + 0.240091) / 1.480182 = 0.415551
+    #   half = z · sqrt(p(1-p)/n + z²/(4n²)) / denominator
+    #        = 1.959964 · sqrt(0.029297 + 0.015006) / 1.480182 = 1.959964 · 0.210483 / 1.480182 = 0.278707
+    #   → [0.136844, 0.694258] (a Wald interval would be 0.375 ± 0.335 = [0.040, 0.710])
+    low, high = wilson_interval(3, 8)
+    assert low == pytest.approx(0.136844, abs=1e-5) and high == pytest.approx(0.694258, abs=1e-5)
+    interval = task_score(TaskScores(((100.0,),) * 3 + ((0.0,),) * 5))
+    assert interval.value == 37.5
+    assert interval.as_list() == pytest.approx([13.6844, 69.4258], abs=1e-3)
+
+
+def test_task_score_of_clustered_pass_fail_questions_is_a_context_bootstrap() -> None:
+    # Two contexts of two questions each: all right on one, all wrong on the other. Questions of one
+    # context move together, so a draw of the 2 contexts has mean 0 (p = 1/4), 50 (1/2) or 100 (1/4):
+    # the 2.5th and 97.5th percentiles are 0 and 100. Wilson for 2 of 4 independent trials would be
+    # [15.0, 85.0] (centre 0.5, half-width 1.96 · sqrt(0.0625 + 0.0600) / 1.9604 = 0.350).
+    interval = task_score(TaskScores(((100.0, 100.0), (0.0, 0.0))))
+    assert interval.value == 50.0 and interval.as_list() == [0.0, 100.0]
+
+
+def test_retention_interval_by_hand() -> None:
+    # One of four single-question contexts is lost: a draw of 4 contexts keeps 4 - L of them, with
+    # L ~ Binomial(4, 1/4). P(L = 4) = 1/256 = 0.4 % < 2.5 % ≤ P(L ≥ 3) = 13/256 = 5.1 %, so the
+    # 2.5th percentile is retention 1/4; P(L = 0) = (3/4)^4 = 32 % > 2.5 %, so the 97.5th is 1.
+    method = TaskScores(((100.0,), (0.0,), (100.0,), (100.0,)))
+    full = TaskScores(((100.0,),) * 4)
+    assert task_retention(method, full).as_list() == [0.25, 1.0]
+
+
+def test_retention_draws_whole_contexts_for_method_and_full_together() -> None:
+    # Per context the method keeps exactly half the full cache's score (100 of 200, 40 of 80), but
+    # not per question (1, 0, 0, 1). Drawing whole contexts, paired, every draw is exactly 0.5;
+    # drawing single questions, or the method and the full cache apart, spreads the interval.
+    method = TaskScores(((100.0, 0.0), (0.0, 40.0)))
+    full = TaskScores(((100.0, 100.0), (40.0, 40.0)))
+    assert task_retention(method, full).value == 0.5
+    assert task_retention(method, full).as_list() == pytest.approx([0.5, 0.5])
+
+
+def test_macro_retention_interval_by_hand() -> None:
+    # Each task is redrawn within itself (paired): every draw of a has method = full = 100, every draw
+    # of b method 25 and full 50, so every draw's ratio of macro means is (100 + 25) / (100 + 50)
+    # (a mean of per-task ratios would give (1 + 0.5) / 2 = 0.75).
+    full = {"a": TaskScores(((100.0,),) * 4), "b": TaskScores(((50.0,),) * 4)}
+    method = {"a": TaskScores(((100.0,),) * 4), "b": TaskScores(((25.0,),) * 4)}
+    interval = macro_retention(method, full)
+    assert [interval.value, *interval.as_list()] == pytest.approx([125 / 150] * 3)
+    # the macro score of the method: (100 + 25) / 2, with the same stratified draws
+    assert macro_score(method).value == 62.5 and macro_score(method).as_list() == pytest.approx([62.5, 62.5])
