@@ -57,3 +57,30 @@ def test_prefill_ids_equals_prefill_of_the_same_tokens(smollm2):
     for (_, a), (_, b) in zip(from_ids.cache.folded_layers, from_text.cache.folded_layers, strict=True):
         assert torch.equal(a.dense_buffers()[0], b.dense_buffers()[0])
         assert torch.equal(a.captured_queries, b.captured_queries)
+
+
+def test_kvzip_repeat_pass_runs_once_per_prefilled_context(monkeypatch):
+    """A sweep over budgets pays for KVzip's repeat pass once; caches and reported cost are unchanged."""
+    from kvfold.methods import eviction
+    from kvfold.pipeline import prefill
+    from tests.conftest import CharTokenizer, make_tiny_model
+
+    model = kvfold.enable(make_tiny_model("llama"))
+    tok = CharTokenizer()
+    calls = []
+    real = eviction.kvzip_scores
+    monkeypatch.setattr(eviction, "kvzip_scores", lambda ctx, chunk: calls.append(chunk) or real(ctx, chunk))
+    text = "the quick brown fox jumps over the lazy dog; " * 3
+    shared = prefill(model, tok, text, use_chat_template=False)
+    budgets = (0.5, 0.3, 0.2)
+    reused = [shared.compress("kvzip", b) for b in budgets]
+    assert calls == [2048]
+    assert reused[1].report["reused_seconds"] > 0 and "reused_seconds" not in reused[0].report
+    assert reused[1].compress_seconds >= reused[1].report["reused_seconds"]  # the cost when run alone
+    for budget, compressed in zip(budgets, reused, strict=True):  # the same caches as without sharing
+        alone = prefill(model, tok, text, use_chat_template=False).compress("kvzip", budget)
+        for (_, a), (_, b) in zip(alone.cache.folded_layers, compressed.cache.folded_layers, strict=True):
+            torch.testing.assert_close(a.padded()[0], b.padded()[0], rtol=0, atol=0)
+    assert len(calls) == 1 + len(budgets)
+    shared.compress("kvzip[chunk=16]", 0.3)  # other options: another pass
+    assert calls[-1] == 16

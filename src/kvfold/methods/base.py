@@ -9,7 +9,9 @@ plain eviction by default). Methods that do all three their own way are :class:`
 from __future__ import annotations
 
 import dataclasses
+import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,6 +41,10 @@ class CompressionContext:
             repeat prompt, fall back to prompt-free variants without it).
         memo: scratch space shared by the parts of a method during this one compression
             (e.g. scores computed for every layer at once in :meth:`Method.prepare`).
+        shared: results that depend on the prefilled context only, not on the method's budget,
+            kept across every compression of one :class:`~kvfold.pipeline.PrefilledContext` (e.g.
+            KVzip's repeat-pass scores); read and filled through :meth:`shared_result`. Empty (and
+            private to this compression) when the cache is not a fresh copy of a prefilled context.
         merge_recorder: optional diagnostic sink (``kvfold mergemap``,
             :class:`kvfold.evaluate.mergemap.MergeRecorder`); None in normal runs. Methods report
             through :meth:`record_kept` and :meth:`record_merges`, which do nothing without it.
@@ -63,6 +69,22 @@ class CompressionContext:
     tokenizer: Any = None
     memo: dict[str, Any] = field(default_factory=dict)
     merge_recorder: Any = None
+    shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
+
+    def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per prefilled context: later compressions of it reuse the result.
+
+        A reuse adds the seconds the first computation took to ``report["reused_seconds"]``, so
+        that a compression's reported time is what it costs when run alone.
+        """
+        hit = self.shared.get(key)
+        if hit is None:
+            start = time.perf_counter()
+            value = compute()
+            hit = self.shared[key] = (value, time.perf_counter() - start)
+        else:
+            self.report["reused_seconds"] = self.report.get("reused_seconds", 0.0) + hit[1]
+        return hit[0]
 
     def record_kept(self, layer_idx: int, keep: torch.Tensor, lengths: torch.Tensor) -> None:
         """Diagnostics: the slots ``(B, H, K)`` held by a layer after compression, in entry order."""

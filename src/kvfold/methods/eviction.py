@@ -811,7 +811,9 @@ class KVzip(Selector):
             raise SpecError(f"kvzip: chunk must be ≥ 1 and sinks ≥ 0; got chunk={self.chunk}, sinks={self.sinks}")
 
     def prepare(self, ctx: CompressionContext) -> None:
-        scores = kvzip_scores(ctx, self.chunk)
+        # one repeat pass per prefilled context, whatever the budget (copies: later steps edit scores)
+        shared = ctx.shared_result(("kvzip_scores", self.chunk), lambda: kvzip_scores(ctx, self.chunk))
+        scores = {layer_idx: s.clone() for layer_idx, s in shared.items()}
         ctx.memo["kvzip_scores"] = scores
         if not self.layerwise:
             layers = dict(ctx.cache.folded_layers)
