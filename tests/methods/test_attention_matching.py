@@ -415,6 +415,8 @@ def test_reference_queries_are_reused_across_budgets_of_one_context():
     first = pre.compress("am_highest_fast", 0.3)
     second = pre.compress("am_highest_fast", 0.2)
     assert "queries_reused" not in first.report["am"] and second.report["am"]["queries_reused"]
+    assert second.report["reused_seconds"] > 0 and "reused_seconds" not in first.report
+    assert second.compress_seconds >= second.report["reused_seconds"]  # reported as if run alone
     other = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False).compress("am_highest_fast", 0.2)
     assert "queries_reused" not in other.report["am"]
     for (_, a), (_, b) in zip(second.cache.folded_layers, other.cache.folded_layers, strict=True):
