@@ -333,3 +333,42 @@ def _responses(results: dict, tasks: list[str]) -> list:
             for resp in sample["resps"]:
                 out.append(resp[0] if isinstance(resp[0], str) else tuple(resp[0]))
     return out
+
+
+# --------------------------------------------------------------------------- the embedded SmolLM2, chat template
+
+
+@pytest.mark.model
+def test_smollm2_chat_prompt_full_equals_stock_and_answers_equal_kvfold(smollm2):
+    """A real BPE tokenizer and chat template: budget 1.0 is stock transformers; compressed answers are kvfold's."""
+    model, tokenizer = smollm2
+    doc = DOCS[0]
+    question = f"Question: {doc['question']}\nAnswer:"
+    lm = KVFoldLM(pretrained=model, tokenizer=tokenizer, method="full")
+    text = lm.apply_chat_template([{"role": "user", "content": doc["context"] + "\n\n" + question}])
+    requests = [Instance("loglikelihood", {}, (text, city), i) for i, city in enumerate(doc["choices"])]
+    ours = lm.loglikelihood(requests, disable_tqdm=True)
+    model.set_attn_implementation("sdpa")
+    try:
+        expected = [stock_loglikelihood(model, lm, *r.args) for r in requests]
+    finally:
+        model.set_attn_implementation("kvfold")
+    for (ll, greedy), (ll_ref, greedy_ref) in zip(ours, expected, strict=True):
+        assert ll == pytest.approx(ll_ref, abs=1e-4) and greedy == greedy_ref
+    for method in ("snapkv", "streamingllm"):
+        compressed = kvfold.prefill(model, tokenizer, doc["context"]).compress(method, 0.3)
+        expected_answer = compressed.answer(question, max_new_tokens=12)
+        lm = KVFoldLM(pretrained=model, tokenizer=tokenizer, method=method, budget=0.3)
+        request = Instance("generate_until", {}, (text, {"until": [], "max_gen_toks": 12}), 0)
+        assert lm.generate_until([request], disable_tqdm=True) == [expected_answer]
+
+
+def test_whole_prompt_split_leaves_the_first_continuation_token_to_the_prefill(tiny_dir):
+    """Under ``all`` the token after the prompt comes from the uncompressed prefill (documented)."""
+    requests = ll_requests(DOCS[:1])
+    lm = make_lm(tiny_dir, method="snapkv", budget=0.1, context_split="all")
+    full = make_lm(tiny_dir, method="full", context_split="all")
+    one_token = [r for r in requests if len(lm._encode_pair(*r.args)[1]) == 1]
+    assert one_token, "no one-token continuation among the choices"
+    assert lm.loglikelihood(one_token, disable_tqdm=True) == full.loglikelihood(one_token, disable_tqdm=True)
+    assert lm.get_model_info()["kvfold_kv_ratio"] < 0.2

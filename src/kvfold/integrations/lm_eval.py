@@ -98,7 +98,9 @@ class ContextSplit:
       ``,`` and ``=`` cannot be written in ``--model_args``).
     * ``tokens:N``: the last ``N`` tokens stay uncompressed.
     * ``all``: the whole prompt is compressed (query-aware: the question is inside the compressed
-      part, as in SnapKV's own protocol).
+      part, as in SnapKV's own protocol). The first continuation token is then predicted by the
+      prefill's own forward, which saw the uncompressed prompt, so a one-token continuation scores
+      the same at every budget.
 
     Under the text rules at most ``max_suffix_tokens`` (default 64) tokens stay uncompressed, so
     a prompt with no blank line, or a long last paragraph, still has its beginning compressed. At
