@@ -26,7 +26,15 @@ from tests.conftest import CharTokenizer, make_tiny_model
 
 TEXT = "The vault code is 4712. Ships sail at dawn; the harbour keeps its lights on all night. " * 3
 QUESTION = "What is the vault code?"
-METHODS = ["snapkv", "snapkv+keepkv", "zsmerge", "am_highest_fast", "adakv:snapkv", "h2o"]
+METHODS = [
+    "snapkv",
+    "snapkv+keepkv",
+    "zsmerge",
+    "am_highest_fast",
+    "am_highest_fast[online=true]",
+    "adakv:snapkv",
+    "h2o",
+]
 
 
 def _model(family: str = "llama", seed: int = 0):
@@ -77,6 +85,13 @@ def test_save_load_generate_equals_the_original_token_for_token(tmp_path, family
     ):
         assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(lm, lm2) and torch.equal(n, n2)
         assert (logical, paged) == (logical2, paged2)
+    # decoding under the method's policy leaves both caches in the same state (online methods evict/refit)
+    first, second = compressed.decode_cache(), loaded.decode_cache()
+    assert (first.policy is None) == (second.policy is None)
+    for cache in (first, second):
+        greedy_decode(model, CharTokenizer(), cache, [5, 6, 7, 8] * 6, 8, stop_at_eos=False)
+    for before, after in zip(_physical(first), _physical(second), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(before[:4], after[:4], strict=True))
     # kvfold's own greedy decode on the plain loaded cache, and plain transformers' generate
     prompt = [5, 6, 7, 8]
     ours = greedy_decode(model, CharTokenizer(), compressed.cache.copy(), prompt, 8, stop_at_eos=False)
@@ -206,7 +221,7 @@ def test_a_truncated_file_is_refused(tmp_path):
     raw = path.read_bytes()
     for cut in (len(raw) - 1, len(raw) // 2, 100, 4):
         path.write_bytes(raw[:cut])
-        with pytest.raises(CorruptCacheFileError, match="truncated.*re-create it"):
+        with pytest.raises(CorruptCacheFileError, match=r"\.kvc is truncated\b.*re-create it"):
             load_cache(path, model)
     path.write_bytes(b"not a cache file at all, just text")
     with pytest.raises(CorruptCacheFileError):
