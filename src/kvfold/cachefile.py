@@ -218,6 +218,7 @@ def save_cache(
     queries: bool = False,
     last_logits: torch.Tensor | None = None,
     extra: dict[str, Any] | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> int:
     """Write ``cache`` to ``path`` (atomically: a temporary file renamed into place).
 
@@ -237,6 +238,7 @@ def save_cache(
         queries: store the captured prefill queries (online Attention Matching reads them).
         last_logits: ``(B, V)`` the last prefill logits (query-aware caches decode from them).
         extra: more JSON-serializable header fields (e.g. a chat's state).
+        extra_tensors: more tensors, stored as ``extra.<name>`` (e.g. a chat's query window).
 
     Returns:
         The size of the written file in bytes.
@@ -253,6 +255,8 @@ def save_cache(
         tensors["context.token_ids"] = token_ids.detach().to(torch.int32).contiguous()
     if last_logits is not None:
         tensors["context.last_logits"] = last_logits.detach().contiguous()
+    for name, tensor in (extra_tensors or {}).items():
+        tensors[f"extra.{name}"] = tensor.detach().contiguous()
     tensors = {name: t.cpu() for name, t in tensors.items()}
     if isinstance(context_tokens, int):
         context_tokens = [context_tokens]
@@ -537,8 +541,8 @@ def _load(path, model, tokenizer, dtype, device, verify) -> tuple[FoldedCache, C
         raise CorruptCacheFileError(
             f"{info.path}: its tensors do not fit its header ({err.__class__.__name__}: {err}); re-create it"
         ) from None
-    context = {n[len("context.") :]: t.to(target_device) for n, t in tensors.items() if n.startswith("context.")}
-    return cache, info, context
+    others = {n: t.to(target_device) for n, t in tensors.items() if not n.startswith("layer.")}
+    return cache, info, others
 
 
 def load_context(
@@ -567,7 +571,7 @@ def load_context(
     cache, info, context = _load(path, model, tokenizer, dtype, device, verify)
     lengths = info.context_tokens or [cache.get_seq_length()]
     width = cache.get_seq_length()
-    token_ids = context.get("token_ids")
+    token_ids = context.get("context.token_ids")
     if token_ids is not None:
         input_ids = token_ids.to(torch.long)
     else:
@@ -576,7 +580,7 @@ def load_context(
     mask = torch.zeros(len(lengths), width, dtype=torch.long, device=model.device)
     for row, length in enumerate(lengths):
         mask[row, width - length :] = 1
-    last_logits = context.get("last_logits")
+    last_logits = context.get("context.last_logits")
     suffixes = info.extra.get("query_aware_suffixes")
     source = PrefilledContext(
         model=model,
@@ -612,7 +616,7 @@ def save_context(
     path: str | os.PathLike,
     *,
     source_text: str | None = None,
-    include_tokens: bool = False,
+    resumable: bool = False,
     extra: dict[str, Any] | None = None,
 ) -> int:
     """Write a :class:`~kvfold.pipeline.CompressedContext` (cache, method, budget, token count).
@@ -621,8 +625,11 @@ def save_context(
         compressed: the compressed context.
         path: the file to write.
         source_text: the context text (only its hash is stored).
-        include_tokens: store the context's token ids (needed to compact the cache again with a
-            method that re-reads them, e.g. Attention Matching in a chat).
+        resumable: also store the context's token ids and the last query states of every layer,
+            so that a chat on this file (:meth:`kvfold.chat.ChatSession.load`) can compact it again
+            with any method (Attention Matching re-reads the tokens, SnapKV reads the queries).
+            Costs 4 bytes a token plus the query window; off by default. Online methods always
+            store the query states (their policy reads them).
         extra: more header fields.
 
     Returns:
@@ -630,7 +637,7 @@ def save_context(
     """
     src = compressed.source
     lengths = [int(n) for n in src.attention_mask.sum(-1).tolist()]
-    online = compressed.policy is not None
+    queries = compressed.policy is not None or resumable
     header_extra = dict(extra or {})
     if src.suffixes is not None:
         header_extra["query_aware_suffixes"] = list(src.suffixes)
@@ -644,8 +651,8 @@ def save_context(
         context_tokens=lengths,
         source_text=source_text,
         token_ids=src.input_ids,
-        include_tokens=include_tokens,
-        queries=online,
+        include_tokens=resumable,
+        queries=queries,
         last_logits=src.last_logits if src.suffixes is not None else None,
         extra=header_extra,
     )
