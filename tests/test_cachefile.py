@@ -298,3 +298,13 @@ def test_an_empty_cache_is_not_saved(tmp_path):
     model = _model()
     with pytest.raises(CacheFileError, match="empty"):
         kvfold.FoldedCache(model.config).save(tmp_path / "x.kvc", model)
+
+
+def test_the_weight_sample_stays_inside_large_parameters():
+    """float32 cannot index past 2**24 exactly: the sample indices are integer arithmetic."""
+    from kvfold.cachefile import WEIGHT_SAMPLES, _weight_sample
+
+    big = torch.nn.Module()
+    big.weight = torch.nn.Parameter(torch.arange(28_311_552, dtype=torch.float32), requires_grad=False)
+    sample = _weight_sample(big)
+    assert len(sample) == 3 * WEIGHT_SAMPLES and sample[WEIGHT_SAMPLES - 1] == float(big.weight[-1])

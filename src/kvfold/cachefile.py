@@ -104,7 +104,7 @@ def _weight_sample(model: PreTrainedModel) -> list[float]:
     out: list[float] = []
     for p in picks:
         flat = p.detach().reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, WEIGHT_SAMPLES).round().long().to(flat.device)
+        idx = (torch.arange(WEIGHT_SAMPLES) * (flat.numel() - 1) // max(1, WEIGHT_SAMPLES - 1)).to(flat.device)
         out.extend(float(v) for v in flat[idx].float().cpu())
     return out
 
