@@ -153,16 +153,22 @@ def test_the_query_window_of_a_compaction_is_the_historys_own(monkeypatch):
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "am_highest_fast"])
 def test_a_saved_chat_continues_exactly(tmp_path, method):
     model = _model()
-    chat = ChatSession(model, CharTokenizer(), method, 24, cap=64, max_new_tokens=5)
+    chat = ChatSession(model, CharTokenizer(), method, 48, cap=128, max_new_tokens=5)
     for question in QUESTIONS[:4]:
         chat.ask(question)
     assert chat.compactions >= 1
     chat.save(tmp_path / "talk.kvc")
+    loaded = ChatSession.load(tmp_path / "talk.kvc", model, CharTokenizer())
+    assert loaded.stats()["turns"] == 4
+    if chat.policy is not None:  # the policy's live per-slot state went into the file
+        live = chat.cache.copy()
+        chat.policy.export_state(live)
+        for (_, a), (_, b) in zip(live.folded_layers, loaded.cache.folded_layers, strict=True):
+            assert a.entry_stats.keys() == b.entry_stats.keys()
+            assert all(torch.equal(a.entry_stats[k], b.entry_stats[k]) for k in a.entry_stats)
     expected = [chat.ask(q) for q in QUESTIONS[4:8]]
     expected_stats = chat.stats()
 
-    loaded = ChatSession.load(tmp_path / "talk.kvc", model, CharTokenizer())
-    assert loaded.stats()["turns"] == 4
     assert [loaded.ask(q) for q in QUESTIONS[4:8]] == expected
     stats = loaded.stats()
     for key in ("turns", "entries", "logical_tokens", "compactions", "online", "budget", "cap", "full_bytes"):
