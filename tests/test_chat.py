@@ -248,3 +248,23 @@ def test_turns_follow_the_chat_template():
     )
     chat.messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert chat._turn_text("Bye") == "<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.model
+def test_a_long_chat_on_smollm2_still_answers_a_fact_of_its_first_turn(smollm2):
+    """H2O keeps the fact through a compaction and 6 turns of online eviction at 96 entries.
+
+    A regression check, not a proof of retention: on SmolLM2-135M the *full* cache loses this fact
+    after the same filler turns (it answers the last question's topic), so only the answer of this
+    method, greedy and deterministic, is pinned.
+    """
+    model, tokenizer = smollm2
+    chat = ChatSession(model, tokenizer, "h2o", 96, cap=192, max_new_tokens=16)
+    first = chat.ask("The password for the lighthouse is 4821. What is the password for the lighthouse?")
+    assert "4821" in first
+    for question in ["Name a color.", "What is 2 plus 3?", "Name an animal.", "Say hello.", "Name a fruit."]:
+        chat.ask(question)
+    answer = chat.ask("What is the password for the lighthouse?")
+    stats = chat.stats()
+    assert stats["compactions"] == 1 and stats["entries"] == 96 and stats["logical_tokens"] > 192
+    assert "4821" in answer
