@@ -308,3 +308,29 @@ def test_the_weight_sample_stays_inside_large_parameters():
     big.weight = torch.nn.Parameter(torch.arange(28_311_552, dtype=torch.float32), requires_grad=False)
     sample = _weight_sample(big)
     assert len(sample) == 3 * WEIGHT_SAMPLES and sample[WEIGHT_SAMPLES - 1] == float(big.weight[-1])
+
+
+def test_a_batch_a_query_aware_context_and_sliding_window_layers_round_trip(tmp_path):
+    model = _model()
+    texts = [TEXT, "A shorter context about harbour lights and dawn. " * 3]
+    batch = kvfold.prefill(model, CharTokenizer(), texts, use_chat_template=False).compress("snapkv", 0.25)
+    batch.save(tmp_path / "batch.kvc")
+    loaded = load_context(tmp_path / "batch.kvc", model, CharTokenizer())
+    assert [a.token_ids for a in loaded.generate(QUESTION, max_new_tokens=6)] == [
+        a.token_ids for a in batch.generate(QUESTION, max_new_tokens=6)
+    ]
+
+    aware = kvfold.prefill(
+        model, CharTokenizer(), TEXT, question=QUESTION, query_aware=True, use_chat_template=False
+    ).compress("snapkv", 0.25)
+    aware.save(tmp_path / "aware.kvc")
+    again = load_context(tmp_path / "aware.kvc", model, CharTokenizer())
+    assert again.generate(max_new_tokens=6)[0].token_ids == aware.generate(max_new_tokens=6)[0].token_ids
+
+    gemma = _model("gemma3")
+    compressed = kvfold.prefill(gemma, CharTokenizer(), TEXT[:60], use_chat_template=False).compress("snapkv", 0.5)
+    compressed.save(tmp_path / "gemma.kvc")
+    from_file = load_context(tmp_path / "gemma.kvc", gemma, CharTokenizer())
+    assert from_file.generate(QUESTION[:6], max_new_tokens=4)[0].token_ids == (
+        compressed.generate(QUESTION[:6], max_new_tokens=4)[0].token_ids
+    )
