@@ -294,6 +294,13 @@ def test_errors_are_value_errors_and_nothing_is_half_loaded(tmp_path):
         load_cache(path, model, verify=False)
 
 
+def test_a_model_without_the_kvfold_attention_is_refused(tmp_path):
+    model = _model()
+    _compressed(model).save(tmp_path / "doc.kvc")
+    with pytest.raises(CacheFileError, match="kvfold.enable"):
+        load_cache(tmp_path / "doc.kvc", make_tiny_model("llama"))
+
+
 def test_an_empty_cache_is_not_saved(tmp_path):
     model = _model()
     with pytest.raises(CacheFileError, match="empty"):

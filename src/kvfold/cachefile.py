@@ -530,6 +530,11 @@ def load_cache(
 
 def _load(path, model, tokenizer, dtype, device, verify) -> tuple[FoldedCache, CacheFileInfo, dict]:
     info = read_info(path)
+    if getattr(model.config, "_attn_implementation", None) != "kvfold":
+        raise CacheFileError(
+            "the model does not run the kvfold attention, which a compacted cache needs (its entries carry β): "
+            "load it with kvfold.load_model, or call kvfold.enable(model) first"
+        )
     _check_model(info, model, tokenizer)
     target_dtype, target_device = _resolve_target(info, model, dtype, device)
     tensors = _read_tensors(info, verify)
