@@ -202,14 +202,16 @@ class ChatSession:
         context: a document the conversation is about: prefilled first (compressed at the
             first compaction), and the first question completes its user turn, exactly as
             :meth:`kvfold.pipeline.CompressedContext.answer` asks it.
-        system: a system message (chat templates only).
+        system: a system message (chat templates only; with ``context`` the first turn is the
+            context's, as :func:`kvfold.pipeline.build_prompt` writes it, and this is not used).
         max_new_tokens: the longest reply.
 
     Attributes:
         cache: the conversation's :class:`FoldedCache`.
         messages: the transcript, ``[{"role", "content"}]`` (the context is not repeated there).
         compactions: how many times the history was compacted.
-        last_compaction: ``{"turn", "history_entries", "kept_tokens", "physical_after"}`` of the last one.
+        last_compaction: ``{"turn", "physical_before", "history_entries", "kept_tokens",
+            "physical_after"}`` of the last compaction (``history_entries`` = the budget).
     """
 
     def __init__(
