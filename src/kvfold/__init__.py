@@ -7,6 +7,7 @@ for a model you loaded yourself, or :func:`enable`) switches a model to the kvfo
 from kvfold.attention import enable
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.cachefile import CacheFileError, load_cache, load_context
 from kvfold.methods import available_methods, build_method, split_specs
 from kvfold.models import load_model, prepare_model
 from kvfold.pipeline import CompressedContext, PrefilledContext, build_prompt, prefill
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Budget",
+    "CacheFileError",
     "CompressedContext",
     "FoldedCache",
     "FoldedLayer",
@@ -23,6 +25,8 @@ __all__ = [
     "build_method",
     "build_prompt",
     "enable",
+    "load_cache",
+    "load_context",
     "load_model",
     "prefill",
     "prepare_model",

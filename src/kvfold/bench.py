@@ -493,11 +493,19 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps measured after warm-up")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks, compressing as it goes")
     p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--cachefile", action="store_true", help="cache files and chat memory (kvfold.cachefile_bench)")
+    p.add_argument("--turns", type=int, default=50, help="--cachefile: turns of the measured chat (0: none)")
+    p.add_argument("--chat-budget", type=int, default=256, help="--cachefile: entries the chat keeps")
 
 
 def run_bench_command(args) -> int:
     from kvfold.budget import Budget
     from kvfold.methods import build_method, split_specs
+
+    if args.cachefile:
+        from kvfold.cachefile_bench import run_from_bench_args
+
+        return run_from_bench_args(args)
 
     methods = split_specs(args.methods)
     for spec in methods:

@@ -457,6 +457,94 @@ class FoldedLayer(CacheLayerMixin):
         new.entry_stats = {name: t.clone() for name, t in self.entry_stats.items()}
         return new
 
+    def live_tensors(self, *, queries: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+        """What the layer holds, without spare capacity: the content a cache file stores.
+
+        Args:
+            queries: also return the captured prefill queries (``captured_queries``).
+
+        Returns:
+            ``(layout, tensors)``. Dense layout: ``keys``/``values`` ``(B, H, N, D)`` of the N
+            physical slots, ``log_mass`` ``(B, H, N)`` (absent when every β is 0). Paged layout:
+            ``keys``/``values`` ``(L, D)`` of the L = Σ row lengths entries, row after row in entry
+            order, ``log_mass`` ``(L,)`` and ``row_lengths`` ``(B, H)``. Statistics of
+            ``entry_stats`` come as ``stat.<name>``, aligned the same way.
+        """
+        out: dict[str, torch.Tensor] = {}
+        if self.paged is not None:
+            layout = "paged"
+            keys, values, log_mass, lengths = self.padded()
+            slot = torch.arange(keys.shape[2], device=keys.device)[None, None, :] < lengths[..., None]
+            out.update(keys=keys[slot], values=values[slot], log_mass=log_mass[slot], row_lengths=lengths)
+        else:
+            layout = "dense"
+            n = self._length
+            out.update(keys=self._keys[:, :, :n], values=self._values[:, :, :n])
+            if self._log_mass is not None:
+                out["log_mass"] = self._log_mass[:, :, :n]
+            slot = None
+        for name, stat in self.entry_stats.items():
+            out[f"stat.{name}"] = stat if slot is None or stat.shape != slot.shape else stat[slot]
+        if queries and self.captured_queries is not None:
+            out["captured_queries"] = self.captured_queries
+        return layout, {name: t.detach().contiguous() for name, t in out.items()}
+
+    @classmethod
+    def from_live_tensors(
+        cls,
+        layout: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        logical_length: int,
+        batch_size: int,
+        num_heads: int,
+    ) -> FoldedLayer:
+        """Rebuild a layer from :meth:`live_tensors` (same layout, same slots, same statistics).
+
+        Raises:
+            ValueError: unknown layout or tensors of inconsistent shapes.
+        """
+        keys, values = tensors["keys"], tensors["values"]
+        layer = cls()
+        head_dim, value_dim = keys.shape[-1], values.shape[-1]
+        layer.lazy_initialization(
+            keys.new_zeros(batch_size, num_heads, 0, head_dim), values.new_zeros(batch_size, num_heads, 0, value_dim)
+        )
+        stats = {name[5:]: t for name, t in tensors.items() if name.startswith("stat.")}
+        if layout == "dense":
+            if keys.shape[:2] != (batch_size, num_heads) or values.shape[:3] != keys.shape[:3]:
+                raise ValueError(f"dense layer: keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree")
+            layer._keys, layer._values = keys, values
+            layer._length = keys.shape[2]
+            layer._log_mass = tensors.get("log_mass")
+        elif layout == "paged":
+            lengths = tensors["row_lengths"].to(torch.long)
+            if lengths.shape != (batch_size, num_heads) or int(lengths.sum()) != keys.shape[0]:
+                raise ValueError("paged layer: row lengths do not add up to the stored entries")
+            n = int(lengths.max()) if lengths.numel() else 0
+            slot = torch.arange(n, device=keys.device)[None, None, :] < lengths[..., None]
+            k = keys.new_zeros(batch_size, num_heads, n, head_dim)
+            v = values.new_zeros(batch_size, num_heads, n, value_dim)
+            lm = torch.full((batch_size, num_heads, n), NEG_INF, dtype=torch.float32, device=keys.device)
+            k[slot], v[slot], lm[slot] = keys, values, tensors["log_mass"].float()
+            rows = batch_size * num_heads
+            layer.paged = PagedRows.from_padded(
+                k.reshape(rows, n, head_dim), v.reshape(rows, n, value_dim), lm.reshape(rows, n), lengths.reshape(rows)
+            )
+            layer._keys = layer._values = layer._log_mass = None
+            layer._length = 0
+            for name, stat in list(stats.items()):
+                if stat.dim() == 1 and stat.shape[0] == keys.shape[0]:
+                    full = stat.new_zeros(batch_size, num_heads, n)
+                    full[slot] = stat
+                    stats[name] = full
+        else:
+            raise ValueError(f"unknown layer layout {layout!r}")
+        layer.logical_length = int(logical_length)
+        layer.entry_stats = stats
+        layer.captured_queries = tensors.get("captured_queries")
+        return layer
+
     # -------------------------------------------------------------------- internals
     def _tensors(self) -> Iterator[torch.Tensor]:
         if self.paged is not None:
@@ -626,6 +714,23 @@ class FoldedCache(Cache):
             else:
                 total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
         return total
+
+    def save(self, path, model, tokenizer=None, **header) -> int:
+        """Write this cache to a kvfold cache file (see :func:`kvfold.cachefile.save_cache`).
+
+        Args:
+            path: the file to write (``.kvc`` by convention).
+            model: the model that made the cache (its fingerprint goes into the header).
+            tokenizer: its tokenizer (its vocabulary hash goes into the header), or None.
+            **header: ``method``, ``budget``, ``context_tokens``, ``source_text``, ``token_ids``,
+                ``queries``, ``extra`` as :func:`kvfold.cachefile.save_cache` takes them.
+
+        Returns:
+            The size of the file in bytes.
+        """
+        from kvfold.cachefile import save_cache
+
+        return save_cache(self, path, model, tokenizer, **header)
 
     def copy(self) -> FoldedCache:
         """A deep copy (policy not copied): prefill once, then compress copies with many methods."""

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--context", help="the context text")
+    src.add_argument("--cache", type=Path, help="a cache file (kvfold compress --out): answer from it, no prefill")
     p.add_argument("--question", required=True)
     p.add_argument("--answer-prefix", default="")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from kvfold.cachefile_cli import add_cache_args
+
+    add_cache_args(p)
 
     p = sub.add_parser("demo", help="compress a built-in long context with every method and answer questions")
     add_model_args(p)
@@ -103,6 +107,10 @@ def run_methods(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from kvfold import Budget, build_method, load_model, prefill
 
+    if args.cache is not None:  # a saved cache: no prefill
+        from kvfold.cachefile_cli import run_generate_cached
+
+        return run_generate_cached(args)
     method = build_method(args.method)
     budget = Budget.parse(args.budget)
     if args.max_new_tokens < 1:
@@ -185,7 +193,7 @@ def _load_extra_commands() -> None:
     """Evaluation commands live in their own modules and add their parsers here."""
     import importlib
 
-    for module in ("kvfold.evaluate.cli", "kvfold.bench", "kvfold.evaluate.mergemap"):
+    for module in ("kvfold.evaluate.cli", "kvfold.bench", "kvfold.evaluate.mergemap", "kvfold.cachefile_cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:

@@ -225,6 +225,12 @@ class CompressedContext:
         texts = [a.text for a in answers]
         return texts[0] if len(texts) == 1 else texts
 
+    def save(self, path, *, source_text: str | None = None, resumable: bool = False) -> int:
+        """Save this compressed context to a cache file; see :func:`kvfold.cachefile.save_context`."""
+        from kvfold.cachefile import save_context
+
+        return save_context(self, path, source_text=source_text, resumable=resumable)
+
     def decode_cache(self, row: int = 0) -> FoldedCache:
         """A copy of one batch row of the compressed cache, ready to decode from.
 
