@@ -116,3 +116,22 @@ def test_macro_retention_interval_by_hand() -> None:
     assert [interval.value, *interval.as_list()] == pytest.approx([125 / 150] * 3)
     # the macro score of the method: (100 + 25) / 2, with the same stratified draws
     assert macro_score(method).value == 62.5 and macro_score(method).as_list() == pytest.approx([62.5, 62.5])
+
+
+def test_a_task_with_one_context_has_no_bootstrap_interval() -> None:
+    """Redrawing one context always gives its own mean: a [x, x] interval would claim certainty."""
+    import math
+
+    from kvfold.evaluate.stats import TaskScores, macro_retention, macro_score, task_retention, task_score
+
+    one = TaskScores(((100.0, 0.0, 100.0, 100.0),))  # four questions about one context
+    full = TaskScores(((100.0, 100.0, 100.0, 100.0),))
+    assert task_score(one).value == 75.0 and math.isnan(task_score(one).low)
+    assert task_retention(one, full).value == 0.75 and math.isnan(task_retention(one, full).high)
+    two = TaskScores(((100.0,), (0.0,)))
+    mixed = macro_score({"a": one, "b": two})
+    assert mixed.value == 62.5 and math.isnan(mixed.low) and math.isnan(mixed.high)
+    ret = macro_retention({"a": one, "b": two}, {"a": full, "b": TaskScores(((100.0,), (100.0,)))})
+    assert ret.value == 0.625 and math.isnan(ret.low)
+    single = TaskScores(((100.0,),))  # one pass/fail question: Wilson still applies
+    assert task_score(single).low > 0 and task_score(single).high == 100.0

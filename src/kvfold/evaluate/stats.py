@@ -14,7 +14,10 @@ the *same* samples. Both come with a 95% interval:
   keeps its weight.
 
 Intervals are percentile intervals of ``DEFAULT_RESAMPLES`` draws from a fixed seed, so a report is
-reproducible. Two methods differ only when their intervals do not overlap.
+reproducible. Two methods differ only when their intervals do not overlap. A bootstrap interval
+needs at least :data:`MIN_CONTEXTS` contexts in every task it resamples: redrawing a task's one
+context always gives the same mean, and the interval would claim a certainty the run does not have,
+so it is left undefined (``nan``, shown as "–" and written as ``null``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ __all__ = [
 
 DEFAULT_RESAMPLES = 2000
 """Bootstrap draws per interval."""
+
+MIN_CONTEXTS = 2
+"""Contexts a task needs before a bootstrap over its contexts says anything about its spread."""
 
 Z_95 = 1.959963984540054
 """The standard normal quantile of a two-sided 95% interval."""
@@ -158,6 +164,8 @@ def task_score(scores: TaskScores, resamples: int = DEFAULT_RESAMPLES, seed: int
         low, high = wilson_interval(sum(v == 100.0 for v in values), len(values))
         return Interval(mean, 100 * low, 100 * high)
     sums, counts = _context_sums(scores)
+    if len(sums) < MIN_CONTEXTS:
+        return Interval(mean, math.nan, math.nan)
     (index,) = _draws([len(sums)], resamples, seed)
     return Interval(mean, *_percentiles(_resampled_means(sums, counts, index)))
 
@@ -200,6 +208,8 @@ def macro_score(tasks: Mapping[str, TaskScores], resamples: int = DEFAULT_RESAMP
     if not ordered:
         return Interval(math.nan, math.nan, math.nan)
     value = float(np.mean([t.mean() for t in ordered]))
+    if min(len(t.contexts) for t in ordered) < MIN_CONTEXTS:
+        return Interval(value, math.nan, math.nan)
     indices = _draws([len(t.contexts) for t in ordered], resamples, seed)
     return Interval(value, *_percentiles(_macro_draws(ordered, indices)))
 
@@ -226,6 +236,8 @@ def macro_retention(
     for t in tasks:
         _check_paired(method[t], full[t])
     value = _ratio(float(np.mean([method[t].mean() for t in tasks])), float(np.mean([full[t].mean() for t in tasks])))
+    if min(len(full[t].contexts) for t in tasks) < MIN_CONTEXTS:
+        return Interval(float(value), math.nan, math.nan)
     indices = _draws([len(full[t].contexts) for t in tasks], resamples, seed)
     draws = _ratio(_macro_draws([method[t] for t in tasks], indices), _macro_draws([full[t] for t in tasks], indices))
     return Interval(float(value), *_percentiles(np.asarray(draws)))
