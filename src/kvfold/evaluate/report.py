@@ -121,7 +121,8 @@ def _retention_section(
         "",
         "Retention = score / the full cache's score on the same samples, macro-averaged over the tasks the "
         f"full cache solves (≥ 50): {', '.join(tasks)}. Brackets: 95% intervals (paired bootstrap over "
-        "contexts). Two methods differ only where their intervals do not overlap.",
+        "contexts; none where a task has a single context, whose redraws cannot show spread). Two methods differ "
+        "only where their intervals do not overlap.",
         "",
     ]
     if apart:
