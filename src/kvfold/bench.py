@@ -480,9 +480,9 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def add_parser(sub) -> None:
-    """Register ``kvfold bench`` with the CLI."""
-    from kvfold.cli import add_model_args
+def add_parsers(sub) -> None:
+    """The ``kvfold bench`` sub-parser (gathered by :mod:`kvfold.cli`)."""
+    from kvfold.cli_args import add_model_args
 
     p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
     add_model_args(p)
@@ -533,12 +533,8 @@ def _positive_ints(text: str, flag: str) -> list[int]:
     return values
 
 
-def _register_cli() -> None:
-    from kvfold import cli
-
-    if add_parser not in cli.EXTRA_PARSERS:
-        cli.EXTRA_PARSERS.append(add_parser)
-        cli.COMMANDS["bench"] = run_bench_command
+COMMANDS = {"bench": run_bench_command}
+"""The subcommand of this module, gathered by :mod:`kvfold.cli`."""
 
 
 def _worker_main() -> int:
@@ -549,8 +545,6 @@ def _worker_main() -> int:
     print(json.dumps(run_config(config)))
     return 0
 
-
-_register_cli()
 
 if __name__ == "__main__":
     raise SystemExit(_worker_main())
