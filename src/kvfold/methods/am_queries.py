@@ -34,6 +34,7 @@ import torch
 from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.base import CompressionContext
 from kvfold.methods.spec import SpecError
+from kvfold.prompts import context_text_ids, turn_ids
 
 Tensor = torch.Tensor
 
@@ -203,38 +204,6 @@ def parse_sources(text: str, owner: str) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------- prompts
 
 
-def _template_parts(tokenizer: Any, text: str) -> tuple[str, str, str]:
-    """``(head, before, tail)``: the template before the context, the text between the context and
-    a user message ``text`` appended to it, and the end of the user turn plus assistant header."""
-    from kvfold.pipeline import build_prompt  # the pipeline imports the methods: import late
-
-    marker = "\u241f"
-    parts = build_prompt(tokenizer, "", marker)
-    before, tail = parts.suffix.split(marker, 1)
-    return parts.context, before + text, tail
-
-
-def _context_text_ids(tokenizer: Any, row_ids: list[int]) -> tuple[list[int], bool]:
-    """The context's own tokens (template head removed) and whether the row used the template."""
-    from kvfold.pipeline import encode
-
-    head, _, _ = _template_parts(tokenizer, "")
-    prefix = encode(tokenizer, head, special=True)
-    if prefix and row_ids[: len(prefix)] == prefix:
-        return row_ids[len(prefix) :], True
-    return row_ids, False
-
-
-def _turn_ids(tokenizer: Any, message: str, templated: bool) -> list[int]:
-    """Tokens that end the context's user turn with ``message`` and open the assistant turn."""
-    from kvfold.pipeline import encode
-
-    if templated:
-        _, before, tail = _template_parts(tokenizer, message)
-        return encode(tokenizer, before, special=False) + (encode(tokenizer, tail, special=False) if tail else [])
-    return encode(tokenizer, "\n\n" + message + "\n", special=False)
-
-
 def repeat_prompt_ids(tokenizer: Any, row_ids: list[int]) -> list[int]:
     """The repeat input appended after a prefilled row: instruction, turn end, and ``C`` again.
 
@@ -244,8 +213,8 @@ def repeat_prompt_ids(tokenizer: Any, row_ids: list[int]) -> list[int]:
     """
     if tokenizer is None:
         return list(row_ids)
-    text, templated = _context_text_ids(tokenizer, row_ids)
-    return _turn_ids(tokenizer, REPEAT_INSTRUCTION, templated) + text
+    text, templated = context_text_ids(tokenizer, row_ids)
+    return turn_ids(tokenizer, REPEAT_INSTRUCTION, templated) + text
 
 
 # ---------------------------------------------------------------------------- sources
@@ -339,11 +308,11 @@ def _model_pass_queries(
             if ctx.tokenizer is None:
                 raise ValueError("self-study reference queries need the tokenizer (to write the prompts)")
             recorder.stop_after = None  # answers are sampled: every layer runs
-            _, templated = _context_text_ids(ctx.tokenizer, row_ids)
+            _, templated = context_text_ids(ctx.tokenizer, row_ids)
             for prompt in SELF_STUDY_PROMPTS:
                 work = base.copy()
                 work.policy = recorder
-                ids = _turn_ids(ctx.tokenizer, prompt, templated)
+                ids = turn_ids(ctx.tokenizer, prompt, templated)
                 logits = _feed(model, work, ids, start, options.repeat_chunk)
                 _sample_answer(model, work, logits, start + len(ids), options, generator, ctx.tokenizer)
         per_row.append(recorder)

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from kvfold.budget import Budget
+from kvfold.cache import FoldedCache
+from kvfold.methods.base import CompressionContext, build_method
 from kvfold.methods.budgets import apportion
 
 Tensor = torch.Tensor
@@ -268,9 +271,6 @@ def head_sensitivity(
     ``continuation_tokens`` tokens of each text (teacher forced after the compacted rest),
     averaged over ``texts``.
     """
-    from kvfold.cache import FoldedCache
-    from kvfold.pipeline import PrefilledContext
-
     total = None
     for text in texts:
         ids = tokenizer(text, add_special_tokens=True).input_ids
@@ -284,18 +284,12 @@ def head_sensitivity(
         cache.capture_window = len(context)
         out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         cache.capture_window = 0
-        source = PrefilledContext(
-            model=model,
-            tokenizer=tokenizer,
-            cache=cache,
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            prefill_seconds=0.0,
-            last_logits=out.logits[:, -1],
-        )
         last = out.logits[:, -1]
         reference = _continuation_logprobs(model, cache.copy(), last, cont)
-        compacted = {r: source.compress(method, r, seed=seed).cache for r in sorted({*ratios, base_ratio})}
+        compacted = {
+            r: _compressed_copy(model, tokenizer, cache, input_ids, method, r, seed)
+            for r in sorted({*ratios, base_ratio})
+        }
         base = compacted[base_ratio]
         base_loss = _kl(reference, _continuation_logprobs(model, base.copy(), last, cont))
         layers = [i for i, _ in base.folded_layers]
@@ -309,6 +303,21 @@ def head_sensitivity(
                     curves[j, h, r_i] = loss - base_loss
         total = curves if total is None else total + curves
     return total / len(texts)
+
+
+def _compressed_copy(model, tokenizer, cache: FoldedCache, input_ids: Tensor, method: str, ratio: float, seed: int):
+    """A copy of the prefilled ``cache`` compressed with ``method`` at ``ratio``."""
+    ctx = CompressionContext(
+        model=model,
+        cache=cache.copy(),
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        budget=Budget.parse(ratio),
+        seed=seed,
+        tokenizer=tokenizer,
+    )
+    build_method(method).apply(ctx)
+    return ctx.cache
 
 
 def build_head_schedule(
@@ -325,8 +334,6 @@ def build_head_schedule(
     seed: int = 0,
 ) -> HeadSchedule:
     """Sensitivity curves on calibration ``texts``, Algorithm 4, and (with ``path``) a saved schedule."""
-    from kvfold.cache import FoldedCache
-
     curves = head_sensitivity(
         model,
         tokenizer,

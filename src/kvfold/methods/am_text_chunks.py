@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from kvfold.cache import NEG_INF, FoldedCache
-from kvfold.methods.am_queries import _context_text_ids, extract_reference_queries
+from kvfold.methods.am_queries import extract_reference_queries
 from kvfold.methods.am_solve import FitConfig
 from kvfold.methods.base import CompressionContext
+from kvfold.prompts import context_text_ids
 
 Tensor = torch.Tensor
 
@@ -71,7 +72,7 @@ def compact_text_chunks(
     stats: list[dict[str, float]] = []
     for b in range(batch):
         row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
-        text, _ = _context_text_ids(ctx.tokenizer, row_ids) if ctx.tokenizer is not None else (row_ids, False)
+        text, _ = context_text_ids(ctx.tokenizer, row_ids) if ctx.tokenizer is not None else (row_ids, False)
         head = row_ids[: len(row_ids) - len(text)]
         pieces = max(1, min(method.chunks, len(text)))
         bounds = [round(i * len(text) / pieces) for i in range(pieces + 1)]

@@ -412,6 +412,14 @@ class ComposedMethod:
         for layer_idx, layer in ctx.cache.folded_layers:
             self._compress_layer(layer_idx, layer, budgets[layer_idx], ctx)
 
+    def apply(self, ctx: CompressionContext) -> Any:
+        """Compress ``ctx.cache`` in place (unless the method or the budget keeps everything) and
+        return the online policy that holds the budget while decoding (None when there is none)."""
+        with torch.inference_mode():
+            if not self.is_identity and not ctx.budget.is_full:
+                self.compress(ctx)
+            return None if ctx.budget.is_full else self.online_policy(ctx)
+
     def online_policy(self, ctx: CompressionContext):
         if self.folder is not None and self.folder.one_shot:
             return None

@@ -44,6 +44,7 @@ from kvfold.methods.scoring import (
     window_attention,
 )
 from kvfold.methods.spec import SpecError
+from kvfold.prompts import encode, template_parts
 
 Tensor = torch.Tensor
 
@@ -671,16 +672,13 @@ class RepeatPrompt:
         """From the tokenizer (chat template when it has one); all empty without a tokenizer."""
         if tokenizer is None:
             return cls([], [], [], [])
-        from kvfold.pipeline import build_prompt, encode  # the pipeline imports methods: import late
-
-        marker = "\u241f"
-        parts = build_prompt(tokenizer, "", marker)
-        before, tail = parts.suffix.split(marker, 1)
+        head, first, tail = template_parts(tokenizer, REPEAT_FIRST)
+        _, following, _ = template_parts(tokenizer, REPEAT_NEXT)
         return cls(
-            first=encode(tokenizer, before + REPEAT_FIRST, special=False),
-            next=encode(tokenizer, before + REPEAT_NEXT, special=False),
+            first=encode(tokenizer, first, special=False),
+            next=encode(tokenizer, following, special=False),
             tail=encode(tokenizer, tail, special=False) if tail else [],
-            prefix=encode(tokenizer, parts.context, special=True),
+            prefix=encode(tokenizer, head, special=True),
         )
 
     def chunk_inputs(self, row_ids: list[int], chunk: int, overlap: int = 8) -> list[list[int]]:
