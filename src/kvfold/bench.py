@@ -130,7 +130,7 @@ def _compress_in_place(source, method, budget):
     import torch
 
     from kvfold.budget import Budget
-    from kvfold.methods.base import CompressionContext
+    from kvfold.methods.core.base import CompressionContext
     from kvfold.pipeline import CompressedContext
 
     parsed = Budget.parse(budget)

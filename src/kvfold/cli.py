@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvfold.cli_args import Handler, add_model_args
-from kvfold.methods.spec import SpecError
+from kvfold.methods.core.spec import SpecError
 from kvfold.models import ModelLoadError
 
 COMMANDS: dict[str, Handler] = {}

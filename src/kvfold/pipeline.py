@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache
-from kvfold.methods.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
 from kvfold.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
 
 DEFAULT_SNAPSHOT_WINDOW = 64
@@ -307,7 +307,7 @@ def _planned_methods(
     methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None,
 ) -> list[ComposedMethod]:
     """Build the methods announced to :func:`prefill` (specs or built methods)."""
-    from kvfold.methods.spec import split_specs
+    from kvfold.methods.core.spec import split_specs
 
     if methods is None:
         return []

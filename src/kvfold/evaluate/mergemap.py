@@ -45,7 +45,7 @@ import torch
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache, FoldedLayer
-from kvfold.methods.base import CompressionContext, build_method
+from kvfold.methods.core.base import CompressionContext, build_method
 from kvfold.pipeline import PrefilledContext
 
 __all__ = [
