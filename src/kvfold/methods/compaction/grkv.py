@@ -37,9 +37,10 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedLayer
+from kvfold.cache import NEG_INF
 from kvfold.linalg import max_shifted_exp, ridge_dual, ridge_dual_cg
-from kvfold.methods.core.base import CompressionContext, Folder, gather_entries, register
+from kvfold.methods.core.base import CompressionContext, register
+from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_queries, layer_scaling
 from kvfold.methods.core.scoring import window_attention
 from kvfold.methods.core.spec import SpecError
 
@@ -372,22 +373,9 @@ def grkv_merge(
 # ---------------------------------------------------------------------------- the folder
 
 
-def _layer_scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> float:
-    """The attention module's logit scale (``module.scaling``; ``1/√D`` when it has none)."""
-    scales = ctx.memo.get("grkv_scaling")
-    if scales is None:
-        scales = {}
-        for module in ctx.model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-                scales.setdefault(int(module.layer_idx), getattr(module, "scaling", None))
-        ctx.memo["grkv_scaling"] = scales
-    scale = scales.get(layer_idx)
-    return float(scale) if scale is not None else layer.head_dim**-0.5
-
-
 @register
 @dataclass
-class GRKV(Folder):
+class GRKV(MergingFolder):
     """GRKV (Peng et al. 2026, §3, Algorithm 1, App. D): rewrite the retained K and V so the
     compressed cache reproduces the full cache's attention outputs on the last ``m`` prompt
     queries, with ridge penalties toward the evicted cache (see the module docstring).
@@ -438,14 +426,8 @@ class GRKV(Folder):
     cap_k: float = 0.0
     cap_v: float = 0.0
     safeguard: bool = True
-
-    @classmethod
-    def default_selector(cls) -> str | None:
-        return "snapkv"
-
-    @property
-    def query_window(self) -> int:  # type: ignore[override]
-        return self.m
+    selector_spec: ClassVar[str] = "snapkv"
+    window_option: ClassVar[str] = "m"
 
     def validate(self) -> None:
         for key in ("lam", "lam_k", "lam_v"):
@@ -468,41 +450,16 @@ class GRKV(Folder):
         base = self.lam if self.lam is not None else family_lambda(model_type)
         return (self.lam_k or base, self.lam_v or base)
 
-    def _window_queries(self, layer: FoldedLayer) -> Tensor:
-        captured = layer.captured_queries
-        if captured is None:
-            raise ValueError(
-                "grkv reads the last prefill query states, but this cache kept none; prefill with "
-                "kvfold.prefill (or set cache.capture_window before the forward pass)"
-            )
-        if layer.physical_length != layer.logical_length:
-            raise ValueError("grkv merges into a freshly prefilled cache; this layer was already compressed")
-        width = min(self.m, layer.physical_length)
-        if captured.shape[2] < width:
-            raise ValueError(
-                f"grkv needs the last {width} prefill queries but the prefill kept {captured.shape[2]}; "
-                f"pass methods=[...] or capture_window={width} to kvfold.prefill"
-            )
-        return captured[:, :, -width:]
-
-    def fold(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        keep: Tensor,
-        lengths: Tensor,
-        scores: Tensor,
-        ctx: CompressionContext,
-    ) -> None:
-        keys_full, values_full, log_mass, _ = layer.padded()
-        valid = torch.isfinite(log_mass)
+    def fold_layer(self, site: FoldSite, ctx: CompressionContext) -> None:
+        layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
+        keys_full, values_full, log_mass, valid = site.keys, site.values, site.log_mass, site.valid
         batch, heads, length, dim = keys_full.shape
-        queries = self._window_queries(layer)  # (B, H_q, w, D)
+        queries = fresh_window_queries(layer, self.m, self.name)  # (B, H_q, w, D)
         width = queries.shape[2]
         groups = queries.shape[1] // heads
         rows = groups * width  # M = G·m query rows per KV head
         dtype = torch.promote_types(keys_full.dtype, torch.float32)
-        scaling = _layer_scaling(ctx, layer_idx, layer)
+        scaling = layer_scaling(ctx, layer_idx, layer)
 
         # eq. 4: Y = A_win^(full) V_full, causal inside the window, from the layer before eviction.
         beta = torch.where(valid, log_mass, torch.zeros_like(log_mass)).to(dtype)
@@ -511,7 +468,7 @@ class GRKV(Folder):
         target = probs_full @ values_full.to(dtype)
         q = queries.to(dtype).reshape(batch, heads, rows, dim)
 
-        keys0, values0, beta0 = gather_entries(layer, keep, lengths)  # K⁰, V⁰ (β = −inf past lengths)
+        keys0, values0, beta0 = site.kept_entries()  # K⁰, V⁰ (β = −inf past lengths)
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
         query_pos = (length - width + torch.arange(width, device=keep.device)).repeat(groups)  # (M,)
         allowed = keep[..., None, :] <= query_pos[:, None]  # causal: (B, H, M, c)

@@ -34,9 +34,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
-from kvfold.methods.core.base import CompressionContext, Folder, gather_entries, register
-from kvfold.methods.core.folding import kept_mask, row_uniforms, window_scores
+from kvfold.methods.core.base import CompressionContext, register
+from kvfold.methods.core.folding import FoldSite, MergingFolder, row_uniforms, window_scores
 from kvfold.methods.core.spec import SpecError
 
 Tensor = torch.Tensor
@@ -96,7 +95,7 @@ def cam_merge(
 
 @register
 @dataclass
-class CaM(Folder):
+class CaM(MergingFolder):
     """CaM (Zhang et al., ICML 2024): evicted values merged, with probability from their relative
     attention, into the ``merge`` retained entries that follow them; keys untouched (see the
     module docstring for the equations). Seeded and reproducible (``ctx.seed``, per layer; a
@@ -120,14 +119,7 @@ class CaM(Folder):
     merge: int = 16
     window: int = 32
     reference: str = "max"
-
-    @classmethod
-    def default_selector(cls) -> str | None:
-        return "streamingllm[online=false]"
-
-    @property
-    def query_window(self) -> int:  # type: ignore[override]
-        return self.window
+    selector_spec: ClassVar[str] = "streamingllm[online=false]"
 
     def validate(self) -> None:
         if self.merge < 1 or self.window < 1:
@@ -135,21 +127,13 @@ class CaM(Folder):
         if self.reference not in ("max", "mean"):
             raise SpecError(f"cam: reference must be max or mean; got {self.reference!r}")
 
-    def fold(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        keep: Tensor,
-        lengths: Tensor,
-        scores: Tensor,
-        ctx: CompressionContext,
-    ) -> None:
-        keys0, values0, beta0 = gather_entries(layer, keep, lengths)
-        _, values, log_mass, _ = layer.padded()
-        valid = torch.isfinite(log_mass)
+    def fold_layer(self, site: FoldSite, ctx: CompressionContext) -> None:
+        layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
+        keys0, values0, beta0 = site.kept_entries()
+        values, valid = site.values, site.valid
         attention, _ = window_scores(ctx, layer_idx, layer, self.window, self.name)  # A, (B, H, N)
         dtype = attention.dtype
-        kept = kept_mask(keep, lengths, valid.shape[-1])
+        kept = site.kept
         evicted = valid & ~kept
         # p_e = clamp(A_e / max_{retained} A_r, 0, 1)   (or the mean over the retained entries)
         retained_attention = attention.masked_fill(~kept, 0.0)

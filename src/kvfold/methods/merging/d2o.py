@@ -47,10 +47,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.cache import FoldedLayer
-from kvfold.methods.core.base import ComposedMethod, CompressionContext, Folder, Standalone, gather_entries, register
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, Standalone, register
 from kvfold.methods.core.budgets import apportion
-from kvfold.methods.core.folding import compute_dtype, kept_mask, window_scores
+from kvfold.methods.core.folding import FoldSite, MergingFolder, compute_dtype, window_scores
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.h2o import H2O, H2OPrefillObserver
 
@@ -218,7 +217,7 @@ def d2o_merge(
 
 @register
 @dataclass
-class D2OMerge(Folder):
+class D2OMerge(MergingFolder):
     """D2O's compensation after any selector (``snapkv+d2o_merge``, ``h2o[online=false]+d2o_merge``):
     each evicted token merges into its most cosine-similar retained key when that similarity
     reaches an EMA threshold (D2O §3.3; see the module docstring).
@@ -246,21 +245,13 @@ class D2OMerge(Folder):
         if self.weighting not in WEIGHTINGS:
             raise SpecError(f"{self.name}: weighting must be one of {', '.join(WEIGHTINGS)}; got {self.weighting!r}")
 
-    def fold(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        keep: Tensor,
-        lengths: Tensor,
-        scores: Tensor,
-        ctx: CompressionContext,
-    ) -> None:
-        keys_kept, values_kept, beta_kept = gather_entries(layer, keep, lengths)
-        keys, values, log_mass, _ = layer.padded()
-        valid = torch.isfinite(log_mass)
+    def fold_layer(self, site: FoldSite, ctx: CompressionContext) -> None:
+        layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
+        keys_kept, values_kept, beta_kept = site.kept_entries()
+        keys, values = site.keys, site.values
         dtype = compute_dtype(keys)
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
-        evicted = valid & ~kept_mask(keep, lengths, valid.shape[-1])
+        evicted = site.evicted
         similarity, carrier = nearest_retained(keys.to(dtype), keys_kept.to(dtype), slot)
         similarity = torch.where(evicted, similarity, torch.zeros_like(similarity))
         # the evicted tokens as a stream in position order: evicted first (stable), then the rest
@@ -287,12 +278,7 @@ class D2OMerge(Folder):
         report = ctx.report.setdefault("d2o", {})
         report[layer_idx] = {"evicted": int(evicted.sum()), "merged": int(merged.sum())}
         if ctx.merge_recorder is not None:
-            positions = torch.arange(evicted.shape[-1], device=keep.device).expand_as(carrier)
-            ctx.record_merges(
-                layer_idx,
-                torch.gather(keep, 2, carrier.clamp(min=0)),
-                torch.where(merged, positions, torch.full_like(positions, -1)),
-            )
+            site.record_merges(ctx, torch.gather(keep, 2, carrier.clamp(min=0)), merged)
 
 
 # ---------------------------------------------------------------------------- the whole method

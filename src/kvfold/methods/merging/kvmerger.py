@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from kvfold.cache import FoldedLayer
-from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
-from kvfold.methods.core.folding import compute_dtype, kept_mask, window_scores
+from kvfold.methods.core.base import CompressionContext, Standalone, register
+from kvfold.methods.core.folding import FoldSite, MergingFolder, compute_dtype, kept_mask, window_scores
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
 
@@ -425,7 +425,7 @@ class KVMergerSets(Standalone):
 
 @register
 @dataclass
-class KVMerger(Folder):
+class KVMerger(MergingFolder):
     """KVMerger's merging after any selector (``snapkv+kvmerger``, ``h2o[online=false]+kvmerger``).
 
     The selector decides which entries are kept. The merging sets are runs of consecutive tokens
@@ -461,14 +461,7 @@ class KVMerger(Folder):
     sigma: float | None = None
     carrier: str = "pivot"
     log_mass: bool = False
-
-    @classmethod
-    def default_selector(cls) -> str | None:
-        return KVMergerSets.name
-
-    @property
-    def query_window(self) -> int:  # type: ignore[override]
-        return self.window
+    selector_spec: ClassVar[str] = KVMergerSets.name
 
     def validate(self) -> None:
         if not -1.0 <= self.threshold <= 1.0:
@@ -480,16 +473,9 @@ class KVMerger(Folder):
         if self.carrier not in CARRIERS:
             raise SpecError(f"{self.name}: carrier must be one of {', '.join(CARRIERS)}; got {self.carrier!r}")
 
-    def fold(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        keep: Tensor,
-        lengths: Tensor,
-        scores: Tensor,
-        ctx: CompressionContext,
-    ) -> None:
-        keys, values, log_mass, _ = layer.padded()
+    def fold_layer(self, site: FoldSite, ctx: CompressionContext) -> None:
+        layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
+        keys, values, log_mass = site.keys, site.values, site.log_mass
         dtype = compute_dtype(keys)
         attention, _ = window_scores(ctx, layer_idx, layer, self.window, self.name)
         new_keys, new_values, beta, carrier, merged = kvmerger_fold(
@@ -507,6 +493,4 @@ class KVMerger(Folder):
         layer.replace(new_keys.to(keys.dtype), new_values.to(values.dtype), beta, lengths=lengths)
         evicted = int(torch.isfinite(log_mass).sum() - lengths.sum())
         ctx.report.setdefault("kvmerger", {})[layer_idx] = {"evicted": evicted, "merged": int(merged.sum())}
-        if ctx.merge_recorder is not None:
-            position = torch.arange(merged.shape[-1], device=merged.device).expand_as(carrier)
-            ctx.record_merges(layer_idx, carrier, torch.where(merged, position, torch.full_like(position, -1)))
+        site.record_merges(ctx, carrier, merged)

@@ -11,8 +11,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvfold.cache import FoldedLayer
-from kvfold.methods.core.base import CompressionContext, Folder, register
+from kvfold.methods.core.base import CompressionContext, register
 from kvfold.methods.core.budgets import cosine_layer_budgets
+from kvfold.methods.core.folding import FoldSite, MergingFolder
 from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.h2o import H2O, H2OOnline
@@ -29,7 +30,7 @@ Tensor = torch.Tensor
 
 @register
 @dataclass
-class KeepKV(Folder):
+class KeepKV(MergingFolder):
     """KeepKV folding (Tian et al. 2025, §3.3, Algorithm 1; see the module docstring).
 
     ``SELECTOR+keepkv`` merges what any selector evicts; ``keepkv`` alone runs on the paper's
@@ -58,14 +59,7 @@ class KeepKV(Folder):
     eps: float = 1e-3
     max_scale: float = 2.0
     online: bool = True
-
-    @property
-    def query_window(self) -> int:  # type: ignore[override]
-        return self.window
-
-    @classmethod
-    def default_selector(cls) -> str:
-        return "h2o_cosine"
+    selector_spec: ClassVar[str] = "h2o_cosine"
 
     def validate(self) -> None:
         if not -1.0 <= self.threshold <= 1.0:
@@ -100,18 +94,10 @@ class KeepKV(Folder):
         width = min(self.window, queries.shape[2], keys.shape[2])
         return window_log_scores(queries[:, :, -width:], keys, scaling, self.alpha, torch.isfinite(log_mass))
 
-    def fold(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        keep: Tensor,
-        lengths: Tensor,
-        scores: Tensor,
-        ctx: CompressionContext,
-    ) -> None:
-        keys, values, log_mass, _ = layer.padded()
+    def fold_layer(self, site: FoldSite, ctx: CompressionContext) -> None:
+        layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
+        keys, values, log_mass, valid = site.keys, site.values, site.log_mass, site.valid
         length = keys.shape[2]
-        valid = torch.isfinite(log_mass)
         log_score, weight = self.window_scores(layer_idx, layer, _scalings(ctx)[layer_idx])
         in_row = torch.arange(keep.shape[-1], device=keep.device) < lengths[..., None]
         kept = _kept_mask(keep, lengths, length)
@@ -134,8 +120,7 @@ class KeepKV(Folder):
         layer.entry_stats[STAT_LOG_SCORE] = torch.gather(merged.log_scores, 2, keep).float()
         layer.entry_stats[STAT_WEIGHT] = torch.gather(weight, 2, keep).float()
         if ctx.merge_recorder is not None:  # diagnostics (kvfold mergemap): absorbed slot → carrier slot
-            slots = torch.arange(length, device=keys.device).expand_as(merge)
-            ctx.record_merges(layer_idx, targets, torch.where(merge, slots, -1), merge.to(keys.dtype))
+            site.record_merges(ctx, targets, merge, merge.to(keys.dtype))
         dropped = evicted & ~merge
         _count(ctx.report, "merged", int(merge.sum()))
         _count(ctx.report, "evicted", int(dropped.sum()))

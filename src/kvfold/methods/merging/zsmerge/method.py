@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Standalone, register
+from kvfold.methods.core.folding import fresh_window_queries
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.merging.zsmerge.merge import (
     BudgetSplit,
@@ -124,25 +125,12 @@ class ZSMerge(Standalone):
         )
 
     def _scores(self, layer: FoldedLayer, scaling: float | None) -> Tensor:
-        captured = layer.captured_queries
-        if captured is None:
-            raise ValueError(
-                f"{self.name} reads the last prefill query states, but this cache kept none; prefill with "
-                "kvfold.prefill (or set cache.capture_window before the forward pass)"
-            )
-        if layer.physical_length != layer.logical_length:
-            raise ValueError(f"{self.name} compresses a freshly prefilled cache; this layer was already compressed")
-        width = min(self.window, layer.physical_length)
-        if captured.shape[2] < width:
-            raise ValueError(
-                f"{self.name} needs the last {width} prefill queries but the prefill kept {captured.shape[2]}; "
-                f"pass methods=[...] or capture_window={width} to kvfold.prefill"
-            )
+        queries = fresh_window_queries(layer, self.window, self.name)
         keys, _, log_mass, _ = layer.padded()
         valid = torch.isfinite(log_mass)
         beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
         scale = scaling if scaling is not None else layer.head_dim**-0.5
-        return prefill_scores(captured[:, :, -width:], keys, scale, self.decay, self.kernel, beta, valid)
+        return prefill_scores(queries, keys, scale, self.decay, self.kernel, beta, valid)
 
 
 @register
