@@ -187,7 +187,24 @@ class Standalone(Method):
         return None
 
 
-class Selector(Method):
+class Allocator(Method):
+    """A part that may spread a layer's budget over its KV heads (selectors and wrappers)."""
+
+    def allocate(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        scores: torch.Tensor,
+        counts: torch.Tensor,
+        protected: torch.Tensor | None,
+        ctx: CompressionContext,
+    ) -> torch.Tensor:
+        """Per-head counts ``(B, H)`` from ``counts`` ``(B, H)`` (uniform for the selector, which
+        allocates first; then each wrapper, innermost first); unchanged by default."""
+        return counts
+
+
+class Selector(Allocator):
     """Scores entries; the highest-scored (plus protected ones) are kept."""
 
     role: ClassVar[str] = "selector"
@@ -205,23 +222,11 @@ class Selector(Method):
         per_row = ctx.row_budgets
         return [per_row.clone() for _ in range(ctx.num_layers)]
 
-    def allocate(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        scores: torch.Tensor,
-        counts: torch.Tensor,
-        protected: torch.Tensor | None,
-        ctx: CompressionContext,
-    ) -> torch.Tensor:
-        """Per-head counts ``(B, H)`` of the selector itself (before any wrapper); unchanged by default."""
-        return counts
-
     def online_policy(self, ctx: CompressionContext):
         return None
 
 
-class Wrapper(Method):
+class Wrapper(Allocator):
     """A prefix that changes scores and/or how a layer's budget is spread over its heads."""
 
     role: ClassVar[str] = "wrapper"
@@ -230,18 +235,6 @@ class Wrapper(Method):
         self, layer_idx: int, layer: FoldedLayer, scores: torch.Tensor, ctx: CompressionContext
     ) -> torch.Tensor:
         return scores
-
-    def allocate(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        scores: torch.Tensor,
-        counts: torch.Tensor,
-        protected: torch.Tensor | None,
-        ctx: CompressionContext,
-    ) -> torch.Tensor:
-        """Per-head counts ``(B, H)`` given uniform ``counts`` ``(B, H)``; unchanged by default."""
-        return counts
 
     def select(
         self,

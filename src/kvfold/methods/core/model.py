@@ -1,4 +1,5 @@
-"""What methods read from the model: its attention modules, their logit scale, ``W_o``, and RoPE.
+"""What methods read from the model: its attention modules, their logit scale, ``W_o``, RoPE, and
+an extra prefill pass of the context.
 
 Found by the rule :func:`kvfold.enable` uses (modules with ``layer_idx`` and ``o_proj``) and cached
 in ``ctx.memo``; RoPE tables come from the model's own rotary module (so its scaling variants hold).
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from kvfold.cache import FoldedLayer
+from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext
 
 Tensor = torch.Tensor
@@ -96,3 +97,21 @@ def unrotate(queries: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     y = queries.to(dtype)
     cos, sin = cos.to(dtype), sin.to(dtype)
     return (y * cos - rotate_half(y) * sin) / (cos * cos + sin * sin)
+
+
+def prefill_again(ctx: CompressionContext, scratch: FoldedCache) -> None:
+    """Run the prefill of ``ctx.input_ids`` once more into ``scratch`` (an empty cache set up with
+    what the caller needs: a query window to capture, prefill observers), as the pipeline ran it:
+    left-padded rows with positions from the attention mask, one logit kept."""
+    ids, mask = ctx.input_ids, ctx.attention_mask
+    if mask is None:
+        mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ctx.model(
+            input_ids=ids,
+            attention_mask=mask if ids.shape[0] > 1 else None,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=scratch,
+            use_cache=True,
+            logits_to_keep=1,
+        )

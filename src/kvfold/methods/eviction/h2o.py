@@ -15,6 +15,7 @@ import torch
 
 from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import (
     h2o_scores,
@@ -55,20 +56,9 @@ def observe_prefill(ctx: CompressionContext, observers: list) -> None:
     model = ctx.model
     if model.config._attn_implementation != "kvfold":
         raise ValueError("prefill statistics need the kvfold attention: call kvfold.enable(model) first")
-    ids, mask = ctx.input_ids, ctx.attention_mask
-    if mask is None:
-        mask = torch.ones_like(ids)
     scratch = FoldedCache(model.config)
     scratch.prefill_observers = list(observers)
-    with torch.no_grad():
-        model(
-            input_ids=ids,
-            attention_mask=mask if ids.shape[0] > 1 else None,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=scratch,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    prefill_again(ctx, scratch)
     for layer_idx, layer in ctx.cache.folded_layers:
         for observer in observers:
             layer.entry_stats[observer.key] = scratch.layers[layer_idx].entry_stats[observer.key]

@@ -29,7 +29,8 @@ from kvfold.methods.compaction.attention_matching.schedule import (
     config_hash,
     greedy_swap,
 )
-from kvfold.methods.compaction.attention_matching.solve import FitConfig, _fit_group, box_nnls, fit_problems, omp_keys
+from kvfold.methods.compaction.attention_matching.solve import FitConfig, _fit_group, fit_problems
+from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64

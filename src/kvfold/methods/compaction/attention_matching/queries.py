@@ -33,6 +33,7 @@ import torch
 
 from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.spec import SpecError
 from kvfold.prompts import context_text_ids, turn_ids
 
@@ -361,20 +362,9 @@ def _context_pass(ctx: CompressionContext, window: int) -> dict[int, Tensor]:
     if memo is not None and memo[0] >= window:
         return memo[1]
     model = ctx.model
-    ids, mask = ctx.input_ids, ctx.attention_mask
-    if mask is None:
-        mask = torch.ones_like(ids)
     scratch = FoldedCache(model.config)
     scratch.capture_window = window
-    with torch.no_grad():
-        model(
-            input_ids=ids,
-            attention_mask=mask if ids.shape[0] > 1 else None,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=scratch,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    prefill_again(ctx, scratch)
     captured = {i: layer.captured_queries for i, layer in scratch.folded_layers}
     ctx.memo["am_context_pass"] = (window, captured)
     ctx.report.setdefault("am", {})["context_queries"] = "recomputed with an extra prefill pass"
