@@ -17,10 +17,9 @@ from kvfold.cachefile import (
     DtypeDeviceError,
     ModelMismatchError,
     _checksum,
-    load_cache,
-    load_context,
     read_info,
 )
+from kvfold.cachefile_load import load_cache, load_context
 from kvfold.pipeline import greedy_decode
 from tests.conftest import CharTokenizer, make_tiny_model
 

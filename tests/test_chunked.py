@@ -9,11 +9,11 @@ import torch.nn.functional as F
 import kvfold
 from kvfold.cache import FoldedLayer
 from kvfold.chunked import prefill_chunked
-from kvfold.methods.base import ComposedMethod
-from kvfold.methods.eviction import attention_modules
-from kvfold.methods.keepkv import LayerPolicies
-from kvfold.methods.plumbing import StreamingLLM
-from kvfold.methods.zsmerge import ZSMergeOnline
+from kvfold.methods.core.base import ComposedMethod
+from kvfold.methods.core.model import attention_modules
+from kvfold.methods.eviction.plumbing import StreamingLLM
+from kvfold.methods.merging.keepkv.online import LayerPolicies
+from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
 from kvfold.pipeline import greedy_decode
 from tests.conftest import CharTokenizer, make_tiny_model
 

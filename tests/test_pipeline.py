@@ -61,7 +61,7 @@ def test_prefill_ids_equals_prefill_of_the_same_tokens(smollm2):
 
 def test_kvzip_repeat_pass_runs_once_per_prefilled_context(monkeypatch):
     """A sweep over budgets pays for KVzip's repeat pass once; caches and reported cost are unchanged."""
-    from kvfold.methods import eviction
+    from kvfold.methods.eviction import kvzip as eviction
     from kvfold.pipeline import prefill
     from tests.conftest import CharTokenizer, make_tiny_model
 

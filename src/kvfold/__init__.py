@@ -7,7 +7,8 @@ for a model you loaded yourself, or :func:`enable`) switches a model to the kvfo
 from kvfold.attention import enable
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache, FoldedLayer
-from kvfold.cachefile import CacheFileError, load_cache, load_context
+from kvfold.cachefile import CacheFileError
+from kvfold.cachefile_load import load_cache, load_context
 from kvfold.methods import available_methods, build_method, split_specs
 from kvfold.models import load_model, prepare_model
 from kvfold.pipeline import CompressedContext, PrefilledContext, build_prompt, prefill

@@ -102,7 +102,7 @@ def _peak_rss_mb() -> float:
 
 def context_text(tokenizer, length: int) -> str:
     """About ``length`` tokens of the shipped prose haystack, as text."""
-    from kvfold.bench import context_ids
+    from kvfold.bench_common import context_ids
 
     return tokenizer.decode(context_ids(tokenizer, length, 1)[0].tolist())
 
@@ -112,8 +112,8 @@ def run_file_config(config: FileConfig) -> dict:
     import torch
 
     import kvfold
-    from kvfold.bench import release_freed_memory
-    from kvfold.cachefile import load_context
+    from kvfold.bench_common import release_freed_memory
+    from kvfold.cachefile_load import load_context
 
     model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
     text = context_text(tokenizer, config.length)
@@ -296,7 +296,7 @@ def report(result: dict) -> str:
 
 def run_from_bench_args(args: argparse.Namespace) -> int:
     """``kvfold bench --cachefile``: the bench command's arguments, this mode's measurements."""
-    from kvfold.bench import _positive_ints
+    from kvfold.bench_common import _positive_ints
     from kvfold.budget import Budget
     from kvfold.methods import build_method, split_specs
 

@@ -34,7 +34,7 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    from kvfold.cli import add_model_args
+    from kvfold.cli_args import add_model_args
 
     add_model_args(parser)
 
@@ -133,7 +133,7 @@ def run_compress(args: argparse.Namespace) -> int:
 def _load_saved(args: argparse.Namespace):
     """Model, tokenizer and the loaded :class:`CompressedContext` of ``args.cache``, with load time."""
     from kvfold import load_model
-    from kvfold.cachefile import load_context
+    from kvfold.cachefile_load import load_context
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     start = time.perf_counter()
@@ -290,13 +290,3 @@ def _read_text(path: Path) -> str:
 COMMANDS = {"compress": run_compress, "ask": run_ask, "chat": run_chat}
 """The subcommands of this module."""
 
-
-def _register_cli() -> None:
-    from kvfold import cli
-
-    if add_parsers not in cli.EXTRA_PARSERS:
-        cli.EXTRA_PARSERS.append(add_parsers)
-        cli.COMMANDS.update(COMMANDS)
-
-
-_register_cli()

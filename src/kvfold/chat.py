@@ -506,9 +506,9 @@ class ChatSession:
 
         A compressed context file becomes a chat whose first question completes the context's
         user turn, with the file's method and its budget in entries. Errors as
-        :func:`kvfold.cachefile.load_cache`.
+        :func:`kvfold.cachefile_load.load_cache`.
         """
-        from kvfold.cachefile import _load
+        from kvfold.cachefile_load import _load
 
         cache, info, tensors = _load(path, model, tokenizer, dtype, device, True)
         if info.method is None:

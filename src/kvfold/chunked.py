@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache
-from kvfold.methods.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline import DEFAULT_SNAPSHOT_WINDOW, CompressedContext, PrefilledContext, check_length
 
 

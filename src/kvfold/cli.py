@@ -8,28 +8,28 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvfold.methods.spec import SpecError
-from kvfold.models import DEFAULT_MODEL, ModelLoadError
+from kvfold.cli_args import Handler, add_model_args
+from kvfold.methods.core.spec import SpecError
+from kvfold.models import ModelLoadError
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+COMMANDS: dict[str, Handler] = {}
+"""Every subcommand by name: this module's own, then those of :data:`SUBCOMMAND_MODULES`."""
+
+EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
+"""The ``add_parsers`` of the subcommand modules, gathered by :func:`_load_extra_commands`."""
+
+SUBCOMMAND_MODULES = ("kvfold.evaluate.cli", "kvfold.bench", "kvfold.evaluate.mergemap", "kvfold.cachefile_cli")
+"""Modules that each expose ``add_parsers(sub)`` and ``COMMANDS``; optional (a missing one is skipped)."""
 
 
-def command(name: str):
-    def decorate(fn: Callable[[argparse.Namespace], int]):
+def command(name: str) -> Callable[[Handler], Handler]:
+    """Register one of this module's own subcommands under ``name``."""
+
+    def decorate(fn: Handler) -> Handler:
         COMMANDS[name] = fn
         return fn
 
     return decorate
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="model spec: smollm2-135m, a .gguf, a directory or a hub id"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16"
-    )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,9 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     for register in EXTRA_PARSERS:
         register(sub)
     return parser
-
-
-EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 
 @command("methods")
@@ -190,15 +187,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load_extra_commands() -> None:
-    """Evaluation commands live in their own modules and add their parsers here."""
+    """Gather the subcommands that live in their own modules: their parsers and their handlers."""
     import importlib
 
-    for module in ("kvfold.evaluate.cli", "kvfold.bench", "kvfold.evaluate.mergemap", "kvfold.cachefile_cli"):
+    for name in SUBCOMMAND_MODULES:
         try:
-            importlib.import_module(module)
+            module = importlib.import_module(name)
         except ModuleNotFoundError as err:
-            if err.name != module:
+            if err.name != name:
                 raise
+            continue
+        if module.add_parsers not in EXTRA_PARSERS:
+            EXTRA_PARSERS.append(module.add_parsers)
+        COMMANDS.update(module.COMMANDS)
 
 
 if __name__ == "__main__":

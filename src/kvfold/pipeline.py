@@ -25,53 +25,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache
-from kvfold.methods.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
+from kvfold.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
 
 DEFAULT_SNAPSHOT_WINDOW = 64
 """Prefill query states kept per layer for methods with an observation window (SnapKV: 32)."""
-
-
-@dataclass
-class PromptParts:
-    """A prompt split where compression stops: ``context`` is compressed, ``suffix`` is appended."""
-
-    context: str
-    suffix: str
-
-
-def build_prompt(
-    tokenizer: PreTrainedTokenizerBase,
-    context: str,
-    question: str,
-    answer_prefix: str = "",
-    *,
-    use_chat_template: bool | None = None,
-) -> PromptParts:
-    """Format context and question as one user turn (chat template when the model has one).
-
-    The split point is right after the context text, so the question, the end of the user
-    turn, the assistant header and the answer prefix form the suffix.
-    """
-    marker = "\u241e"  # a character that tokenizers and templates leave alone
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if use_chat_template is None:
-        use_chat_template = has_template
-    if use_chat_template:
-        if not has_template:
-            raise ValueError("this tokenizer has no chat template; pass use_chat_template=False")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": context + marker + "\n\n" + question}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-    else:
-        rendered = context + marker + "\n\n" + question + "\n"
-    head, tail = rendered.split(marker, 1)
-    return PromptParts(context=head, suffix=tail + answer_prefix)
-
-
-def encode(tokenizer: PreTrainedTokenizerBase, text: str, *, special: bool) -> list[int]:
-    return tokenizer(text, add_special_tokens=special).input_ids
 
 
 def _max_positions(model: PreTrainedModel) -> int | None:
@@ -154,10 +112,7 @@ class PrefilledContext:
             shared=self.shared,
         )
         start = time.perf_counter()
-        with torch.inference_mode():
-            if not composed.is_identity and not parsed_budget.is_full:
-                composed.compress(ctx)
-            policy = None if parsed_budget.is_full else composed.online_policy(ctx)
+        policy = composed.apply(ctx)
         # the time this compression costs alone: shared results it reused count as if computed here
         elapsed = time.perf_counter() - start + ctx.report.get("reused_seconds", 0.0)
         return CompressedContext(
@@ -370,7 +325,7 @@ def _planned_methods(
     methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None,
 ) -> list[ComposedMethod]:
     """Build the methods announced to :func:`prefill` (specs or built methods)."""
-    from kvfold.methods.spec import split_specs
+    from kvfold.methods.core.spec import split_specs
 
     if methods is None:
         return []

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvfold.cli import EXTRA_PARSERS, add_model_args, command
+from kvfold.cli_args import Handler, add_model_args
 
 DATASET_HELP = (
     "ruler[:TASKS] (synthetic, generated locally), PATH.jsonl (one {context, question, answers, ...} a line), "
@@ -76,10 +76,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="run each method's decode-time policy while the continuation is teacher-forced (the cache "
         "held at its budget, as during generation); methods with no online path are reported, not run",
     )
-
-
-if add_parsers not in EXTRA_PARSERS:
-    EXTRA_PARSERS.append(add_parsers)
 
 
 def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
@@ -181,7 +177,6 @@ def _setup(args: argparse.Namespace):
     return methods, budgets, model, tokenizer, samples, config
 
 
-@command("eval")
 def run_eval(args: argparse.Namespace) -> int:
     """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
     from kvfold.evaluate.runner import AVERAGE_TASK, HEADLINE_TASK, evaluate
@@ -214,7 +209,6 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("fidelity")
 def run_fidelity(args: argparse.Namespace) -> int:
     """``kvfold fidelity``: write fidelity.json, fidelity.md and fidelity.png to ``--out``."""
     from kvfold.evaluate.fidelity import fidelity
@@ -246,3 +240,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         )
     print(f"wrote {args.out}/fidelity.json, fidelity.md, fidelity.png", file=sys.stderr)
     return 0
+
+
+COMMANDS: dict[str, Handler] = {"eval": run_eval, "fidelity": run_fidelity}
+"""The subcommands of this module, gathered by :mod:`kvfold.cli`."""

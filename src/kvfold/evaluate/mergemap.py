@@ -45,7 +45,7 @@ import torch
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache, FoldedLayer
-from kvfold.methods.base import CompressionContext, build_method
+from kvfold.methods.core.base import CompressionContext, build_method
 from kvfold.pipeline import PrefilledContext
 
 __all__ = [
@@ -657,9 +657,9 @@ def plot_carrier_load(records: Sequence[Mapping[str, Any]], path: str | Path) ->
 # ---------------------------------------------------------------------------- command line
 
 
-def add_parser(sub: Any) -> None:
+def add_parsers(sub: Any) -> None:
     """The ``kvfold mergemap`` sub-parser."""
-    from kvfold.cli import add_model_args
+    from kvfold.cli_args import add_model_args
 
     p = sub.add_parser("mergemap", help="which retained entry absorbed which evicted token, and carrier load")
     add_model_args(p)
@@ -734,12 +734,5 @@ def run(args: Any) -> int:
     return 0
 
 
-def _register_command() -> None:
-    from kvfold.cli import COMMANDS, EXTRA_PARSERS
-
-    if add_parser not in EXTRA_PARSERS:
-        EXTRA_PARSERS.append(add_parser)
-    COMMANDS["mergemap"] = run
-
-
-_register_command()
+COMMANDS = {"mergemap": run}
+"""The subcommand of this module, gathered by :mod:`kvfold.cli`."""

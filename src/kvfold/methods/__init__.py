@@ -1,6 +1,6 @@
-"""Compression methods: a registry of named, composable methods (see :mod:`kvfold.methods.spec`)."""
+"""Compression methods: a registry of named, composable methods (see :mod:`kvfold.methods.core.spec`)."""
 
-from kvfold.methods.base import (
+from kvfold.methods.core.base import (
     REGISTRY,
     ComposedMethod,
     CompressionContext,
@@ -13,7 +13,7 @@ from kvfold.methods.base import (
     build_method,
     register,
 )
-from kvfold.methods.spec import SpecError, parse_spec, split_specs
+from kvfold.methods.core.spec import SpecError, parse_spec, split_specs
 
 __all__ = [
     "REGISTRY",

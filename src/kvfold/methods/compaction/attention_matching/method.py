@@ -1,0 +1,427 @@
+"""The registered Attention Matching variants (§4): ``am_highest``, ``am_highest_fast``, ``am_omp``,
+``am_omp_fast``, online compaction (App. F.3) and the ``am_fit`` folder. See
+:mod:`kvfold.methods.compaction.attention_matching`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvfold.cache import FoldedLayer
+from kvfold.methods.compaction.attention_matching.compact import _scaling, _trim_captured, compact_layers, parse_span
+from kvfold.methods.compaction.attention_matching.queries import (
+    QueryOptions,
+    ReferenceQueries,
+    captured_reference_queries,
+    extract_reference_queries,
+    parse_sources,
+    pool_gqa_queries,
+)
+from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
+from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
+from kvfold.methods.core.spec import SpecError
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------- online (App. F.3)
+
+
+class AttentionMatchingOnline:
+    """Online compaction (App. F.3): whenever a layer's physical cache exceeds ``limit`` entries,
+    everything but the ``recent`` newest entries is compacted to ``factor`` of its size.
+
+    Reference queries are the queries the layer actually received most recently (the last
+    prefill queries kept in the cache, then every decoded token's queries, up to ``max_queries``
+    per KV head): a model pass cannot run inside the attention, so the paper's repeat-prefill of
+    the trajectory is replaced by these context-style queries.
+
+    Args:
+        limits: the physical cap per layer.
+        scalings: logit scale per layer.
+        config: the fit (the method's key selection and β bounds).
+        recent: newest entries never compacted (20 in the paper).
+        factor: size of the compacted part relative to what it replaces (0.5 in the paper).
+        max_queries: reference queries kept per KV head.
+        initial: initial reference queries per layer (the prefill's last queries), or empty.
+    """
+
+    needs_attention = False
+
+    def __init__(
+        self,
+        limits: dict[int, int],
+        scalings: dict[int, float],
+        config: FitConfig,
+        recent: int = 20,
+        factor: float = 0.5,
+        max_queries: int = 1024,
+        initial: dict[int, ReferenceQueries] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.scalings = scalings
+        self.config = config
+        self.recent = recent
+        self.factor = factor
+        self.max_queries = max_queries
+        self.buffers: dict[int, ReferenceQueries] = dict(initial or {})
+        self.compactions: dict[int, int] = {i: 0 for i in limits}
+
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
+        if layer_idx not in self.limits:
+            return
+        dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
+        pooled = pool_gqa_queries(query.detach().to(dtype), layer.num_heads)
+        new = ReferenceQueries(pooled, torch.ones(pooled.shape[:3], dtype=torch.bool, device=pooled.device))
+        old = self.buffers.get(layer_idx)
+        buf = new if old is None else old.cat(new)
+        if buf.queries.shape[2] > self.max_queries:  # keep the most recent queries
+            buf = ReferenceQueries(buf.queries[:, :, -self.max_queries :], buf.valid[:, :, -self.max_queries :])
+        self.buffers[layer_idx] = buf
+        if layer.physical_length <= self.limits[layer_idx]:
+            return
+        n_valid = layer.row_lengths()
+        span_len = (n_valid - self.recent).clamp_min(0)
+        keep = torch.ceil(span_len.double() * self.factor).long().clamp_min(1).minimum(span_len)
+        totals = keep + (n_valid - span_len)
+        compact_layers(
+            [(layer_idx, layer)],
+            {layer_idx: buf},
+            {layer_idx: totals},
+            self.scalings,
+            self.config,
+            span=(None, -self.recent if self.recent else None),
+        )
+        self.compactions[layer_idx] += 1
+
+
+# ---------------------------------------------------------------------------- registered methods
+
+
+@dataclass
+class _AttentionMatching(Standalone):
+    """Shared options of the four AM variants (see the module docstring).
+
+    Parameters:
+        queries: reference-query sources joined by ``+``: ``context``, ``repeat``, ``selfstudy``,
+            ``random`` (§3.1).
+        max_queries: reference queries kept per KV head and layer (a seeded random subset; the
+            authors' code keeps up to 10k for repeat-prefill, 50k with self-study).
+        nnls_iters: projected-gradient steps of the β fit (Algorithm 3).
+        beta_min, beta_max: bounds on β − β⁰ (App. C.2 "Stabilizing β").
+        on_policy: compact layers in order, re-extracting repeat / self-study queries with the
+            earlier layers already compacted (§3.1 "On-policy queries"; one pass per layer).
+        span: the entries compacted, ``start:end`` over each row's valid entries (``:`` = all,
+            ``4:-32`` keeps the first 4 and the last 32 as they are).
+        chunks: contiguous chunks compacted independently (§3.5).
+        chunking: ``kv`` (slice the prefilled cache, the paper's default) or ``text`` (prefill
+            and compact each chunk alone, then shift its keys' RoPE phase to the global offset).
+        schedule: a head-budget schedule JSON file (§3.4, Appendix E; see
+            :mod:`kvfold.methods.compaction.attention_matching.schedule`); uniform budgets when unset.
+        online: keep compacting during decoding (App. F.3).
+        recent, factor: online compaction keeps the ``recent`` newest entries and compacts the
+            rest to ``factor`` of its size whenever the cache exceeds the budget.
+        selfstudy_tokens: tokens sampled per self-study answer.
+        context_window: context-prefill queries: the last this-many context tokens.
+        fit_values: refit values by least squares (False keeps the selected keys' values).
+        solver: ``gram`` (normal equations, fast) or ``exact`` (the reference solvers).
+    """
+
+    paper: ClassVar[str] = "Zweiger et al. 2026, Fast KV Compaction via Attention Matching"
+    supports_chunked_prefill: ClassVar[bool] = True
+    key_selection: ClassVar[str] = "highest"
+    queries: str = "repeat+selfstudy"
+    max_queries: int = 4096
+    nnls_iters: int = 2
+    beta_min: float = -3.0
+    beta_max: float = 3.0
+    on_policy: bool = False
+    span: str = ":"
+    chunks: int = 1
+    chunking: str = "kv"
+    schedule: str | None = None
+    online: bool = False
+    recent: int = 20
+    factor: float = 0.5
+    selfstudy_tokens: int = 64
+    context_window: int = 8192
+    fit_values: bool = True
+    solver: str = "gram"
+
+    @property
+    def query_window(self) -> int:  # type: ignore[override]
+        return self.context_window if "context" in parse_sources(self.queries, self.name) else 0
+
+    def validate(self) -> None:
+        parse_sources(self.queries, self.name)
+        parse_span(self.span, self.name)
+        if self.max_queries < 1 or self.chunks < 1 or self.context_window < 1 or self.selfstudy_tokens < 0:
+            raise SpecError(f"{self.name}: max_queries, chunks and context_window must be ≥ 1")
+        if self.nnls_iters < 0 or self.recent < 0 or not 0.0 < self.factor < 1.0:
+            raise SpecError(f"{self.name}: nnls_iters and recent must be ≥ 0 and factor in (0, 1)")
+        if self.beta_min > self.beta_max:
+            raise SpecError(f"{self.name}: beta_min must be ≤ beta_max")
+        if self.chunking not in ("kv", "text") or self.solver not in ("gram", "exact"):
+            raise SpecError(f"{self.name}: chunking must be kv or text and solver gram or exact")
+
+    def fit_config(self) -> FitConfig:
+        return FitConfig(
+            keys=self.key_selection,  # type: ignore[arg-type]
+            k=getattr(self, "k", 1),
+            tau=getattr(self, "tau", 1),
+            nnls_iters=self.nnls_iters,
+            beta_min=self.beta_min,
+            beta_max=self.beta_max,
+            refills=getattr(self, "refills", 0),
+            fit_values=self.fit_values,
+            solver=self.solver,  # type: ignore[arg-type]
+        )
+
+    def query_options(self, sources: tuple[str, ...] | None = None) -> QueryOptions:
+        return QueryOptions(
+            sources=sources or parse_sources(self.queries, self.name),
+            max_queries=self.max_queries,
+            context_window=self.context_window,
+            selfstudy_tokens=self.selfstudy_tokens,
+            random_queries=self.max_queries,
+        )
+
+    def totals(self, ctx: CompressionContext) -> dict[int, Tensor]:
+        """Entries each row ``(B, H)`` keeps per layer: the budget, or the head schedule's share."""
+        layers = ctx.cache.folded_layers
+        if self.schedule:
+            from kvfold.methods.compaction.attention_matching.schedule import HeadSchedule
+
+            schedule = HeadSchedule.load(self.schedule, ctx.model)
+            n_valid = {i: layer.row_lengths() for i, layer in layers}
+            return schedule.counts(ctx.row_budgets, n_valid)
+        return {
+            i: ctx.row_budgets.to(layer.device)[:, None].expand(layer.batch_size, layer.num_heads).clone()
+            for i, layer in layers
+        }
+
+    def compress(self, ctx: CompressionContext) -> None:
+        start = time.perf_counter()
+        layers = ctx.cache.folded_layers
+        totals = self.totals(ctx)
+        scalings = {i: _scaling(ctx, i, layer) for i, layer in layers}
+        config = self.fit_config()
+        span = parse_span(self.span, self.name)
+        report = ctx.report.setdefault("am", {})
+        if self.chunking == "text":
+            from kvfold.methods.compaction.attention_matching.text_chunks import compact_text_chunks
+
+            stats = compact_text_chunks(self, ctx, totals, scalings, config)
+            report.update(stats)
+            report["seconds"] = time.perf_counter() - start
+            _trim_captured(ctx.cache)
+            return
+        sources = parse_sources(self.queries, self.name)
+        passes = tuple(s for s in sources if s in ("repeat", "selfstudy"))
+        if self.on_policy and passes:
+            static = tuple(s for s in sources if s not in passes)
+            fixed = extract_reference_queries(ctx, self.query_options(static)) if static else {}
+            query_seconds = time.perf_counter() - start
+            stats = []
+            for i, layer in layers:  # §3.1: layer ℓ's queries with layers < ℓ already compacted
+                t0 = time.perf_counter()
+                q = extract_reference_queries(ctx, self.query_options(passes), layers=[i])[i]
+                if i in fixed:
+                    q = q.cat(fixed[i]).subsample(self.max_queries, torch.Generator().manual_seed(ctx.seed + i))
+                query_seconds += time.perf_counter() - t0
+                stats.append(compact_layers([(i, layer)], {i: q}, totals, scalings, config, span, self.chunks))
+            report["query_seconds"] = query_seconds
+            report["mass_error"] = sum(s.get("mass_error", 0.0) for s in stats) / max(1, len(stats))
+            report["output_error"] = sum(s.get("output_error", 0.0) for s in stats) / max(1, len(stats))
+        else:
+            queries = extract_reference_queries(ctx, self.query_options(), reuse=True)
+            report["query_seconds"] = time.perf_counter() - start
+            report["queries_per_head"] = float(torch.stack([q.counts.float().mean() for q in queries.values()]).mean())
+            report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks))
+        report["seconds"] = time.perf_counter() - start
+        _trim_captured(ctx.cache)
+
+    def online_policy(self, ctx: CompressionContext) -> AttentionMatchingOnline | None:
+        if not self.online:
+            return None
+        layers = ctx.cache.folded_layers
+        limit = int(ctx.row_budgets.max())
+        mask = ctx.attention_mask if ctx.attention_mask is not None else torch.ones_like(ctx.input_ids)
+        initial = {  # the prefill's last queries, until decoding brings its own
+            i: captured_reference_queries(layer, layer.captured_queries[:, :, -mask.shape[1] :], mask)
+            for i, layer in layers
+            if layer.captured_queries is not None
+        }
+        return AttentionMatchingOnline(
+            {i: limit for i, _ in layers},
+            {i: _scaling(ctx, i, layer) for i, layer in layers},
+            self.fit_config(),
+            recent=self.recent,
+            factor=self.factor,
+            max_queries=self.max_queries,
+            initial=initial,
+        )
+
+
+@register
+@dataclass
+class AMHighest(_AttentionMatching):
+    """AM-HighestAttnKeys (§3.3, §4): keys with the highest RMS attention over the reference
+    queries, β by box-NNLS in [−3, 3] (2 projected-gradient steps), values by least squares;
+    reference queries from self-study and repeat-prefill."""
+
+    name: ClassVar[str] = "am_highest"
+    description: ClassVar[str] = (
+        "Attention Matching: highest-attention keys, fitted biases and values (repeat + self-study queries)"
+    )
+
+
+@register
+@dataclass
+class AMHighestFast(_AttentionMatching):
+    """AM-HighestAttnKeys-fast (§4): as ``am_highest`` with repeat-prefill queries only."""
+
+    name: ClassVar[str] = "am_highest_fast"
+    description: ClassVar[str] = "Attention Matching: highest-attention keys, repeat-prefill queries only"
+    queries: str = "repeat"
+
+
+@register
+@dataclass
+class AMOmp(_AttentionMatching):
+    """AM-OMP (§3.3 Algorithm 1, §4): keys and β chosen jointly by orthogonal matching pursuit on
+    the attention mass (NNLS refit after every key; keys with β < −7 dropped, β ≤ 7), values by
+    least squares; self-study + repeat-prefill queries.
+
+    Parameters:
+        k: keys added per greedy step (1).
+        tau: greedy steps between NNLS refits (1).
+        refills: times selection resumes after dropping keys with β < −7 (8; the paper has no
+            limit — see :func:`kvfold.methods.compaction.attention_matching.solve.omp_keys`).
+    """
+
+    name: ClassVar[str] = "am_omp"
+    description: ClassVar[str] = "Attention Matching: OMP keys on the attention mass, fitted biases and values"
+    key_selection: ClassVar[str] = "omp"
+    nnls_iters: int = 0
+    beta_min: float = -7.0
+    beta_max: float = 7.0
+    k: int = 1
+    tau: int = 1
+    refills: int = 8
+
+    def validate(self) -> None:
+        super().validate()
+        if self.k < 1 or self.tau < 1 or self.refills < 0:
+            raise SpecError(f"{self.name}: k and tau must be ≥ 1 and refills ≥ 0")
+
+
+@register
+@dataclass
+class AMOmpFast(AMOmp):
+    """AM-OMP-fast (App. C.1 Algorithm 2): OMP adding k = 4 keys per step, refit every τ = 2 steps."""
+
+    name: ClassVar[str] = "am_omp_fast"
+    description: ClassVar[str] = "Attention Matching: OMP with 4 keys per step and a refit every 2 steps"
+    k: int = 4
+    tau: int = 2
+
+
+# ---------------------------------------------------------------------------- the folder
+
+
+@register
+@dataclass
+class AMFit(Folder):
+    """Attention Matching's β-and-value refit (§3.2) after any selector: the kept keys stay, their
+    β is fitted by box-NNLS to the attention mass of the whole cache and their values by least
+    squares to its attention output, on reference queries. ``am_fit`` alone means ``snapkv+am_fit``.
+
+    Parameters:
+        queries: reference-query sources (default ``context``: the prefill's own queries).
+        max_queries: reference queries kept per KV head.
+        nnls_iters, beta_min, beta_max: the β fit (Algorithm 3, box [−3, 3] as for AM-HighestAttnKeys).
+        fit_values: refit the values (False: β only).
+        selfstudy_tokens, context_window: as for the AM variants.
+        solver: ``gram`` or ``exact``.
+    """
+
+    name: ClassVar[str] = "am_fit"
+    description: ClassVar[str] = "refit biases (NNLS on attention mass) and values (least squares) of kept entries"
+    paper: ClassVar[str] = "Zweiger et al. 2026, Fast KV Compaction via Attention Matching"
+    supports_chunked_prefill: ClassVar[bool] = True
+    queries: str = "context"
+    max_queries: int = 4096
+    nnls_iters: int = 2
+    beta_min: float = -3.0
+    beta_max: float = 3.0
+    fit_values: bool = True
+    selfstudy_tokens: int = 64
+    context_window: int = 8192
+    solver: str = "gram"
+
+    @classmethod
+    def default_selector(cls) -> str | None:
+        return "snapkv"
+
+    @property
+    def query_window(self) -> int:  # type: ignore[override]
+        return self.context_window if "context" in parse_sources(self.queries, self.name) else 0
+
+    def validate(self) -> None:
+        parse_sources(self.queries, self.name)
+        if self.max_queries < 1 or self.nnls_iters < 0 or self.beta_min > self.beta_max:
+            raise SpecError("am_fit: max_queries must be ≥ 1, nnls_iters ≥ 0 and beta_min ≤ beta_max")
+        if self.solver not in ("gram", "exact"):
+            raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
+
+    def prepare(self, ctx: CompressionContext) -> None:
+        options = QueryOptions(
+            sources=parse_sources(self.queries, self.name),
+            max_queries=self.max_queries,
+            context_window=self.context_window,
+            selfstudy_tokens=self.selfstudy_tokens,
+            random_queries=self.max_queries,
+        )
+        start = time.perf_counter()
+        ctx.memo["am_fit_queries"] = extract_reference_queries(ctx, options, reuse=True)
+        ctx.report.setdefault("am_fit", {})["query_seconds"] = time.perf_counter() - start
+
+    def fold(
+        self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, scores: Tensor, ctx: CompressionContext
+    ) -> None:
+        keys, values, log_mass, _ = layer.padded()
+        queries = ctx.memo["am_fit_queries"][layer_idx]
+        slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
+        given = torch.where(slot, keep, torch.full_like(keep, -1))
+        config = FitConfig(
+            keys="highest",
+            nnls_iters=self.nnls_iters,
+            beta_min=self.beta_min,
+            beta_max=self.beta_max,
+            fit_values=self.fit_values,
+            solver=self.solver,  # type: ignore[arg-type]
+        )
+        result = fit_problems(
+            keys,
+            values,
+            log_mass,
+            queries.queries,
+            queries.valid,
+            lengths,
+            _scaling(ctx, layer_idx, layer),
+            config,
+            given=given,
+        )
+        idx = result.index
+        c_k = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        layer.replace(c_k, result.values.to(values.dtype), result.log_mass.float(), lengths=result.lengths)
+        report = ctx.report.setdefault("am_fit", {})
+        report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
+        report.setdefault("output_error", []).append(float(result.output_error.mean()))

@@ -1,0 +1,538 @@
+"""Method base classes, the registry and composition of specs into runnable methods.
+
+A method is three swappable decisions (architecture guide): **scores / selection** (a
+:class:`Selector`), **budget allocation** (the selector's layer budgets, redistributed by
+:class:`Wrapper` prefixes such as ``adakv:``) and **folding** (a :class:`Folder` after ``+``;
+plain eviction by default). Methods that do all three their own way are :class:`Standalone`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from transformers import PreTrainedModel
+
+from kvfold.budget import Budget
+from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spec
+
+# ------------------------------------------------------------------------- context
+
+
+@dataclass
+class CompressionContext:
+    """Everything a method may read while compressing a prefilled cache.
+
+    Attributes:
+        model: the model (already prefilled into ``cache``).
+        cache: the cache to compress in place.
+        input_ids: ``(B, N)`` the context tokens.
+        attention_mask: ``(B, N)`` 1 for real tokens (left padding = 0), or None.
+        budget: the requested budget.
+        seed: seed for methods that draw random numbers.
+        report: free-form diagnostics a method records (e.g. fallbacks used).
+        tokenizer: the model's tokenizer, or None (methods that build prompts, e.g. KVzip's
+            repeat prompt, fall back to prompt-free variants without it).
+        memo: scratch space shared by the parts of a method during this one compression
+            (e.g. scores computed for every layer at once in :meth:`Method.prepare`).
+        shared: results that depend on the prefilled context only, not on the method's budget,
+            kept across every compression of one :class:`~kvfold.pipeline.PrefilledContext` (e.g.
+            KVzip's repeat-pass scores); read and filled through :meth:`shared_result`. Empty (and
+            private to this compression) when the cache is not a fresh copy of a prefilled context.
+        merge_recorder: optional diagnostic sink (``kvfold mergemap``,
+            :class:`kvfold.evaluate.mergemap.MergeRecorder`); None in normal runs. Methods report
+            through :meth:`record_kept` and :meth:`record_merges`, which do nothing without it.
+            Positions are **slot indices of the layer before compression** (= indices into
+            ``input_ids``, left padding included). ``ComposedMethod`` records the kept slots of
+            every layer itself; a folder that assigns evicted tokens to carriers (CaM, D2O,
+            KeepKV, ZSMerge, …) also calls ``ctx.record_merges(layer_idx, carrier, absorbed,
+            share)`` with ``(B, H, M)`` tensors: carrier slot, absorbed (evicted) slot, and the
+            share of that absorbed token given to that carrier (1 for a single carrier; pairs
+            with ``absorbed < 0`` are ignored). Update magnitudes ``‖Δk‖``, ``‖Δv‖`` of every kept
+            entry (GRKV) are computed by the recorder from the kept slots, so a folder that
+            writes its entries in ``keep`` order needs no call at all.
+    """
+
+    model: PreTrainedModel
+    cache: FoldedCache
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    budget: Budget
+    seed: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None
+    memo: dict[str, Any] = field(default_factory=dict)
+    merge_recorder: Any = None
+    shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
+
+    def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per prefilled context: later compressions of it reuse the result.
+
+        A reuse adds the seconds the first computation took to ``report["reused_seconds"]``, so
+        that a compression's reported time is what it costs when run alone.
+        """
+        hit = self.shared.get(key)
+        if hit is None:
+            start = time.perf_counter()
+            value = compute()
+            hit = self.shared[key] = (value, time.perf_counter() - start)
+        else:
+            self.report["reused_seconds"] = self.report.get("reused_seconds", 0.0) + hit[1]
+        return hit[0]
+
+    def record_kept(self, layer_idx: int, keep: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Diagnostics: the slots ``(B, H, K)`` held by a layer after compression, in entry order."""
+        if self.merge_recorder is not None:
+            self.merge_recorder.kept(layer_idx, keep, lengths)
+
+    def record_merges(
+        self, layer_idx: int, carrier: torch.Tensor, absorbed: torch.Tensor, share: torch.Tensor | None = None
+    ) -> None:
+        """Diagnostics: evicted slot ``absorbed`` was folded into kept slot ``carrier`` (see above)."""
+        if self.merge_recorder is not None:
+            self.merge_recorder.merges(layer_idx, carrier, absorbed, share)
+
+    @property
+    def context_lengths(self) -> torch.Tensor:
+        """Valid (non-padding) tokens per batch row, ``(B,)`` long, on CPU."""
+        if self.attention_mask is None:
+            return torch.full((self.input_ids.shape[0],), self.input_ids.shape[1], dtype=torch.long)
+        return self.attention_mask.sum(-1).long().cpu()
+
+    @property
+    def row_budgets(self) -> torch.Tensor:
+        """Entries to keep per KV head and layer (on average), per batch row, ``(B,)``."""
+        return self.budget.counts(self.context_lengths)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.cache.layers)
+
+    def generator(self, layer_idx: int = 0) -> torch.Generator:
+        """A reproducible generator for one layer."""
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + layer_idx)
+
+
+# ------------------------------------------------------------------------- options
+
+
+def _coerce(value: str, annotation: Any, owner: str, key: str) -> Any:
+    target = annotation
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value.lower() == "none":
+            return None
+        target = args[0]
+    try:
+        if target is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if target is int:
+            number = float(value)
+            if number != int(number):
+                raise ValueError(value)
+            return int(number)
+        if target is float:
+            return float(value)
+        return target(value)
+    except (TypeError, ValueError):
+        name = getattr(target, "__name__", str(target))
+        raise SpecError(f"{owner}: option {key}={value!r} must be a {name}") from None
+
+
+class Method:
+    """Base of every registered method. Subclasses are dataclasses whose fields are options."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    role: ClassVar[str] = "standalone"
+    query_window: ClassVar[int] = 0
+    """How many of the last prefill query states the method reads (captured during prefill)."""
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> Method:
+        """Build with options given as text (from a spec); unknown options are errors."""
+        valid = cls.option_names()
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            hint = ", ".join(valid) if valid else "none"
+            raise SpecError(f"{cls.name}: unknown option(s) {', '.join(unknown)}; valid options: {hint}")
+        hints = typing.get_type_hints(cls) if valid else {}
+        values = {k: _coerce(v, hints[k], cls.name, k) for k, v in options.items()}
+        method = cls(**values)
+        method.validate()
+        return method
+
+    def validate(self) -> None:
+        """Check option values; raise ``SpecError`` with what is allowed."""
+
+    def describe_options(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else {}
+
+    def prepare(self, ctx: CompressionContext) -> None:
+        """Called once per compression before any layer is edited (e.g. an extra scoring pass)."""
+
+    def prefill_observers(self) -> list:
+        """Observers the prefill should run for this method (see ``FoldedCache.prefill_observers``).
+
+        Each has a ``key`` (its ``layer.entry_stats`` entry); a method must still work when the
+        prefill ran without them (by recomputing what it needs in :meth:`prepare`).
+        """
+        return []
+
+
+class Standalone(Method):
+    """A method that compresses the whole cache its own way."""
+
+    role: ClassVar[str] = "standalone"
+
+    def compress(self, ctx: CompressionContext) -> None:
+        raise NotImplementedError
+
+    def online_policy(self, ctx: CompressionContext):
+        """A policy that keeps the budget during decoding, or None (one-shot only)."""
+        return None
+
+
+class Allocator(Method):
+    """A part that may spread a layer's budget over its KV heads (selectors and wrappers)."""
+
+    def allocate(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        scores: torch.Tensor,
+        counts: torch.Tensor,
+        protected: torch.Tensor | None,
+        ctx: CompressionContext,
+    ) -> torch.Tensor:
+        """Per-head counts ``(B, H)`` from ``counts`` ``(B, H)`` (uniform for the selector, which
+        allocates first; then each wrapper, innermost first); unchanged by default."""
+        return counts
+
+
+class Selector(Allocator):
+    """Scores entries; the highest-scored (plus protected ones) are kept."""
+
+    role: ClassVar[str] = "selector"
+
+    def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor:
+        """Importance of every entry, ``(B, H, N)`` float32; higher is kept first."""
+        raise NotImplementedError
+
+    def protected(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor | None:
+        """Entries that must be kept whatever their score, ``(B, H, N)`` bool, or None."""
+        return None
+
+    def layer_budgets(self, ctx: CompressionContext) -> list[torch.Tensor]:
+        """Entries per KV head for every layer, ``(B,)`` each; uniform by default."""
+        per_row = ctx.row_budgets
+        return [per_row.clone() for _ in range(ctx.num_layers)]
+
+    def online_policy(self, ctx: CompressionContext):
+        return None
+
+
+class Wrapper(Allocator):
+    """A prefix that changes scores and/or how a layer's budget is spread over its heads."""
+
+    role: ClassVar[str] = "wrapper"
+
+    def rescore(
+        self, layer_idx: int, layer: FoldedLayer, scores: torch.Tensor, ctx: CompressionContext
+    ) -> torch.Tensor:
+        return scores
+
+    def select(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        received: torch.Tensor,
+        scores: torch.Tensor,
+        counts: torch.Tensor,
+        protected: torch.Tensor | None,
+        valid: torch.Tensor,
+        ctx: CompressionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Choose the kept entries, or None for the default ``topk_keep(scores, counts, …)``.
+
+        Args:
+            received: the scores this wrapper's :meth:`rescore` was given (e.g. attention scores).
+            scores: the final scores after every wrapper's rescore.
+            counts: ``(B, H)`` final per-head counts.
+
+        Returns:
+            ``(keep (B, H, K), lengths (B, H))`` as :func:`kvfold.methods.core.selection.topk_keep`. When
+            several wrappers select, the innermost one decides.
+        """
+        return None
+
+
+class Folder(Method):
+    """Decides what happens to evicted entries (merged into carriers, refitted, …)."""
+
+    role: ClassVar[str] = "folder"
+    one_shot: ClassVar[bool] = False
+    """True: a spec with this folder compresses once after prefill and the selector's decode-time
+    policy is not used (``h2o+grkv`` = one-shot H2O, then GRKV), instead of being an error."""
+
+    @classmethod
+    def default_selector(cls) -> str | None:
+        """The selector spec a bare use of this folder's name implies (``grkv`` = ``snapkv+grkv``).
+
+        None means the folder cannot be used alone. A standalone's name means that bare use is
+        the standalone instead, given the bare options (``kvmerger[sigma=1]`` =
+        ``kvmerger_sets[sigma=1]``), for a folder whose paper method is not selector + folder.
+        """
+        return None
+
+    def fold(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        keep: torch.Tensor,
+        lengths: torch.Tensor,
+        scores: torch.Tensor,
+        ctx: CompressionContext,
+    ) -> None:
+        """Write the layer's new content given kept indices ``keep`` ``(B, H, K)`` and ``lengths``."""
+        raise NotImplementedError
+
+    def reselect(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        keep: torch.Tensor,
+        lengths: torch.Tensor,
+        scores: torch.Tensor,
+        protected: torch.Tensor | None,
+        valid: torch.Tensor,
+        ctx: CompressionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Revise the selector's kept entries before :meth:`fold` (KeepKV merges before it evicts).
+
+        Returns ``(keep, lengths)`` as :func:`kvfold.methods.core.selection.topk_keep`; unchanged by default.
+        """
+        return keep, lengths
+
+    def online_policy(self, policy, ctx: CompressionContext):
+        """Fold what the selector's decode-time ``policy`` evicts: return the policy to use, or None
+        when this folder cannot run online (then ``SELECTOR+folder`` with an online selector is an error)."""
+        return None
+
+
+# ------------------------------------------------------------------------- registry
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: add a method to the registry under ``cls.name``."""
+    if not cls.name or cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"method name {cls.name!r} is empty or already registered")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_methods(role: str | None = None) -> list[type[Method]]:
+    """Registered method classes (optionally of one role), sorted by name."""
+    _load_builtin_methods()
+    return sorted((c for c in REGISTRY.values() if role is None or c.role == role), key=lambda c: c.name)
+
+
+def _lookup(component: Component, roles: tuple[str, ...], where: str) -> Method:
+    _load_builtin_methods()
+    cls = REGISTRY.get(component.name)
+    if cls is None or cls.role not in roles:
+        valid = ", ".join(c.name for c in available_methods() if c.role in roles)
+        found = f" ({component.name!r} is a {cls.role})" if cls is not None else ""
+        raise SpecError(f"unknown {where} {component.name!r}{found}; valid: {valid}")
+    return cls.from_options(component.options)
+
+
+def _load_builtin_methods() -> None:
+    import kvfold.methods.builtin  # noqa: F401 - registers the built-in methods
+
+
+# ------------------------------------------------------------------------- composition
+
+
+def gather_entries(
+    layer: FoldedLayer, keep: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and β of the kept entries, ``(B, H, K, ·)``, from padded content."""
+    keys, values, log_mass, _ = layer.padded()
+    idx = keep[..., None]
+    k = torch.gather(keys, 2, idx.expand(-1, -1, -1, keys.shape[-1]))
+    v = torch.gather(values, 2, idx.expand(-1, -1, -1, values.shape[-1]))
+    lm = torch.gather(log_mass, 2, keep)
+    slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
+    lm = torch.where(slot, lm, torch.full_like(lm, NEG_INF))
+    return k, v, lm
+
+
+@dataclass
+class ComposedMethod:
+    """A parsed spec turned into objects: wrappers, a selector (or standalone), a folder."""
+
+    spec: str
+    wrappers: tuple[Wrapper, ...]
+    selector: Selector | Standalone
+    folder: Folder | None
+
+    @property
+    def query_window(self) -> int:
+        return max(p.query_window for p in self.parts)
+
+    @property
+    def is_identity(self) -> bool:
+        return getattr(self.selector, "name", "") == "full"
+
+    @property
+    def parts(self) -> list[Method]:
+        """Wrappers (outermost first), the selector, and the folder if any."""
+        return [*self.wrappers, self.selector, *([self.folder] if self.folder else [])]
+
+    def prefill_observers(self) -> list:
+        """The parts' prefill observers, one per ``key``."""
+        found: dict[str, Any] = {}
+        for part in self.parts:
+            for observer in part.prefill_observers():
+                found.setdefault(observer.key, observer)
+        return list(found.values())
+
+    def compress(self, ctx: CompressionContext) -> None:
+        """Compress ``ctx.cache`` in place to ``ctx.budget``."""
+        if isinstance(self.selector, Standalone):
+            self.selector.compress(ctx)
+            return
+        for part in reversed(self.parts):
+            part.prepare(ctx)
+        budgets = self.selector.layer_budgets(ctx)
+        for layer_idx, layer in ctx.cache.folded_layers:
+            self._compress_layer(layer_idx, layer, budgets[layer_idx], ctx)
+
+    def apply(self, ctx: CompressionContext) -> Any:
+        """Compress ``ctx.cache`` in place (unless the method or the budget keeps everything) and
+        return the online policy that holds the budget while decoding (None when there is none)."""
+        with torch.inference_mode():
+            if not self.is_identity and not ctx.budget.is_full:
+                self.compress(ctx)
+            return None if ctx.budget.is_full else self.online_policy(ctx)
+
+    def online_policy(self, ctx: CompressionContext):
+        if self.folder is not None and self.folder.one_shot:
+            return None
+        policy = self.selector.online_policy(ctx)
+        if policy is not None and self.folder is not None and not self.wrappers:
+            folded = self.folder.online_policy(policy, ctx)  # e.g. KeepKV merges the policy's victims
+            if folded is not None:
+                return folded
+        if policy is not None and (self.wrappers or self.folder is not None):
+            raise SpecError(
+                f"{self.spec}: online (decode-time) compression is available for the plain selector only; "
+                f"write {self.selector.name}[online=false] to compose it one-shot"
+            )
+        return policy
+
+    def _compress_layer(
+        self, layer_idx: int, layer: FoldedLayer, per_row: torch.Tensor, ctx: CompressionContext
+    ) -> None:
+        from kvfold.methods.core.selection import topk_keep
+
+        valid = layer.valid_mask()
+        n_valid = valid.sum(-1)  # (B, H)
+        counts = torch.minimum(per_row.to(valid.device)[:, None].expand_as(n_valid), n_valid)
+        if bool((counts >= n_valid).all()):
+            return  # nothing to evict in this layer
+        scores = self.selector.score(layer_idx, layer, ctx).float()
+        received = []  # the scores each wrapper's rescore was given, innermost first
+        for wrapper in reversed(self.wrappers):
+            received.append(scores)
+            scores = wrapper.rescore(layer_idx, layer, scores, ctx)
+        protected = self.selector.protected(layer_idx, layer, ctx)
+        counts = self.selector.allocate(layer_idx, layer, scores, counts, protected, ctx)
+        for wrapper in reversed(self.wrappers):
+            counts = wrapper.allocate(layer_idx, layer, scores, counts, protected, ctx)
+        chosen = None
+        for wrapper, given in zip(reversed(self.wrappers), received, strict=True):
+            chosen = wrapper.select(layer_idx, layer, given, scores, counts, protected, valid, ctx)
+            if chosen is not None:
+                break
+        keep, lengths = chosen if chosen is not None else topk_keep(scores, counts, protected, valid)
+        if self.folder is not None:
+            keep, lengths = self.folder.reselect(layer_idx, layer, keep, lengths, scores, protected, valid, ctx)
+        ctx.record_kept(layer_idx, keep, lengths)
+        stats = {
+            name: torch.gather(t, 2, keep) for name, t in layer.entry_stats.items() if t.shape == valid.shape
+        }
+        if self.folder is not None:
+            self.folder.fold(layer_idx, layer, keep, lengths, scores, ctx)
+        else:
+            layer.replace(*gather_entries(layer, keep, lengths), lengths=lengths)
+        # statistics follow the kept entries (ascending position order); a folder's own win
+        layer.entry_stats = {**stats, **layer.entry_stats}
+
+
+def build_method(spec: str | ParsedSpec) -> ComposedMethod:
+    """Turn a spec string into a runnable method; errors list what is valid.
+
+    Example:
+        >>> build_method("adakv:snapkv[window=64]+grkv")  # doctest: +SKIP
+    """
+    parsed = parse_spec(spec) if isinstance(spec, str) else spec
+    _load_builtin_methods()
+    parsed = _expand_bare_folder(parsed)
+    selector = _lookup(parsed.selector, ("selector", "standalone"), "method")
+    if selector.role == "standalone" and (parsed.wrappers or parsed.folder):
+        raise SpecError(
+            f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder"
+        )
+    wrappers = tuple(_lookup(c, ("wrapper",), "wrapper") for c in parsed.wrappers)
+    folder = _lookup(parsed.folder, ("folder",), "folder") if parsed.folder else None
+    return ComposedMethod(spec=parsed.text, wrappers=wrappers, selector=selector, folder=folder)
+
+
+def _expand_bare_folder(parsed: ParsedSpec) -> ParsedSpec:
+    """A folder named alone (``grkv[lam=0.1]``) runs on its default selector (``snapkv+grkv[lam=0.1]``),
+    or is the standalone its ``default_selector`` names (``kvmerger`` = ``kvmerger_sets``)."""
+    cls = REGISTRY.get(parsed.selector.name)
+    if cls is None or cls.role != "folder" or parsed.folder is not None:
+        return parsed
+    default = cls.default_selector()
+    if default is None:
+        name = parsed.selector.name
+        raise SpecError(f"{name!r} is a folder: use it after a selector, e.g. snapkv+{name}")
+    base = parse_spec(default)
+    target = REGISTRY.get(base.selector.name)
+    if target is not None and target.role == "standalone" and not base.wrappers and base.folder is None:
+        name = parsed.selector.name
+        unknown = sorted(set(parsed.selector.options) - set(target.option_names()))
+        if unknown:
+            raise SpecError(
+                f"{name!r} alone is the standalone {target.name!r}, which has no option(s) {', '.join(unknown)} "
+                f"(valid: {', '.join(target.option_names())}); the folder's options apply after a selector, "
+                f"e.g. snapkv+{name}[...]"
+            )
+        options = {**base.selector.options, **parsed.selector.options}  # kvmerger → kvmerger_sets
+        return ParsedSpec(
+            wrappers=parsed.wrappers, selector=Component(base.selector.name, options), folder=None, text=parsed.text
+        )
+    return ParsedSpec(
+        wrappers=parsed.wrappers + base.wrappers, selector=base.selector, folder=parsed.selector, text=parsed.text
+    )

@@ -1,0 +1,250 @@
+"""How many entries each layer and each KV head keeps (the "budget allocation" decision).
+
+All allocations are integers that sum **exactly** to the requested total and respect the given
+minimum / maximum per part. Real-valued schedules are rounded with the largest-remainder method
+(ties to the lower index), which keeps every part within ``[⌊x⌋, ⌈x⌉]`` of its real value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from kvfold.methods.core.selection import _as_counts, _priority_order
+
+Tensor = torch.Tensor
+
+__all__ = [
+    "adakv_head_budgets",
+    "apportion",
+    "cosine_layer_budgets",
+    "pyramid_layer_budgets",
+    "uniform_layer_budgets",
+]
+
+
+def apportion(
+    weights: Sequence[float] | Tensor,
+    total: int,
+    minimum: int = 0,
+    maximum: int | None = None,
+) -> list[int]:
+    """Split ``total`` into integers proportional to ``weights`` within ``[minimum, maximum]``.
+
+    The real allocation is ``clamp(s · w_i, minimum, maximum)`` with the scale ``s`` chosen so it
+    sums to ``total`` (water filling, found by bisection); it is then rounded by largest
+    remainder (ties to the lower index). All-zero weights split evenly.
+
+    Raises:
+        ValueError: negative weights, or ``total`` outside ``[L·minimum, L·maximum]``.
+    """
+    w = [float(x) for x in (weights.tolist() if isinstance(weights, Tensor) else weights)]
+    parts = len(w)
+    if parts == 0:
+        raise ValueError("need at least one part")
+    if any(x < 0 or math.isnan(x) for x in w):
+        raise ValueError(f"weights must be ≥ 0; got {w}")
+    hi = math.inf if maximum is None else maximum
+    if minimum > hi or not (parts * minimum <= total <= parts * hi):
+        raise ValueError(f"cannot split {total} into {parts} parts each in [{minimum}, {maximum}]")
+    if sum(w) == 0:
+        w = [1.0] * parts
+
+    def filled(scale: float) -> list[float]:
+        return [min(max(scale * x, minimum), hi) for x in w]
+
+    low, high = 0.0, 1.0
+    while sum(filled(high)) < total:
+        high *= 2.0
+        if high > 1e300:
+            raise ValueError(f"cannot reach {total} with weights {w}: zero-weight parts stay at the minimum")
+    for _ in range(200):  # bisection on the scale
+        mid = 0.5 * (low + high)
+        if sum(filled(mid)) < total:
+            low = mid
+        else:
+            high = mid
+    real = filled(high)
+    counts = [min(max(math.floor(x + 1e-9), minimum), hi) for x in real]
+    counts = [int(c) for c in counts]
+    remainder = [x - c for x, c in zip(real, counts, strict=True)]
+    missing = total - sum(counts)
+    while missing != 0:  # at most a few passes; each moves one unit
+        step = 1 if missing > 0 else -1
+        candidates = [i for i in range(parts) if (counts[i] < hi if step > 0 else counts[i] > minimum)]
+        best = max(candidates, key=lambda i: (step * remainder[i], -i))
+        counts[best] += step
+        remainder[best] -= step
+        missing -= step
+    return counts
+
+
+def uniform_layer_budgets(total_per_layer: int, num_layers: int) -> list[int]:
+    """The same budget in every layer (SnapKV, H2O, …)."""
+    if total_per_layer < 0 or num_layers < 1:
+        raise ValueError(f"need total_per_layer ≥ 0 and num_layers ≥ 1; got {total_per_layer}, {num_layers}")
+    return [int(total_per_layer)] * num_layers
+
+
+def pyramid_layer_budgets(
+    avg_budget: int,
+    num_layers: int,
+    beta: float = 20.0,
+    window: int = 32,
+    context_tokens: int | None = None,
+    min_budget: int = 1,
+) -> list[int]:
+    """PyramidKV layer budgets (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on
+    Pyramidal Information Funneling", arXiv:2406.02069): an arithmetic sequence decreasing with depth.
+
+    With ``b = avg_budget − window`` entries per layer outside the window on average, the top layer
+    gets ``b_min = b / β`` and layer 0 gets ``b_max = 2b − b_min`` (so the mean is ``b``), linearly
+    in between; every layer also keeps its ``window``. When ``b_max`` exceeds the context
+    (``context_tokens − window``), layer 0 is capped there and ``b_min = 2b − cap`` (as in the
+    release). Rounded by largest remainder so the total is exactly ``num_layers · avg_budget``.
+
+    Args:
+        avg_budget: mean entries per layer (per KV head), an int (see :meth:`kvfold.budget.Budget.count`).
+        num_layers: ``L``.
+        beta: ``β`` (20 in the paper).
+        window: the observation window kept in every layer.
+        context_tokens: ``N``; no layer gets more than ``N``. ``avg_budget ≥ N`` keeps everything.
+        min_budget: least entries per layer (≥ 1).
+
+    Returns:
+        ``L`` ints, non-increasing with depth, summing to ``L · min(avg_budget, N)``.
+    """
+    _check_layers(avg_budget, num_layers, min_budget)
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0; got {beta}")
+    cap = context_tokens if context_tokens is not None else None
+    if cap is not None and avg_budget >= cap:
+        return [int(cap)] * num_layers
+    outside = avg_budget - window
+    if num_layers == 1 or outside <= 0:
+        return [int(avg_budget)] * num_layers
+    smallest = outside / beta
+    largest = 2 * outside - smallest
+    if cap is not None and largest > cap - window:
+        largest = cap - window
+        smallest = 2 * outside - largest
+    step = (largest - smallest) / (num_layers - 1)
+    real = [window + largest - layer * step for layer in range(num_layers)]
+    return apportion(real, avg_budget * num_layers, minimum=min(min_budget, avg_budget), maximum=cap)
+
+
+def cosine_layer_budgets(
+    avg_budget: int,
+    num_layers: int,
+    min_ratio: float = 0.2,
+    context_tokens: int | None = None,
+    min_budget: int = 1,
+) -> list[int]:
+    """Cosine layer decay, the PyramidInfer-style schedule KeepKV uses (KeepKV Appendix B; Yang et
+    al. 2024, "PyramidInfer"): budgets shrink with depth along half a cosine.
+
+    Formula (ours; the papers give no closed form): weight of layer ``l`` of ``L``
+    ``w_l = r + (1 − r) · (1 + cos(π · l / (L − 1))) / 2``, from 1 at layer 0 to ``r = min_ratio``
+    at the last layer; budgets ``∝ w_l`` scaled to mean ``avg_budget`` (so layer 0 gets
+    ``≈ 2·avg/(1 + r)``), clamped to ``[min_budget, N]`` by water filling and rounded by largest
+    remainder: the total is exactly ``L · min(avg_budget, N)``.
+
+    Args:
+        avg_budget: mean entries per layer (per KV head).
+        num_layers: ``L``.
+        min_ratio: ``r`` in ``(0, 1]``, last-layer / first-layer budget before clamping.
+        context_tokens: ``N`` or None.
+        min_budget: least entries per layer (e.g. sinks + recent window).
+    """
+    _check_layers(avg_budget, num_layers, min_budget)
+    if not 0.0 < min_ratio <= 1.0:
+        raise ValueError(f"min_ratio must be in (0, 1]; got {min_ratio}")
+    if context_tokens is not None and avg_budget >= context_tokens:
+        return [int(context_tokens)] * num_layers
+    if num_layers == 1:
+        return [int(avg_budget)]
+    weights = [
+        min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * layer / (num_layers - 1)))
+        for layer in range(num_layers)
+    ]
+    return apportion(
+        weights, avg_budget * num_layers, minimum=min(min_budget, avg_budget), maximum=context_tokens
+    )
+
+
+def _check_layers(avg_budget: int, num_layers: int, min_budget: int) -> None:
+    if isinstance(avg_budget, bool) or not isinstance(avg_budget, numbers.Integral) or avg_budget < 1:
+        raise ValueError(
+            f"avg_budget must be a positive token count (use Budget.count); got {avg_budget!r}"
+        )
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be ≥ 1; got {num_layers}")
+    if min_budget < 1:
+        raise ValueError(f"min_budget must be ≥ 1; got {min_budget}")
+
+
+def adakv_head_budgets(
+    scores: Tensor,
+    layer_budget_per_head: int | Tensor,
+    alpha: float = 0.2,
+    protected: Tensor | None = None,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """AdaKV per-head budgets (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive
+    Budget Allocation for Efficient LLM Inference", arXiv:2407.11550, with its α safeguard).
+
+    The layer's ``H · b`` entries are chosen jointly across its heads by score. Safeguard: each
+    head first gets ``floor_h = p_h + ⌊α · (b − p_h)⌋`` entries (its ``p_h`` protected ones plus
+    ``α`` of the rest of its budget, as AdaKV applies ``α`` outside the observation window),
+    at most ``b`` and at most its valid entries; the remaining ``H · b − Σ floor_h`` go to the
+    highest-scored not-yet-chosen entries of the whole layer. A head's count is its floor plus
+    its share of that joint top. Each head's kept set is then exactly ``topk_keep(scores,
+    counts, protected, valid)`` on that head (same order: protected, score, lower position).
+
+    Args:
+        scores: ``(B, H, N)`` scores comparable across the heads of the layer (e.g. SnapKV).
+        layer_budget_per_head: ``b``: an int, ``(B,)`` per batch row, or ``(B, H)`` (then the
+            layer total is ``Σ_h b_h`` and floors use each head's ``b_h``).
+        alpha: safeguard fraction ``α`` in ``[0, 1]`` (0.2 in AdaKV; 1 = uniform budgets).
+        protected: ``(B, H, N)`` bool or None; protected entries count inside the floor.
+        valid: ``(B, H, N)`` bool or None; padding is never counted.
+
+    Returns:
+        ``(B, H)`` long counts, each in ``[floor_h, #valid_h]``, summing per batch row to ``Σ_h b_h``
+        (less only when the layer has fewer valid entries than that).
+
+    Ties in the joint selection go to the lower head, then the lower position.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1]; got {alpha}")
+    batch, heads, length = scores.shape
+    device = scores.device
+    per_head = _as_counts(layer_budget_per_head, batch, heads, device)
+    valid_b = (
+        torch.ones(batch, heads, length, dtype=torch.bool, device=device) if valid is None else valid.bool()
+    )
+    prot = torch.zeros_like(valid_b) if protected is None else protected.bool() & valid_b
+    n_valid = valid_b.sum(dim=-1)
+    n_prot = prot.sum(dim=-1)
+    # safeguard: floor_h = p_h + ⌊α (b_h − p_h)⌋, capped by b_h and by the head's valid entries
+    rest = (per_head - n_prot).clamp_min(0)
+    floor = torch.minimum(n_prot + torch.floor(rest.double() * alpha).long(), per_head)
+    floor = torch.minimum(floor, n_valid)
+    order = _priority_order(scores, prot, valid_b)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=device).expand_as(order))
+    in_pool = valid_b & (rank >= floor[..., None])  # not taken by the floors
+    # joint top over the layer: flatten heads, same priority rule (protected, score, index)
+    pool_order = _priority_order(
+        scores.reshape(batch, 1, heads * length),
+        prot.reshape(batch, 1, heads * length),
+        in_pool.reshape(batch, 1, heads * length),
+    )
+    pool_rank = torch.empty_like(pool_order).scatter_(
+        -1, pool_order, torch.arange(heads * length, device=device).expand_as(pool_order)
+    )
+    remaining = (per_head.sum(dim=-1) - floor.sum(dim=-1)).clamp_min(0)  # (B,)
+    taken = in_pool.reshape(batch, 1, -1) & (pool_rank < remaining[:, None, None])
+    return floor + taken.reshape(batch, heads, length).sum(dim=-1)

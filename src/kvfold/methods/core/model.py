@@ -1,0 +1,117 @@
+"""What methods read from the model: its attention modules, their logit scale, ``W_o``, RoPE, and
+an extra prefill pass of the context.
+
+Found by the rule :func:`kvfold.enable` uses (modules with ``layer_idx`` and ``o_proj``) and cached
+in ``ctx.memo``; RoPE tables come from the model's own rotary module (so its scaling variants hold).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.methods.core.base import CompressionContext
+
+Tensor = torch.Tensor
+
+# ---------------------------------------------------------------------------- shared helpers
+
+
+def attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
+    """The attention module of every decoder layer by layer index (modules with ``layer_idx`` and
+    ``o_proj``: the same rule :func:`kvfold.enable` uses to find them)."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
+            found.setdefault(int(module.layer_idx), module)
+    return found
+
+
+def attention_module(ctx: CompressionContext, layer_idx: int) -> torch.nn.Module:
+    modules = ctx.memo.get("attention_modules")
+    if modules is None:
+        modules = ctx.memo["attention_modules"] = attention_modules(ctx.model)
+    if layer_idx not in modules:
+        raise ValueError(
+            f"found no attention module for layer {layer_idx} in {type(ctx.model).__name__} "
+            "(expected modules with `layer_idx` and `o_proj`, as in Llama, Mistral, Qwen and Gemma3)"
+        )
+    return modules[layer_idx]
+
+
+def module_scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> float:
+    """The layer's logit scale (``module.scaling``; ``1/√D`` when the module has none)."""
+    return float(getattr(attention_module(ctx, layer_idx), "scaling", layer.head_dim**-0.5))
+
+
+def o_proj_weight(ctx: CompressionContext, layer_idx: int) -> Tensor:
+    """``W_o`` ``(hidden, H_q·D)`` of a layer's attention (CriticalKV's output projection)."""
+    module = attention_module(ctx, layer_idx)
+    weight = getattr(module.o_proj, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise ValueError(f"layer {layer_idx}: o_proj has no 2-D weight (quantized modules are not supported)")
+    return weight
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _rotary_embedding(model: PreTrainedModel) -> torch.nn.Module:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None:
+        rotary = next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module (needed to undo RoPE)")
+    return rotary
+
+
+def rope_tables(model: PreTrainedModel, layer_idx: int, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The model's own RoPE ``cos``, ``sin`` ``(T, D)`` float32 at ``positions`` for one layer."""
+    rotary = _rotary_embedding(model)
+    kwargs: dict[str, Any] = {}
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma3: per layer type
+        types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        kwargs["layer_type"] = types[layer_idx] if types else "full_attention"
+    probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+    cos, sin = rotary(probe, positions[None].long(), **kwargs)
+    return cos[0].float(), sin[0].float()
+
+
+def unrotate(queries: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Undo RoPE: ``R_t⁻¹ y = (cos·y − sin·rotate_half(y)) / (cos² + sin²)``.
+
+    RoPE is a rotation (times transformers' ``attention_scaling`` a, folded into cos and sin),
+    so its inverse is the rotation by −θ divided by a²; ``cos² + sin² = a²`` elementwise.
+
+    Args:
+        queries: ``(..., T, D)`` post-RoPE states at the positions of ``cos``/``sin`` ``(T, D)``.
+    """
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    y = queries.to(dtype)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    return (y * cos - rotate_half(y) * sin) / (cos * cos + sin * sin)
+
+
+def prefill_again(ctx: CompressionContext, scratch: FoldedCache) -> None:
+    """Run the prefill of ``ctx.input_ids`` once more into ``scratch`` (an empty cache set up with
+    what the caller needs: a query window to capture, prefill observers), as the pipeline ran it:
+    left-padded rows with positions from the attention mask, one logit kept."""
+    ids, mask = ctx.input_ids, ctx.attention_mask
+    if mask is None:
+        mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ctx.model(
+            input_ids=ids,
+            attention_mask=mask if ids.shape[0] > 1 else None,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=scratch,
+            use_cache=True,
+            logits_to_keep=1,
+        )

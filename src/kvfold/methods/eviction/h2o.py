@@ -1,0 +1,172 @@
+"""H2O: heavy hitters by accumulated attention plus the recent tokens; one-shot and online.
+
+Zhang et al. 2023, *H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+Models*. The accumulated attention is observed during the prefill when the method is announced to
+it (:class:`H2OPrefillObserver`), else recomputed by an extra pass; during decoding
+:class:`H2OOnline` keeps the budget per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.model import prefill_again
+from kvfold.methods.core.online import PROTECTED, OnlineEviction
+from kvfold.methods.core.scoring import (
+    h2o_scores,
+    pool_gqa,
+)
+from kvfold.methods.core.spec import SpecError
+from kvfold.methods.eviction.common import first_valid, last_valid, layer_content, online_limits
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------- H2O
+
+
+class H2OPrefillObserver:
+    """Accumulates H2O's attention during the prefill (attention calls it once per layer).
+
+    Writes ``layer.entry_stats["h2o"]`` ``(B, H_kv, N)``: the attention each entry received from
+    all prefill queries, summed over the GQA group (:func:`kvfold.methods.core.scoring.h2o_scores`,
+    computed ``chunk`` queries at a time so at most ``(B, H_q, chunk, N)`` probabilities exist).
+    """
+
+    key = "h2o"
+
+    def __init__(self, chunk: int = 256) -> None:
+        self.chunk = chunk
+
+    def __call__(self, layer_idx: int, layer: FoldedLayer, query: Tensor, scaling: float) -> None:
+        keys, _, beta, valid = layer_content(layer)
+        layer.entry_stats[self.key] = h2o_scores(
+            query, keys, scaling, chunk=self.chunk, gqa_reduce="sum", log_mass=beta, valid=valid
+        )
+
+
+def observe_prefill(ctx: CompressionContext, observers: list) -> None:
+    """Re-run the prefill of ``ctx.input_ids`` with prefill observers and copy their statistics
+    into ``ctx.cache`` (for a context prefilled without them). Costs one extra forward pass."""
+    model = ctx.model
+    if model.config._attn_implementation != "kvfold":
+        raise ValueError("prefill statistics need the kvfold attention: call kvfold.enable(model) first")
+    scratch = FoldedCache(model.config)
+    scratch.prefill_observers = list(observers)
+    prefill_again(ctx, scratch)
+    for layer_idx, layer in ctx.cache.folded_layers:
+        for observer in observers:
+            layer.entry_stats[observer.key] = scratch.layers[layer_idx].entry_stats[observer.key]
+
+
+class H2OOnline(OnlineEviction):
+    """Online H2O: each step adds the step's attention to every entry's accumulated score
+    (:func:`kvfold.methods.core.scoring.h2o_update`); the ``recent`` newest tokens and the sinks are
+    never evicted; otherwise the entry with the least accumulated attention goes."""
+
+    def __init__(self, limits: dict[int, int], recent: int, sinks: int) -> None:
+        super().__init__(limits, needs_attention=True, recent=recent)
+        self.sinks = sinks
+
+    def initial_scores(self, layer_idx: int, layer: FoldedLayer, count: int) -> Tensor:
+        stats = layer.entry_stats.get(H2OPrefillObserver.key)
+        if stats is None or stats.shape[-1] != count:
+            raise ValueError(
+                "online h2o continues the accumulated attention of the kept entries; compress this cache "
+                "with h2o first (its statistics are missing or no longer match the cache)"
+            )
+        _, _, log_mass = layer.dense_buffers()
+        sinks = first_valid(torch.isfinite(log_mass[:, :, :count]), self.sinks)
+        return stats.float().masked_fill(sinks, PROTECTED)
+
+    def export_scores(self, layer_idx: int, layer: FoldedLayer, scores: Tensor) -> None:
+        layer.entry_stats[H2OPrefillObserver.key] = scores  # the accumulated attention (sinks: +inf)
+
+    def new_scores(self, layer_idx, layer, state, q_len, probs) -> Tensor:
+        if probs is None:
+            return state.new_zeros(state.shape[0], state.shape[1], q_len)
+        # h2o_update in place: Σ over every query seen of its attention (new entries start from 0)
+        old = state.shape[-1]
+        if probs.shape[-1] < old:
+            raise ValueError(f"accumulator has {old} entries but the step attends {probs.shape[-1]}")
+        step = probs[:, :, 0] if q_len == 1 else probs.sum(dim=2)
+        added = pool_gqa(step, state.shape[1], "sum")
+        state.add_(added[..., :old])  # computed in the promoted dtype, rounded to the state's
+        return added[..., old:]
+
+
+@register
+@dataclass
+class H2O(Selector):
+    """H2O, Heavy-Hitter Oracle (Zhang et al. 2023, arXiv:2306.14048, the H₂ eviction policy, Algorithm 1).
+
+    Score = attention accumulated over every prefill query (computed during the prefill by
+    :class:`H2OPrefillObserver`, or by an extra forward pass when the prefill ran without it).
+    The budget is split between heavy hitters and the most recent tokens, half and half as in
+    the paper's experiments. Online (default): during decoding the scores keep accumulating and
+    the cache never exceeds the budget. Chunked prefill runs the online policy over the chunks
+    after the first (:mod:`kvfold.chunked`): an entry's score is the attention it received from
+    every query seen, chunk after chunk, on the evolving cache (the H₂ policy of Algorithm 1,
+    ``chunk`` queries per step).
+
+    Parameters:
+        recent_ratio: share of the budget kept for the most recent tokens (0.5: the paper's
+            equal heavy/recent split).
+        sinks: first tokens always kept (0: H2O keeps none).
+        online: keep the budget during decoding too.
+    """
+
+    name: ClassVar[str] = "h2o"
+    description: ClassVar[str] = "heavy hitters by accumulated attention + recent half; online during decoding"
+    paper: ClassVar[str] = (
+        "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
+    )
+    supports_chunked_prefill: ClassVar[bool] = True
+    chunked_prefill_online: ClassVar[bool] = True  # the scores need every chunk's attention
+    recent_ratio: float = 0.5
+    sinks: int = 0
+    online: bool = True
+
+    def validate(self) -> None:
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise SpecError(f"h2o: recent_ratio must be in [0, 1]; got {self.recent_ratio}")
+        if self.sinks < 0:
+            raise SpecError(f"h2o: sinks must be ≥ 0; got {self.sinks}")
+
+    def prefill_observers(self) -> list:
+        return [H2OPrefillObserver()]
+
+    def prepare(self, ctx: CompressionContext) -> None:
+        def ready(layer: FoldedLayer) -> bool:
+            stats = layer.entry_stats.get(H2OPrefillObserver.key)
+            return stats is not None and stats.shape == (layer.batch_size, layer.num_heads, layer.physical_length)
+
+        if not all(ready(layer) for _, layer in ctx.cache.folded_layers):
+            observe_prefill(ctx, [H2OPrefillObserver()])
+            ctx.report["h2o"] = (
+                "accumulated attention recomputed with an extra prefill pass (pass methods=... to kvfold.prefill)"
+            )
+
+    def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
+        return layer.entry_stats[H2OPrefillObserver.key]
+
+    def recent_counts(self, budget: Tensor) -> Tensor:
+        """Recent tokens kept out of a budget: ``⌊recent_ratio · budget⌋``."""
+        return torch.floor(budget.double() * self.recent_ratio).long()
+
+    def protected(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
+        valid = layer.valid_mask()
+        recent = self.recent_counts(self.layer_budgets(ctx)[layer_idx])
+        return last_valid(valid, recent) | first_valid(valid, self.sinks)
+
+    def online_policy(self, ctx: CompressionContext) -> H2OOnline | None:
+        if not self.online:
+            return None
+        limits = online_limits(self, ctx)
+        recent = int(self.recent_counts(torch.tensor(max(limits.values()))))
+        return H2OOnline(limits, recent=recent, sinks=self.sinks)
