@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache, FoldedLayer
-from kvfold.methods.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline import DEFAULT_SNAPSHOT_WINDOW, build_prompt, encode, greedy_decode
 
 MARK = "\u241e"

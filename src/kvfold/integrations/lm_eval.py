@@ -62,8 +62,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from kvfold.budget import Budget
-from kvfold.methods import SpecError, available_methods, build_method
-from kvfold.methods.base import ComposedMethod
+from kvfold.methods import ComposedMethod, SpecError, available_methods, build_method
 from kvfold.models import ModelLoadError, load_model, prepare_model
 from kvfold.pipeline import CompressedContext, _eos_ids, prefill_ids
 
