@@ -108,23 +108,30 @@ def test_theorem3_holds_for_many_entries_into_several_carriers_at_once():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_theorem2_a_convex_merge_without_votes_lowers_the_pairs_attention(seed):
+def test_theorem2_the_convex_key_without_votes_sags_and_eq7_with_votes_does_not(seed):
+    """Theorem 2 on kvfold's own merge: ``zip_merge`` with the convex key (``scale_key=False``, the
+    authors' code) and the votes dropped gives the merged entry less attention than the pair had
+    (attention sag); eq. 7's key with the votes gives it exactly the pair's attention (Theorem 3)."""
     keys, values, _, q = random_cache(seed)
     scaling = 8**-0.5
-    e, c = 2, 6
-    w = torch.rand(2, 3, 1, generator=torch.Generator().manual_seed(seed), dtype=F64).clamp(0.05, 0.95)
-    k_r = w * keys[:, :, e] + (1 - w) * keys[:, :, c]  # eq. 5: w_e + w_c = 1, no votes
-    v_r = w * values[:, :, e] + (1 - w) * values[:, :, c]
-    kept = [i for i in range(12) if i not in (e, c)]
-    new_keys = torch.cat([keys[:, :, kept], k_r[:, :, None]], dim=2)
-    new_values = torch.cat([values[:, :, kept], v_r[:, :, None]], dim=2)
-    attn = torch.softmax(torch.einsum("bhd,bhnd->bhn", q, keys) * scaling, -1)
-    attn_new = torch.softmax(torch.einsum("bhd,bhnd->bhn", q, new_keys) * scaling, -1)
-    assert bool((attn_new[..., -1] < attn[..., e] + attn[..., c]).all())  # A_r < A_e + A_c: attention sag
     zero = torch.zeros(2, 3, 12, dtype=F64)
+    log_s = torch.einsum("bhd,bhnd->bhn", q, keys) * scaling
+    e, c = 2, 6
+    merge = torch.zeros(log_s.shape, dtype=torch.bool)
+    merge[..., e] = True
+    targets = torch.full(log_s.shape, c)
+    kept = [i for i in range(12) if i != e]
+    attn = torch.softmax(log_s, -1)
+    pair = attn[..., e] + attn[..., c]
+    convex = zip_merge(keys, values, zero, log_s, targets, merge, eps=0.0, scale_key=False)
+    assert bool(convex.fallback[..., c].all())  # every carrier took the convex key
+    sagged = torch.softmax(torch.einsum("bhd,bhnd->bhn", q, convex.keys[:, :, kept]) * scaling, -1)
+    assert bool((sagged[..., kept.index(c)] < pair).all())  # A_r < A_e + A_c: attention sag
     before = attend(q, keys, values, zero, scaling)
-    after = attend(q, new_keys, new_values, zero[..., :11], scaling)
-    assert rel(after, before) > 1e-6
+    assert rel(attend(q, convex.keys[:, :, kept], convex.values[:, :, kept], zero[..., kept], scaling), before) > 1e-6
+    exact = zip_merge(keys, values, zero, log_s, targets, merge, eps=0.0)
+    logits = torch.einsum("bhd,bhnd->bhn", q, exact.keys[:, :, kept]) * scaling + exact.log_votes[:, :, kept]
+    torch.testing.assert_close(torch.softmax(logits, -1)[..., kept.index(c)], pair, rtol=1e-10, atol=1e-12)
 
 
 def test_the_key_falls_back_to_a_convex_merge_when_the_denominator_vanishes():
@@ -380,6 +387,7 @@ def test_theorem3_end_to_end_the_last_context_query_sees_the_same_output(order):
     model = mha64()
     pre = prefilled(model, TEXTS[:1])
     small = pre.compress(f"h2o+keepkv[window=1,threshold=-1,evict_first={order},max_scale=inf]", 0.3)
+    evicted = pre.compress("h2o", 0.3)
     stats = small.report["keepkv"]
     assert stats["merged"] > 0 and stats["evicted"] == 0 and stats["fallbacks"] == 0
     for layer_idx, layer in small.cache.folded_layers:
@@ -391,6 +399,10 @@ def test_theorem3_end_to_end_the_last_context_query_sees_the_same_output(order):
         keys, values, beta, _ = layer.padded()
         assert keys.shape[2] < full.physical_length
         assert rel(attend(q, keys, values, beta, scaling), before) <= 1e-10
+        # its own eviction (the same selection, the evicted entries dropped) changes that output
+        keys, values, beta, _ = evicted.cache.layers[layer_idx].padded()
+        assert keys.shape[2] == layer.physical_length
+        assert rel(attend(q, keys, values, beta, scaling), before) > 1e-3
 
 
 def test_votes_are_conserved_on_a_padded_batch():
@@ -456,6 +468,7 @@ def test_online_merging_keeps_the_budget_and_the_votes(spec):
     model = kvfold.enable(make_tiny_model("mistral"))
     state = online_run(model, spec, 0.3, steps=6)
     assert state.merged + state.evicted >= (3 + 5) * 2  # every new token removed one entry per row
+    assert state.merged > 0  # some victims were merged into a carrier, not dropped
 
 
 def test_online_theorem3_with_the_current_step_scores():
@@ -494,19 +507,32 @@ def test_every_family_runs_keepkv_on_a_padded_batch_and_generates(family):
     pre = prefilled(model, TEXTS, methods="keepkv")
     for spec in ("keepkv", "snapkv+keepkv"):
         small = pre.compress(spec, 0.3)
-        answers = small.generate("q?", max_new_tokens=4)
-        assert len(answers) == 2 and all(a.new_tokens == 4 for a in answers)
+        carriers = 0
         for _, layer in small.cache.folded_layers:
             keys, values, beta, _ = layer.padded()
             assert layer.physical_length < pre.input_ids.shape[1]
             ok = torch.isfinite(beta)
             assert bool(torch.isfinite(keys[ok]).all()) and bool(torch.isfinite(values[ok]).all())
+            carriers += int((beta[ok] > 1e-6).sum())  # entries holding more than one vote
+        assert small.report["keepkv"]["merged"] > 0 and carriers > 0  # the folder merged, not only evicted
+        answers = small.generate("q?", max_new_tokens=4)
+        assert len(answers) == 2 and all(a.new_tokens == 4 for a in answers)
 
 
 def test_specs_defaults_and_errors():
     method = build_method("keepkv")
     assert method.selector.name == "h2o_cosine" and method.folder.name == "keepkv"
-    assert (method.selector.recent_ratio, method.selector.sinks) == (0.8, 4)
+    assert (method.selector.split, method.selector.recent_share, method.selector.layer_ratio) == (
+        "authors_code",
+        0.2,
+        0.84,
+    )
+    assert method.selector.sinks == 4 and (method.folder.eq7_scaling, method.folder.max_scale) == (True, 2.0)
+    text = build_method("h2o_cosine[split=paper_text]").selector
+    assert (text.recent_share, text.layer_ratio) == (0.8, 0.2)
+    assert build_method("h2o_cosine[split=paper_text,recent_ratio=0.5]").selector.recent_share == 0.5
+    with pytest.raises(SpecError, match="split must be one of"):
+        build_method("h2o_cosine[split=reversed]")
     assert (method.folder.threshold, method.folder.evict_first) == (0.8, False)
     assert build_method("keepkv[threshold=0.9]").folder.threshold == 0.9
     assert build_method("pyramidkv+keepkv[window=16]").query_window == 32  # pyramidkv's own window
@@ -533,6 +559,38 @@ def test_h2o_cosine_budgets_decay_with_depth_and_average_the_budget():
     lengths = [layer.physical_length for _, layer in small.cache.folded_layers]
     assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
     assert sum(lengths) == 4 * math.ceil(0.3 * pre.input_ids.shape[1])
+
+
+@pytest.mark.parametrize("split", ["authors_code", "paper_text"])
+def test_h2o_cosine_splits_the_budget_as_each_reading_says(split):
+    """``authors_code``: one recent window in every layer, 0.2 of the first layer's budget, layers
+    shrinking to ~0.84; ``paper_text``: recent 80% of each layer's budget, layers shrinking to ~0.2."""
+    model = kvfold.enable(make_tiny_model("llama", num_hidden_layers=6))
+    tok = _CharTokenizer()
+    pre = kvfold.prefill(model, tok, ["a fairly long context for the budgets. " * 12], use_chat_template=False)
+    method = build_method(f"h2o_cosine[split={split}]").selector
+    ctx = CompressionContext(model=model, cache=pre.cache.copy(), input_ids=pre.input_ids,
+                             attention_mask=pre.attention_mask, budget=Budget.parse(0.5))  # fmt: skip
+    budgets = [int(b[0]) for b in method.layer_budgets(ctx)]
+    windows = [int(w[0]) for w in method.recent_windows(ctx)]
+    ratio = budgets[-1] / budgets[0]
+    if split == "authors_code":
+        assert 0.8 <= ratio <= 0.9
+        assert windows == [int(0.2 * budgets[0])] * 6
+        assert all(b - w - 4 > 0.7 * b for b, w in zip(budgets, windows, strict=True))  # heavy hitters ≥ 70%
+    else:
+        assert 0.15 <= ratio <= 0.3
+        assert windows == [int(0.8 * b) for b in budgets]
+    kept = pre.compress(f"h2o_cosine[split={split}]", 0.5)
+    assert [layer.physical_length for _, layer in kept.cache.folded_layers] == budgets
+
+
+def test_eq7_scaling_false_keeps_the_convex_key_everywhere():
+    model = mha64()
+    pre = prefilled(model, TEXTS[:1])
+    small = pre.compress("h2o+keepkv[window=1,threshold=-1,eq7_scaling=false]", 0.3)
+    stats = small.report["keepkv"]
+    assert stats["merged"] > 0 and stats["fallbacks"] == stats["receivers"] > 0
 
 
 def test_a_cache_without_captured_queries_is_an_error():

@@ -213,7 +213,7 @@ class LayerBatchedDecode:
         pair_score = st["log_sum"].gather(3, pair) - pair_weight.log()
         key, value, log_p, log_s, exact = zip_merge_pair(
             pair_k.flatten(0, 1), pair_v.flatten(0, 1), pair_beta.flatten(0, 1), pair_score.flatten(0, 1),
-            folder.eps, folder.max_scale,
+            folder.eps, folder.max_scale, folder.eq7_scaling,
         )  # fmt: skip
         key = key.view(count, batch, heads, 1, dim).to(pair_k.dtype)
         value = value.view(count, batch, heads, 1, dim_v).to(pair_v.dtype)

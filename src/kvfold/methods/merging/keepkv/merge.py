@@ -56,6 +56,7 @@ def zip_merge(
     merge: Tensor,
     eps: float = 1e-3,
     max_scale: float = math.inf,
+    scale_key: bool = True,
 ) -> ZipMerge:
     """ZIP-merge entries into carriers (eq. 7; several at once by eq. 25 of Appendix A.3).
 
@@ -78,6 +79,8 @@ def zip_merge(
         merge: ``(B, H, N)`` bool, entries merged away (their slots keep stale content).
         eps: relative tolerance of the key formula's denominator.
         max_scale: largest factor the key may be scaled by (``inf``: no bound, not even on the sign).
+        scale_key: False: never scale the key, ``k_r = k̄`` for every carrier (what the authors'
+            code does; the merge is then exact for the scoring query only when the keys agree).
 
     Returns:
         A :class:`ZipMerge`.
@@ -112,6 +115,8 @@ def zip_merge(
     exact = (mu.abs() > eps * spread) & torch.isfinite(scale)
     if math.isfinite(max_scale):
         exact = exact & (scale >= 1.0 / max_scale) & (scale <= max_scale)
+    if not scale_key:
+        exact = torch.zeros_like(exact)
     merged_key = torch.where(exact[..., None], scale[..., None] * key_mean, key_mean)  # eq. 7 / fallback
     at = receivers[..., None]
     return ZipMerge(
@@ -131,6 +136,7 @@ def zip_merge_pair(
     log_scores: Tensor,
     eps: float = 1e-3,
     max_scale: float = math.inf,
+    scale_key: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """:func:`zip_merge` of one entry into one carrier (eq. 7, a decode step's victim), row by row,
     without the group maps: with two entries every weighted mean of eq. 7 is one ``lerp`` by the
@@ -140,7 +146,7 @@ def zip_merge_pair(
     Args:
         keys, values: ``(B, H, 2, D)``: the absorbed entry (index 0) and its carrier (index 1).
         log_votes, log_scores: ``(B, H, 2)`` ``log p`` and ``log ŝ`` of the pair.
-        eps, max_scale: as in :func:`zip_merge`.
+        eps, max_scale, scale_key: as in :func:`zip_merge`.
 
     Returns:
         The merged entry of every row: ``key (B, H, 1, D)``, ``value (B, H, 1, D)``,
@@ -168,6 +174,8 @@ def zip_merge_pair(
         exact = exact & (scale.clamp(1.0 / max_scale, max_scale) == scale)
     else:
         exact = exact & torch.isfinite(scale)
+    if not scale_key:
+        exact = torch.zeros_like(exact)
     merged_key = torch.where(exact, scale * key_mean, key_mean)  # eq. 7 / fallback
     return merged_key, value_mean, log_p_r, log_s_r, exact.squeeze(-1)
 

@@ -16,6 +16,7 @@ from kvfold.methods.core.budgets import cosine_layer_budgets
 from kvfold.methods.core.folding import FoldSite, MergingFolder
 from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.spec import SpecError
+from kvfold.methods.eviction.common import first_valid, last_valid
 from kvfold.methods.eviction.h2o import H2O, H2OOnline
 from kvfold.methods.merging.keepkv import PAPER
 from kvfold.methods.merging.keepkv.merge import _kept_mask, _merged_weight, best_match, merge_first_keep, zip_merge
@@ -34,7 +35,8 @@ class KeepKV(MergingFolder):
     """KeepKV folding (Tian et al. 2025, §3.3, Algorithm 1; see the module docstring).
 
     ``SELECTOR+keepkv`` merges what any selector evicts; ``keepkv`` alone runs on the paper's
-    default selector ``h2o_cosine`` (H2O scores, cosine layer budgets, 4 sinks, recent:heavy 4:1).
+    default selector ``h2o_cosine`` (H2O scores, cosine layer budgets, 4 sinks; its ``split``
+    option chooses between the two readings of Appendix B, see :class:`H2OCosine`).
 
     Parameters:
         threshold: cosine similarity ``T`` above which an evicted entry is merged (0.8).
@@ -42,8 +44,12 @@ class KeepKV(MergingFolder):
         alpha: EMA decay ``α`` (0.9; the paper gives none).
         evict_first: prefill order; False = merge-before-evict (Appendix B, Table 3's better one).
         eps: relative tolerance below which the key formula's denominator counts as zero.
+        eq7_scaling: scale the merged key by eq. 7's ``γ`` so the scoring query's output is unchanged
+            (True, the paper); False = the convex key ``k̄ = Σ w_i k_i / Σ w_i`` for every carrier,
+            which is what the authors' code (``modify_llama_oursk.py``) does.
         max_scale: the exact key ``γ k̄`` falls back to ``k̄`` when ``γ ∉ [1/max_scale, max_scale]``
-            (2; ``inf`` = the literal eq. 7, only guarded at its pole).
+            (2, ours: neither the paper nor the authors' code has this bound; ``inf`` = the
+            literal eq. 7, only guarded at its pole).
         online: also merge during decoding when the selector evicts online (h2o, streamingllm, …).
     """
 
@@ -57,6 +63,7 @@ class KeepKV(MergingFolder):
     alpha: float = 0.9
     evict_first: bool = False
     eps: float = 1e-3
+    eq7_scaling: bool = True
     max_scale: float = 2.0
     online: bool = True
     selector_spec: ClassVar[str] = "h2o_cosine"
@@ -107,7 +114,7 @@ class KeepKV(MergingFolder):
         merge = evicted & (sim > self.threshold) & torch.isfinite(log_score)
         targets = torch.gather(keep, 2, choice)
         beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
-        merged = zip_merge(keys, values, beta, log_score, targets, merge, self.eps, self.max_scale)
+        merged = zip_merge(keys, values, beta, log_score, targets, merge, self.eps, self.max_scale, self.eq7_scaling)
         weight = _merged_weight(weight, targets, merge, merged.receivers)
         idx = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         layer.replace(
@@ -160,31 +167,85 @@ class H2OCosine(H2O):
     """H2O scores with PyramidInfer-style cosine layer budgets: KeepKV's default selection
     (Tian et al. 2025, Appendix B.3; Zhang et al. 2023, H2O; Yang et al. 2024, PyramidInfer).
 
-    Accumulated attention (H2O) picks the heavy hitters; each layer keeps a recent window of
-    ``recent_ratio`` of its budget (recent:heavy = 4:1, the paper's 4:1–5:1) and the first
-    ``sinks`` tokens; layer budgets decay with depth along half a cosine
+    Accumulated attention (H2O) picks the heavy hitters; each layer keeps a recent window and the
+    first ``sinks`` tokens; layer budgets decay with depth along half a cosine
     (:func:`kvfold.methods.core.budgets.cosine_layer_budgets`, last/first ≈ ``min_ratio``), with the
     mean over layers equal to the budget. Online, each layer keeps its own budget and window.
 
+    Appendix B says KeepKV uses PyramidInfer's open-source defaults and words the split as
+    "recent window : heavy hitter between 5:1 and 4:1"; the authors' code it cites (``run_helm.py``:
+    PyramidInfer recent ratio 0.2, cosine decay ratio 0.8) does the reverse. ``split`` picks one:
+
+    - ``authors_code`` (default): the recent window is 0.2 of the first layer's budget, the same
+      count in every layer (so heavy hitters get ~80% of the budget); only the heavy share decays,
+      to 0.8 of itself at the last layer, so the layer budgets go from 1 to ``0.2 + 0.8 · 0.8 = 0.84``
+      (our cosine runs over ``l/(L−1)``, the code's over ``l/L``: the last layer gets slightly less).
+    - ``paper_text``: the sentence read literally: recent 80% : heavy 20% of each layer's budget,
+      layer budgets shrinking to 0.2 of the first layer's.
+
     Parameters:
-        recent_ratio: share of a layer's budget kept for the most recent tokens (0.8).
+        split: ``authors_code`` or ``paper_text`` (above); sets the defaults of the next two.
+        recent_ratio: recent share (``authors_code``: of the first layer's budget, 0.2;
+            ``paper_text``: of each layer's budget, 0.8). None = the split's.
         sinks: first tokens always kept (4).
-        min_ratio: last-layer / first-layer budget of the cosine schedule (0.2).
+        min_ratio: last-layer / first-layer budget of the cosine schedule (0.84 / 0.2 by split).
+            None = the split's.
         online: keep the budgets during decoding too.
     """
 
     name: ClassVar[str] = "h2o_cosine"
-    description: ClassVar[str] = "H2O scores, cosine layer budgets, 4 sinks, recent:heavy 4:1 (KeepKV default)"
+    description: ClassVar[str] = (
+        "H2O scores, cosine layer budgets, 4 sinks; split=authors_code (recent 0.2, layers to 0.84) or paper_text"
+    )
     paper: ClassVar[str] = PAPER + " (App. B.3); Zhang et al. 2023, H2O; Yang et al. 2024, PyramidInfer"
-    recent_ratio: float = 0.8
+    SPLITS: ClassVar[dict[str, tuple[float, float]]] = {"authors_code": (0.2, 0.84), "paper_text": (0.8, 0.2)}
+    """split → (recent_ratio, min_ratio)."""
+    recent_ratio: float | None = None
     sinks: int = 4
-    min_ratio: float = 0.2
+    min_ratio: float | None = None
     online: bool = True
+    split: str = "authors_code"
 
     def validate(self) -> None:
-        super().validate()
-        if not 0.0 < self.min_ratio <= 1.0:
-            raise SpecError(f"h2o_cosine: min_ratio must be in (0, 1]; got {self.min_ratio}")
+        if self.split not in self.SPLITS:
+            raise SpecError(f"h2o_cosine: split must be one of {', '.join(self.SPLITS)}; got {self.split!r}")
+        if not 0.0 <= self.recent_share <= 1.0:
+            raise SpecError(f"h2o_cosine: recent_ratio must be in [0, 1]; got {self.recent_share}")
+        if self.sinks < 0:
+            raise SpecError(f"h2o_cosine: sinks must be ≥ 0; got {self.sinks}")
+        if not 0.0 < self.layer_ratio <= 1.0:
+            raise SpecError(f"h2o_cosine: min_ratio must be in (0, 1]; got {self.layer_ratio}")
+
+    @property
+    def recent_share(self) -> float:
+        """``recent_ratio``, or the split's."""
+        return self.SPLITS[self.split][0] if self.recent_ratio is None else self.recent_ratio
+
+    @property
+    def layer_ratio(self) -> float:
+        """``min_ratio``, or the split's."""
+        return self.SPLITS[self.split][1] if self.min_ratio is None else self.min_ratio
+
+    def recent_counts(self, budget: Tensor) -> Tensor:
+        """Recent tokens kept out of a budget: ``⌊recent_share · budget⌋``."""
+        return torch.floor(budget.double() * self.recent_share).long()
+
+    def recent_windows(self, ctx: CompressionContext) -> list[Tensor]:
+        """Recent tokens kept per layer, ``(B,)`` each: ``paper_text`` a share of the layer's own
+        budget; ``authors_code`` a share of the largest layer budget, the same in every layer
+        (never more than the layer's budget less its sinks)."""
+        budgets = self.layer_budgets(ctx)
+        if self.split == "paper_text":
+            return [self.recent_counts(b) for b in budgets]
+        folded = [i for i, _ in ctx.cache.folded_layers]
+        top = torch.stack([budgets[i] for i in folded]).amax(0) if folded else ctx.row_budgets
+        window = self.recent_counts(top)
+        return [torch.minimum(window, (b - self.sinks).clamp_min(0)) for b in budgets]
+
+    def protected(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
+        valid = layer.valid_mask()
+        recent = self.recent_windows(ctx)[layer_idx]
+        return last_valid(valid, recent) | first_valid(valid, self.sinks)
 
     def layer_budgets(self, ctx: CompressionContext) -> list[Tensor]:
         memo = ctx.memo.get("h2o_cosine_budgets")
@@ -194,7 +255,7 @@ class H2OCosine(H2O):
         budgets = [ctx.row_budgets.clone() for _ in range(ctx.num_layers)]
         rows = zip(ctx.row_budgets.tolist(), ctx.context_lengths.tolist(), strict=True)
         per_row = [  # one schedule per batch row, (L_folded,) each
-            cosine_layer_budgets(avg, len(folded), self.min_ratio, context_tokens=n, min_budget=self.sinks + 1)
+            cosine_layer_budgets(avg, len(folded), self.layer_ratio, context_tokens=n, min_budget=self.sinks + 1)
             for avg, n in rows
         ]
         table = torch.tensor(per_row, dtype=torch.long).T  # (L_folded, B)
@@ -207,9 +268,10 @@ class H2OCosine(H2O):
         if not self.online:
             return None
         budgets = self.layer_budgets(ctx)
+        windows = self.recent_windows(ctx)
         policies = {}
         for layer_idx, _ in ctx.cache.folded_layers:
             limit = int(budgets[layer_idx].max())
-            recent = int(self.recent_counts(torch.tensor(limit)))
+            recent = int(windows[layer_idx].max())
             policies[layer_idx] = H2OOnline({layer_idx: limit}, recent=recent, sinks=self.sinks)
         return LayerPolicies(policies)

@@ -33,6 +33,7 @@ class MergeOptions(Protocol):
     alpha: float
     eps: float
     max_scale: float
+    eq7_scaling: bool
     threshold: float
     window: int
 
@@ -232,7 +233,10 @@ class KeepKVOnline:
         target_map = slots.scatter(2, victims, torch.where(goes, targets, victims))
         merge = torch.zeros_like(valid).scatter_(2, victims, goes)
         log_score = log_scores_of(log_sum, weight)
-        merged = zip_merge(keys, values, beta, log_score, target_map, merge, self.folder.eps, self.folder.max_scale)
+        merged = zip_merge(
+            keys, values, beta, log_score, target_map, merge, self.folder.eps, self.folder.max_scale,
+            self.folder.eq7_scaling,
+        )  # fmt: skip
         new_weight = _merged_weight(weight, target_map, merge, merged.receivers)
         at = merged.receivers
         for buffer, new in (
@@ -283,7 +287,7 @@ class KeepKVOnline:
         pair_weight = weight.gather(2, pair)
         pair_score = log_sum.gather(2, pair) - pair_weight.log()  # log ŝ (log_scores_of, every weight > 0)
         key, value, log_p, log_s, exact = zip_merge_pair(
-            pair_k, pair_v, pair_beta, pair_score, self.folder.eps, self.folder.max_scale
+            pair_k, pair_v, pair_beta, pair_score, self.folder.eps, self.folder.max_scale, self.folder.eq7_scaling
         )
         new_weight = pair_weight.amax(-1, keepdim=True)  # the EMA weight of the group: its largest
         slot = torch.where(goes, target, victim)

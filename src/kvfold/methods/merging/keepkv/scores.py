@@ -113,9 +113,7 @@ def step_log_scores(
     return logits.reshape(batch, num_q, q_len, length)
 
 
-def ema_step(
-    log_sum: Tensor, weight: Tensor, log_s: Tensor, first_new: int, alpha: float
-) -> tuple[Tensor, Tensor]:
+def ema_step(log_sum: Tensor, weight: Tensor, log_s: Tensor, first_new: int, alpha: float) -> tuple[Tensor, Tensor]:
     """Fold this forward's ``q`` queries into the EMA (eq. 8, ``t > L``): ``S ← α S + (1 − α) s``.
 
     Args:
