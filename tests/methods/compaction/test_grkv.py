@@ -93,6 +93,7 @@ def test_more_steps_never_raise_the_objective():
     one = grkv_merge(q, k0, v0, bias, free, target, scaling, steps=1, solver="exact")
     three = grkv_merge(q, k0, v0, bias, free, target, scaling, steps=3, solver="exact")
     assert bool((three.objective <= one.objective + 1e-12).all())
+    assert bool((one.objective < 0.9 * one.objective_base).any())  # the first step moved
 
 
 # ---------------------------------------------------------------------------- key step
@@ -123,9 +124,7 @@ def test_key_step_cg_matches_the_exact_dual_solve():
     q, k0, v0, bias, free, target, scaling = _problem(seed=6, rows=6, c=10, dim=6)
     k_t = k0 + 0.1 * torch.randn(k0.shape, generator=torch.Generator().manual_seed(7), dtype=F64) * free[..., None]
     exact, _ = key_step(q, k_t, k0, v0, bias, free, target, scaling, 1e-2, solver="exact")
-    cg, residual = key_step(
-        q, k_t, k0, v0, bias, free, target, scaling, 1e-2, solver="cg", cg_iters=150, cg_tol=1e-13
-    )
+    cg, residual = key_step(q, k_t, k0, v0, bias, free, target, scaling, 1e-2, solver="cg", cg_iters=150, cg_tol=1e-13)
     assert float(residual.max()) < 1e-10
     torch.testing.assert_close(cg, exact, rtol=1e-7, atol=1e-9)
     # the dual solution solves the primal normal equations (eq. 37): (JᵀJ + λI) z = Jᵀ(e + J g)
@@ -194,6 +193,45 @@ def test_fixed_tokens_are_bit_identical_and_lambda_infinity_is_the_eviction():
     assert sum(r["heads"] - r["base"] for r in report.values()) > 0
 
 
+def _window_error(full, small, layer_idx: int, positions: torch.Tensor) -> float:
+    """‖Y − A_win V‖² of the last prefill queries (eq. 4) on a compressed layer, causal by position."""
+    layer = full.cache.layers[layer_idx]
+    queries = layer.captured_queries.double()  # (B, H_q, W, D)
+    keys, values, beta, _ = layer.padded()
+    width, groups = queries.shape[2], queries.shape[1] // keys.shape[1]
+    n = keys.shape[2]
+    scaling = full.model.model.layers[layer_idx].self_attn.scaling
+
+    def output(k, v, b, pos):
+        k, v = (t.double().repeat_interleave(groups, dim=1) for t in (k, v))
+        b = b.double().repeat_interleave(groups, dim=1)[:, :, None, :]
+        seen = pos.repeat_interleave(groups, dim=1)[:, :, None, :] <= (n - width + torch.arange(width))[:, None]
+        logits = (queries @ k.mT * scaling + b).masked_fill(~seen, -torch.inf)
+        return torch.softmax(logits, -1) @ v
+
+    target = output(keys, values, beta, torch.arange(n).expand(*keys.shape[:3]))
+    k, v, b, _ = small.cache.layers[layer_idx].padded()
+    return float((output(k, v, b, positions) - target).square().sum())
+
+
+def test_the_merge_lowers_the_window_error_of_its_own_eviction():
+    """GRKV fits the kept entries to the window queries' full-cache output (eq. 4): on every layer
+    its error is at most the eviction's (the safeguard), and lower in all (the merge moved)."""
+    prefilled, _ = _prefill()
+    base = prefilled.compress("snapkv", 0.3)
+    merged = prefilled.compress("snapkv+grkv", 0.3)
+    full_keys = {i: layer.padded()[0] for i, layer in prefilled.cache.folded_layers}
+    total_base = total_merged = 0.0
+    for layer_idx, layer in base.cache.folded_layers:
+        k0 = layer.padded()[0]  # snapkv keeps entries unchanged: their positions by key
+        positions = ((k0[:, :, :, None, :] == full_keys[layer_idx][:, :, None, :, :]).all(-1)).double().argmax(-1)
+        evicted = _window_error(prefilled, base, layer_idx, positions)
+        folded = _window_error(prefilled, merged, layer_idx, positions)
+        assert folded <= evicted * (1 + 1e-4) + 1e-9
+        total_base, total_merged = total_base + evicted, total_merged + folded
+    assert total_merged < 0.9 * total_base
+
+
 def test_runs_on_every_family_with_a_left_padded_batch(tiny_family):
     contexts = [CONTEXT, "a much shorter context, which the batch pads on the left side"]
     prefilled, _ = _prefill(tiny_family, contexts)
@@ -237,6 +275,7 @@ def test_per_head_budgets_and_other_pairings():
         assert torch.equal(other.row_lengths(), lengths) and torch.equal(other.padded()[2], beta0)
     assert paged > 0  # rows of different lengths are stored paged, GRKV keeps them so
     assert merged.kv_bytes == ada.kv_bytes
+    assert sum(r["heads"] - r["base"] for r in merged.report["grkv"].values()) > 0  # some heads merged
     assert merged.generate("ok?", max_new_tokens=2, use_chat_template=False)[0].new_tokens == 2
     for spec in ("pyramidkv+grkv", "criticalkv:snapkv+grkv", "h2o+grkv", "streamingllm+grkv[steps=2,solver=cg]"):
         compressed = prefilled.compress(spec, 0.3)
@@ -251,3 +290,4 @@ def test_half_precision_model_stays_finite():
         k, v, beta, _ = layer.padded()
         assert k.dtype == torch.bfloat16 and bool(torch.isfinite(k).all() and torch.isfinite(v).all())
     assert all(r["objective"] <= r["objective_base"] for r in merged.report["grkv"].values())
+    assert sum(r["heads"] - r["base"] for r in merged.report["grkv"].values()) > 0  # some heads merged

@@ -350,6 +350,8 @@ def test_theorem1_prefill_uncompressed_tokens_never_lose_attention(alpha):
     valid[:] = True
     splits = BudgetSplit(*(torch.full((4,), x) for x in (6, 8, 3)))
     res = residual_stream(keys * 2.0, values, scores, valid, splits, "merge")
+    # the theorem is about merged entries: every token left out sits in a residual slot
+    assert res.counts.sum(-1).tolist() == (60 - res.kept.sum(-1)).double().tolist() == [46.0] * 4
     g = torch.Generator().manual_seed(0)
     for r in range(4):
         kept = torch.nonzero(res.kept[r]).flatten()
@@ -396,6 +398,9 @@ def test_theorem1_online_at_every_step():
     def check(seen: int) -> None:
         view = policy.slots(0, layer)
         k_cache, _, log_mass = layer.dense_buffers()
+        # α = 1: Σ w = exp β over the cache is every token seen (the evicted ones are merged, not dropped)
+        total = torch.where(view["valid"], log_mass.double().exp(), 0.0).sum(-1)
+        torch.testing.assert_close(total, torch.full_like(total, float(seen)))
         for h in range(2):
             valid = view["valid"][0, h]
             plain = valid & (view["position"][0, h] >= 0)
