@@ -40,7 +40,10 @@ def _decode(model, pre, compressed, batched: bool, tokens: list[list[int]]):
     return cache, policy, steps
 
 
-@pytest.mark.parametrize(("family", "spec"), [("llama", "zsmerge"), ("qwen2", "zsmerge[residual=3,alpha=0.6]")])
+@pytest.mark.parametrize(
+    ("family", "spec"),
+    [("llama", "zsmerge"), ("qwen2", "zsmerge[residual=3,alpha=0.6]"), ("llama", "zsmerge[residual=3,slot_metric=l2]")],
+)
 def test_the_batched_step_leaves_the_cache_of_the_per_layer_step(family, spec):
     model = kvfold.enable(make_tiny_model(family, num_hidden_layers=3))
     pre = kvfold.prefill(model, _CharTokenizer(), TEXTS, use_chat_template=False, methods=spec)

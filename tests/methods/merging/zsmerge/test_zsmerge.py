@@ -40,8 +40,8 @@ CONTEXT = "the quick brown fox jumps over the lazy dog while seven wizards quiet
 class Algorithm1:
     """Algorithm 1 of the paper for one KV head, written with Python lists, one token at a time."""
 
-    def __init__(self, b_p: int, b_c: int, b_r: int, decay: float = 0.98) -> None:
-        self.b_p, self.b_c, self.b_r, self.decay = b_p, b_c, b_r, decay
+    def __init__(self, b_p: int, b_c: int, b_r: int, decay: float = 0.98, metric: str = "dot") -> None:
+        self.b_p, self.b_c, self.b_r, self.decay, self.metric = b_p, b_c, b_r, decay, metric
         self.proximity: list[int] = []
         self.context: list[int] = []
         self.residual: list[list] = []  # [k, v, w, members]
@@ -65,8 +65,11 @@ class Algorithm1:
                 if len(self.residual) + 1 <= self.b_r:  # lines 12–13
                     self.residual.append([k_c.clone(), v_c.clone(), 1, [victim]])
                 elif self.b_r > 0:  # line 15: eq. 6 then eq. 7
-                    dots = [float(slot[0] @ k_c) for slot in self.residual]
-                    slot = self.residual[dots.index(max(dots))]
+                    if self.metric == "dot":  # eq. 6
+                        near = [float(slot[0] @ k_c) for slot in self.residual]
+                    else:  # the nearest slot key
+                        near = [-float((slot[0] - k_c).square().sum()) for slot in self.residual]
+                    slot = self.residual[near.index(max(near))]
                     w = slot[2]
                     slot[0] = (w * slot[0] + k_c) / (w + 1)
                     slot[1] = (w * slot[1] + v_c) / (w + 1)
@@ -124,14 +127,15 @@ def test_prefill_scores_are_eq5_over_the_window():
     [(5, 7, 3), (0, 6, 2), (4, 0, 2), (3, 9, 0), (2, 3, 40), (30, 30, 30)],
     ids=["typical", "no-proximity", "no-context", "eviction", "slots-unfilled", "nothing-evicted"],
 )
-def test_prefill_stream_equals_sequential_algorithm1(split):
+@pytest.mark.parametrize("metric", ["dot", "l2"])
+def test_prefill_stream_equals_sequential_algorithm1(split, metric):
     """The vectorized stream == Algorithm 1 run token by token with the end-of-prefill scores."""
     b_p, b_c, b_r = split
     keys, values, scores, valid = _prompt(sum(split), rows=5, n=40)
     splits = BudgetSplit(*(torch.full((5,), x) for x in split))
-    got = residual_stream(keys, values, scores, valid, splits, "merge")
+    got = residual_stream(keys, values, scores, valid, splits, "merge", metric)
     for r in range(5):
-        ref = Algorithm1(b_p, b_c, b_r)
+        ref = Algorithm1(b_p, b_c, b_r, metric=metric)
         ref.s = {t: float(scores[r, t]) for t in range(40)}
         for t in torch.nonzero(valid[r]).flatten().tolist():
             ref.step(t, keys[r, t], values[r, t], None)
@@ -293,15 +297,18 @@ def _drive(
         ([1, 30] + [1] * 3 + [70] + [5] + [1] * 2, 0.0, 2),  # s = a ∈ {0, 1/8, 1/4}: ties, the newest goes
     ],
 )
-def test_online_equals_sequential_algorithm1(steps, decay, levels):
+@pytest.mark.parametrize("metric", ["dot", "l2"])
+def test_online_equals_sequential_algorithm1(steps, decay, levels, metric):
     """Decode steps and chunks, GQA (2 query heads per KV head), two batch rows with different
     budgets: the policy's slots == Algorithm 1 run token by token with the same attention."""
     budgets = torch.tensor([12, 9])
     split = split_budget(budgets, 0.4, 3)
-    policy = ZSMergeOnline(budgets, split, {0: None}, alpha=0.6, decay=decay)
+    policy = ZSMergeOnline(budgets, split, {0: None}, alpha=0.6, decay=decay, slot_metric=metric)
     layer, table, keys, values, run = _drive(policy, steps, batch=2, heads_q=4, heads=2, dim=5, seed=11, levels=levels)
     refs = {
-        (b, h): Algorithm1(int(split.proximity[b]), int(split.context[b]), int(split.residual[b]), decay=decay)
+        (b, h): Algorithm1(
+            int(split.proximity[b]), int(split.context[b]), int(split.residual[b]), decay=decay, metric=metric
+        )
         for b in range(2)
         for h in range(2)
     }
@@ -362,6 +369,22 @@ def test_theorem1_prefill_uncompressed_tokens_never_lose_attention(alpha):
             full = _attention(q, keys[r] * 2.0)[kept]
             ours = _attention(q, compressed, beta)[: len(kept)]
             assert bool((ours >= full * (1 - 1e-12)).all())
+
+
+def test_l2_joins_the_nearest_slot_where_the_dot_product_joins_the_longest_key():
+    """Two open slots, keys (10, 0) and (1, 0.1); a victim (1, 0) has the larger dot product with
+    the first (eq. 6) and is nearer the second (``l2``)."""
+    keys = torch.tensor([[[0.0, 0.0, 1.0], [10.0, 0.0, 0.0], [1.0, 0.1, 0.0], [1.0, 0.0, 0.0]]], dtype=F64)
+    scores = torch.tensor([[100.0, 0.3, 0.2, 0.1]], dtype=F64)
+    split = BudgetSplit(torch.tensor([0]), torch.tensor([1]), torch.tensor([2]))
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    dot = residual_stream(keys, keys, scores, valid, split, "merge", "dot")
+    l2 = residual_stream(keys, keys, scores, valid, split, "merge", "l2")
+    assert dot.counts[0].tolist() == [2.0, 1.0] and l2.counts[0].tolist() == [1.0, 2.0]
+    torch.testing.assert_close(l2.keys[0, 1], torch.tensor([1.0, 0.05, 0.0], dtype=F64))
+    assert build_method("zsmerge[slot_metric=l2]").selector.slot_metric == "l2"
+    with pytest.raises(SpecError, match="slot_metric"):
+        build_method("zsmerge[slot_metric=cos]")
 
 
 def test_theorem1_needs_alpha_at_most_one():

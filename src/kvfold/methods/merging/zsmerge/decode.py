@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kvfold.cache import NEG_INF
+from kvfold.methods.merging.zsmerge.merge import slot_affinity
 
 Tensor = torch.Tensor
 
@@ -169,6 +170,7 @@ class ZSMergeLayerBatch:
         k_t, v_t = k_t.squeeze(3).to(acc), v_t.squeeze(3).to(acc)
         res_k, res_v, res_w = st["res_k"], st["res_v"], st["res_w"]
         dots = torch.matmul(res_k, k_t.unsqueeze(-1)).squeeze(-1)  # (L, B, H, S)
+        dots = slot_affinity(dots, res_k, policy.slot_metric)
         closed = self._closed_slots(states)
         if closed is not None:
             dots = dots.masked_fill(closed, float("-inf"))

@@ -172,6 +172,20 @@ class Residuals:
     merged_slot: Tensor | None = None
 
 
+SLOT_METRICS = ("dot", "l2")
+"""How a victim picks its residual slot: ``dot`` (eq. 6, ``argmax_r k_r·k_t``) or ``l2`` (the
+nearest slot key, ``argmin_r ‖k_r − k_t‖²``, an option of the authors' code)."""
+
+
+def slot_affinity(dots: Tensor, res_k: Tensor, metric: str) -> Tensor:
+    """The score a victim maximizes over the slots, from ``dots = k_r·k_t`` ``(..., S)`` and the slot
+    keys ``res_k`` ``(..., S, D)``: ``dot`` = the dots; ``l2`` = ``2 k_r·k_t − ‖k_r‖²``, which is
+    ``‖k_t‖² − ‖k_r − k_t‖²`` (the same argmax as the nearest slot)."""
+    if metric == "l2":
+        return 2.0 * dots - res_k.square().sum(-1)
+    return dots
+
+
 def _last_valid(valid: Tensor, count: Tensor) -> Tensor:
     """``(R, N)`` bool: the last ``count[r]`` valid entries of each row."""
     from_end = valid.long().flip(-1).cumsum(-1).flip(-1)  # 1 for the last valid entry
@@ -185,6 +199,7 @@ def residual_stream(
     valid: Tensor,
     split: BudgetSplit,
     mode: str = "merge",
+    slot_metric: str = "dot",
 ) -> Residuals:
     """Bring rows of a prompt to budget with Algorithm 1 (or the authors' pooling).
 
@@ -192,7 +207,8 @@ def residual_stream(
     others stream through the context set, whose lowest-scored member (ties: the newest) is
     evicted whenever it holds more than ``B_c``. With ``mode="merge"`` (Algorithm 1, lines 10–15)
     an evicted token opens a residual slot while fewer than ``B_r`` exist, otherwise it joins
-    the slot of largest ``k_r·k_t`` (eq. 6; ties: the first slot) by eq. 7. Exact with respect to
+    the slot of largest ``k_r·k_t`` (eq. 6; ties: the first slot; ``slot_metric="l2"``: the nearest
+    slot key) by eq. 7. Exact with respect to
     that sequential algorithm: one loop over stream steps, each vectorized over all rows.
     ``mode="pool"`` keeps the same tokens and mean-pools the evicted ones, in position order, into
     ``B_r`` contiguous groups (the authors' released code).
@@ -203,6 +219,7 @@ def residual_stream(
         valid: ``(R, N)`` bool, False for padding.
         split: the budget split per row, ``(R,)`` tensors.
         mode: ``"merge"`` or ``"pool"``.
+        slot_metric: ``"dot"`` or ``"l2"`` (:data:`SLOT_METRICS`).
 
     Returns:
         :class:`Residuals`.
@@ -260,7 +277,7 @@ def residual_stream(
             v_t = flat_values.index_select(0, flat).to(acc)
             joins = evict & (b_r > 0)
             opens = joins & (fill < b_r)
-            target = _merge_into(res_k, res_v, res_w, fill, k_t, v_t, joins, b_r, slot_ids)
+            target = _merge_into(res_k, res_v, res_w, fill, k_t, v_t, joins, b_r, slot_ids, slot_metric)
             founders[row_ids, target] = torch.where(opens, victim, founders[row_ids, target])
             merged[:, i] = torch.where(joins & ~opens, victim, -1)
             merged_slot[:, i] = torch.where(joins & ~opens, target, -1)
@@ -288,6 +305,7 @@ def _merge_into(
     act: Tensor,
     b_r: Tensor,
     slot_ids: Tensor,
+    slot_metric: str = "dot",
 ) -> Tensor:
     """Algorithm 1 lines 12–15 for every row at once, in place; returns the slot used per row.
 
@@ -297,7 +315,8 @@ def _merge_into(
     """
     slots = res_k.shape[-2]
     opened = slot_ids[None, :] < fill[..., None]  # (..., S)
-    dots = (res_k @ k_t[..., None])[..., 0].masked_fill(~opened, float("-inf"))  # eq. 6: k_r·k_t
+    dots = slot_affinity((res_k @ k_t[..., None])[..., 0], res_k, slot_metric)  # eq. 6: k_r·k_t
+    dots = dots.masked_fill(~opened, float("-inf"))
     target = torch.where(fill < b_r, fill.clamp(max=slots - 1), dots.argmax(-1))
     idx = target[..., None]
     w = res_w.gather(-1, idx)  # (..., 1)
@@ -352,6 +371,7 @@ def _fold_layers(
     mode: str,
     position_offsets: list[int] | None = None,
     record: Callable[[int, Tensor, Tensor, Residuals], None] | None = None,
+    slot_metric: str = "dot",
 ) -> None:
     """Run :func:`residual_stream` on plain layers (β ∈ {0, −inf}) and write the results back.
 
@@ -394,7 +414,7 @@ def _fold_layers(
                 for t in (split.proximity, split.context, split.residual)
             )
         )
-        result = residual_stream(k, v, s, valid, row_split, mode)
+        result = residual_stream(k, v, s, valid, row_split, mode, slot_metric)
         for j, i in enumerate(group):
             part = slice(j * b * h, (j + 1) * b * h)
             fields = (result.kept, result.keys, result.values, result.counts)

@@ -16,6 +16,7 @@ from kvfold.methods.core.base import CompressionContext, Standalone, register
 from kvfold.methods.core.folding import fresh_window_queries
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.merging.zsmerge.merge import (
+    SLOT_METRICS,
     BudgetSplit,
     Residuals,
     _attention_scalings,
@@ -48,6 +49,8 @@ class ZSMerge(Standalone):
         prefill: ``merge`` (Algorithm 1 over the prompt, the paper) or ``pool`` (evicted tokens
             mean-pooled into ``B_r`` contiguous groups, the authors' code).
         online: keep the budget during decoding (Algorithm 1 at every step).
+        slot_metric: how an evicted token picks its residual slot: ``dot`` (eq. 6, the largest
+            ``k_r·k_t``, the paper) or ``l2`` (the nearest slot key, an option of the authors' code).
     """
 
     name: ClassVar[str] = "zsmerge"
@@ -67,6 +70,7 @@ class ZSMerge(Standalone):
     kernel: int = 5
     prefill: str = "merge"
     online: bool = True
+    slot_metric: str = "dot"
 
     @property
     def query_window(self) -> int:  # type: ignore[override]
@@ -86,6 +90,8 @@ class ZSMerge(Standalone):
             raise SpecError(f"{name}: window must be ≥ 1; got {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise SpecError(f"{name}: kernel must be an odd positive integer; got {self.kernel}")
+        if self.slot_metric not in SLOT_METRICS:
+            raise SpecError(f"{name}: slot_metric must be one of {', '.join(SLOT_METRICS)}; got {self.slot_metric!r}")
         if self.prefill not in ("merge", "pool"):
             raise SpecError(f"{name}: prefill must be 'merge' or 'pool'; got {self.prefill!r}")
 
@@ -112,7 +118,10 @@ class ZSMerge(Standalone):
             ctx.record_merges(indices[i], torch.where(res.merged >= 0, carrier, -1), res.merged)
 
         recorder = record if ctx.merge_recorder is not None else None
-        _fold_layers([layer for _, layer in layers], scores, split, self.alpha, self.prefill, record=recorder)
+        _fold_layers(
+            [layer for _, layer in layers], scores, split, self.alpha, self.prefill, record=recorder,
+            slot_metric=self.slot_metric,
+        )  # fmt: skip
 
     def online_policy(self, ctx: CompressionContext) -> ZSMergeOnline | None:
         if not self.online:
@@ -121,8 +130,9 @@ class ZSMerge(Standalone):
         scalings = _attention_scalings(ctx.model)
         layers = {i: scalings.get(i) for i, _ in ctx.cache.folded_layers}
         return ZSMergeOnline(
-            budgets, self.split(budgets), layers, self.alpha, self.decay, self.window, self.kernel, self.prefill
-        )
+            budgets, self.split(budgets), layers, self.alpha, self.decay, self.window, self.kernel, self.prefill,
+            self.slot_metric,
+        )  # fmt: skip
 
     def _scores(self, layer: FoldedLayer, scaling: float | None) -> Tensor:
         queries = fresh_window_queries(layer, self.window, self.name)

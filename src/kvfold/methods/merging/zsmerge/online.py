@@ -23,6 +23,7 @@ from kvfold.methods.merging.zsmerge.merge import (
     _merge_into,
     decayed_scores,
     prefill_scores,
+    slot_affinity,
 )
 
 Tensor = torch.Tensor
@@ -71,6 +72,7 @@ class ZSMergeOnline:
         window, kernel: prefill scores, for a layer it first meets uncompressed (a prefill that
             ran with the policy attached).
         mode: ``"merge"`` or ``"pool"`` for such a layer.
+        slot_metric: ``"dot"`` (eq. 6) or ``"l2"``: how a victim picks its residual slot.
     """
 
     needs_attention: bool = True
@@ -85,8 +87,10 @@ class ZSMergeOnline:
         window: int = 8,
         kernel: int = 5,
         mode: str = "merge",
+        slot_metric: str = "dot",
     ) -> None:
         self.budgets = budgets.long()
+        self.slot_metric = slot_metric
         self.split = split
         self.layers = layers
         self.alpha = alpha
@@ -266,7 +270,7 @@ class ZSMergeOnline:
             empty = torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=keys.device)
             scores = decayed_scores(empty, probs, self.decay).masked_fill(~valid, float("-inf"))
         offset = layer.logical_length - layer.physical_length
-        _fold_layers([layer], [scores], self.split, self.alpha, self.mode, [offset])
+        _fold_layers([layer], [scores], self.split, self.alpha, self.mode, [offset], slot_metric=self.slot_metric)
         if layer.paged is None:
             self._state[layer_idx] = self._init_state(layer, layer.physical_length)
 
@@ -289,7 +293,10 @@ class ZSMergeOnline:
                 )
             scores.append(self._window_scores(layer_idx, layer, layer.captured_queries))
         offsets = [layer.logical_length - layer.physical_length for _, layer in layers]
-        _fold_layers([layer for _, layer in layers], scores, self.split, self.alpha, self.mode, offsets)
+        _fold_layers(
+            [layer for _, layer in layers], scores, self.split, self.alpha, self.mode, offsets,
+            slot_metric=self.slot_metric,
+        )  # fmt: skip
         for layer_idx, layer in layers:
             self._state[layer_idx] = self._init_state(layer, layer.physical_length)
 
@@ -349,6 +356,7 @@ class ZSMergeOnline:
                 evict & (b_r > 0),
                 b_r,
                 torch.arange(slots, device=dev),
+                self.slot_metric,
             )
             # line 13: the victim itself becomes the new residual slot (its k, v unchanged, w = 1)
             slot_id.scatter_(
@@ -398,6 +406,7 @@ class ZSMergeOnline:
         k_t = keys.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim)).squeeze(2).to(acc)
         v_t = values.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim_v)).squeeze(2).to(acc)
         dots = torch.matmul(state.res_k, k_t.unsqueeze(-1)).squeeze(-1)  # eq. 6: k_r·k_t
+        dots = slot_affinity(dots, state.res_k, self.slot_metric)
         if state.closed is not None:
             dots = dots.masked_fill(state.closed, float("-inf"))
         target = dots.argmax(-1, keepdim=True)  # (B, H, 1)
@@ -515,6 +524,8 @@ class ZSMergeOnline:
             new_slot = fill_before.clamp(max=slots - 1)
             for i in torch.nonzero(merging.flatten(0, 1).any(0)).flatten().tolist():
                 dots = (key_sum @ k_t[:, :, i, :, None])[..., 0] / weight.clamp_min(1)  # eq. 6: k_r·k_t, k_r the mean
+                if self.slot_metric == "l2":  # 2 k_r·k_t − ‖k_r‖²
+                    dots = 2.0 * dots - key_sum.square().sum(-1) / weight.clamp_min(1).square()
                 nearest = dots.masked_fill(closed[:, :, i], float("-inf")).argmax(-1)  # ties: the first slot
                 target = torch.where(opens[:, :, i], new_slot[:, :, i], nearest)[..., None]  # line 13 or line 15
                 key_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, key_sum.shape[-1]), k_t[:, :, i, None])
