@@ -14,6 +14,7 @@ from kvfold.methods.compaction.grkv import (
     family_lambda,
     grkv_merge,
     key_step,
+    stratified_positions,
     value_step,
     window_objective,
     window_probs,
@@ -230,6 +231,35 @@ def test_the_merge_lowers_the_window_error_of_its_own_eviction():
         assert folded <= evicted * (1 + 1e-4) + 1e-9
         total_base, total_merged = total_base + evicted, total_merged + folded
     assert total_merged < 0.9 * total_base
+
+
+def test_stratified_positions_cover_the_context_and_skip_padding():
+    valid = torch.ones(2, 3, 100, dtype=torch.bool)
+    valid[1, :, :40] = False  # a left-padded row: 60 tokens
+    pos = stratified_positions(valid, 8, seed=3)
+    assert bool(((pos[0] >= torch.arange(8) * 12.5) & (pos[0] < (torch.arange(8) + 1) * 12.5)).all())
+    assert bool(((pos[1] >= 40 + torch.arange(8) * 7.5) & (pos[1] < 40 + (torch.arange(8) + 1) * 7.5)).all())
+    assert torch.equal(stratified_positions(valid[1:], 8, seed=3)[0], pos[1])  # alone = in a batch
+    short = stratified_positions(torch.ones(1, 1, 5, dtype=torch.bool), 8, seed=0)
+    assert short.min() >= 0 and short.max() <= 4
+
+
+def test_stratified_queries_fit_the_whole_context_and_lower_its_error():
+    """``queries=stratified``: the fitted queries come from strata of the whole context, and the
+    merge lowers their error against the eviction (the objective is computed on them)."""
+    prefilled, _ = _prefill("qwen2", [CONTEXT, "a shorter context, padded on the left in the batch; " * 2])
+    merged = prefilled.compress("snapkv+grkv[queries=stratified]", 0.3)
+    report = merged.report["grkv"]
+    assert sum(r["heads"] - r["base"] for r in report.values()) > 0
+    assert sum(r["objective"] for r in report.values()) < 0.9 * sum(r["objective_base"] for r in report.values())
+    last = prefilled.compress("snapkv+grkv", 0.3)
+    differs = [
+        not torch.equal(merged.cache.layers[i].padded()[1], last.cache.layers[i].padded()[1])
+        for i, _ in last.cache.folded_layers
+    ]
+    assert all(differs)
+    with pytest.raises(SpecError, match="queries"):
+        build_method("grkv[queries=first]")
 
 
 def test_runs_on_every_family_with_a_left_padded_batch(tiny_family):

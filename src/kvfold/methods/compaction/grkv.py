@@ -10,9 +10,12 @@ their evicted-cache values (eq. 5)::
 
     min_{K,V}  ‖Y − softmax(Q_win Kᵀ/√d) V‖²_F + λ_k ‖K − K⁰‖²_F + λ_v ‖V − V⁰‖²_F
 
-* surrogate window ``Q_win``: the real post-RoPE query states of the last ``m`` = 32 prompt
-  tokens (§3.2); every query head of a GQA group targets its KV head, so a KV head's problem has
-  ``M = G·m`` query rows. Attention inside the window is causal.
+* surrogate window ``Q_win``: the real post-RoPE query states of ``m`` = 32 prompt tokens;
+  every query head of a GQA group targets its KV head, so a KV head's problem has ``M = G·m``
+  query rows, each attending causally (to the entries at or before its position).
+  ``queries="last"``: the last ``m`` prompt tokens (§3.2); ``queries="stratified"`` (the authors'
+  code): one token drawn (seeded) from each of ``m`` equal strata of the whole context, which
+  costs one extra prefill pass to collect them (:class:`StratifiedQueries`).
 * target ``Y = A_win^(full) V_full``: the full cache's pre-``o_proj`` attention output of those
   queries (eq. 4), computed from the layer before eviction.
 * value step: ridge regression toward ``V⁰`` solved in the ``M×M`` dual (Woodbury, eq. 8/33).
@@ -23,8 +26,9 @@ their evicted-cache values (eq. 5)::
 * ``S`` alternating steps (default 1, Algorithm 1).
 * fixed tokens (App. D.3), bit-identical after the update: sink tokens, the window's own tokens
   and the top ``fixed`` = 10% retained tokens by window attention.
-* safeguard: per KV head, an update that raises the window objective (eq. 4) is not applied;
-  the best of {base, V-only, K+V} is kept and reported in ``ctx.report["grkv"]``.
+* safeguard (ours, in neither the paper nor its code): per KV head, an update that raises the
+  window objective (eq. 4) is not applied; the best of {base, V-only, K+V} is kept and reported
+  in ``ctx.report["grkv"]``.
 
 Everything is batched over batch rows and KV heads (no Python loop over heads or tokens) and
 runs in float32 (float64 for float64 models) whatever the model dtype.
@@ -37,10 +41,11 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import NEG_INF
+from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.linalg import max_shifted_exp, ridge_dual, ridge_dual_cg
 from kvfold.methods.core.base import CompressionContext, register
 from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_queries, layer_scaling
+from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.scoring import window_attention
 from kvfold.methods.core.spec import SpecError
 
@@ -51,6 +56,9 @@ __all__ = [
     "GRKV",
     "KeyLinearization",
     "MergeResult",
+    "QUERY_CHOICES",
+    "StratifiedQueries",
+    "stratified_positions",
     "family_lambda",
     "grkv_merge",
     "key_step",
@@ -74,6 +82,9 @@ LAMBDA_PRESETS: dict[str, float] = {
 CHOICES = ("base", "values", "keys", "keys_values")
 """What a KV head ended with (index = code in :attr:`MergeResult.choice`)."""
 _BASE, _VALUES, _KEYS, _KEYS_VALUES = range(4)
+
+QUERY_CHOICES = ("last", "stratified")
+"""Where GRKV's surrogate queries come from: the last ``m`` prompt tokens, or ``m`` strata of it."""
 
 EXACT_MAX_ELEMENTS = 1 << 22
 """``solver="auto"`` solves the key step exactly when ``J`` and ``J Jᵀ`` have at most this many
@@ -373,12 +384,58 @@ def grkv_merge(
 # ---------------------------------------------------------------------------- the folder
 
 
+def stratified_positions(valid: Tensor, m: int, seed: int) -> Tensor:
+    """``(B, m)`` slots: one drawn uniformly from each of ``m`` equal strata of a row's valid slots
+    (left padding skipped); strata narrower than one slot repeat a slot. Every row draws from a
+    fresh generator, so a context gets the same positions alone or in a batch."""
+    count = valid.sum(-1).amax(-1).double()  # (B,) valid slots of each row (the same in every head)
+    start = valid.shape[-1] - count  # left padding
+    draws = [torch.rand(m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) for _ in count]
+    u = torch.stack(draws).to(valid.device)
+    edges = torch.arange(m, dtype=torch.float64, device=valid.device)
+    offset = torch.floor((edges + u) * count[:, None] / m).clamp(max=(count - 1)[:, None])
+    return (start[:, None] + offset).long()
+
+
+class StratifiedQueries:
+    """Prefill observer that keeps, per layer, the query states of stratified positions
+    (:func:`stratified_positions`): ``picked[layer_idx] = (queries (B, H_q, m, D), positions (B, m))``."""
+
+    def __init__(self, m: int, seed: int) -> None:
+        self.m = m
+        self.seed = seed
+        self.positions: Tensor | None = None
+        self.picked: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, layer_idx: int, layer: FoldedLayer, query: Tensor, scaling: float) -> None:
+        if self.positions is None:  # the same positions in every layer
+            self.positions = stratified_positions(torch.isfinite(layer.padded()[2]), self.m, self.seed)
+        pos = self.positions.to(query.device)
+        index = pos[:, None, :, None].expand(-1, query.shape[1], -1, query.shape[-1])
+        self.picked[layer_idx] = (torch.gather(query, 2, index), pos)
+
+
+def positioned_attention(
+    queries: Tensor, keys: Tensor, scaling: float, log_mass: Tensor, valid: Tensor, positions: Tensor
+) -> Tensor:
+    """``(B, H_q, M, N)`` attention of queries at slots ``positions`` ``(B, M)`` on every entry at or
+    before them (β included), as the full cache gave it."""
+    heads = keys.shape[1]
+    groups = queries.shape[1] // heads
+    k = keys.repeat_interleave(groups, dim=1)
+    beta = log_mass.repeat_interleave(groups, dim=1)[:, :, None, :]
+    seen = valid.repeat_interleave(groups, dim=1)[:, :, None, :]
+    seen = seen & (torch.arange(keys.shape[2], device=keys.device) <= positions[:, None, :, None])
+    logits = (queries @ k.mT * scaling + beta).masked_fill(~seen, NEG_INF)
+    return torch.softmax(logits, -1).nan_to_num(0.0)
+
+
 @register
 @dataclass
 class GRKV(MergingFolder):
     """GRKV (Peng et al. 2026, §3, Algorithm 1, App. D): rewrite the retained K and V so the
-    compressed cache reproduces the full cache's attention outputs on the last ``m`` prompt
-    queries, with ridge penalties toward the evicted cache (see the module docstring).
+    compressed cache reproduces the full cache's attention outputs on ``m`` prompt queries, with
+    ridge penalties toward the evicted cache (see the module docstring).
 
     Use after any selector (``snapkv+grkv``, ``pyramidkv+grkv``, ``adakv:snapkv+grkv``,
     ``criticalkv:snapkv+grkv``, ``h2o+grkv``); ``grkv`` alone means ``snapkv+grkv``. The merge
@@ -389,7 +446,9 @@ class GRKV(MergingFolder):
         lam_k, lam_v: override λ for keys / values separately.
         fixed: fraction β of the retained tokens kept fixed by attention score (0.1; 0 = none).
         steps: alternating steps S (1).
-        m: surrogate window, the last ``m`` prompt queries (32).
+        m: surrogate queries per query head (32).
+        queries: ``last`` (the last ``m`` prompt tokens, the paper) or ``stratified`` (one token from
+            each of ``m`` strata of the context, the authors' code; one extra prefill pass).
         keys, values: update keys / values (both: GRKV; keys only: GRK; values only: GRV).
         sinks: first tokens of the context kept fixed (4; 0 = none).
         fix_window: keep the window's own tokens fixed (the paper's default; the ablation
@@ -399,7 +458,8 @@ class GRKV(MergingFolder):
         cg_iters, cg_tol: conjugate-gradient budget (16, 1e-6 as the authors' code).
         cap_k, cap_v: per-head caps on ‖ΔK‖/‖K⁰‖ and ‖ΔV‖/‖V⁰‖ (authors' code: 0.025 and 0.1;
             0 = off, the paper).
-        safeguard: per head, never apply an update that raises the window objective.
+        safeguard: per head, never apply an update that raises the window objective (ours: neither
+            the paper nor the authors' code has it).
     """
 
     name: ClassVar[str] = "grkv"
@@ -426,6 +486,7 @@ class GRKV(MergingFolder):
     cap_k: float = 0.0
     cap_v: float = 0.0
     safeguard: bool = True
+    queries: str = "last"
     selector_spec: ClassVar[str] = "snapkv"
     window_option: ClassVar[str] = "m"
 
@@ -444,6 +505,18 @@ class GRKV(MergingFolder):
             raise SpecError(f"grkv: solver must be auto, cg or exact; got {self.solver!r}")
         if self.cap_k < 0 or self.cap_v < 0 or self.cg_tol < 0:
             raise SpecError("grkv: cap_k, cap_v and cg_tol must be ≥ 0")
+        if self.queries not in QUERY_CHOICES:
+            raise SpecError(f"grkv: queries must be one of {', '.join(QUERY_CHOICES)}; got {self.queries!r}")
+
+    def prepare(self, ctx: CompressionContext) -> None:
+        """``queries=stratified``: one more prefill pass keeps the stratified queries of every layer."""
+        if self.queries != "stratified":
+            return
+        scratch = FoldedCache(ctx.model.config)
+        observer = StratifiedQueries(self.m, ctx.seed)
+        scratch.prefill_observers = [observer]
+        prefill_again(ctx, scratch)
+        ctx.memo["grkv_queries"] = observer.picked
 
     def lambdas(self, model_type: str | None) -> tuple[float, float]:
         """``(λ_k, λ_v)`` for a model family."""
@@ -454,24 +527,30 @@ class GRKV(MergingFolder):
         layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
         keys_full, values_full, log_mass, valid = site.keys, site.values, site.log_mass, site.valid
         batch, heads, length, dim = keys_full.shape
-        queries = fresh_window_queries(layer, self.m, self.name)  # (B, H_q, w, D)
+        dtype = torch.promote_types(keys_full.dtype, torch.float32)
+        scaling = layer_scaling(ctx, layer_idx, layer)
+        beta = torch.where(valid, log_mass, torch.zeros_like(log_mass)).to(dtype)
+        if self.queries == "stratified":
+            queries, positions = ctx.memo["grkv_queries"][layer_idx]  # (B, H_q, m, D), (B, m)
+            probs_full = positioned_attention(queries.to(dtype), keys_full.to(dtype), scaling, beta, valid, positions)
+        else:
+            queries = fresh_window_queries(layer, self.m, self.name)  # (B, H_q, w, D)
+            positions = (length - queries.shape[2] + torch.arange(queries.shape[2], device=keep.device)).expand(
+                batch, -1
+            )
+            # eq. 4: Y = A_win^(full) V_full, causal inside the window, from the layer before eviction.
+            probs_full = window_attention(queries.to(dtype), keys_full.to(dtype), scaling, log_mass=beta, valid=valid)
         width = queries.shape[2]
         groups = queries.shape[1] // heads
         rows = groups * width  # M = G·m query rows per KV head
-        dtype = torch.promote_types(keys_full.dtype, torch.float32)
-        scaling = layer_scaling(ctx, layer_idx, layer)
-
-        # eq. 4: Y = A_win^(full) V_full, causal inside the window, from the layer before eviction.
-        beta = torch.where(valid, log_mass, torch.zeros_like(log_mass)).to(dtype)
-        probs_full = window_attention(queries.to(dtype), keys_full.to(dtype), scaling, log_mass=beta, valid=valid)
         probs_full = probs_full.reshape(batch, heads, rows, length)  # query head h → KV head h // G
         target = probs_full @ values_full.to(dtype)
         q = queries.to(dtype).reshape(batch, heads, rows, dim)
 
         keys0, values0, beta0 = site.kept_entries()  # K⁰, V⁰ (β = −inf past lengths)
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
-        query_pos = (length - width + torch.arange(width, device=keep.device)).repeat(groups)  # (M,)
-        allowed = keep[..., None, :] <= query_pos[:, None]  # causal: (B, H, M, c)
+        query_pos = positions.to(keep.device).repeat(1, groups)  # (B, M)
+        allowed = keep[..., None, :] <= query_pos[:, None, :, None]  # causal: (B, H, M, c)
         bias = beta0.to(dtype)[..., None, :].masked_fill(~allowed, NEG_INF)
 
         free = slot & ~self._fixed_tokens(keep, slot, valid, probs_full.sum(2), width)
