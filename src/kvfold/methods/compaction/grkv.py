@@ -359,8 +359,18 @@ def grkv_merge(
             candidates.append((_VALUES, cur_k, new_v))
         if update_keys:
             new_k, res = key_step(
-                queries, cur_k, keys0, new_v, bias, free, target, scaling, lam_k,
-                solver=solver, cg_iters=cg_iters, cg_tol=cg_tol,
+                queries,
+                cur_k,
+                keys0,
+                new_v,
+                bias,
+                free,
+                target,
+                scaling,
+                lam_k,
+                solver=solver,
+                cg_iters=cg_iters,
+                cg_tol=cg_tol,
             )
             new_k = _cap(new_k, keys0, cap_k)
             if res is not None:
@@ -570,9 +580,23 @@ class GRKV(MergingFolder):
             small = max(out_size * keep.shape[-1] * dim, out_size * out_size) <= EXACT_MAX_ELEMENTS
             solver = "exact" if small else "cg"
         result = grkv_merge(
-            q, keys0.to(dtype), values0.to(dtype), bias, free, target, scaling,
-            lam_k=lam_k, lam_v=lam_v, steps=self.steps, update_keys=self.keys, update_values=self.values,
-            solver=solver, cg_iters=self.cg_iters, cg_tol=self.cg_tol, cap_k=self.cap_k, cap_v=self.cap_v,
+            q,
+            keys0.to(dtype),
+            values0.to(dtype),
+            bias,
+            free,
+            target,
+            scaling,
+            lam_k=lam_k,
+            lam_v=lam_v,
+            steps=self.steps,
+            update_keys=self.keys,
+            update_values=self.values,
+            solver=solver,
+            cg_iters=self.cg_iters,
+            cg_tol=self.cg_tol,
+            cap_k=self.cap_k,
+            cap_v=self.cap_v,
             safeguard=self.safeguard,
         )
         # Fixed tokens (and heads that kept the base) stay bit-identical: only free rows are written.
@@ -593,9 +617,7 @@ class GRKV(MergingFolder):
             "cg_residual": None if result.cg_residual is None else float(result.cg_residual.max()),
         }
 
-    def _fixed_tokens(
-        self, keep: Tensor, slot: Tensor, valid: Tensor, attention: Tensor, width: int
-    ) -> Tensor:
+    def _fixed_tokens(self, keep: Tensor, slot: Tensor, valid: Tensor, attention: Tensor, width: int) -> Tensor:
         """Retained tokens that must not change (§3.4 "Fixed tokens", App. D.3), ``(B, H, c)`` bool.
 
         Sinks (the first ``sinks`` valid tokens of the context), the surrogate window's own tokens
