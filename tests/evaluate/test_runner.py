@@ -258,3 +258,21 @@ def test_aggregate_pairs_with_full_predictions_written_without_context_ids() -> 
     assert task["retention"] == pytest.approx(2 / 3) and task["contexts"] == 2
     # two contexts redrawn: both c0 (retention 1/2, p = 1/4), both c1 (1, p = 1/4) or one each (2/3)
     assert task["retention_ci"] == pytest.approx([0.5, 1.0])
+
+
+@pytest.mark.parametrize("changed", ["context", "answers"])
+def test_resume_refuses_answers_to_a_changed_sample(tiny_lm, tmp_path: Path, changed: str) -> None:
+    model, tok = tiny_lm
+    evaluate(model, tok, _samples()[:1], ["full"], [0.5], out_dir=tmp_path, progress=False)
+    (old,) = _samples()[:1]
+    new = Sample(
+        CONTEXT_B if changed == "context" else old.context,
+        old.question,
+        ("wolf",) if changed == "answers" else old.answers,
+        old.task,
+        old.answer_prefix,
+        old.max_new_tokens,
+        sample_id=old.sample_id,
+    )
+    with pytest.raises(ValueError, match=r"sample 'a1' written for another version .* use a new --out"):
+        evaluate(model, tok, [new], ["full"], [0.5], out_dir=tmp_path, progress=False)

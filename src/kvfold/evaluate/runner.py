@@ -32,7 +32,7 @@ import hashlib
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -379,6 +379,7 @@ def evaluate(
         check_run_config(out_dir, config)
         for row in read_predictions(out_dir / PREDICTIONS_FILE):
             done[_unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])] = row
+        _check_stale_rows(out_dir / PREDICTIONS_FILE, done.values(), dict(zip(keys, samples, strict=True)))
         writer = (out_dir / PREDICTIONS_FILE).open("a", encoding="utf-8")
     key_of = {id(s): k for s, k in zip(samples, keys, strict=True)}
     todo = sum(_unit_key(key_of[id(s)], spec, b.label(), query_aware) not in done for s in samples for spec, b in runs)
@@ -424,6 +425,27 @@ def evaluate(
         (out_dir / RESULTS_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
         write_eval_report(out_dir, result.records, title_info=config)
     return result
+
+
+def _check_stale_rows(path: Path, rows: Iterable[Mapping[str, Any]], samples: Mapping[str, Sample]) -> None:
+    """Refuse to resume from answers to another version of a sample (same id, other text).
+
+    A sample id names a task, length, seed and index; if the generator or the user's file changed
+    since the answers were written, reusing them would mix two datasets in one report.
+    """
+    for row in rows:
+        sample = samples.get(row["sample_id"])
+        if sample is None:
+            continue
+        stale = ("context_id" in row and row["context_id"] != context_id(sample.context)) or (
+            "answers" in row and list(row["answers"]) != list(sample.answers)
+        )
+        if stale:
+            raise ValueError(
+                f"{path} holds an answer to sample {row['sample_id']!r} written for another version of "
+                "its context or answers (the dataset changed since that run); use a new --out directory, "
+                "or delete that file's rows of the changed tasks to rerun them"
+            )
 
 
 def context_id(context: str) -> str:
