@@ -58,6 +58,7 @@ __all__ = [
     "local_runner",
     "plan_items",
     "plan_runs",
+    "row_key",
     "run_item",
     "run_sweep",
     "sample_keys",
@@ -152,6 +153,11 @@ def sample_keys(samples: Sequence[Sample]) -> list[str]:
 
 def _unit_key(sample_id: str, method: str, budget: float | int, query_aware: bool) -> tuple[str, str, str, bool]:
     return sample_id, method, json.dumps(budget), bool(query_aware)
+
+
+def row_key(row: Mapping[str, Any]) -> tuple[str, str, str, bool]:
+    """The key that identifies a prediction row in a sweep: sample id, method, budget, query-awareness."""
+    return _unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])
 
 
 def _use_chat_template(sample: Sample) -> bool | None:
@@ -535,7 +541,7 @@ def run_sweep(
         out_dir.mkdir(parents=True, exist_ok=True)
         check_run_config(out_dir, config)
         for row in read_predictions(out_dir / PREDICTIONS_FILE):
-            done[_unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])] = row
+            done[row_key(row)] = row
         _check_stale_rows(out_dir / PREDICTIONS_FILE, done.values(), dict(zip(keys, samples, strict=True)))
         path = out_dir / PREDICTIONS_FILE
         written_before = path.stat().st_size if path.exists() else 0
@@ -549,7 +555,7 @@ def run_sweep(
     arrived: list[tuple[str, str, str, bool]] = []
     try:
         for row in runner(items, lambda text: bar.set_postfix_str(text, refresh=False)):
-            key = _unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])
+            key = row_key(row)
             if key not in order or key in done:
                 continue  # a retried item's answer that arrived before, or none of this sweep's
             done[key] = row
