@@ -10,8 +10,8 @@ same ``predictions.jsonl`` order, ``results.json`` and report as a serial run of
 Faults: each item streams its answers back one by one. When a worker dies (its process killed,
 its node lost), the answers it delivered are kept, the rest of its item goes back to the front of
 the queue (with the delivered answers marked done) for the next free worker, and a new worker
-replaces the lost one. An item is given up after ``max_attempts`` lost workers; an error raised
-by the item itself (a bad spec, a bug) is not retried but raised as it is.
+replaces the lost one. The sweep gives up when one item has lost ``max_attempts`` workers; an
+error raised by the item itself (a bad spec, a bug) is not retried but raised as it is.
 
 Ray is optional (``pip install 'kvfold[ray]'``) and imported only when a sweep runs on it.
 
@@ -145,7 +145,7 @@ class RayRunner:
             ``gpus_per_worker`` > 0) allow, and never more than there are items.
         cpus_per_worker: CPUs reserved by each actor (also its torch threads).
         gpus_per_worker: GPUs reserved by each actor (0 on CPU clusters).
-        max_attempts: lost workers an item survives before the sweep gives up.
+        max_attempts: how many times one item may lose its worker; at the last the sweep gives up.
         kill_after: fault injection for tests: kill (``ray.kill``) the worker that delivered the
             sweep's ``kill_after``-th answer right after it arrives, once, while it works on the
             rest of its item. None in normal use.
