@@ -184,7 +184,10 @@ def test_local_cluster_matches_serial(ray_cluster, tiny_dir, data, serial, tmp_p
     assert main(_eval_args(tiny_dir, data, out, "--ray", "--ray-workers", "2")) == 0
     _, err = capsys.readouterr()
     workers = _workers(err)
-    assert len(workers) == 2, workers  # both workers answered: the sweep did not run in one process
+    assert "Ray workers started: 2;" in err
+    # Every answer came from a worker process, none from this one. Which of the two answers what
+    # depends on when each finished loading (the test that kills a worker shows two answering).
+    assert workers and all(int(name.rsplit(":", 1)[1]) != os.getpid() for name in workers), workers
     assert sum(workers.values()) == ANSWERS
     assert _predictions(out) == _predictions(serial)  # same rows, same order
     assert _records(out) == _records(serial)
@@ -203,7 +206,9 @@ def test_resume_sends_only_missing_answers(ray_cluster, tiny_dir, data, serial, 
     capsys.readouterr()
     assert main(_eval_args(tiny_dir, data, out, "--ray", "--ray-workers", "2")) == 0
     _, err = capsys.readouterr()
-    assert sum(_workers(err).values()) == ANSWERS - kept
+    workers = _workers(err)
+    assert workers and all(int(name.rsplit(":", 1)[1]) != os.getpid() for name in workers), workers
+    assert sum(workers.values()) == ANSWERS - kept
     assert (out / "predictions.jsonl").read_text().splitlines(keepends=True)[:kept] == lines[:kept]
     assert _predictions(out) == _predictions(serial)
     assert _records(out) == _records(serial)
@@ -219,7 +224,7 @@ def test_lost_worker_loses_nothing_and_counts_nothing_twice(ray_cluster, tiny_di
     from kvfold.evaluate.distributed import ModelLoader, RayRunner
 
     out = tmp_path / "crash"
-    runner = RayRunner(ModelLoader(str(tiny_dir)), workers=2, kill_after=3)  # a worker killed mid-context
+    runner = RayRunner(ModelLoader(str(tiny_dir)), workers=2, kill_after=1)  # killed after its first answer
     tokenizer = load_tokenizer(str(tiny_dir))
     samples = load_samples(_Args(str(data)), tokenizer)
     config = json.loads((serial / "run.json").read_text())
@@ -234,7 +239,9 @@ def test_lost_worker_loses_nothing_and_counts_nothing_twice(ray_cluster, tiny_di
         run_config=config,
     )
     assert runner.workers_lost == 1 and runner.resubmitted == 1
-    assert len(runner.answers_by_worker) >= 2  # the killed worker and whoever finished its context
+    # the killed worker (its first answer) and another that finished its context (≥ 4 answers left)
+    assert len(runner.answers_by_worker) >= 2
+    assert all(int(name.rsplit(":", 1)[1]) != os.getpid() for name in runner.answers_by_worker)
     assert sum(counted) == ANSWERS  # what the killed worker delivered was kept, not answered again
     assert len(result.predictions) == ANSWERS
     assert _predictions(out) == _predictions(serial)
