@@ -247,6 +247,7 @@ def test_compactor_blends_standardised_leverage_and_chunked_attention_and_keeps_
         "compactor+cam",
         "compactor+kvmerger",
         "leverage+d2o_merge",
+        "global:leverage+am_fit",
         "adakv:compactor",
     ],
 )
