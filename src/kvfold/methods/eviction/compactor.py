@@ -55,7 +55,9 @@ class Compactor(Selector):
       GQA group, times ``‖v‖`` and averaged over 3 neighbours (as kvpress's release of the method);
       logits unscaled ``q·k`` by default, as the authors' release.
 
-    The first ``sinks_start`` and last ``sinks_end`` tokens are kept. Default ``λ = 0.5``: the
+    Chunks start at the context's first token (kvpress starts them after the sinks); the leverage
+    and both z-scores leave the sinks out. The first ``sinks_start`` and last ``sinks_end`` tokens
+    are kept. Default ``λ = 0.5``: the
     authors' release (compactor-vllm) adds half the leverage z-score to the attention z-score;
     kvpress sets ``λ`` to the fraction evicted instead (``compactor[blend=0.9]`` at budget 0.1).
     Not implemented: the paper's context calibration (how far a context can be compressed).
