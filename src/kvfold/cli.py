@@ -65,10 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_args(p)
 
-    p = sub.add_parser("demo", help="compress a built-in long context with every method and answer questions")
+    p = sub.add_parser("demo", help="compress a built-in long context with a few methods and answer questions")
     add_model_args(p)
     p.add_argument("--budget", default="0.1")
-    p.add_argument("--methods", default=None, help="comma-separated specs (default: every one-shot method)")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated specs, or 'all' for every method (default: kvzip, leverage and the recommended "
+        "pipeline, beside the full cache)",
+    )
+    p.add_argument("--context-tokens", type=int, default=3000, help="length of the built-in context")
 
     for register in EXTRA_PARSERS:
         register(sub)
@@ -165,7 +171,12 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvfold.demo import run_demo as demo
 
     return demo(
-        model_spec=args.model, budget=args.budget, methods=args.methods, dtype=args.dtype, device=args.device
+        model_spec=args.model,
+        budget=args.budget,
+        methods=args.methods,
+        dtype=args.dtype,
+        device=args.device,
+        context_tokens=args.context_tokens,
     )
 
 

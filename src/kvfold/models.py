@@ -102,9 +102,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     target = cache_root() / "converted" / f"{gguf_path.stem}-{key}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     # The dequantized weights are plain float32: drop the GGUF quantizer so they can be saved.
     model.hf_quantizer = None
@@ -135,9 +133,7 @@ def resolve_spec(spec: str) -> tuple[str, bool]:
         return str(convert_gguf(path)), True
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"{spec} is a directory without config.json; pass a transformers model directory"
-            )
+            raise ModelLoadError(f"{spec} is a directory without config.json; pass a transformers model directory")
         return str(path), True
     if path.exists() or spec.startswith((".", "/", "~")):
         raise ModelLoadError(f"model path not found or not a model: {spec}")
@@ -192,6 +188,24 @@ def load_model(
     model.to(dev)
     model.eval()
     return enable(model), tokenizer
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model spec, without loading the weights (as :func:`load_model` finds it).
+
+    For a process that only prepares prompts while other processes hold the model (a Ray driver).
+
+    Raises:
+        ModelLoadError: the spec names no loadable model.
+    """
+    location, local = resolve_spec(spec)
+    try:
+        return AutoTokenizer.from_pretrained(location, local_files_only=local)
+    except OSError as err:
+        raise ModelLoadError(
+            f"could not load the tokenizer of {spec!r}: {err.__class__.__name__}. Pass a local directory "
+            "(config.json, weights and tokenizer files), a .gguf file, or the default 'smollm2-135m'"
+        ) from err
 
 
 def prepare_model(model: PreTrainedModel) -> PreTrainedModel:

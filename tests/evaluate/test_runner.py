@@ -258,3 +258,65 @@ def test_aggregate_pairs_with_full_predictions_written_without_context_ids() -> 
     assert task["retention"] == pytest.approx(2 / 3) and task["contexts"] == 2
     # two contexts redrawn: both c0 (retention 1/2, p = 1/4), both c1 (1, p = 1/4) or one each (2/3)
     assert task["retention_ci"] == pytest.approx([0.5, 1.0])
+
+
+@pytest.mark.parametrize("changed", ["context", "answers"])
+def test_resume_refuses_answers_to_a_changed_sample(tiny_lm, tmp_path: Path, changed: str) -> None:
+    model, tok = tiny_lm
+    evaluate(model, tok, _samples()[:1], ["full"], [0.5], out_dir=tmp_path, progress=False)
+    (old,) = _samples()[:1]
+    new = Sample(
+        CONTEXT_B if changed == "context" else old.context,
+        old.question,
+        ("wolf",) if changed == "answers" else old.answers,
+        old.task,
+        old.answer_prefix,
+        old.max_new_tokens,
+        sample_id=old.sample_id,
+    )
+    with pytest.raises(ValueError, match=r"sample 'a1' written for another version .* use a new --out"):
+        evaluate(model, tok, [new], ["full"], [0.5], out_dir=tmp_path, progress=False)
+
+
+TIMINGS = ("prefill_seconds", "compress_seconds", "decode_seconds")
+
+
+def _without_timings(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMINGS} for line in path.read_text().splitlines()]
+
+
+def test_run_sweep_keeps_each_answer_once_in_serial_order(tiny_lm, tmp_path: Path) -> None:
+    """A runner that answers items out of order and delivers every answer twice (a retried item) is
+    written as the serial run would be: every answer once, in the serial order."""
+    model, tok = tiny_lm
+    methods, budgets = ["full", "streamingllm"], [0.5]
+    serial = evaluate(model, tok, _samples(), methods, budgets, out_dir=tmp_path / "serial", progress=False)
+    local = runner.local_runner(model, tok)
+
+    def shuffled_twice(items, status):
+        assert [item.index for item in items] == [0, 1]  # two contexts
+        rows = list(local(list(reversed(items)), status))
+        yield from rows
+        yield from reversed(rows)
+
+    config = json.loads((tmp_path / "serial" / "run.json").read_text())
+    result = runner.run_sweep(
+        shuffled_twice, _samples(), methods, budgets, out_dir=tmp_path / "other", progress=False, run_config=config
+    )
+    assert len(result.predictions) == 4 * 2
+    assert _without_timings(tmp_path / "other" / "predictions.jsonl") == _without_timings(
+        tmp_path / "serial" / "predictions.jsonl"
+    )
+    assert [r["score"] for r in result.records] == [r["score"] for r in serial.records]
+
+
+def test_run_sweep_refuses_a_runner_that_drops_answers(tiny_lm, tmp_path: Path) -> None:
+    model, tok = tiny_lm
+    local = runner.local_runner(model, tok)
+
+    def drops_last(items, status):
+        yield from list(local(items, status))[:-1]
+
+    with pytest.raises(RuntimeError, match="1 answers were not produced"):
+        runner.run_sweep(drops_last, _samples(), ["full"], [1.0], out_dir=tmp_path, progress=False, run_config={})
+    assert len((tmp_path / "predictions.jsonl").read_text().splitlines()) == 3  # a rerun resumes from these

@@ -51,7 +51,9 @@ SPECS = readme_specs()
 
 def test_the_readme_names_the_methods():
     assert len(SPECS) >= 20, SPECS
-    for name in ("snapkv", "adakv:snapkv", "snapkv+grkv", "zsmerge", "keepkv", "am_highest_fast", "kvzip"):
+    for name in ("snapkv", "adakv:snapkv", "snapkv+grkv", "zsmerge", "keepkv", "am_highest_fast", "kvzip", "leverage"):
+        assert name in SPECS
+    for name in ("compactor", "global:snapkv", "global[minimum=0]:kvzip[layerwise=true]"):
         assert name in SPECS
 
 

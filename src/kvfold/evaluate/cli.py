@@ -7,6 +7,8 @@ Both take the same selection flags::
     kvfold fidelity --dataset ruler --length 1024 --samples 1 --methods full,streamingllm \\
         --budgets 0.5,0.2,0.1 --out runs/fid-1k
 
+``kvfold eval --ray [ADDRESS]`` runs the same sweep on Ray workers (:mod:`kvfold.evaluate.distributed`).
+
 Methods and budgets are checked before the model loads, so a typo fails at once.
 """
 
@@ -54,11 +56,31 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _add_ray_args(parser: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]`` and the worker shape (see :mod:`kvfold.evaluate.distributed`)."""
+    group = parser.add_argument_group("Ray (pip install 'kvfold[ray]')")
+    group.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="run the sweep on Ray workers that each load the model once: alone, a local Ray instance with "
+        "one worker per core; with HOST:PORT (or auto), a running cluster (ray start --head)",
+    )
+    group.add_argument(
+        "--ray-workers", type=int, default=None, help="Ray workers to start (default: as many as the CPUs allow)"
+    )
+    group.add_argument("--ray-worker-cpus", type=float, default=1, help="CPUs (torch threads) per worker (default 1)")
+    group.add_argument("--ray-worker-gpus", type=float, default=0, help="GPUs per worker (default 0)")
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the ``eval`` and ``fidelity`` sub-parsers to the ``kvfold`` parser."""
     p = sub.add_parser("eval", help="score methods × budgets on a dataset (resumable)")
     _add_selection_args(p)
     p.add_argument("--query-aware", action="store_true", help="compress each context together with its question")
+    _add_ray_args(p)
 
     p = sub.add_parser("fidelity", help="attention-output error and NLL increase vs the full cache (resumable)")
     _add_selection_args(p)
@@ -173,28 +195,73 @@ def _setup(args: argparse.Namespace):
     _check_dataset(args.dataset)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     samples = load_samples(args, tokenizer)
-    config = {"model": args.model, "dataset": args.dataset, "length": args.length, "seed": args.seed}
-    return methods, budgets, model, tokenizer, samples, config
+    return methods, budgets, model, tokenizer, samples, _run_config(args)
+
+
+def _run_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "dataset": args.dataset, "length": args.length, "seed": args.seed}
+
+
+def _eval_on_ray(args: argparse.Namespace) -> Any:
+    """``kvfold eval --ray``: this process reads the data; Ray workers load the model and answer."""
+    from kvfold.evaluate.distributed import ModelLoader, evaluate_on_ray, require_ray
+    from kvfold.models import load_tokenizer
+
+    methods, budgets = _check_selection(args)
+    if args.ray_workers is not None and args.ray_workers < 1:
+        raise ValueError(f"--ray-workers must be ≥ 1; got {args.ray_workers}")
+    require_ray()
+    _check_dataset(args.dataset)
+    samples = load_samples(args, load_tokenizer(args.model))
+    where = "a local Ray instance" if args.ray == "local" else f"the Ray cluster at {args.ray}"
+    print(f"{describe_samples(samples)} on {where} → {args.out}", file=sys.stderr)
+    result, runner = evaluate_on_ray(
+        ModelLoader(args.model, dtype=args.dtype, device=args.device),
+        samples,
+        methods,
+        budgets,
+        address=None if args.ray == "local" else args.ray,
+        workers=args.ray_workers,
+        cpus_per_worker=args.ray_worker_cpus,
+        gpus_per_worker=args.ray_worker_gpus,
+        query_aware=args.query_aware,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.quiet,
+        run_config=_run_config(args),
+    )
+    by_worker = ", ".join(f"{name} {n}" for name, n in sorted(runner.answers_by_worker.items()))
+    lost = (
+        f"; {runner.workers_lost} workers lost, {runner.resubmitted} contexts resubmitted"
+        if runner.workers_lost
+        else ""
+    )
+    by_worker = by_worker or "none (all resumed)"
+    print(f"Ray workers started: {runner.workers_started}; answers by Ray worker: {by_worker}{lost}", file=sys.stderr)
+    return result
 
 
 def run_eval(args: argparse.Namespace) -> int:
     """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
     from kvfold.evaluate.runner import AVERAGE_TASK, HEADLINE_TASK, evaluate
 
-    methods, budgets, model, tokenizer, samples, config = _setup(args)
-    print(f"{describe_samples(samples)} → {args.out}", file=sys.stderr)
-    result = evaluate(
-        model,
-        tokenizer,
-        samples,
-        methods,
-        budgets,
-        query_aware=args.query_aware,
-        seed=args.seed,
-        out_dir=args.out,
-        progress=not args.quiet,
-        run_config=config,
-    )
+    if args.ray is not None:
+        result = _eval_on_ray(args)
+    else:
+        methods, budgets, model, tokenizer, samples, config = _setup(args)
+        print(f"{describe_samples(samples)} → {args.out}", file=sys.stderr)
+        result = evaluate(
+            model,
+            tokenizer,
+            samples,
+            methods,
+            budgets,
+            query_aware=args.query_aware,
+            seed=args.seed,
+            out_dir=args.out,
+            progress=not args.quiet,
+            run_config=config,
+        )
     for record in result.records:
         if record["task"] in (AVERAGE_TASK, HEADLINE_TASK):
             retention = record.get("retention")

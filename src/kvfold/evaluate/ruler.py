@@ -723,11 +723,17 @@ def _person(rng: random.Random, name: str, employer: str) -> dict[str, str]:
 
 
 def _biography(p: Mapping[str, str]) -> str:
-    first = p["name"].split()[0]
+    """A biography whose every sentence names the person in full.
+
+    Each fact sits in its own sentence after the full name, so a question about one person can be
+    answered by completing a sentence that starts the same way (see :data:`_QA1_QUESTIONS`).
+    """
+    name = p["name"]
     return (
-        f"{p['name']} was born in {p['city']} in {p['year']}. {first} studied {p['field']} at the "
-        f"University of {p['university']} and later worked as {_article(p['occupation'])} {p['occupation']} "
-        f"for {p['employer']}. Outside work, {first} played the {p['instrument']}."
+        f"{name} was born in {p['year']}. {name} grew up in the town of {p['city']}. {name} studied "
+        f"{p['field']} at the University of {p['university']}. {name} later worked as "
+        f"{_article(p['occupation'])} {p['occupation']} for {p['employer']}. Outside work, {name} "
+        f"played the {p['instrument']}."
     )
 
 
@@ -751,12 +757,16 @@ def _company_profile(c: Mapping[str, str]) -> str:
 
 
 _QA1_QUESTIONS = (
-    ("Where was {name} born?", "city"),
-    ("In which year was {name} born?", "year"),
-    ("What did {name} study at university?", "field"),
-    ("Which instrument did {name} play?", "instrument"),
-    ("What was the occupation of {name}?", "occupation"),
+    ("In which town did {name} grow up?", "city", "{name} grew up in the town of"),
+    ("In which year was {name} born?", "year", "{name} was born in"),
+    ("What did {name} study at university?", "field", "{name} studied"),
+    ("Which instrument did {name} play?", "instrument", "Outside work, {name} played the"),
+    ("What did {name} work as?", "occupation", "{name} later worked as"),
 )
+"""``(question, fact, answer prefix)``: the prefix restates the start of the sentence holding the
+fact, as a needle's answer prefix does ("... is"); it names only the person already named in the
+question, never the fact. Measured on SmolLM2-135M (full cache, 2K): with a bare ``"Answer:"``
+prefix the model answers in the right form with another person's fact (0 of 8)."""
 _QA2_QUESTIONS = (
     ("In which city is the company that {name} worked for headquartered?", "city"),
     ("Who founded the company that {name} worked for?", "founder"),
@@ -801,25 +811,57 @@ def _qa_context(distractors: Callable[[int], list[str]], gold: Sequence[tuple[fl
     return "The following documents are given.\n\n" + numbered
 
 
-def _plan_qa(seed: str, hops: int) -> _Plan:
-    """A question about a generated biography (``hops=1``) or via it about a company (``hops=2``)."""
+def _askable_questions(person: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """The :data:`_QA1_QUESTIONS` whose answer occurs once in the person's biography and nowhere
+    in the prose haystack (so the answer occurs in the context exactly once, at any length)."""
+    prose = " ".join(load_haystack().split()).lower()
+    biography = _biography(person).lower()
+    askable = []
+    for question in _QA1_QUESTIONS:
+        pattern = re.compile(rf"\b{re.escape(person[question[1]].lower())}\b")
+        if len(pattern.findall(biography)) == 1 and not pattern.search(prose):
+            askable.append(question)
+    return askable
+
+
+def _plan_qa1(seed: str) -> _Plan:
+    """A fact about a generated person whose biography is hidden in the prose haystack."""
+    rng = random.Random(seed)
+    person = _person(rng, _person_name(rng), _company_name(rng))
+    while not (askable := _askable_questions(person)):
+        person = _person(rng, _person_name(rng), _company_name(rng))
+    template, field, sentence_start = rng.choice(askable)
+    depth = rng.random()
+    sentences = haystack_sentences()
+    start = rng.randrange(len(sentences))
+    gold = [(depth, _biography(person))]
+    asked = _Question(
+        "\n\nAnswer the question based on the text above. Only give the answer and no other words."
+        f"\n\nQuestion: {template.format(name=person['name'])}",
+        (person[field],),
+        "Answer: " + sentence_start.format(name=person["name"]),
+    )
+    preamble = "The biography of a person is hidden in the text below. Memorize it.\n"
+    return _Plan(
+        questions=(asked,),
+        build=lambda n: preamble + " ".join(_insert_at_depths(_cycle(sentences, start, n), gold, " ")),
+        depth=depth,
+    )
+
+
+def _plan_qa2(seed: str) -> _Plan:
+    """A question about the company a generated person worked for, among generated documents."""
     rng = random.Random(seed)
     company = _company(rng, _company_name(rng))
     person = _person(rng, _person_name(rng), company["name"])
     depth = rng.random()
-    if hops == 1:
-        template, field = rng.choice(_QA1_QUESTIONS)
-        answer = person[field]
-        gold = [(depth, _biography(person))]
-    else:
-        template, field = rng.choice(_QA2_QUESTIONS)
-        answer = company[field]
-        gold = [(depth, _company_profile(company)), (rng.random(), _biography(person))]
+    template, field = rng.choice(_QA2_QUESTIONS)
+    answer = company[field]
+    gold = [(depth, _company_profile(company)), (rng.random(), _biography(person))]
     distractors = _distractor_documents(seed, person["name"], company["name"], answer)
-    question = template.format(name=person["name"])
     asked = _Question(
         "\n\nAnswer the question based on the given documents. Only give the answer and no other "
-        f"words.\n\nQuestion: {question}",
+        f"words.\n\nQuestion: {template.format(name=person['name'])}",
         (answer,),
         "Answer:",
     )
@@ -843,7 +885,7 @@ def _plan(task: str, seed: str) -> _Plan:
         return _plan_cwe(seed)
     if task == "fwe":
         return _plan_fwe(seed)
-    return _plan_qa(seed, hops=1 if task == "qa_1" else 2)
+    return _plan_qa1(seed) if task == "qa_1" else _plan_qa2(seed)
 
 
 def _generate_context(

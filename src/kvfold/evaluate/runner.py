@@ -31,8 +31,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,22 @@ from kvfold.evaluate.stats import Interval, TaskScores, macro_retention, macro_s
 from kvfold.methods import build_method
 from kvfold.pipeline import prefill
 
-__all__ = ["EvalResult", "aggregate", "answer_context", "context_id", "evaluate", "plan_runs", "sample_keys"]
+__all__ = [
+    "EvalResult",
+    "ItemRunner",
+    "WorkItem",
+    "aggregate",
+    "answer_context",
+    "context_id",
+    "evaluate",
+    "local_runner",
+    "plan_items",
+    "plan_runs",
+    "row_key",
+    "run_item",
+    "run_sweep",
+    "sample_keys",
+]
 
 PREDICTIONS_FILE = "predictions.jsonl"
 RESULTS_FILE = "results.json"
@@ -137,6 +153,11 @@ def sample_keys(samples: Sequence[Sample]) -> list[str]:
 
 def _unit_key(sample_id: str, method: str, budget: float | int, query_aware: bool) -> tuple[str, str, str, bool]:
     return sample_id, method, json.dumps(budget), bool(query_aware)
+
+
+def row_key(row: Mapping[str, Any]) -> tuple[str, str, str, bool]:
+    """The key that identifies a prediction row in a sweep: sample id, method, budget, query-awareness."""
+    return _unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])
 
 
 def _use_chat_template(sample: Sample) -> bool | None:
@@ -251,9 +272,7 @@ def aggregate(predictions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for p in predictions:
         groups[(p["method"], p["budget"], bool(p["query_aware"]))][p["task"]].append(p)
     full_by_task = _full_predictions(predictions)
-    full_scores = {
-        key: _task_scores(list(rows.values())).mean() for key, rows in full_by_task.items() if rows
-    }
+    full_scores = {key: _task_scores(list(rows.values())).mean() for key, rows in full_by_task.items() if rows}
     records = []
     for (method, budget, query_aware), tasks in groups.items():
         rows = []
@@ -327,6 +346,106 @@ def _mean(values: Any) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
+@dataclass(frozen=True)
+class WorkItem:
+    """One context's share of a sweep: prefilled once, compressed once per (method, budget).
+
+    The unit a sweep is cut into; :func:`run_item` answers it on any process that holds the
+    model, so a sweep can run here (:func:`evaluate`) or on a cluster
+    (:mod:`kvfold.evaluate.distributed`).
+
+    Attributes:
+        index: position of the item in the sweep (the serial order of its answers).
+        samples: samples sharing one context and prompt format (one sample when query-aware).
+        sample_ids: their ids (:func:`sample_keys`).
+        runs: ``(method spec, budget)`` pairs with at least one answer to produce.
+        skip: unit keys already answered (earlier runs, or an earlier attempt of this item).
+        query_aware: compress the context together with its question.
+        seed: seed for randomized methods.
+    """
+
+    index: int
+    samples: tuple[Sample, ...]
+    sample_ids: tuple[str, ...]
+    runs: tuple[tuple[str, Budget], ...]
+    skip: frozenset[tuple[str, str, str, bool]] = frozenset()
+    query_aware: bool = False
+    seed: int = 0
+
+    def unit_keys(self) -> list[tuple[str, str, str, bool]]:
+        """The keys of the answers this item produces, in the order it produces them."""
+        keys = [
+            _unit_key(sid, spec, budget.label(), self.query_aware)
+            for spec, budget in self.runs
+            for sid in self.sample_ids
+        ]
+        return [k for k in keys if k not in self.skip]
+
+
+ItemRunner = Callable[[Sequence[WorkItem], Callable[[str], None]], Iterable[dict[str, Any]]]
+"""Answers work items: ``runner(items, status)`` yields prediction rows in any order (a row may
+come twice, e.g. when a lost worker's item is retried: the sweep keeps the first), and may call
+``status(text)`` to show what it is doing next to the progress bar."""
+
+
+def run_item(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    item: WorkItem,
+    on_method: Callable[[str, Budget], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The prediction rows of one work item (:func:`answer_context` on its samples)."""
+    return answer_context(
+        model,
+        tokenizer,
+        item.samples,
+        item.sample_ids,
+        item.runs,
+        query_aware=item.query_aware,
+        seed=item.seed,
+        skip=item.skip,
+        on_method=on_method,
+    )
+
+
+def local_runner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ItemRunner:
+    """The serial :data:`ItemRunner`: every item in order, on this process's model."""
+
+    def run(items: Sequence[WorkItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+        for item in items:
+            yield from run_item(model, tokenizer, item, lambda spec, budget: status(f"{spec} @ {budget}"))
+
+    return run
+
+
+def plan_items(
+    samples: Sequence[Sample],
+    runs: Sequence[tuple[str, Budget]],
+    done: Collection[tuple[str, str, str, bool]] = (),
+    *,
+    query_aware: bool = False,
+    seed: int = 0,
+) -> list[WorkItem]:
+    """Cut a sweep into work items, leaving out answers already in ``done``.
+
+    An item is one prefill group (:func:`answer_context`) with the runs that still miss an answer
+    for one of its samples; a group whose answers are all in ``done`` gives no item.
+    """
+    key_of = {id(s): k for s, k in zip(samples, sample_keys(samples), strict=True)}
+    items: list[WorkItem] = []
+    for group in _prefill_groups(samples, query_aware):
+        ids = tuple(key_of[id(s)] for s in group)
+        pending = tuple(
+            (spec, b)
+            for spec, b in runs
+            if any(_unit_key(sid, spec, b.label(), query_aware) not in done for sid in ids)
+        )
+        if pending:
+            skip = frozenset(k for k in done if k[0] in ids)
+            items.append(WorkItem(len(items), tuple(group), ids, pending, skip, query_aware, seed))
+    return items
+
+
 def evaluate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -362,59 +481,99 @@ def evaluate(
     Raises:
         ValueError: an invalid spec or budget, no samples, or ``out_dir`` holding another run.
     """
+    config = run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__, "seed": seed}
+    return run_sweep(
+        local_runner(model, tokenizer),
+        samples,
+        methods,
+        budgets,
+        query_aware=query_aware,
+        seed=seed,
+        out_dir=out_dir,
+        progress=progress,
+        run_config=config,
+    )
+
+
+def run_sweep(
+    runner: ItemRunner,
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    query_aware: bool = False,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    run_config: Mapping[str, Any],
+) -> EvalResult:
+    """:func:`evaluate` with the answering left to ``runner`` (serial here, or a cluster).
+
+    The sweep is cut into :class:`WorkItem` s (answers already in ``out_dir`` left out), the
+    runner's rows are kept once each (by sample, method, budget and query-awareness), appended to
+    ``predictions.jsonl`` as they arrive and counted by the progress bar; at the end the rows of
+    this call are put in the serial order in the file, so it reads as a serial run's would.
+
+    Args:
+        runner: answers the items (:func:`local_runner`, :class:`kvfold.evaluate.distributed.RayRunner`).
+        samples, methods, budgets, query_aware, seed, out_dir, progress: as for :func:`evaluate`.
+        run_config: what identifies the run for resuming (model, dataset, length, seed).
+
+    Returns:
+        An :class:`EvalResult`, as :func:`evaluate`.
+
+    Raises:
+        ValueError: an invalid spec or budget, no samples, or ``out_dir`` holding another run.
+        RuntimeError: the runner ended without producing every answer.
+    """
     from tqdm.auto import tqdm
 
     if not samples:
         raise ValueError("no samples to evaluate")
     runs = plan_runs(methods, budgets)
-    config = dict(
-        run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__, "seed": seed}
-    )
+    config = dict(run_config)
     keys = sample_keys(samples)
     done: dict[tuple[str, str, str, bool], dict[str, Any]] = {}
     writer = None
+    written_before = 0
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         check_run_config(out_dir, config)
         for row in read_predictions(out_dir / PREDICTIONS_FILE):
-            done[_unit_key(row["sample_id"], row["method"], row["budget"], row["query_aware"])] = row
-        writer = (out_dir / PREDICTIONS_FILE).open("a", encoding="utf-8")
-    key_of = {id(s): k for s, k in zip(samples, keys, strict=True)}
-    todo = sum(_unit_key(key_of[id(s)], spec, b.label(), query_aware) not in done for s in samples for spec, b in runs)
+            done[row_key(row)] = row
+        _check_stale_rows(out_dir / PREDICTIONS_FILE, done.values(), dict(zip(keys, samples, strict=True)))
+        path = out_dir / PREDICTIONS_FILE
+        written_before = path.stat().st_size if path.exists() else 0
+        writer = path.open("a", encoding="utf-8")
+    items = plan_items(samples, runs, done, query_aware=query_aware, seed=seed)
+    order = {key: n for n, key in enumerate(key for item in items for key in item.unit_keys())}
     total = len(samples) * len(runs)
-    bar = tqdm(total=total, initial=total - todo, disable=not progress, desc="eval", unit="answer", dynamic_ncols=True)
+    bar = tqdm(
+        total=total, initial=total - len(order), disable=not progress, desc="eval", unit="answer", dynamic_ncols=True
+    )
+    arrived: list[tuple[str, str, str, bool]] = []
     try:
-        for group in _prefill_groups(samples, query_aware):
-            pending = [
-                (spec, b)
-                for spec, b in runs
-                if any(_unit_key(key_of[id(s)], spec, b.label(), query_aware) not in done for s in group)
-            ]
-            if not pending:
-                continue
-            skip = {k for k in done if k[0] in {key_of[id(s)] for s in group}}
-            for row in answer_context(
-                model,
-                tokenizer,
-                group,
-                [key_of[id(s)] for s in group],
-                pending,
-                query_aware=query_aware,
-                seed=seed,
-                skip=skip,
-                on_method=lambda spec, budget: bar.set_postfix_str(f"{spec} @ {budget}", refresh=False),
-            ):
-                done[_unit_key(row["sample_id"], row["method"], row["budget"], query_aware)] = row
-                if writer is not None:
-                    writer.write(json.dumps(row) + "\n")
-                    writer.flush()
-                bar.update(1)
+        for row in runner(items, lambda text: bar.set_postfix_str(text, refresh=False)):
+            key = row_key(row)
+            if key not in order or key in done:
+                continue  # a retried item's answer that arrived before, or none of this sweep's
+            done[key] = row
+            arrived.append(key)
+            if writer is not None:
+                writer.write(json.dumps(row) + "\n")
+                writer.flush()
+            bar.update(1)
     finally:
         bar.close()
         if writer is not None:
             writer.close()
-    predictions = [done[_unit_key(key_of[id(s)], spec, b.label(), query_aware)] for spec, b in runs for s in samples]
+    missing = [key for key in order if key not in done]
+    if missing:
+        raise RuntimeError(f"{len(missing)} answers were not produced (first: {missing[0]}); rerun to resume")
+    if out_dir is not None and arrived != sorted(arrived, key=order.__getitem__):
+        _rewrite_in_order(out_dir / PREDICTIONS_FILE, written_before, [done[k] for k in sorted(arrived, key=order.get)])
+    predictions = [done[_unit_key(k, spec, b.label(), query_aware)] for spec, b in runs for k in keys]
     result = EvalResult(
         model=str(config.get("model", "")), records=aggregate(predictions), predictions=predictions, out_dir=out_dir
     )
@@ -424,6 +583,38 @@ def evaluate(
         (out_dir / RESULTS_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
         write_eval_report(out_dir, result.records, title_info=config)
     return result
+
+
+def _check_stale_rows(path: Path, rows: Iterable[Mapping[str, Any]], samples: Mapping[str, Sample]) -> None:
+    """Refuse to resume from answers to another version of a sample (same id, other text).
+
+    A sample id names a task, length, seed and index; if the generator or the user's file changed
+    since the answers were written, reusing them would mix two datasets in one report.
+    """
+    for row in rows:
+        sample = samples.get(row["sample_id"])
+        if sample is None:
+            continue
+        stale = ("context_id" in row and row["context_id"] != context_id(sample.context)) or (
+            "answers" in row and list(row["answers"]) != list(sample.answers)
+        )
+        if stale:
+            raise ValueError(
+                f"{path} holds an answer to sample {row['sample_id']!r} written for another version of "
+                "its context or answers (the dataset changed since that run); use a new --out directory, "
+                "or delete that file's rows of the changed tasks to rerun them"
+            )
+
+
+def _rewrite_in_order(path: Path, keep_bytes: int, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Replace what follows the first ``keep_bytes`` bytes of ``path`` by ``rows``, atomically."""
+    with path.open("rb") as f:
+        head = f.read(keep_bytes)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(head)
+        f.write("".join(json.dumps(row) + "\n" for row in rows).encode("utf-8"))
+    os.replace(tmp, path)
 
 
 def context_id(context: str) -> str:

@@ -15,7 +15,12 @@ from kvfold.methods.core.base import (
 )
 from kvfold.methods.core.spec import SpecError, parse_spec, split_specs
 
+RECOMMENDED = "kvzip+am_fit"
+"""The pipeline recommended for query-agnostic compaction, shown by ``kvfold demo`` beside the full
+cache, ``kvzip`` and ``leverage``. The one place to change when measurements pick another (issue 24)."""
+
 __all__ = [
+    "RECOMMENDED",
     "REGISTRY",
     "ComposedMethod",
     "CompressionContext",

@@ -225,11 +225,26 @@ class Allocator(Method):
         allocates first; then each wrapper, innermost first); unchanged by default."""
         return counts
 
+    def plan(self, method: ComposedMethod, budgets: list[torch.Tensor], ctx: CompressionContext) -> list[torch.Tensor]:
+        """Revise the layer budgets before any layer is compressed, seeing every layer (e.g. one
+        ranking over all layers: ``global:``); called for each wrapper, innermost first.
+
+        Each budget is ``(B,)`` (entries per head of the layer) or ``(B, H)`` (per head); a layer is
+        left untouched when every head's budget reaches its valid entries.
+        ``method.layer_scores(layer_idx, layer, ctx)`` gives a layer's final scores (computed once
+        per compression). Unchanged by default.
+        """
+        return budgets
+
 
 class Selector(Allocator):
     """Scores entries; the highest-scored (plus protected ones) are kept."""
 
     role: ClassVar[str] = "selector"
+    comparable_scores: ClassVar[bool] = False
+    """True when scores are on one scale in every layer (attention probabilities: SnapKV, KVzip,
+    H2O, TOVA), so a ranking over all layers (``global:``) may compare them as they are; False
+    (key norms, leverage, …): ``global:`` standardises each layer first."""
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor:
         """Importance of every entry, ``(B, H, N)`` float32; higher is kept first."""
@@ -240,7 +255,7 @@ class Selector(Allocator):
         return None
 
     def layer_budgets(self, ctx: CompressionContext) -> list[torch.Tensor]:
-        """Entries per KV head for every layer, ``(B,)`` each; uniform by default."""
+        """Entries per KV head for every layer, ``(B,)`` each (or ``(B, H)``: per head); uniform by default."""
         per_row = ctx.row_budgets
         return [per_row.clone() for _ in range(ctx.num_layers)]
 
@@ -424,8 +439,27 @@ class ComposedMethod:
         for part in reversed(self.parts):
             part.prepare(ctx)
         budgets = self.selector.layer_budgets(ctx)
+        for wrapper in reversed(self.wrappers):
+            budgets = wrapper.plan(self, budgets, ctx)
         for layer_idx, layer in ctx.cache.folded_layers:
             self._compress_layer(layer_idx, layer, budgets[layer_idx], ctx)
+            ctx.memo.pop(("layer_scores", layer_idx), None)
+
+    def layer_scores(
+        self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A layer's final scores ``(B, H, N)`` float32 (the selector's, rescored by every wrapper,
+        innermost first) and the scores each wrapper's rescore was given; computed once per
+        compression (kept in ``ctx.memo`` until the layer is compressed)."""
+        key = ("layer_scores", layer_idx)
+        if key not in ctx.memo:
+            scores = self.selector.score(layer_idx, layer, ctx).float()
+            received = []  # the scores each wrapper's rescore was given, innermost first
+            for wrapper in reversed(self.wrappers):
+                received.append(scores)
+                scores = wrapper.rescore(layer_idx, layer, scores, ctx)
+            ctx.memo[key] = (scores, received)
+        return ctx.memo[key]
 
     def apply(self, ctx: CompressionContext) -> Any:
         """Compress ``ctx.cache`` in place (unless the method or the budget keeps everything) and
@@ -457,14 +491,12 @@ class ComposedMethod:
 
         valid = layer.valid_mask()
         n_valid = valid.sum(-1)  # (B, H)
-        counts = torch.minimum(per_row.to(valid.device)[:, None].expand_as(n_valid), n_valid)
+        per_row = per_row.to(valid.device)
+        per_head = per_row[:, None].expand_as(n_valid) if per_row.dim() == 1 else per_row  # (B, H) from plan()
+        counts = torch.minimum(per_head, n_valid)
         if bool((counts >= n_valid).all()):
             return  # nothing to evict in this layer
-        scores = self.selector.score(layer_idx, layer, ctx).float()
-        received = []  # the scores each wrapper's rescore was given, innermost first
-        for wrapper in reversed(self.wrappers):
-            received.append(scores)
-            scores = wrapper.rescore(layer_idx, layer, scores, ctx)
+        scores, received = self.layer_scores(layer_idx, layer, ctx)
         protected = self.selector.protected(layer_idx, layer, ctx)
         counts = self.selector.allocate(layer_idx, layer, scores, counts, protected, ctx)
         for wrapper in reversed(self.wrappers):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfold.methods.core.selection import _as_counts, _priority_order
+from kvfold.methods.core.selection import _as_counts, _priority_order, topk_keep
 
 Tensor = torch.Tensor
 
@@ -21,6 +21,7 @@ __all__ = [
     "adakv_head_budgets",
     "apportion",
     "cosine_layer_budgets",
+    "global_head_budgets",
     "pyramid_layer_budgets",
     "uniform_layer_budgets",
 ]
@@ -248,3 +249,70 @@ def adakv_head_budgets(
     remaining = (per_head.sum(dim=-1) - floor.sum(dim=-1)).clamp_min(0)  # (B,)
     taken = in_pool.reshape(batch, 1, -1) & (pool_rank < remaining[:, None, None])
     return floor + taken.reshape(batch, heads, length).sum(dim=-1)
+
+
+def global_head_budgets(
+    scores: Sequence[Tensor],
+    totals: int | Tensor,
+    protected: Sequence[Tensor | None] | None = None,
+    valid: Sequence[Tensor | None] | None = None,
+    minimum: int = 0,
+) -> list[Tensor]:
+    """Per-(layer, head) budgets from **one ranking of every entry of every layer and head**
+    (KVzip's non-uniform allocation, Kim et al. 2025, arXiv:2505.23416, §3.2).
+
+    For each batch row, the ``totals[b]`` kept entries are: the protected ones, then each
+    ``(layer, head)``'s ``minimum`` best (a floor, so that no head is left empty), then the
+    highest scores of all layers and heads together. Ties go to the lower layer, head, position.
+    Scores must be comparable across the parts they are ranked with (normalise first where they
+    are not, e.g. :func:`kvfold.methods.core.scoring.zscore` per layer).
+
+    Args:
+        scores: one ``(B, H_l, N_l)`` tensor per layer (layers may differ in heads and length).
+        totals: entries kept per batch row over all the given layers: an int or ``(B,)``.
+        protected: per layer ``(B, H_l, N_l)`` bool or None (kept first).
+        valid: per layer ``(B, H_l, N_l)`` bool or None (padding is never kept).
+        minimum: least entries per (layer, head) (protected ones count), capped by its valid entries.
+
+    Returns:
+        One ``(B, H_l)`` long tensor per layer; per batch row they sum to exactly
+        ``min(totals[b], valid entries)`` (more only when the floors alone exceed it).
+
+    Example:
+        >>> a = torch.tensor([[[0.9, 0.8, 0.7], [0.1, 0.1, 0.1]]])  # layer 0: head 0 scores high
+        >>> b = torch.tensor([[[0.2, 0.6, 0.0]]])                     # layer 1: one head
+        >>> [c.tolist() for c in global_head_budgets([a, b], 4)]
+        [[[3, 0]], [[1]]]
+    """
+    if not scores:
+        raise ValueError("need the scores of at least one layer")
+    if minimum < 0:
+        raise ValueError(f"minimum must be ≥ 0; got {minimum}")
+    batch, device = scores[0].shape[0], scores[0].device
+    shapes = [tuple(s.shape) for s in scores]
+    flat_scores, flat_prot, flat_valid = [], [], []
+    for j, s in enumerate(scores):
+        ok = torch.ones_like(s, dtype=torch.bool) if valid is None or valid[j] is None else valid[j].bool()
+        prot = torch.zeros_like(ok) if protected is None or protected[j] is None else protected[j].bool() & ok
+        if minimum:  # the floor: each head's first `minimum` entries in keep-first order count as protected
+            order = _priority_order(s, prot, ok)[..., :minimum]
+            floor = torch.zeros_like(ok).scatter_(-1, order, True) & ok
+            prot = prot | floor
+        flat_scores.append(s.reshape(batch, -1).to(torch.float64))
+        flat_prot.append(prot.reshape(batch, -1))
+        flat_valid.append(ok.reshape(batch, -1))
+    flat = torch.cat(flat_scores, dim=-1)[:, None]  # (B, 1, Σ H_l·N_l)
+    prot = torch.cat(flat_prot, dim=-1)[:, None]
+    ok = torch.cat(flat_valid, dim=-1)[:, None]
+    totals_t = _as_counts(totals, batch, 1, device)
+    totals_t = torch.maximum(totals_t, prot.sum(-1))  # protected entries (and floors) are always kept
+    keep, lengths = topk_keep(flat, totals_t, protected=prot, valid=ok)
+    in_row = torch.arange(keep.shape[-1], device=device)[None, :] < lengths  # (B, K)
+    hits = torch.zeros(batch, flat.shape[-1], dtype=torch.long, device=device)
+    hits.scatter_add_(1, keep[:, 0], in_row.long())
+    out, offset = [], 0
+    for b_, heads, length in shapes:
+        part = hits[:, offset : offset + heads * length].view(b_, heads, length)
+        out.append(part.sum(-1))
+        offset += heads * length
+    return out

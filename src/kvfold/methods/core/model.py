@@ -99,6 +99,48 @@ def unrotate(queries: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (y * cos - rotate_half(y) * sin) / (cos * cos + sin * sin)
 
 
+def pre_rope_keys(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> Tensor:
+    """The layer's keys before RoPE, ``(B, H_kv, N, D)`` float32 (float64 for a float64 cache).
+
+    The cache holds rotated keys ``R_t k``; RoPE is a rotation at a known position, so
+    :func:`unrotate` with the model's own tables gives ``k`` back exactly (up to rounding) — no
+    hook and no extra pass. The position of a slot is its rank among the row's valid entries
+    (left padding skipped, as the prefill's ``position_ids``), which holds only while the layer
+    is uncompressed (one slot per position seen).
+
+    Raises:
+        ValueError: the layer was already compressed (slots no longer map to positions).
+    """
+    keys, _, log_mass, _ = layer.padded()
+    valid = torch.isfinite(log_mass)
+    if layer.paged is not None or layer.physical_length != layer.logical_length:
+        raise ValueError(
+            f"layer {layer_idx} holds {layer.physical_length} entries for {layer.logical_length} positions: "
+            "pre-RoPE keys need an uncompressed prefill (slot = position); compress the full context "
+            "instead of a chunked or already compressed cache"
+        )
+    positions = (valid[:, 0].long().cumsum(-1) - 1).clamp_min(0)  # (B, N): as the prefill's position_ids
+    out = torch.empty(keys.shape, dtype=torch.promote_types(keys.dtype, torch.float32), device=keys.device)
+    for b in range(keys.shape[0]):  # rows differ in padding, so in positions
+        cos, sin = rope_tables(ctx.model, layer_idx, positions[b])
+        out[b] = unrotate(keys[b], cos, sin)
+    return out
+
+
+def observe_prefill(ctx: CompressionContext, observers: list) -> None:
+    """Re-run the prefill of ``ctx.input_ids`` with prefill observers and copy their statistics
+    into ``ctx.cache`` (for a context prefilled without them). Costs one extra forward pass."""
+    model = ctx.model
+    if model.config._attn_implementation != "kvfold":
+        raise ValueError("prefill statistics need the kvfold attention: call kvfold.enable(model) first")
+    scratch = FoldedCache(model.config)
+    scratch.prefill_observers = list(observers)
+    prefill_again(ctx, scratch)
+    for layer_idx, layer in ctx.cache.folded_layers:
+        for observer in observers:
+            layer.entry_stats[observer.key] = scratch.layers[layer_idx].entry_stats[observer.key]
+
+
 def prefill_again(ctx: CompressionContext, scratch: FoldedCache) -> None:
     """Run the prefill of ``ctx.input_ids`` once more into ``scratch`` (an empty cache set up with
     what the caller needs: a query window to capture, prefill observers), as the pipeline ran it:

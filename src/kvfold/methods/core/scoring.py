@@ -26,6 +26,7 @@ heads (AdaKV) without ``inf · 0`` or ``inf − inf``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -556,3 +557,136 @@ def critical_reweight(
         result = (a + epsilon) * group_norm
     result = result.masked_fill(dropped, float("-inf"))
     return _mask_invalid(result, valid)
+
+
+# ---------------------------------------------------------------------------- leverage (Compactor)
+
+
+def zscore(scores: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Standardise ``(B, H, N)`` scores per batch row over all heads and valid entries:
+    ``(s − mean) / std`` (std floored at 1e-6, population variance). Invalid entries get ``-inf``.
+
+    Compactor normalises both of its scores this way before blending them (Chari & Van Durme
+    2025, arXiv:2507.08143); an affine map per row, so it keeps every head's order and the
+    comparison of heads within a layer.
+    """
+    dtype = _compute_dtype(scores)
+    s = scores.to(dtype)
+    ok = torch.isfinite(s) if valid is None else valid.to(torch.bool) & torch.isfinite(s)
+    count = ok.sum(dim=(1, 2), keepdim=True).clamp_min(1)
+    zeroed = torch.where(ok, s, torch.zeros_like(s))
+    mean = zeroed.sum(dim=(1, 2), keepdim=True) / count
+    var = (torch.where(ok, s - mean, torch.zeros_like(s)) ** 2).sum(dim=(1, 2), keepdim=True) / count
+    z = (s - mean) / var.sqrt().clamp_min(1e-6)
+    return z.masked_fill(~ok, float("-inf"))
+
+
+def leverage_scores(
+    keys: Tensor,
+    sketch: int = 48,
+    generator: torch.Generator | None = None,
+    valid: Tensor | None = None,
+    ridge: float = 1e-6,
+) -> Tensor:
+    """Approximate statistical leverage of every key (Chari & Van Durme 2025, "Compactor:
+    Calibrated Query-Agnostic KV Cache Compression with Approximate Leverage Scores",
+    arXiv:2507.08143): how far a key lies outside the span of the others.
+
+    Per batch row and head, with ``K`` the ``n × D`` matrix of the valid keys:
+
+    * centre: ``K̄ = K − 1 μᵀ``, ``μ`` the mean valid key;
+    * right Gaussian sketch: ``X = K̄ Φ``, ``Φ ∈ R^{D×k}``, ``Φ_ij ~ N(0, 1/k)`` (``k = sketch``);
+    * leverage ``ℓ_i = x_iᵀ (XᵀX + λ I)⁻¹ x_i`` — the diagonal of the hat matrix of ``X``, i.e.
+      the squared row norms of ``U`` in ``X = U Σ Vᵀ``; ``λ = ridge · tr(XᵀX)/k`` only guards a
+      rank-deficient Gram matrix.
+
+    ``sketch=0`` (or ``k ≥ D``: the sketch then has the column space of ``K̄``) gives the exact
+    leverage of ``K̄``. The ``k × k`` system is solved by Cholesky in float64 (``O(n·k²)``, no
+    ``n × n`` matrix). Without ridge, ``Σ_i ℓ_i = rank(X)``.
+
+    Args:
+        keys: ``(B, H, N, D)``, normally **pre-RoPE** keys (see
+            :func:`kvfold.methods.core.model.pre_rope_keys`).
+        sketch: ``k`` (48 in the paper's release); 0 = exact.
+        generator: draws ``Φ`` (one per batch row and head), for reproducible scores.
+        valid: ``(B, H, N)`` bool or None; padding is left out of the mean and the Gram matrix.
+        ridge: relative ridge ``λ`` (≥ 0).
+
+    Returns:
+        ``(B, H, N)`` leverage in ``[0, 1]`` (float64), ``-inf`` on padding.
+    """
+    if sketch < 0 or ridge < 0:
+        raise ValueError(f"sketch and ridge must be ≥ 0; got sketch={sketch}, ridge={ridge}")
+    batch, heads, length, dim = keys.shape
+    k = keys.to(torch.float64)
+    ok = torch.ones(batch, heads, length, dtype=torch.bool, device=keys.device) if valid is None else valid.bool()
+    weight = ok[..., None].to(torch.float64)
+    mean = (k * weight).sum(dim=2, keepdim=True) / weight.sum(dim=2, keepdim=True).clamp_min(1)
+    centred = (k - mean) * weight  # padding rows are zero: they add nothing to XᵀX
+    if 0 < sketch < dim:
+        phi = torch.randn(batch, heads, dim, sketch, generator=generator, dtype=torch.float64)
+        x = centred @ (phi.to(keys.device) / math.sqrt(sketch))  # X = K̄ Φ, (B, H, N, k)
+    else:
+        x = centred
+    gram = x.transpose(-1, -2) @ x  # XᵀX, (B, H, k, k)
+    width = gram.shape[-1]
+    eye = torch.eye(width, dtype=torch.float64, device=keys.device)
+    scale = gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None] / width
+    jitter = ridge * scale.clamp_min(torch.finfo(torch.float64).tiny)
+    for _ in range(8):  # Cholesky of XᵀX + λI; raise λ if the Gram matrix is singular
+        factor, info = torch.linalg.cholesky_ex(gram + jitter * eye)
+        if not bool((info != 0).any()):
+            break
+        jitter = torch.where(info[..., None, None] != 0, jitter * 100 + 1e-12 * scale + 1e-300, jitter)
+    else:  # pragma: no cover - only for NaN inputs
+        raise ValueError("leverage: the sketched Gram matrix is not positive definite (non-finite keys?)")
+    # ℓ_i = ‖L⁻¹ x_i‖², with XᵀX + λI = L Lᵀ
+    solved = torch.linalg.solve_triangular(factor, x.transpose(-1, -2), upper=False)  # (B, H, k, N)
+    scores = (solved * solved).sum(dim=-2).clamp_min(0)
+    return scores.masked_fill(~ok, float("-inf"))
+
+
+def noncausal_chunk_attention(
+    queries: Tensor,
+    keys: Tensor,
+    chunk: int = 256,
+    scaling: float = 1.0,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """Compactor's attention score (Chari & Van Durme 2025, arXiv:2507.08143): the attention each
+    key receives from the queries of its own chunk of ``chunk`` tokens, **non-causally** (a query
+    also sees the later keys of its chunk), summed over those queries and averaged over the GQA
+    group. Chunks start at each row's first valid token; the last chunk may be shorter.
+
+    Cost ``O(N · chunk · D)`` per head: the whole prefill's queries, none of the ``N × N`` matrix.
+
+    Args:
+        queries: ``(B, H_q, N, D)`` post-RoPE queries of every context token (a prefill's).
+        keys: ``(B, H_kv, N, D)`` post-RoPE keys of the same tokens.
+        chunk: tokens per chunk (≥ 1).
+        scaling: logit scale (the authors' release uses 1, i.e. unscaled ``q·k``).
+        valid: ``(B, H_kv, N)`` bool or None: padding neither attends nor is attended.
+
+    Returns:
+        ``(B, H_kv, N)`` float32 (float64 for float64 inputs), ``-inf`` on padding.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be ≥ 1; got {chunk}")
+    batch, num_q_heads, length, dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    groups = _groups(num_q_heads, num_kv_heads)
+    if keys.shape[2] != length:
+        raise ValueError(f"need one query per key; got {length} queries and {keys.shape[2]} keys")
+    dtype = _compute_dtype(queries, keys)
+    ok = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=keys.device) if valid is None else valid
+    out = torch.zeros(batch, num_kv_heads, length, dtype=dtype, device=keys.device)
+    for b in range(batch):
+        start = int(length - ok[b, 0].sum())  # left padding: the row's tokens are its last ones
+        for lo in range(start, length, chunk):
+            hi = min(lo + chunk, length)
+            q = queries[b, :, lo:hi].to(dtype).reshape(num_kv_heads, groups * (hi - lo), dim)
+            logits = torch.matmul(q * scaling, keys[b, :, lo:hi].to(dtype).transpose(-1, -2))
+            logits = logits.masked_fill(~ok[b, :, None, lo:hi], float("-inf"))
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # (H_kv, G·c, c)
+            out[b, :, lo:hi] = probs.sum(dim=1) / groups  # Σ over the chunk's queries, mean over G
+    return _mask_invalid(out, valid)

@@ -13,9 +13,9 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
-from kvfold.methods.core.model import prefill_again
+from kvfold.methods.core.model import observe_prefill
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import (
     h2o_scores,
@@ -48,20 +48,6 @@ class H2OPrefillObserver:
         layer.entry_stats[self.key] = h2o_scores(
             query, keys, scaling, chunk=self.chunk, gqa_reduce="sum", log_mass=beta, valid=valid
         )
-
-
-def observe_prefill(ctx: CompressionContext, observers: list) -> None:
-    """Re-run the prefill of ``ctx.input_ids`` with prefill observers and copy their statistics
-    into ``ctx.cache`` (for a context prefilled without them). Costs one extra forward pass."""
-    model = ctx.model
-    if model.config._attn_implementation != "kvfold":
-        raise ValueError("prefill statistics need the kvfold attention: call kvfold.enable(model) first")
-    scratch = FoldedCache(model.config)
-    scratch.prefill_observers = list(observers)
-    prefill_again(ctx, scratch)
-    for layer_idx, layer in ctx.cache.folded_layers:
-        for observer in observers:
-            layer.entry_stats[observer.key] = scratch.layers[layer_idx].entry_stats[observer.key]
 
 
 class H2OOnline(OnlineEviction):
@@ -127,6 +113,7 @@ class H2O(Selector):
         "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models"
     )
     supports_chunked_prefill: ClassVar[bool] = True
+    comparable_scores: ClassVar[bool] = True  # attention probabilities, one scale in every layer
     chunked_prefill_online: ClassVar[bool] = True  # the scores need every chunk's attention
     recent_ratio: float = 0.5
     sinks: int = 0

@@ -3,7 +3,7 @@ model repeats the context.
 
 Kim et al. 2025, *KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction* (§3,
 Appendix). The repeat prompt comes from :mod:`kvfold.prompts`; budgets are allocated over all
-layers and heads at once (:func:`global_head_counts`).
+layers and heads at once (:func:`kvfold.methods.core.budgets.global_head_budgets`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 
 from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.budgets import global_head_budgets
 from kvfold.methods.core.scoring import (
     pool_gqa,
 )
-from kvfold.methods.core.selection import topk_keep
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
 from kvfold.prompts import encode, template_parts
@@ -127,30 +127,6 @@ def kvzip_scores(ctx: CompressionContext, chunk: int) -> dict[int, Tensor]:
     return scores
 
 
-def global_head_counts(
-    scores: dict[int, Tensor], protected: dict[int, Tensor], valid: dict[int, Tensor], row_budgets: Tensor
-) -> dict[int, Tensor]:
-    """Per (layer, head) counts from one ranking over all layers and heads of each batch row.
-
-    Each row keeps ``budget · H · L`` entries in total (protected first, then by score; ties to the
-    lower layer, head, position), as KVzip's default non-uniform allocation.
-    """
-    layers = list(scores)
-    stack = torch.stack([scores[i] for i in layers], dim=1)  # (B, L, H, N)
-    batch, num_layers, heads, length = stack.shape
-    flat = stack.reshape(batch, 1, -1)
-    prot = torch.stack([protected[i] for i in layers], dim=1).reshape(batch, 1, -1)
-    ok = torch.stack([valid[i] for i in layers], dim=1).reshape(batch, 1, -1)
-    totals = row_budgets.to(flat.device)[:, None] * heads * num_layers
-    keep, lengths = topk_keep(flat, totals, protected=prot, valid=ok)
-    in_row = torch.arange(keep.shape[-1], device=keep.device)[None, :] < lengths  # (B, K)
-    owner = keep[:, 0] // length  # layer · H + head
-    counts = torch.zeros(batch, num_layers * heads, dtype=torch.long, device=keep.device)
-    counts.scatter_add_(1, owner, in_row.long())
-    counts = counts.view(batch, num_layers, heads)
-    return {layer_idx: counts[:, j] for j, layer_idx in enumerate(layers)}
-
-
 @register
 @dataclass
 class KVzip(Selector):
@@ -179,6 +155,7 @@ class KVzip(Selector):
     name: ClassVar[str] = "kvzip"
     description: ClassVar[str] = "query-agnostic: max attention received while the model repeats the context"
     paper: ClassVar[str] = "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
+    comparable_scores: ClassVar[bool] = True  # max attention probabilities (§3.2 ranks them over all layers)
     chunk: int = 2048
     sinks: int = 4
     layerwise: bool = False
@@ -194,9 +171,15 @@ class KVzip(Selector):
         ctx.memo["kvzip_scores"] = scores
         if not self.layerwise:
             layers = dict(ctx.cache.folded_layers)
-            valid = {i: layers[i].valid_mask() for i in scores}
-            protected = {i: self.protected(i, layers[i], ctx) for i in scores}
-            ctx.memo["kvzip_counts"] = global_head_counts(scores, protected, valid, ctx.row_budgets)
+            order = list(scores)
+            totals = ctx.row_budgets * sum(layers[i].num_heads for i in order)  # budget · H · L per row
+            counts = global_head_budgets(
+                [scores[i] for i in order],
+                totals,
+                protected=[self.protected(i, layers[i], ctx) for i in order],
+                valid=[layers[i].valid_mask() for i in order],
+            )
+            ctx.memo["kvzip_counts"] = dict(zip(order, counts, strict=True))
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
         return ctx.memo["kvzip_scores"][layer_idx]
@@ -207,7 +190,7 @@ class KVzip(Selector):
     def layer_budgets(self, ctx: CompressionContext) -> list[Tensor]:
         budgets = super().layer_budgets(ctx)
         for layer_idx, counts in ctx.memo.get("kvzip_counts", {}).items():
-            budgets[layer_idx] = counts.max(dim=1).values.cpu()  # the layer is skipped only if no head evicts
+            budgets[layer_idx] = counts.cpu()  # (B, H): per head, so a layer is skipped only if no head evicts
         return budgets
 
     def allocate(self, layer_idx, layer, scores, counts, protected, ctx) -> Tensor:

@@ -49,6 +49,7 @@ class SnapKV(Selector):
     description: ClassVar[str] = "attention of the last 32 context queries, max-pooled; keeps the window"
     paper: ClassVar[str] = "Li et al. 2024, SnapKV: LLM Knows What You Are Looking for Before Generation"
     supports_chunked_prefill: ClassVar[bool] = True  # the window of the newest chunk scores the rest
+    comparable_scores: ClassVar[bool] = True  # attention probabilities, one scale in every layer
     window: int = 32
     kernel: int = 5
     pooling: str = "max"

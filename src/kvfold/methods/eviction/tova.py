@@ -65,6 +65,7 @@ class TOVA(Selector):
     paper: ClassVar[str] = "Oren et al. 2024, Transformers are Multi-State RNNs"
     query_window: ClassVar[int] = 1
     supports_chunked_prefill: ClassVar[bool] = True
+    comparable_scores: ClassVar[bool] = True  # attention probabilities, one scale in every layer
     online: bool = True
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:

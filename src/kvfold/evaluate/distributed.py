@@ -1,0 +1,381 @@
+"""Sweeps on a Ray cluster: ``kvfold eval --ray [ADDRESS]``.
+
+A sweep is cut into work items (:class:`~kvfold.evaluate.runner.WorkItem`: one context with all
+its methods and budgets, so a context is prefilled once), and the items are answered by Ray
+actors that each load the model once (:class:`SweepWorker`). The driver — the process that runs
+:func:`~kvfold.evaluate.runner.run_sweep` — keeps each answer once, appends it to
+``predictions.jsonl`` as it arrives, counts it on the progress bar, and at the end writes the
+same ``predictions.jsonl`` order, ``results.json`` and report as a serial run of the same grid.
+
+Faults: each item streams its answers back one by one. When a worker dies (its process killed,
+its node lost), the answers it delivered are kept, the rest of its item goes back to the front of
+the queue (with the delivered answers marked done) for the next free worker, and a new worker
+replaces the lost one. The sweep gives up when one item has lost ``max_attempts`` workers; an
+error raised by the item itself (a bad spec, a bug) is not retried but raised as it is.
+
+Ray is optional (``pip install 'kvfold[ray]'``) and imported only when a sweep runs on it.
+
+Example:
+    >>> from kvfold.evaluate.distributed import ModelLoader, RayRunner, ray_session
+    >>> from kvfold.evaluate.runner import run_sweep
+    >>> runner = RayRunner(ModelLoader("smollm2-135m"), workers=2)
+    >>> with ray_session(None, num_cpus=2):  # a local Ray instance; or ray_session("HOST:6379")
+    ...     result = run_sweep(runner, samples, ["full", "snapkv"], [0.1], out_dir="runs/r", run_config={})
+    >>> runner.answers_by_worker  # {"host:pid": answers, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import sys
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kvfold.budget import Budget
+from kvfold.evaluate.runner import EvalResult, WorkItem, row_key, run_item, run_sweep
+from kvfold.evaluate.samples import Sample
+
+__all__ = [
+    "LOCAL_OBJECT_STORE_BYTES",
+    "ModelLoader",
+    "RayRunner",
+    "RayUnavailableError",
+    "SweepWorker",
+    "evaluate_on_ray",
+    "ray_session",
+    "require_ray",
+]
+
+RAY_INSTALL_HINT = "pip install 'kvfold[ray]'"
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2
+"""Object store of a local Ray instance: items and answers are small JSON-like objects."""
+
+
+class RayUnavailableError(ValueError):
+    """Ray is not installed (a ValueError, so the command line reports it as a one-line user error)."""
+
+
+def require_ray() -> ModuleType:
+    """Import Ray, or say how to install it.
+
+    Raises:
+        RayUnavailableError: Ray is not importable.
+    """
+    try:
+        import ray
+    except ImportError as err:
+        raise RayUnavailableError(
+            f"--ray needs Ray, which is not installed ({err}); install it with: {RAY_INSTALL_HINT}"
+        ) from err
+    return ray
+
+
+@dataclass(frozen=True)
+class ModelLoader:
+    """How a worker loads the model: a picklable call of :func:`kvfold.models.load_model`.
+
+    Attributes:
+        spec: the model spec (``smollm2-135m``, a ``.gguf``, a directory or a hub id) as every
+            worker's machine resolves it.
+        dtype: ``auto``, ``float32``, ``bfloat16``, ``float16``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (on the worker's machine).
+    """
+
+    spec: str
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def __call__(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` with the kvfold attention."""
+        from kvfold.models import load_model
+
+        return load_model(self.spec, dtype=self.dtype, device=self.device)
+
+
+class SweepWorker:
+    """The body of a Ray actor: loads the model once, then answers work items one at a time.
+
+    Args:
+        loader: returns ``(model, tokenizer)``, called once in the actor's process.
+        threads: torch threads of this worker (its CPU share); None leaves torch's default.
+    """
+
+    def __init__(self, loader: Callable[[], tuple[Any, Any]], threads: int | None = None):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model, self.tokenizer = loader()
+
+    def name(self) -> str:
+        """``host:pid`` of this worker (also tells the driver the model is loaded)."""
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+    def run(self, item: WorkItem) -> Iterator[dict[str, Any]]:
+        """The item's prediction rows, streamed back one by one as each answer is scored."""
+        yield from run_item(self.model, self.tokenizer, item)
+
+
+@dataclass
+class _Running:
+    """An item being answered: on which worker, and the answers it has delivered so far."""
+
+    actor: Any
+    name: str
+    item: WorkItem
+    delivered: set[tuple[str, str, str, bool]] = dataclasses.field(default_factory=set)
+
+
+class RayRunner:
+    """An :data:`~kvfold.evaluate.runner.ItemRunner` on Ray actors (see the module docstring).
+
+    Needs a connected Ray (:func:`ray_session`). Workers are started when items are run and
+    killed when the last answer is in (or on an error).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
+        workers: how many actors; by default as many as the cluster's CPUs (GPUs, when
+            ``gpus_per_worker`` > 0) allow, and never more than there are items.
+        cpus_per_worker: CPUs reserved by each actor (also its torch threads).
+        gpus_per_worker: GPUs reserved by each actor (0 on CPU clusters).
+        max_attempts: how many times one item may lose its worker; at the last the sweep gives up.
+        kill_after: fault injection for tests: kill (``ray.kill``) the worker that delivered the
+            sweep's ``kill_after``-th answer right after it arrives, once, while it works on the
+            rest of its item. None in normal use.
+
+    Attributes:
+        workers_started: actors started (replacements of lost workers included).
+        answers_by_worker: ``host:pid`` → answers that worker delivered (over all its items).
+        workers_lost: workers that died while the sweep ran.
+        resubmitted: items sent back to the queue after their worker died.
+    """
+
+    def __init__(
+        self,
+        loader: Callable[[], tuple[Any, Any]],
+        *,
+        workers: int | None = None,
+        cpus_per_worker: float = 1,
+        gpus_per_worker: float = 0,
+        max_attempts: int = 3,
+        kill_after: int | None = None,
+    ):
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be ≥ 1; got {workers}")
+        if cpus_per_worker <= 0 or gpus_per_worker < 0:
+            raise ValueError(
+                f"cpus_per_worker must be > 0 and gpus_per_worker ≥ 0; got {cpus_per_worker}, {gpus_per_worker}"
+            )
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be ≥ 1; got {max_attempts}")
+        self.loader = loader
+        self.workers = workers
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = gpus_per_worker
+        self.max_attempts = max_attempts
+        self.kill_after = kill_after
+        self.workers_started = 0
+        self.answers_by_worker: Counter[str] = Counter()
+        self.workers_lost = 0
+        self.resubmitted = 0
+
+    def worker_count(self, items: int) -> int:
+        """How many actors to start for ``items`` items on the connected cluster."""
+        ray = require_ray()
+        if self.workers is None:
+            resources = ray.cluster_resources()
+            count = int(resources.get("CPU", 1) // self.cpus_per_worker)
+            if self.gpus_per_worker:
+                count = min(count, int(resources.get("GPU", 0) // self.gpus_per_worker))
+            if count < 1:
+                have = f"{resources.get('CPU', 0)} CPUs and {resources.get('GPU', 0)} GPUs"
+                raise ValueError(
+                    f"the Ray cluster has {have}: not enough for one worker of {self.cpus_per_worker} CPUs "
+                    f"and {self.gpus_per_worker} GPUs; lower --ray-worker-gpus or add nodes"
+                )
+        else:
+            count = self.workers
+        return max(1, min(count, items))
+
+    def __call__(self, items: Sequence[WorkItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+        """Answer ``items`` on the cluster; yields each delivered row (a retried item's rows may repeat)."""
+        if not items:
+            return
+        ray = require_ray()
+        from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+        actor_class = ray.remote(SweepWorker).options(
+            num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0, max_task_retries=0
+        )
+        threads = max(1, int(self.cpus_per_worker))
+        count = self.worker_count(len(items))
+        queue: deque[WorkItem] = deque(items)
+        attempts: Counter[int] = Counter()
+        starting: dict[Any, Any] = {}  # ref of name() → actor, while the model loads
+        idle: list[tuple[Any, str]] = []
+        running: dict[Any, _Running] = {}  # streaming generator → its item
+        every: list[Any] = []
+        replacements = 0
+
+        def start() -> None:
+            actor = actor_class.remote(self.loader, threads)
+            every.append(actor)
+            self.workers_started += 1
+            starting[actor.name.remote()] = actor
+
+        for _ in range(count):
+            start()
+        try:
+            while queue or running:
+                while queue and idle:
+                    actor, name = idle.pop()
+                    item = queue.popleft()
+                    running[actor.run.options(num_returns="streaming").remote(item)] = _Running(actor, name, item)
+                busy = len(running)
+                status(f"{busy}/{busy + len(idle) + len(starting)} workers busy, {len(queue)} contexts queued")
+                if not running and not starting:  # pragma: no cover - a new worker always replaces a lost one
+                    raise RuntimeError("no Ray worker left to answer the remaining items")
+                ready, _ = ray.wait([*running, *starting], num_returns=1)
+                for ref in ready:
+                    if ref in starting:
+                        actor = starting.pop(ref)
+                        try:
+                            idle.append((actor, ray.get(ref)))
+                        except (RayActorError, RayTaskError) as err:
+                            raise RuntimeError(
+                                "a Ray worker could not load the model (is kvfold installed on every node, and the "
+                                f"model reachable there?): {err}"
+                            ) from err
+                        continue
+                    task = running[ref]
+                    try:
+                        row = ray.get(next(ref))
+                    except StopIteration:
+                        del running[ref]
+                        idle.append((task.actor, task.name))
+                        continue
+                    except RayTaskError as err:  # the item itself failed: retrying would fail the same way
+                        raise err.as_instanceof_cause() from None
+                    except (RayActorError, ObjectLostError) as err:
+                        del running[ref]
+                        self.workers_lost += 1
+                        replacements += 1
+                        ray.kill(task.actor, no_restart=True)
+                        attempts[task.item.index] += 1
+                        if attempts[task.item.index] >= self.max_attempts or replacements > count * self.max_attempts:
+                            raise RuntimeError(
+                                f"gave up after losing {self.workers_lost} Ray workers (the last on the context of "
+                                f"{task.item.sample_ids[0]}); rerun to resume: {err}"
+                            ) from err
+                        print(
+                            f"kvfold: Ray worker {task.name} lost ({type(err).__name__}); its context goes to "
+                            f"another worker ({len(task.delivered)} answers kept)",
+                            file=sys.stderr,
+                        )
+                        queue.appendleft(dataclasses.replace(task.item, skip=task.item.skip | task.delivered))
+                        self.resubmitted += 1
+                        start()
+                        continue
+                    task.delivered.add(row_key(row))
+                    self.answers_by_worker[task.name] += 1
+                    yield row
+                    if self.kill_after is not None and self.kill_after == self.answers_by_worker.total():
+                        ray.kill(task.actor, no_restart=True)
+        finally:
+            for actor in every:
+                ray.kill(actor, no_restart=True)
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, *, num_cpus: int | None = None) -> Iterator[ModuleType]:
+    """Connect to Ray for the duration of a ``with`` block; yields the ``ray`` module.
+
+    Args:
+        address: ``None`` or ``"local"``: start a local Ray instance (dashboard off, a small object
+            store) and stop it at the end; ``"HOST:PORT"`` or ``"auto"``: connect to a running
+            cluster (``ray start --head``) and disconnect at the end. When Ray is already
+            initialized in this process, that connection is used and left open.
+        num_cpus: CPUs of a local instance (default: this machine's cores).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+    """
+    ray = require_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    if address in (None, "local"):
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count() or 1,
+            include_dashboard=False,
+            object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+            log_to_driver=False,
+        )
+    else:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def evaluate_on_ray(
+    loader: Callable[[], tuple[Any, Any]],
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+    query_aware: bool = False,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    run_config: Mapping[str, Any],
+) -> tuple[EvalResult, RayRunner]:
+    """:func:`~kvfold.evaluate.runner.evaluate` on a Ray cluster (or a local Ray instance).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
+        samples, methods, budgets, query_aware, seed, out_dir, progress, run_config: as for
+            :func:`~kvfold.evaluate.runner.run_sweep`.
+        address: as for :func:`ray_session` (None: a local instance).
+        workers: actors to start; by default as many as the cluster's CPUs allow (for a local
+            instance: this machine's cores, or ``workers × cpus_per_worker`` CPUs if more).
+        cpus_per_worker, gpus_per_worker: resources reserved by each actor.
+
+    Returns:
+        ``(result, runner)``: the result, identical to a serial run's but for timings, and the
+        runner with its counts (answers by worker, workers lost, items resubmitted).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+        ValueError: as :func:`~kvfold.evaluate.runner.run_sweep`.
+        RuntimeError: workers could not load the model, or too many were lost.
+    """
+    runner = RayRunner(loader, workers=workers, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker)
+    local_cpus = os.cpu_count() or 1
+    if workers is not None:
+        local_cpus = max(local_cpus, int(workers * cpus_per_worker + 0.999))
+    with ray_session(address, num_cpus=local_cpus):
+        result = run_sweep(
+            runner,
+            samples,
+            methods,
+            budgets,
+            query_aware=query_aware,
+            seed=seed,
+            out_dir=out_dir,
+            progress=progress,
+            run_config=run_config,
+        )
+    return result, runner
