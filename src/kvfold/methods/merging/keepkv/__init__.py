@@ -63,7 +63,9 @@ Differences from the paper and its code: the paper states no ``α`` or ``w`` (we
 32; 0.5 / 0.99 / ``w`` = 64 change SmolLM2's fidelity by < 2%); it does not define how
 merge-before-evict picks what to merge (ours is the Fast-NMS rule above), how several entries
 enter one carrier (ours: eq. 25 at once), nor guards the key formula (``max_scale``). Its code has
-no EMA and is MHA-only with batch 1. Ours: GQA (scores pooled over the group), batches with left
+no EMA, never scales the key (its key is the convex mean, ``eq7_scaling=false``), splits the budget
+as ``h2o_cosine[split=authors_code]`` (the default; Appendix B's sentence reads the other way,
+``split=paper_text``) and is MHA-only with batch 1. Ours: GQA (scores pooled over the group), batches with left
 padding, per-layer budgets, float32 β (the merged key absorbs β's rounding, so a merge stays exact
 as stored).
 """
