@@ -70,20 +70,23 @@ class CompressionContext:
     memo: dict[str, Any] = field(default_factory=dict)
     merge_recorder: Any = None
     shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
+    _charged: set = field(default_factory=set, init=False, repr=False)
 
     def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per prefilled context: later compressions of it reuse the result.
 
-        A reuse adds the seconds the first computation took to ``report["reused_seconds"]``, so
-        that a compression's reported time is what it costs when run alone.
+        The first reuse within a compression adds the seconds the computation took to
+        ``report["reused_seconds"]``, so that a compression's reported time is what it costs when
+        run alone (two parts of one method reading the same result count it once).
         """
         hit = self.shared.get(key)
         if hit is None:
             start = time.perf_counter()
             value = compute()
             hit = self.shared[key] = (value, time.perf_counter() - start)
-        else:
+        elif key not in self._charged:
             self.report["reused_seconds"] = self.report.get("reused_seconds", 0.0) + hit[1]
+        self._charged.add(key)
         return hit[0]
 
     def record_kept(self, layer_idx: int, keep: torch.Tensor, lengths: torch.Tensor) -> None:

@@ -231,7 +231,7 @@ class _AttentionMatching(Standalone):
             stats = []
             for i, layer in layers:  # §3.1: layer ℓ's queries with layers < ℓ already compacted
                 t0 = time.perf_counter()
-                q = extract_reference_queries(ctx, self.query_options(passes), layers=[i])[i]
+                q = extract_reference_queries(ctx, self.query_options(passes), layers=[i], shared=False)[i]
                 if i in fixed:
                     q = q.cat(fixed[i]).subsample(self.max_queries, torch.Generator().manual_seed(ctx.seed + i))
                 query_seconds += time.perf_counter() - t0
@@ -240,7 +240,7 @@ class _AttentionMatching(Standalone):
             report["mass_error"] = sum(s.get("mass_error", 0.0) for s in stats) / max(1, len(stats))
             report["output_error"] = sum(s.get("output_error", 0.0) for s in stats) / max(1, len(stats))
         else:
-            queries = extract_reference_queries(ctx, self.query_options(), reuse=True)
+            queries = extract_reference_queries(ctx, self.query_options())
             report["query_seconds"] = time.perf_counter() - start
             report["queries_per_head"] = float(torch.stack([q.counts.float().mean() for q in queries.values()]).mean())
             report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks))
@@ -390,7 +390,7 @@ class AMFit(Folder):
             random_queries=self.max_queries,
         )
         start = time.perf_counter()
-        ctx.memo["am_fit_queries"] = extract_reference_queries(ctx, options, reuse=True)
+        ctx.memo["am_fit_queries"] = extract_reference_queries(ctx, options)
         ctx.report.setdefault("am_fit", {})["query_seconds"] = time.perf_counter() - start
 
     def fold(
