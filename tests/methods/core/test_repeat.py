@@ -48,7 +48,7 @@ def test_one_repeat_pass_per_context_for_every_method_and_budget():
     one_pass = len(calls)
     pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
     calls.clear()
-    specs = ["kvzip", "am_highest_fast", "kvzip+am_fit[queries=repeat]", "knorm[online=false]+am_fit[queries=repeat]"]
+    specs = ["kvzip", "am_highest_fast", "kvzip+am_fit", "knorm[online=false]+am_fit", "kvzip+am_fit[beta_min=-3]"]
     sweep = [pre.compress(spec, budget) for spec in specs for budget in (0.5, 0.3)]
     assert len(calls) == one_pass
     kvfold.prefill(model, tok, TEXT, use_chat_template=False).compress("am_highest_fast", 0.3)

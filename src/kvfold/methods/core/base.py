@@ -233,6 +233,10 @@ class Selector(Allocator):
     """Scores entries; the highest-scored (plus protected ones) are kept."""
 
     role: ClassVar[str] = "selector"
+    query_agnostic: ClassVar[bool] = False
+    """True when the scores read nothing of the prefill's own last queries (KVzip's repeat pass, key
+    norms, positions, chance): a folder after it then fits on query-agnostic reference queries too
+    (``kvzip+am_fit`` fits on the repeat pass, not on the prefill's queries)."""
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor:
         """Importance of every entry, ``(B, H, N)`` float32; higher is kept first."""
@@ -303,6 +307,10 @@ class Folder(Method):
         ``kvmerger_sets[sigma=1]``), for a folder whose paper method is not selector + folder.
         """
         return None
+
+    def bind_selector(self, selector: Selector | Standalone) -> None:
+        """Called once when this folder is composed after ``selector`` (e.g. to choose reference
+        queries that fit the selector's protocol); nothing by default."""
 
     def fold(
         self,
@@ -398,6 +406,10 @@ class ComposedMethod:
     selector: Selector | Standalone
     folder: Folder | None
 
+    def __post_init__(self) -> None:
+        if self.folder is not None:
+            self.folder.bind_selector(self.selector)
+
     @property
     def query_window(self) -> int:
         return max(p.query_window for p in self.parts)
@@ -481,9 +493,7 @@ class ComposedMethod:
         if self.folder is not None:
             keep, lengths = self.folder.reselect(layer_idx, layer, keep, lengths, scores, protected, valid, ctx)
         ctx.record_kept(layer_idx, keep, lengths)
-        stats = {
-            name: torch.gather(t, 2, keep) for name, t in layer.entry_stats.items() if t.shape == valid.shape
-        }
+        stats = {name: torch.gather(t, 2, keep) for name, t in layer.entry_stats.items() if t.shape == valid.shape}
         if self.folder is not None:
             self.folder.fold(layer_idx, layer, keep, lengths, scores, ctx)
         else:
@@ -503,9 +513,7 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
     parsed = _expand_bare_folder(parsed)
     selector = _lookup(parsed.selector, ("selector", "standalone"), "method")
     if selector.role == "standalone" and (parsed.wrappers or parsed.folder):
-        raise SpecError(
-            f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder"
-        )
+        raise SpecError(f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder")
     wrappers = tuple(_lookup(c, ("wrapper",), "wrapper") for c in parsed.wrappers)
     folder = _lookup(parsed.folder, ("folder",), "folder") if parsed.folder else None
     return ComposedMethod(spec=parsed.text, wrappers=wrappers, selector=selector, folder=folder)

@@ -79,6 +79,7 @@ class KVzip(Selector):
     """
 
     name: ClassVar[str] = "kvzip"
+    query_agnostic: ClassVar[bool] = True
     description: ClassVar[str] = "query-agnostic: max attention received while the model repeats the context"
     paper: ClassVar[str] = "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
     chunk: int = 2048

@@ -1,0 +1,130 @@
+"""``am_fit`` and the fit it shares with Attention Matching: a fit that cannot erase a kept key, the
+streamed normal equations, and reference queries chosen for the selector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvfold
+from kvfold.methods import build_method
+from kvfold.methods.compaction.attention_matching.method import AMFit
+from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
+from tests.conftest import CharTokenizer, make_tiny_model
+
+F64 = torch.float64
+TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps "
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def model64(family: str = "llama"):
+    return kvfold.enable(make_tiny_model(family).to(F64))
+
+
+# ---------------------------------------------------------------------------- a fit that cannot erase a kept key
+
+
+def rare_key_span(seed: int = 1, T: int = 600, n: int = 800, D: int = 16, keep: int = 30):
+    """A span where ``n − 2`` short queries spread their attention over every key (max-shifted mass
+    in the hundreds) and 2 queries read one rare key (mass ≈ 1): a needle and its question.
+    The kept entries are the rare key and 29 others."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(T, D, generator=g, dtype=F64)
+    keys[:, 1] = 0.0
+    rare = T // 2
+    keys[rare] = 0.0
+    keys[rare, 1] = 4.0  # only direction 1 reads it
+    values = torch.randn(T, D, generator=g, dtype=F64)
+    queries = torch.randn(n, D, generator=g, dtype=F64) * 0.2
+    queries[-2:] = 0.0
+    queries[-2:, 1] = 2.0  # the queries that read the rare key
+    others = [int(i) for i in torch.randperm(T, generator=g) if int(i) != rare][: keep - 1]
+    given = torch.tensor(sorted([*others, rare]))
+    return keys, values, queries, given, rare
+
+
+def rare_share(config: FitConfig) -> tuple[float, float]:
+    """The rare key's attention share for the queries that read it: before and after the fit."""
+    keys, values, queries, given, rare = rare_key_span()
+    beta0 = torch.zeros(keys.shape[0], dtype=F64)
+    reading = queries[-2:]
+    before = torch.softmax(reading @ keys.mT + beta0, -1)[:, rare].mean()
+    valid = torch.ones(1, queries.shape[0], dtype=torch.bool)
+    res = fit_problems(
+        keys[None], values[None], beta0[None], queries[None], valid, None, 1.0, config, given=given[None]
+    )
+    idx, beta = res.index[0], res.log_mass[0]
+    slot = int((idx == rare).nonzero()[0])
+    after = torch.softmax(reading @ keys[idx].mT + beta, -1)[:, slot].mean()
+    return float(before), float(after)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the default: β ≥ β⁰ and each query's mass residual relative to its mass
+        {"beta_max": math.inf},  # the same without the upper bound
+        {"beta_max": math.inf, "mass_weight": "none"},  # the floor alone
+        {"beta_min": -math.inf, "beta_max": math.inf},  # the relative weighting alone
+    ],
+)
+def test_the_fit_keeps_a_rarely_attended_key(options):
+    before, after = rare_share(AMFit(**options).fit_config())
+    assert before > 0.8 and abs(after - before) < 0.15
+
+
+def test_the_unconstrained_fit_erases_the_rarely_attended_key():
+    """The paper's plain NNLS (``am_fit[beta_min=-inf,beta_max=inf,mass_weight=none]``) gives the rare
+    key w = 0 (β = −inf): the diffuse queries decide its β, the two queries that read it do not count."""
+    before, after = rare_share(AMFit(beta_min=-math.inf, beta_max=math.inf, mass_weight="none").fit_config())
+    assert after < 0.01 * before
+
+
+def test_streamed_normal_equations_equal_the_materialised_fit():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(4, 50, 8, generator=g, dtype=F64)
+    values = torch.randn(4, 50, 8, generator=g, dtype=F64)
+    beta0 = torch.randn(4, 50, generator=g, dtype=F64) * 0.3
+    queries = torch.randn(4, 90, 8, generator=g, dtype=F64)
+    valid = torch.rand(4, 90, generator=g) > 0.1
+    counts = torch.tensor([5, 9, 12, 50])
+    for weight in ("none", "relative"):
+        base = dict(beta_min=0.0, beta_max=3.0, mass_weight=weight, ridge=1e-12)
+        streamed = fit_problems(keys, values, beta0, queries, valid, counts, 0.4, FitConfig(**base, query_block=7))
+        exact = fit_problems(keys, values, beta0, queries, valid, counts, 0.4, FitConfig(**base, solver="exact"))
+        assert torch.equal(streamed.index, exact.index)
+        torch.testing.assert_close(streamed.log_mass, exact.log_mass, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(streamed.values, exact.values, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(streamed.mass_error, exact.mass_error, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(streamed.output_error, exact.output_error, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- reference queries for the selector
+
+
+def test_am_fit_fits_on_the_repeat_pass_after_a_query_agnostic_selector():
+    for spec, sources in [
+        ("kvzip+am_fit", ("repeat",)),
+        ("knorm[online=false]+am_fit", ("repeat",)),
+        ("streamingllm[online=false]+am_fit", ("repeat",)),
+        ("random+am_fit", ("repeat",)),
+        ("snapkv+am_fit", ("context",)),
+        ("am_fit", ("context",)),
+        ("kvzip+am_fit[queries=context]", ("context",)),
+    ]:
+        method = build_method(spec)
+        assert method.folder.sources == sources, spec
+        assert (method.query_window > 0) == ("context" in sources), spec
+    model = model64("llama")
+    pre = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False)
+    assert pre.compress("kvzip+am_fit", 0.3).report["am_fit"]["queries"] == "repeat"
