@@ -128,3 +128,63 @@ def test_am_fit_fits_on_the_repeat_pass_after_a_query_agnostic_selector():
     model = model64("llama")
     pre = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False)
     assert pre.compress("kvzip+am_fit", 0.3).report["am_fit"]["queries"] == "repeat"
+
+
+# ---------------------------------------------------------------------------- template and sinks verbatim
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TemplateTokenizer(CharTokenizer):
+    """The character tokenizer with a ChatML template (~50 template tokens before the context)."""
+
+    chat_template = CHATML
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        from jinja2 import Template
+
+        return Template(CHATML).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize("spec", ["am_highest_fast", "am_omp_fast", "kvzip+am_fit"])
+def test_template_tokens_are_untouched_by_compaction(spec):
+    tok = TemplateTokenizer()
+    model = model64("llama")
+    pre = kvfold.prefill(model, tok, TEXT * 2, methods=[spec])
+    head = len(tok("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\n").input_ids)
+    assert (
+        pre.input_ids[0, :head].tolist()
+        == tok("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\n").input_ids
+    )
+    budget = head + 12
+    small = pre.compress(spec, budget)
+    kept = slots = 0
+    for (_, full), (_, layer) in zip(pre.cache.folded_layers, small.cache.folded_layers, strict=True):
+        k_full, v_full, _, _ = full.padded()
+        keys, values, beta, lengths = layer.padded()
+        kept += int(lengths.sum())
+        slots += budget * lengths.numel()
+        if spec.startswith("am_"):  # every template entry kept, first, as it was (bitwise)
+            assert torch.equal(keys[:, :, :head], k_full[:, :, :head])
+            assert torch.equal(values[:, :, :head], v_full[:, :, :head])
+            assert torch.equal(beta[:, :, :head], torch.zeros_like(beta[:, :, :head]))
+            assert bool((beta[:, :, head:][torch.isfinite(beta[:, :, head:])] != 0).any())  # the rest is fitted
+        else:  # am_fit: the template entries the selector kept are not refitted
+            for h in range(keys.shape[1]):
+                match = (keys[0, h, :, None, :] == k_full[0, h, None, :head, :]).all(-1)  # (kept, template)
+                rows, cols = match.nonzero(as_tuple=True)
+                assert rows.numel() >= 4  # KVzip's sinks at least
+                assert torch.equal(values[0, h, rows], v_full[0, h, cols])
+                assert torch.equal(beta[0, h, rows], torch.zeros_like(beta[0, h, rows]))
+    assert kept <= slots  # the template counts in the budget (KVzip's budgets are global)
+    untouched = pre.compress(
+        spec.replace("am_fit", "am_fit[template=false,sinks=0]") if "+" in spec else f"{spec}[template=false,sinks=0]",
+        budget,
+    )
+    _, layer = untouched.cache.folded_layers[0]
+    assert not torch.equal(layer.padded()[2][:, :, :4], torch.zeros_like(layer.padded()[2][:, :, :4]))  # refitted

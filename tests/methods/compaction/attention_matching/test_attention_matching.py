@@ -307,7 +307,7 @@ def test_kv_chunks_compact_each_chunk_alone():
     model = model64("llama")
     pre = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False)
     n = pre.input_ids.shape[1]
-    small = pre.compress("am_highest_fast[chunks=3,queries=random]", 12)
+    small = pre.compress("am_highest_fast[chunks=3,queries=random,template=false,sinks=0]", 12)
     for (_, full), (_, layer) in zip(pre.cache.folded_layers, small.cache.folded_layers, strict=True):
         k_full = full.padded()[0][0, 0]
         keys = layer.padded()[0][0, 0]

@@ -13,7 +13,13 @@ from typing import ClassVar
 import torch
 
 from kvfold.cache import FoldedLayer
-from kvfold.methods.compaction.attention_matching.compact import _scaling, _trim_captured, compact_layers, parse_span
+from kvfold.methods.compaction.attention_matching.compact import (
+    _scaling,
+    _trim_captured,
+    compact_layers,
+    parse_span,
+    verbatim_prefix,
+)
 from kvfold.methods.compaction.attention_matching.queries import (
     QueryOptions,
     ReferenceQueries,
@@ -67,6 +73,7 @@ class AttentionMatchingOnline:
         factor: size of the compacted part relative to what it replaces (0.5 in the paper).
         max_queries: reference queries kept per KV head.
         initial: initial reference queries per layer (the prefill's last queries), or empty.
+        verbatim: ``(B,)`` leading entries never compacted (template, sinks).
     """
 
     needs_attention = False
@@ -80,7 +87,9 @@ class AttentionMatchingOnline:
         factor: float = 0.5,
         max_queries: int = 1024,
         initial: dict[int, ReferenceQueries] | None = None,
+        verbatim: Tensor | None = None,
     ) -> None:
+        self.verbatim = verbatim
         self.limits = limits
         self.scalings = scalings
         self.config = config
@@ -106,7 +115,8 @@ class AttentionMatchingOnline:
         if layer.physical_length <= self.limits[layer_idx]:
             return
         n_valid = layer.row_lengths()
-        span_len = (n_valid - self.recent).clamp_min(0)
+        fixed = self.recent if self.verbatim is None else self.recent + self.verbatim.to(n_valid.device)[:, None]
+        span_len = (n_valid - fixed).clamp_min(0)
         keep = torch.ceil(span_len.double() * self.factor).long().clamp_min(1).minimum(span_len)
         totals = keep + (n_valid - span_len)
         compact_layers(
@@ -116,6 +126,7 @@ class AttentionMatchingOnline:
             self.scalings,
             self.config,
             span=(None, -self.recent if self.recent else None),
+            verbatim=self.verbatim,
         )
         self.compactions[layer_idx] += 1
 
@@ -139,6 +150,9 @@ class _AttentionMatching(Standalone):
             earlier layers already compacted (§3.1 "On-policy queries"; one pass per layer).
         span: the entries compacted, ``start:end`` over each row's valid entries (``:`` = all,
             ``4:-32`` keeps the first 4 and the last 32 as they are).
+        template, sinks: the chat template before the context text (``template=true``) and at
+            least the first ``sinks`` tokens stay verbatim, outside the span (still counted in the
+            budget), as in the authors' code; ``template=false,sinks=0`` compacts them too.
         chunks: contiguous chunks compacted independently (§3.5).
         chunking: ``kv`` (slice the prefilled cache, the paper's default) or ``text`` (prefill
             and compact each chunk alone, then shift its keys' RoPE phase to the global offset).
@@ -166,6 +180,8 @@ class _AttentionMatching(Standalone):
     beta_max: float = 3.0
     on_policy: bool = False
     span: str = ":"
+    template: bool = True
+    sinks: int = 4
     chunks: int = 1
     chunking: str = "kv"
     schedule: str | None = None
@@ -188,6 +204,8 @@ class _AttentionMatching(Standalone):
         parse_span(self.span, self.name)
         _check_fit_options(self.name, self.mass_weight, self.value_ridge)
         bad_cap = self.max_queries is not None and self.max_queries < 1
+        if self.sinks < 0:
+            raise SpecError(f"{self.name}: sinks must be ≥ 0; got {self.sinks}")
         if bad_cap or self.chunks < 1 or self.context_window < 1 or self.selfstudy_tokens < 0:
             raise SpecError(f"{self.name}: max_queries, chunks and context_window must be ≥ 1")
         if self.nnls_iters < 0 or self.recent < 0 or not 0.0 < self.factor < 1.0:
@@ -242,6 +260,7 @@ class _AttentionMatching(Standalone):
         scalings = {i: _scaling(ctx, i, layer) for i, layer in layers}
         config = self.fit_config()
         span = parse_span(self.span, self.name)
+        verbatim = verbatim_prefix(ctx, self.template, self.sinks)
         report = ctx.report.setdefault("am", {})
         if self.chunking == "text":
             from kvfold.methods.compaction.attention_matching.text_chunks import compact_text_chunks
@@ -265,7 +284,8 @@ class _AttentionMatching(Standalone):
                     generator = torch.Generator().manual_seed(ctx.seed + i)
                     q = q.cat(fixed[i]).subsample(query_cap(self.max_queries), generator)
                 query_seconds += time.perf_counter() - t0
-                stats.append(compact_layers([(i, layer)], {i: q}, totals, scalings, config, span, self.chunks))
+                part = compact_layers([(i, layer)], {i: q}, totals, scalings, config, span, self.chunks, verbatim)
+                stats.append(part)
             report["query_seconds"] = query_seconds
             report["mass_error"] = sum(s.get("mass_error", 0.0) for s in stats) / max(1, len(stats))
             report["output_error"] = sum(s.get("output_error", 0.0) for s in stats) / max(1, len(stats))
@@ -273,7 +293,7 @@ class _AttentionMatching(Standalone):
             queries = extract_reference_queries(ctx, self.query_options())
             report["query_seconds"] = time.perf_counter() - start
             report["queries_per_head"] = float(torch.stack([q.counts.float().mean() for q in queries.values()]).mean())
-            report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks))
+            report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks, verbatim))
         report["seconds"] = time.perf_counter() - start
         _trim_captured(ctx.cache)
 
@@ -296,6 +316,7 @@ class _AttentionMatching(Standalone):
             factor=self.factor,
             max_queries=self.max_queries or ONLINE_QUERIES,
             initial=initial,
+            verbatim=verbatim_prefix(ctx, self.template, self.sinks),
         )
 
 
@@ -387,6 +408,9 @@ class AMFit(Folder):
             ``none`` is the paper's unweighted ``‖Φ_S w − m‖²``.
         value_ridge: ridge of the value fit toward the kept values (None: the solver's tiny ridge).
         fit_values: refit the values (False: β only).
+        template, sinks: kept entries among the chat template before the context text and the
+            first ``sinks`` tokens stay verbatim (not refitted; the fit matches the rest of the
+            cache), as the AM variants keep them outside their span.
         selfstudy_tokens, context_window: as for the AM variants.
         solver: ``gram`` or ``exact``.
     """
@@ -403,6 +427,8 @@ class AMFit(Folder):
     mass_weight: str = "relative"
     value_ridge: float | None = None
     fit_values: bool = True
+    template: bool = True
+    sinks: int = 4
     selfstudy_tokens: int = 64
     context_window: int = 8192
     solver: str = "gram"
@@ -433,8 +459,10 @@ class AMFit(Folder):
             parse_sources(self.queries, self.name)
         _check_fit_options(self.name, self.mass_weight, self.value_ridge)
         bad_cap = self.max_queries is not None and self.max_queries < 1
-        if bad_cap or self.nnls_iters < 0 or self.beta_min > self.beta_max:
-            raise SpecError("am_fit: max_queries must be ≥ 1 (or none), nnls_iters ≥ 0 and beta_min ≤ beta_max")
+        if bad_cap or self.nnls_iters < 0 or self.beta_min > self.beta_max or self.sinks < 0:
+            raise SpecError(
+                "am_fit: max_queries must be ≥ 1 (or none), nnls_iters and sinks ≥ 0 and beta_min ≤ beta_max"
+            )
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
 
@@ -470,11 +498,20 @@ class AMFit(Folder):
         keys, values, log_mass, _ = layer.padded()
         queries = ctx.memo["am_fit_queries"][layer_idx]
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
-        given = torch.where(slot, keep, torch.full_like(keep, -1))
+        # kept entries of the template and the sinks stay verbatim: the fit matches the rest
+        valid = torch.isfinite(log_mass)
+        rank = valid.long().cumsum(-1) - 1
+        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)
+        in_prefix = valid & (rank < prefix[:, None, None])
+        fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim (the first slots: keep ascends)
+        n_fixed = fixed.sum(-1)
+        kept_fixed = torch.zeros_like(valid).scatter(2, keep, fixed)
+        span_mass = log_mass.masked_fill(kept_fixed, float("-inf"))
+        given = torch.where(slot & ~fixed, keep, torch.full_like(keep, -1))
         result = fit_problems(
             keys,
             values,
-            log_mass,
+            span_mass,
             queries.queries,
             queries.valid,
             lengths,
@@ -482,9 +519,22 @@ class AMFit(Folder):
             self.fit_config(),
             given=given,
         )
-        idx = result.index
-        c_k = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        layer.replace(c_k, result.values.to(values.dtype), result.log_mass.float(), lengths=result.lengths)
+        # entries: [verbatim kept entries] + [fitted entries], both ascending, so positions ascend
+        j = torch.arange(keep.shape[-1], device=keep.device)[None, None, :]
+        fitted_slot = (j - n_fixed[..., None]).clamp(0, max(result.index.shape[-1] - 1, 0))
+        is_fixed = j < n_fixed[..., None]
+        c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        v_kept = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
+        beta_kept = log_mass.float().gather(2, keep)
+        v_fit, beta_fit = v_kept, beta_kept
+        if result.index.shape[-1]:
+            expand = fitted_slot[..., None].expand(-1, -1, -1, v_kept.shape[-1])
+            v_fit = result.values.to(values.dtype).gather(2, expand)
+            beta_fit = result.log_mass.float().gather(2, fitted_slot)
+        c_v = torch.where(is_fixed[..., None], v_kept, v_fit)
+        beta = torch.where(is_fixed, beta_kept, beta_fit)
+        beta = beta.masked_fill(~slot, float("-inf"))
+        layer.replace(c_k, c_v, beta, lengths=lengths)
         report = ctx.report.setdefault("am_fit", {})
         report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
         report.setdefault("output_error", []).append(float(result.output_error.mean()))

@@ -210,7 +210,7 @@ def _fit_group(
         shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale)
         if given is not None:
             ok = (given >= 0) & entry_valid.gather(1, given.clamp_min(0))
-            idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values
+            idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values[:, :t_max]  # used first
         else:
             # §3.3 / App. F.1: keep the t keys with the largest s_j = sqrt(mean_i a_ij²)
             score = square.masked_fill(~entry_valid, -math.inf)
