@@ -93,12 +93,12 @@ class RepeatPass:
 
 class RepeatRecorder:
     """Online-policy hook (see :class:`kvfold.attention.OnlinePolicy`) of one row's repeat pass:
-    per layer, the max attention each of the first ``context_slots`` entries receives and the
-    pooled queries."""
+    per layer, the max attention each of the layer's ``context_slots[layer]`` entries (the cache
+    before the pass) receives and the pooled queries."""
 
     needs_attention = True
 
-    def __init__(self, context_slots: int, scores: bool = True, queries: bool = True) -> None:
+    def __init__(self, context_slots: dict[int, int], scores: bool = True, queries: bool = True) -> None:
         self.context_slots = context_slots
         self.record_scores = scores
         self.record_queries = queries
@@ -112,7 +112,7 @@ class RepeatRecorder:
         if self.record_scores:
             if probs is None:
                 raise RuntimeError("the repeat pass needs attention probabilities from a filled dense cache")
-            received = probs[..., : self.context_slots].amax(dim=2)  # max over queries, (B, H_q, N)
+            received = probs[..., : self.context_slots[layer_idx]].amax(dim=2)  # max over queries, (B, H_q, N)
             batch, heads_q, slots = received.shape
             received = received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, slots).amax(dim=2)
             previous = self.scores.get(layer_idx)
@@ -149,6 +149,8 @@ def repeat_pass(
     batch, width = ctx.input_ids.shape
     lengths = ctx.context_lengths.tolist()
     device = ctx.input_ids.device
+    slots = {i: layer.physical_length for i, layer in cache.folded_layers}
+    logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
     recorders: list[RepeatRecorder] = []
     for b in range(batch):  # rows differ in length: their repeat inputs differ
         row_cache = cache
@@ -156,14 +158,15 @@ def repeat_pass(
             row_cache = cache.copy()
             row_cache.batch_select_indices(torch.tensor([b], device=device))
         row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
-        recorder = RepeatRecorder(width, scores=scores, queries=queries)
+        recorder = RepeatRecorder(slots, scores=scores, queries=queries)
+        start = logical - (width - lengths[b])  # the row's positions continue where its context ended
         for ids in prompt.chunk_inputs(row_ids, chunk):
             work = row_cache.copy()
             work.capture_window = 0
             work.policy = recorder
             for lo in range(0, len(ids), forward_chunk):  # causal: the same as one forward
                 piece = ids[lo : lo + forward_chunk]
-                positions = torch.arange(lengths[b] + lo, lengths[b] + lo + len(piece), device=device)
+                positions = torch.arange(start + lo, start + lo + len(piece), device=device)
                 with torch.no_grad():
                     ctx.model(
                         input_ids=torch.tensor([piece], device=device),

@@ -146,10 +146,12 @@ def _block_statistics(
     query_valid: Tensor,
     scaling: Tensor,
     block: int = 256,
+    squares: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What highest-attention selection needs, one block of queries at a time (cache friendly):
     the shift ``(P, n)``, the mass ``m`` ``(P, n)``, the target ``Y = Φ V / m`` ``(P, n, D)`` and
-    ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i`` (the mean squared attention weight)."""
+    ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i`` (the mean squared attention weight; zeros
+    unless ``squares``: given keys need no selection score)."""
     P, n, _ = queries.shape
     shift = queries.new_zeros(P, n)
     mass = queries.new_zeros(P, n)
@@ -162,8 +164,9 @@ def _block_statistics(
         safe = torch.where(m > 0, m, torch.ones_like(m))
         shift[:, lo:hi], mass[:, lo:hi] = s, m
         target[:, lo:hi] = torch.bmm(phi, values) / safe[..., None]  # eq. 1: exp(ℓ) V / Mass
-        weights = (safe.pow(-2) / n_valid[:, None])[:, None, :]
-        square += torch.bmm(weights, phi.square_())[:, 0]
+        if squares:
+            weights = (safe.pow(-2) / n_valid[:, None])[:, None, :]
+            square += torch.bmm(weights, phi.square_())[:, 0]
     return shift, mass, target, square
 
 
@@ -207,7 +210,7 @@ def _fit_group(
     t_max = int(counts.max()) if P else 0
     history = None
     if given is not None or config.keys == "highest":
-        shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale)
+        shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
         if given is not None:
             ok = (given >= 0) & entry_valid.gather(1, given.clamp_min(0))
             idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values[:, :t_max]  # used first
