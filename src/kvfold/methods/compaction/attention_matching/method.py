@@ -408,9 +408,11 @@ class AMFit(Folder):
             ``none`` is the paper's unweighted ``‖Φ_S w − m‖²``.
         value_ridge: ridge of the value fit toward the kept values (None: the solver's tiny ridge).
         fit_values: refit the values (False: β only).
-        template, sinks: kept entries among the chat template before the context text and the
-            first ``sinks`` tokens stay verbatim (not refitted; the fit matches the rest of the
-            cache), as the AM variants keep them outside their span.
+        template, sinks: with ``template=true``, kept entries among the chat template before the
+            context text and the first ``sinks`` tokens stay verbatim (not refitted; the fit
+            matches the rest of the cache), as the AM variants keep them outside their span. Off
+            by default: refitting them kept more on RULER at 2K (README, "Attention Matching
+            after KVzip").
         selfstudy_tokens, context_window: as for the AM variants.
         solver: ``gram`` or ``exact``.
     """
@@ -427,8 +429,8 @@ class AMFit(Folder):
     mass_weight: str = "relative"
     value_ridge: float | None = None
     fit_values: bool = True
-    template: bool = True
-    sinks: int = 4
+    template: bool = False
+    sinks: int = 0
     selfstudy_tokens: int = 64
     context_window: int = 8192
     solver: str = "gram"
