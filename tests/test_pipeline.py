@@ -61,15 +61,15 @@ def test_prefill_ids_equals_prefill_of_the_same_tokens(smollm2):
 
 def test_kvzip_repeat_pass_runs_once_per_prefilled_context(monkeypatch):
     """A sweep over budgets pays for KVzip's repeat pass once; caches and reported cost are unchanged."""
-    from kvfold.methods.eviction import kvzip as eviction
+    from kvfold.methods.core import repeat
     from kvfold.pipeline import prefill
     from tests.conftest import CharTokenizer, make_tiny_model
 
     model = kvfold.enable(make_tiny_model("llama"))
     tok = CharTokenizer()
     calls = []
-    real = eviction.kvzip_scores
-    monkeypatch.setattr(eviction, "kvzip_scores", lambda ctx, chunk: calls.append(chunk) or real(ctx, chunk))
+    real = repeat.repeat_pass
+    monkeypatch.setattr(repeat, "repeat_pass", lambda ctx, chunk, **kw: calls.append(chunk) or real(ctx, chunk, **kw))
     text = "the quick brown fox jumps over the lazy dog; " * 3
     shared = prefill(model, tok, text, use_chat_template=False)
     budgets = (0.5, 0.3, 0.2)

@@ -70,20 +70,23 @@ class CompressionContext:
     memo: dict[str, Any] = field(default_factory=dict)
     merge_recorder: Any = None
     shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
+    _charged: set = field(default_factory=set, init=False, repr=False)
 
     def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per prefilled context: later compressions of it reuse the result.
 
-        A reuse adds the seconds the first computation took to ``report["reused_seconds"]``, so
-        that a compression's reported time is what it costs when run alone.
+        The first reuse within a compression adds the seconds the computation took to
+        ``report["reused_seconds"]``, so that a compression's reported time is what it costs when
+        run alone (two parts of one method reading the same result count it once).
         """
         hit = self.shared.get(key)
         if hit is None:
             start = time.perf_counter()
             value = compute()
             hit = self.shared[key] = (value, time.perf_counter() - start)
-        else:
+        elif key not in self._charged:
             self.report["reused_seconds"] = self.report.get("reused_seconds", 0.0) + hit[1]
+        self._charged.add(key)
         return hit[0]
 
     def record_kept(self, layer_idx: int, keep: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -245,6 +248,10 @@ class Selector(Allocator):
     """True when scores are on one scale in every layer (attention probabilities: SnapKV, KVzip,
     H2O, TOVA), so a ranking over all layers (``global:``) may compare them as they are; False
     (key norms, leverage, …): ``global:`` standardises each layer first."""
+    query_agnostic: ClassVar[bool] = False
+    """True when the scores read nothing of the prefill's own last queries (KVzip's repeat pass, key
+    norms, positions, chance): a folder after it then fits on query-agnostic reference queries too
+    (``kvzip+am_fit`` fits on the repeat pass, not on the prefill's queries)."""
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor:
         """Importance of every entry, ``(B, H, N)`` float32; higher is kept first."""
@@ -315,6 +322,10 @@ class Folder(Method):
         ``kvmerger_sets[sigma=1]``), for a folder whose paper method is not selector + folder.
         """
         return None
+
+    def bind_selector(self, selector: Selector | Standalone) -> None:
+        """Called once when this folder is composed after ``selector`` (e.g. to choose reference
+        queries that fit the selector's protocol); nothing by default."""
 
     def fold(
         self,
@@ -409,6 +420,10 @@ class ComposedMethod:
     wrappers: tuple[Wrapper, ...]
     selector: Selector | Standalone
     folder: Folder | None
+
+    def __post_init__(self) -> None:
+        if self.folder is not None:
+            self.folder.bind_selector(self.selector)
 
     @property
     def query_window(self) -> int:
@@ -510,9 +525,7 @@ class ComposedMethod:
         if self.folder is not None:
             keep, lengths = self.folder.reselect(layer_idx, layer, keep, lengths, scores, protected, valid, ctx)
         ctx.record_kept(layer_idx, keep, lengths)
-        stats = {
-            name: torch.gather(t, 2, keep) for name, t in layer.entry_stats.items() if t.shape == valid.shape
-        }
+        stats = {name: torch.gather(t, 2, keep) for name, t in layer.entry_stats.items() if t.shape == valid.shape}
         if self.folder is not None:
             self.folder.fold(layer_idx, layer, keep, lengths, scores, ctx)
         else:
@@ -532,9 +545,7 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
     parsed = _expand_bare_folder(parsed)
     selector = _lookup(parsed.selector, ("selector", "standalone"), "method")
     if selector.role == "standalone" and (parsed.wrappers or parsed.folder):
-        raise SpecError(
-            f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder"
-        )
+        raise SpecError(f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder")
     wrappers = tuple(_lookup(c, ("wrapper",), "wrapper") for c in parsed.wrappers)
     folder = _lookup(parsed.folder, ("folder",), "folder") if parsed.folder else None
     return ComposedMethod(spec=parsed.text, wrappers=wrappers, selector=selector, folder=folder)

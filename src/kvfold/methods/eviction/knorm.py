@@ -58,6 +58,7 @@ class KNorm(Selector):
     """
 
     name: ClassVar[str] = "knorm"
+    query_agnostic: ClassVar[bool] = True
     description: ClassVar[str] = "keep the entries with the lowest key norm; online during decoding"
     paper: ClassVar[str] = "Devoto et al. 2024, A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression"
     supports_chunked_prefill: ClassVar[bool] = True

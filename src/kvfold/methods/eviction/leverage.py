@@ -57,6 +57,7 @@ class Leverage(Selector):
     """
 
     name: ClassVar[str] = "leverage"
+    query_agnostic: ClassVar[bool] = True  # keys only: a folder after it fits on the repeat pass
     description: ClassVar[str] = "query-agnostic: approximate leverage of the centred pre-RoPE keys (outliers)"
     paper: ClassVar[str] = PAPER
     sketch: int = 48

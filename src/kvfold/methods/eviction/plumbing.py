@@ -43,6 +43,7 @@ class StreamingLLM(Selector):
     """
 
     name: ClassVar[str] = "streamingllm"
+    query_agnostic: ClassVar[bool] = True
     description: ClassVar[str] = "keep 4 sink tokens and the most recent tokens; online during decoding"
     paper: ClassVar[str] = "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks"
     supports_chunked_prefill: ClassVar[bool] = True
@@ -74,6 +75,7 @@ class RandomKeep(Selector):
     """Keeps a uniformly random subset of the context (a sanity floor; seeded, reproducible)."""
 
     name: ClassVar[str] = "random"
+    query_agnostic: ClassVar[bool] = True
     description: ClassVar[str] = "random subset of entries (sanity floor)"
     paper: ClassVar[str] = "-"
     supports_chunked_prefill: ClassVar[bool] = True

@@ -17,11 +17,7 @@ from kvfold.chunked import prefill_chunked
 from kvfold.linalg import nnls, nnls_reference, omp_select
 from kvfold.methods import REGISTRY, CompressionContext, SpecError, build_method
 from kvfold.methods.compaction.attention_matching.compact import compact_layers
-from kvfold.methods.compaction.attention_matching.queries import (
-    QueryOptions,
-    extract_reference_queries,
-    repeat_prompt_ids,
-)
+from kvfold.methods.compaction.attention_matching.queries import QueryOptions, extract_reference_queries
 from kvfold.methods.compaction.attention_matching.schedule import (
     HeadSchedule,
     _interp,
@@ -31,6 +27,7 @@ from kvfold.methods.compaction.attention_matching.schedule import (
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, _fit_group, fit_problems
 from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys
+from kvfold.methods.core.repeat import RepeatPrompt
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64
@@ -310,7 +307,7 @@ def test_kv_chunks_compact_each_chunk_alone():
     model = model64("llama")
     pre = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False)
     n = pre.input_ids.shape[1]
-    small = pre.compress("am_highest_fast[chunks=3,queries=random]", 12)
+    small = pre.compress("am_highest_fast[chunks=3,queries=random,template=false,sinks=0]", 12)
     for (_, full), (_, layer) in zip(pre.cache.folded_layers, small.cache.folded_layers, strict=True):
         k_full = full.padded()[0][0, 0]
         keys = layer.padded()[0][0, 0]
@@ -413,9 +410,9 @@ def test_repeat_prefill_records_the_instruction_and_the_context_again():
         tokenizer=tok,
     )
     row = pre.input_ids[0].tolist()
-    ids = repeat_prompt_ids(tok, row)
+    (ids,) = RepeatPrompt.build(tok).chunk_inputs(row, 2048)  # KVzip's repeat pass, shared
     assert ids[-(len(row) - 1) :] == row[1:] and len(ids) > len(row) - 1  # instruction, then C (no BOS)
-    queries = extract_reference_queries(ctx, QueryOptions(sources=("repeat",), max_queries=10_000))
+    queries = extract_reference_queries(ctx, QueryOptions(sources=("repeat",)))
     for _, q in queries.items():
         assert q.queries.shape[2] == 3 * len(ids)  # G = 3 query heads per KV head, every repeat token
 

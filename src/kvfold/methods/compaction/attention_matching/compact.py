@@ -15,6 +15,7 @@ from kvfold.methods.compaction.attention_matching.queries import (
 from kvfold.methods.compaction.attention_matching.solve import Compacted, FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.spec import SpecError
+from kvfold.prompts import context_text_ids
 
 Tensor = torch.Tensor
 
@@ -53,6 +54,26 @@ def _scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> flo
     if scales is None:
         scales = ctx.memo["am_scaling"] = layer_scalings(ctx.model)
     return scales.get(layer_idx, layer.head_dim**-0.5)
+
+
+def verbatim_prefix(ctx: CompressionContext, template: bool, sinks: int) -> Tensor:
+    """Context tokens per row ``(B,)`` kept verbatim, outside the compacted span: the chat template
+    before the context text (when the row was prefilled with it and ``template``), at least the
+    first ``sinks`` tokens (attention sinks). The authors' code keeps both as they are."""
+    key = ("verbatim_prefix", template, sinks)
+    if key not in ctx.memo:
+        batch, width = ctx.input_ids.shape
+        lengths = ctx.context_lengths.tolist()
+        out = []
+        for b in range(batch):
+            row = ctx.input_ids[b, width - lengths[b] :].tolist()
+            head = 0
+            if template and ctx.tokenizer is not None:
+                text, templated = context_text_ids(ctx.tokenizer, row)
+                head = len(row) - len(text) if templated else 0
+            out.append(min(lengths[b], max(head, sinks)))
+        ctx.memo[key] = torch.tensor(out, dtype=torch.long)
+    return ctx.memo[key]
 
 
 def _bounds(span: tuple[int | None, int | None], n_valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,14 +124,24 @@ class _LayerPlan:
     span_len: Tensor  # (B, H)
 
 
-def _plan_layer(layer: FoldedLayer, total: Tensor, span: tuple[int | None, int | None], chunks: int) -> _LayerPlan:
-    """Cut a layer's span into ``chunks`` contiguous blocks per row, with their budgets."""
+def _plan_layer(
+    layer: FoldedLayer,
+    total: Tensor,
+    span: tuple[int | None, int | None],
+    chunks: int,
+    verbatim: Tensor | None = None,
+) -> _LayerPlan:
+    """Cut a layer's span into ``chunks`` contiguous blocks per row, with their budgets; the first
+    ``verbatim`` ``(B,)`` valid entries of each row stay outside the span."""
     keys, values, log_mass, _ = layer.padded()
     valid = torch.isfinite(log_mass)
     batch, heads, length, dim = keys.shape
     n_valid = valid.sum(-1)
     rank = valid.long().cumsum(-1) - 1
     start, end = _bounds(span, n_valid)
+    if verbatim is not None:
+        start = torch.maximum(start, verbatim.to(start.device)[:, None].minimum(n_valid))
+        end = torch.maximum(start, end)
     span_len = end - start
     member = valid & (rank >= start[..., None]) & (rank < end[..., None])
     fixed = n_valid - span_len
@@ -187,6 +218,7 @@ def compact_layers(
     config: FitConfig,
     span: tuple[int | None, int | None] = (None, None),
     chunks: int = 1,
+    verbatim: Tensor | None = None,
 ) -> dict[str, float]:
     """Compact the span of every row of several layers at once (KV-based chunks, §3.5, App. C.3).
 
@@ -204,11 +236,13 @@ def compact_layers(
         config: the fit.
         span: ``(start, end)`` over each row's valid entries (see :func:`parse_span`).
         chunks: contiguous blocks the span is split into.
+        verbatim: ``(B,)`` leading valid entries of each row kept as they are (template, sinks):
+            the span starts after them at the latest.
 
     Returns:
         Mean relative mass and output residuals on the reference queries over fitted blocks.
     """
-    plans = {i: _plan_layer(layer, totals[i], span, chunks) for i, layer in targets}
+    plans = {i: _plan_layer(layer, totals[i], span, chunks, verbatim) for i, layer in targets}
     if not plans:
         return {}
     width = max(p.keys.shape[3] for p in plans.values())

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -12,7 +13,13 @@ from typing import ClassVar
 import torch
 
 from kvfold.cache import FoldedLayer
-from kvfold.methods.compaction.attention_matching.compact import _scaling, _trim_captured, compact_layers, parse_span
+from kvfold.methods.compaction.attention_matching.compact import (
+    _scaling,
+    _trim_captured,
+    compact_layers,
+    parse_span,
+    verbatim_prefix,
+)
 from kvfold.methods.compaction.attention_matching.queries import (
     QueryOptions,
     ReferenceQueries,
@@ -26,6 +33,24 @@ from kvfold.methods.core.base import CompressionContext, Folder, Standalone, reg
 from kvfold.methods.core.spec import SpecError
 
 Tensor = torch.Tensor
+
+RANDOM_QUERIES = 4096
+"""Queries per KV head of the ``random`` source when ``max_queries`` is None (all)."""
+ONLINE_QUERIES = 4096
+"""Most recent queries per KV head online compaction keeps when ``max_queries`` is None."""
+MASS_WEIGHTS = ("none", "relative")
+
+
+def query_cap(max_queries: int | None) -> int:
+    """The cap of reference queries per KV head: ``max_queries``, or no cap for None."""
+    return sys.maxsize if max_queries is None else max_queries
+
+
+def _check_fit_options(name: str, mass_weight: str, value_ridge: float | None) -> None:
+    if mass_weight not in MASS_WEIGHTS:
+        raise SpecError(f"{name}: mass_weight must be one of {', '.join(MASS_WEIGHTS)}; got {mass_weight!r}")
+    if value_ridge is not None and not value_ridge > 0:
+        raise SpecError(f"{name}: value_ridge must be > 0 (or none); got {value_ridge}")
 
 
 # ---------------------------------------------------------------------------- online (App. F.3)
@@ -48,6 +73,7 @@ class AttentionMatchingOnline:
         factor: size of the compacted part relative to what it replaces (0.5 in the paper).
         max_queries: reference queries kept per KV head.
         initial: initial reference queries per layer (the prefill's last queries), or empty.
+        verbatim: ``(B,)`` leading entries never compacted (template, sinks).
     """
 
     needs_attention = False
@@ -61,7 +87,9 @@ class AttentionMatchingOnline:
         factor: float = 0.5,
         max_queries: int = 1024,
         initial: dict[int, ReferenceQueries] | None = None,
+        verbatim: Tensor | None = None,
     ) -> None:
+        self.verbatim = verbatim
         self.limits = limits
         self.scalings = scalings
         self.config = config
@@ -87,7 +115,8 @@ class AttentionMatchingOnline:
         if layer.physical_length <= self.limits[layer_idx]:
             return
         n_valid = layer.row_lengths()
-        span_len = (n_valid - self.recent).clamp_min(0)
+        fixed = self.recent if self.verbatim is None else self.recent + self.verbatim.to(n_valid.device)[:, None]
+        span_len = (n_valid - fixed).clamp_min(0)
         keep = torch.ceil(span_len.double() * self.factor).long().clamp_min(1).minimum(span_len)
         totals = keep + (n_valid - span_len)
         compact_layers(
@@ -97,6 +126,7 @@ class AttentionMatchingOnline:
             self.scalings,
             self.config,
             span=(None, -self.recent if self.recent else None),
+            verbatim=self.verbatim,
         )
         self.compactions[layer_idx] += 1
 
@@ -111,14 +141,18 @@ class _AttentionMatching(Standalone):
     Parameters:
         queries: reference-query sources joined by ``+``: ``context``, ``repeat``, ``selfstudy``,
             ``random`` (§3.1).
-        max_queries: reference queries kept per KV head and layer (a seeded random subset; the
-            authors' code keeps up to 10k for repeat-prefill, 50k with self-study).
+        max_queries: reference queries kept per KV head and layer, a seeded random subset (None:
+            all of them, the default; the authors' code keeps up to 10k for repeat-prefill, 50k with
+            self-study, i.e. all of them at 2K–8K tokens).
         nnls_iters: projected-gradient steps of the β fit (Algorithm 3).
         beta_min, beta_max: bounds on β − β⁰ (App. C.2 "Stabilizing β").
         on_policy: compact layers in order, re-extracting repeat / self-study queries with the
             earlier layers already compacted (§3.1 "On-policy queries"; one pass per layer).
         span: the entries compacted, ``start:end`` over each row's valid entries (``:`` = all,
             ``4:-32`` keeps the first 4 and the last 32 as they are).
+        template, sinks: the chat template before the context text (``template=true``) and at
+            least the first ``sinks`` tokens stay verbatim, outside the span (still counted in the
+            budget), as in the authors' code; ``template=false,sinks=0`` compacts them too.
         chunks: contiguous chunks compacted independently (§3.5).
         chunking: ``kv`` (slice the prefilled cache, the paper's default) or ``text`` (prefill
             and compact each chunk alone, then shift its keys' RoPE phase to the global offset).
@@ -130,6 +164,9 @@ class _AttentionMatching(Standalone):
         selfstudy_tokens: tokens sampled per self-study answer.
         context_window: context-prefill queries: the last this-many context tokens.
         fit_values: refit values by least squares (False keeps the selected keys' values).
+        mass_weight: ``none`` (the paper's ``‖Φ_S w − m‖²``) or ``relative`` (each query's mass
+            residual divided by its mass; see :class:`~.solve.FitConfig`).
+        value_ridge: ridge of the value fit toward the kept values (None: the solver's tiny ridge).
         solver: ``gram`` (normal equations, fast) or ``exact`` (the reference solvers).
     """
 
@@ -137,12 +174,14 @@ class _AttentionMatching(Standalone):
     supports_chunked_prefill: ClassVar[bool] = True
     key_selection: ClassVar[str] = "highest"
     queries: str = "repeat+selfstudy"
-    max_queries: int = 4096
+    max_queries: int | None = None
     nnls_iters: int = 2
     beta_min: float = -3.0
     beta_max: float = 3.0
     on_policy: bool = False
     span: str = ":"
+    template: bool = True
+    sinks: int = 4
     chunks: int = 1
     chunking: str = "kv"
     schedule: str | None = None
@@ -152,6 +191,8 @@ class _AttentionMatching(Standalone):
     selfstudy_tokens: int = 64
     context_window: int = 8192
     fit_values: bool = True
+    mass_weight: str = "none"
+    value_ridge: float | None = None
     solver: str = "gram"
 
     @property
@@ -161,7 +202,11 @@ class _AttentionMatching(Standalone):
     def validate(self) -> None:
         parse_sources(self.queries, self.name)
         parse_span(self.span, self.name)
-        if self.max_queries < 1 or self.chunks < 1 or self.context_window < 1 or self.selfstudy_tokens < 0:
+        _check_fit_options(self.name, self.mass_weight, self.value_ridge)
+        bad_cap = self.max_queries is not None and self.max_queries < 1
+        if self.sinks < 0:
+            raise SpecError(f"{self.name}: sinks must be ≥ 0; got {self.sinks}")
+        if bad_cap or self.chunks < 1 or self.context_window < 1 or self.selfstudy_tokens < 0:
             raise SpecError(f"{self.name}: max_queries, chunks and context_window must be ≥ 1")
         if self.nnls_iters < 0 or self.recent < 0 or not 0.0 < self.factor < 1.0:
             raise SpecError(f"{self.name}: nnls_iters and recent must be ≥ 0 and factor in (0, 1)")
@@ -180,16 +225,18 @@ class _AttentionMatching(Standalone):
             beta_max=self.beta_max,
             refills=getattr(self, "refills", 0),
             fit_values=self.fit_values,
+            mass_weight=self.mass_weight,  # type: ignore[arg-type]
+            value_ridge=self.value_ridge,
             solver=self.solver,  # type: ignore[arg-type]
         )
 
     def query_options(self, sources: tuple[str, ...] | None = None) -> QueryOptions:
         return QueryOptions(
             sources=sources or parse_sources(self.queries, self.name),
-            max_queries=self.max_queries,
+            max_queries=query_cap(self.max_queries),
             context_window=self.context_window,
             selfstudy_tokens=self.selfstudy_tokens,
-            random_queries=self.max_queries,
+            random_queries=self.max_queries or RANDOM_QUERIES,
         )
 
     def totals(self, ctx: CompressionContext) -> dict[int, Tensor]:
@@ -213,6 +260,7 @@ class _AttentionMatching(Standalone):
         scalings = {i: _scaling(ctx, i, layer) for i, layer in layers}
         config = self.fit_config()
         span = parse_span(self.span, self.name)
+        verbatim = verbatim_prefix(ctx, self.template, self.sinks)
         report = ctx.report.setdefault("am", {})
         if self.chunking == "text":
             from kvfold.methods.compaction.attention_matching.text_chunks import compact_text_chunks
@@ -231,19 +279,21 @@ class _AttentionMatching(Standalone):
             stats = []
             for i, layer in layers:  # §3.1: layer ℓ's queries with layers < ℓ already compacted
                 t0 = time.perf_counter()
-                q = extract_reference_queries(ctx, self.query_options(passes), layers=[i])[i]
+                q = extract_reference_queries(ctx, self.query_options(passes), layers=[i], shared=False)[i]
                 if i in fixed:
-                    q = q.cat(fixed[i]).subsample(self.max_queries, torch.Generator().manual_seed(ctx.seed + i))
+                    generator = torch.Generator().manual_seed(ctx.seed + i)
+                    q = q.cat(fixed[i]).subsample(query_cap(self.max_queries), generator)
                 query_seconds += time.perf_counter() - t0
-                stats.append(compact_layers([(i, layer)], {i: q}, totals, scalings, config, span, self.chunks))
+                part = compact_layers([(i, layer)], {i: q}, totals, scalings, config, span, self.chunks, verbatim)
+                stats.append(part)
             report["query_seconds"] = query_seconds
             report["mass_error"] = sum(s.get("mass_error", 0.0) for s in stats) / max(1, len(stats))
             report["output_error"] = sum(s.get("output_error", 0.0) for s in stats) / max(1, len(stats))
         else:
-            queries = extract_reference_queries(ctx, self.query_options(), reuse=True)
+            queries = extract_reference_queries(ctx, self.query_options())
             report["query_seconds"] = time.perf_counter() - start
             report["queries_per_head"] = float(torch.stack([q.counts.float().mean() for q in queries.values()]).mean())
-            report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks))
+            report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks, verbatim))
         report["seconds"] = time.perf_counter() - start
         _trim_captured(ctx.cache)
 
@@ -264,8 +314,9 @@ class _AttentionMatching(Standalone):
             self.fit_config(),
             recent=self.recent,
             factor=self.factor,
-            max_queries=self.max_queries,
+            max_queries=self.max_queries or ONLINE_QUERIES,
             initial=initial,
+            verbatim=verbatim_prefix(ctx, self.template, self.sinks),
         )
 
 
@@ -344,10 +395,24 @@ class AMFit(Folder):
     squares to its attention output, on reference queries. ``am_fit`` alone means ``snapkv+am_fit``.
 
     Parameters:
-        queries: reference-query sources (default ``context``: the prefill's own queries).
-        max_queries: reference queries kept per KV head.
-        nnls_iters, beta_min, beta_max: the β fit (Algorithm 3, box [−3, 3] as for AM-HighestAttnKeys).
+        queries: reference-query sources; ``auto`` (default) is ``repeat`` after a query-agnostic
+            selector (``kvzip``, ``knorm``, ``random``, ``streamingllm``: the fit then sees the
+            queries the selector scored with, including the few that read a rare fact) and
+            ``context`` (the prefill's own queries) after any other.
+        max_queries: reference queries kept per KV head (None: all, the default).
+        nnls_iters, beta_min, beta_max: the β fit (Algorithm 3) boxed to ``β − β⁰ ∈ [beta_min,
+            beta_max]``; ``beta_min=0`` (default) means a kept entry never receives less mass than
+            it had (``beta_min=-inf`` is the paper's plain NNLS, ``-3`` AM-HighestAttnKeys' box).
+        mass_weight: ``relative`` (default): each query's mass residual is divided by its mass,
+            so the few queries that attend to one rare entry count as much as diffuse ones;
+            ``none`` is the paper's unweighted ``‖Φ_S w − m‖²``.
+        value_ridge: ridge of the value fit toward the kept values (None: the solver's tiny ridge).
         fit_values: refit the values (False: β only).
+        template, sinks: with ``template=true``, kept entries among the chat template before the
+            context text and the first ``sinks`` tokens stay verbatim (not refitted; the fit
+            matches the rest of the cache), as the AM variants keep them outside their span. Off
+            by default: refitting them kept more on RULER at 2K (README, "Attention Matching
+            after KVzip").
         selfstudy_tokens, context_window: as for the AM variants.
         solver: ``gram`` or ``exact``.
     """
@@ -356,42 +421,78 @@ class AMFit(Folder):
     description: ClassVar[str] = "refit biases (NNLS on attention mass) and values (least squares) of kept entries"
     paper: ClassVar[str] = "Zweiger et al. 2026, Fast KV Compaction via Attention Matching"
     supports_chunked_prefill: ClassVar[bool] = True
-    queries: str = "context"
-    max_queries: int = 4096
+    queries: str = "auto"
+    max_queries: int | None = None
     nnls_iters: int = 2
-    beta_min: float = -3.0
+    beta_min: float = 0.0
     beta_max: float = 3.0
+    mass_weight: str = "relative"
+    value_ridge: float | None = None
     fit_values: bool = True
+    template: bool = False
+    sinks: int = 0
     selfstudy_tokens: int = 64
     context_window: int = 8192
     solver: str = "gram"
+
+    def __post_init__(self) -> None:
+        self._selector_agnostic = False
 
     @classmethod
     def default_selector(cls) -> str | None:
         return "snapkv"
 
+    def bind_selector(self, selector) -> None:
+        self._selector_agnostic = bool(getattr(selector, "query_agnostic", False))
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The reference-query sources, ``auto`` resolved for the selector this folder follows."""
+        if self.queries.strip().lower() == "auto":
+            return ("repeat",) if self._selector_agnostic else ("context",)
+        return parse_sources(self.queries, self.name)
+
     @property
     def query_window(self) -> int:  # type: ignore[override]
-        return self.context_window if "context" in parse_sources(self.queries, self.name) else 0
+        return self.context_window if "context" in self.sources else 0
 
     def validate(self) -> None:
-        parse_sources(self.queries, self.name)
-        if self.max_queries < 1 or self.nnls_iters < 0 or self.beta_min > self.beta_max:
-            raise SpecError("am_fit: max_queries must be ≥ 1, nnls_iters ≥ 0 and beta_min ≤ beta_max")
+        if self.queries.strip().lower() != "auto":
+            parse_sources(self.queries, self.name)
+        _check_fit_options(self.name, self.mass_weight, self.value_ridge)
+        bad_cap = self.max_queries is not None and self.max_queries < 1
+        if bad_cap or self.nnls_iters < 0 or self.beta_min > self.beta_max or self.sinks < 0:
+            raise SpecError(
+                "am_fit: max_queries must be ≥ 1 (or none), nnls_iters and sinks ≥ 0 and beta_min ≤ beta_max"
+            )
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
 
+    def fit_config(self) -> FitConfig:
+        return FitConfig(
+            keys="highest",
+            nnls_iters=self.nnls_iters,
+            beta_min=self.beta_min,
+            beta_max=self.beta_max,
+            fit_values=self.fit_values,
+            mass_weight=self.mass_weight,  # type: ignore[arg-type]
+            value_ridge=self.value_ridge,
+            solver=self.solver,  # type: ignore[arg-type]
+        )
+
     def prepare(self, ctx: CompressionContext) -> None:
         options = QueryOptions(
-            sources=parse_sources(self.queries, self.name),
-            max_queries=self.max_queries,
+            sources=self.sources,
+            max_queries=query_cap(self.max_queries),
             context_window=self.context_window,
             selfstudy_tokens=self.selfstudy_tokens,
-            random_queries=self.max_queries,
+            random_queries=self.max_queries or RANDOM_QUERIES,
         )
         start = time.perf_counter()
-        ctx.memo["am_fit_queries"] = extract_reference_queries(ctx, options, reuse=True)
-        ctx.report.setdefault("am_fit", {})["query_seconds"] = time.perf_counter() - start
+        ctx.memo["am_fit_queries"] = extract_reference_queries(ctx, options)
+        report = ctx.report.setdefault("am_fit", {})
+        report["query_seconds"] = time.perf_counter() - start
+        report["queries"] = "+".join(self.sources)
 
     def fold(
         self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, scores: Tensor, ctx: CompressionContext
@@ -399,29 +500,43 @@ class AMFit(Folder):
         keys, values, log_mass, _ = layer.padded()
         queries = ctx.memo["am_fit_queries"][layer_idx]
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
-        given = torch.where(slot, keep, torch.full_like(keep, -1))
-        config = FitConfig(
-            keys="highest",
-            nnls_iters=self.nnls_iters,
-            beta_min=self.beta_min,
-            beta_max=self.beta_max,
-            fit_values=self.fit_values,
-            solver=self.solver,  # type: ignore[arg-type]
-        )
+        # kept entries of the template and the sinks stay verbatim: the fit matches the rest
+        valid = torch.isfinite(log_mass)
+        rank = valid.long().cumsum(-1) - 1
+        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)
+        in_prefix = valid & (rank < prefix[:, None, None])
+        fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim (the first slots: keep ascends)
+        n_fixed = fixed.sum(-1)
+        kept_fixed = torch.zeros_like(valid).scatter(2, keep, fixed)
+        span_mass = log_mass.masked_fill(kept_fixed, float("-inf"))
+        given = torch.where(slot & ~fixed, keep, torch.full_like(keep, -1))
         result = fit_problems(
             keys,
             values,
-            log_mass,
+            span_mass,
             queries.queries,
             queries.valid,
             lengths,
             _scaling(ctx, layer_idx, layer),
-            config,
+            self.fit_config(),
             given=given,
         )
-        idx = result.index
-        c_k = keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        layer.replace(c_k, result.values.to(values.dtype), result.log_mass.float(), lengths=result.lengths)
+        # entries: [verbatim kept entries] + [fitted entries], both ascending, so positions ascend
+        j = torch.arange(keep.shape[-1], device=keep.device)[None, None, :]
+        fitted_slot = (j - n_fixed[..., None]).clamp(0, max(result.index.shape[-1] - 1, 0))
+        is_fixed = j < n_fixed[..., None]
+        c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        v_kept = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
+        beta_kept = log_mass.float().gather(2, keep)
+        v_fit, beta_fit = v_kept, beta_kept
+        if result.index.shape[-1]:
+            expand = fitted_slot[..., None].expand(-1, -1, -1, v_kept.shape[-1])
+            v_fit = result.values.to(values.dtype).gather(2, expand)
+            beta_fit = result.log_mass.float().gather(2, fitted_slot)
+        c_v = torch.where(is_fixed[..., None], v_kept, v_fit)
+        beta = torch.where(is_fixed, beta_kept, beta_fit)
+        beta = beta.masked_fill(~slot, float("-inf"))
+        layer.replace(c_k, c_v, beta, lengths=lengths)
         report = ctx.report.setdefault("am_fit", {})
         report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
         report.setdefault("output_error", []).append(float(result.output_error.mean()))

@@ -7,26 +7,30 @@ send to the compacted context. Sources (combine them with ``+``):
   choice). Read from ``layer.captured_queries`` when the prefill kept enough of them
   (``kvfold.prefill(methods=[...])`` asks for the method's ``query_window``); otherwise one extra
   forward pass of the context records them.
-* ``repeat`` — repeat-prefill (KVzip's idea, §3.1): ``"{C} Repeat the previous context. {C}"`` with
-  the chat template; the model reads the instruction and the context again over a **copy** of the
-  prefilled cache and the queries from the instruction through the second ``C`` are recorded.
+* ``repeat`` — repeat-prefill (KVzip's idea, §3.1): ``"{C} Repeat the previous context exactly.
+  {C}"`` with the chat template; the model reads the instruction and the context again over a
+  **copy** of the prefilled cache and the queries from the instruction through the second ``C``
+  are recorded. This is KVzip's repeat pass (:mod:`kvfold.methods.core.repeat`, its prompt and
+  its 2K chunks), run once per prefilled context for every method that needs it.
 * ``selfstudy`` — self-study (§3.1, App. C.4): a few fixed prompts are appended to a copy of the
   cache, answers are sampled (seeded) and the queries of prompts and answers are recorded.
 * ``random`` — ``q ~ N(0, I_d)`` per KV head (App. D, "random-vectors-no-qnorm").
 
 GQA (App. B.3): the queries of all query heads of a group are reference queries of their KV head,
-so one token gives ``G`` queries per KV head. A cap keeps a seeded uniform random subset per KV
-head (streaming reservoir, so memory follows the cap, not the context).
+so one token gives ``G`` queries per KV head. By default every query is kept (the authors cap at
+10k per KV head, 50k with self-study: all of them at 2K–8K tokens); a cap keeps a seeded uniform
+random subset per KV head.
 
-Passes over copies of the cache run ``chunk`` tokens per forward (bounded attention masks) and
-stop right after the last layer whose queries are needed (its MLP and the LM head are skipped).
+Self-study passes over copies of the cache run ``chunk`` tokens per forward (bounded attention
+masks). The repeat pass and self-study are computed once per prefilled context
+(:meth:`CompressionContext.shared_result`): every budget and method reuses them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import time
-import weakref
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +39,13 @@ import torch
 from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.model import prefill_again
+from kvfold.methods.core.repeat import REPEAT_CHUNK, repeat_pass, shared_repeat_pass
 from kvfold.methods.core.spec import SpecError
 from kvfold.prompts import context_text_ids, turn_ids
 
 Tensor = torch.Tensor
 
 __all__ = [
-    "REPEAT_INSTRUCTION",
     "SELF_STUDY_PROMPTS",
     "SOURCES",
     "QueryOptions",
@@ -51,11 +55,9 @@ __all__ = [
     "extract_reference_queries",
     "parse_sources",
     "pool_gqa_queries",
-    "repeat_prompt_ids",
 ]
 
 SOURCES = ("context", "repeat", "selfstudy", "random")
-REPEAT_INSTRUCTION = "Repeat the previous context."
 SELF_STUDY_PROMPTS = (
     "Summarize the context above.",
     "Structure the information in the context above as JSON.",
@@ -177,16 +179,17 @@ class QueryOptions:
 
     Attributes:
         sources: a subset of :data:`SOURCES`.
-        max_queries: cap of reference queries per KV head (per layer), uniform random subset.
+        max_queries: cap of reference queries per KV head (per layer), uniform random subset
+            (``sys.maxsize``: all).
         context_window: context-prefill: the last this-many context tokens' queries.
-        repeat_chunk: tokens per forward of the repeat and self-study passes.
+        repeat_chunk: tokens per forward of the self-study passes.
         selfstudy_tokens: tokens sampled per self-study answer.
         selfstudy_temperature: sampling temperature of the answers (0 = greedy).
         random_queries: queries per KV head of the ``random`` source.
     """
 
     sources: tuple[str, ...] = ("repeat",)
-    max_queries: int = 4096
+    max_queries: int = sys.maxsize
     context_window: int = 8192
     repeat_chunk: int = 1024
     selfstudy_tokens: int = 64
@@ -201,22 +204,6 @@ def parse_sources(text: str, owner: str) -> tuple[str, ...]:
     if not names or bad:
         raise SpecError(f"{owner}: queries must be sources joined by '+' from {', '.join(SOURCES)}; got {text!r}")
     return names
-
-
-# ---------------------------------------------------------------------------- prompts
-
-
-def repeat_prompt_ids(tokenizer: Any, row_ids: list[int]) -> list[int]:
-    """The repeat input appended after a prefilled row: instruction, turn end, and ``C`` again.
-
-    With the chat template (when the row was prefilled with it): the rest of the user turn
-    ``"… Repeat the previous context."``, the assistant header, then the context's tokens. Without
-    a tokenizer the context alone is repeated.
-    """
-    if tokenizer is None:
-        return list(row_ids)
-    text, templated = context_text_ids(tokenizer, row_ids)
-    return turn_ids(tokenizer, REPEAT_INSTRUCTION, templated) + text
 
 
 # ---------------------------------------------------------------------------- sources
@@ -288,7 +275,7 @@ def _model_pass_queries(
     source: str,
     stop_after: int | None,
 ) -> dict[int, ReferenceQueries]:
-    """Repeat-prefill or self-study queries over copies of ``cache``, one batch row at a time."""
+    """Self-study queries over copies of ``cache``, one batch row at a time."""
     model = ctx.model
     batch, width = ctx.input_ids.shape
     lengths, pads = _row_lengths(ctx)
@@ -303,20 +290,16 @@ def _model_pass_queries(
         row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
         start = logical - pads[b]  # positions continue where the row's context ended
         base = _row_cache(cache, b, batch)
-        if source == "repeat":
-            base.policy = recorder
-            _feed(model, base, repeat_prompt_ids(ctx.tokenizer, row_ids), start, options.repeat_chunk)
-        else:
-            if ctx.tokenizer is None:
-                raise ValueError("self-study reference queries need the tokenizer (to write the prompts)")
-            recorder.stop_after = None  # answers are sampled: every layer runs
-            _, templated = context_text_ids(ctx.tokenizer, row_ids)
-            for prompt in SELF_STUDY_PROMPTS:
-                work = base.copy()
-                work.policy = recorder
-                ids = turn_ids(ctx.tokenizer, prompt, templated)
-                logits = _feed(model, work, ids, start, options.repeat_chunk)
-                _sample_answer(model, work, logits, start + len(ids), options, generator, ctx.tokenizer)
+        if ctx.tokenizer is None:
+            raise ValueError("self-study reference queries need the tokenizer (to write the prompts)")
+        recorder.stop_after = None  # answers are sampled: every layer runs
+        _, templated = context_text_ids(ctx.tokenizer, row_ids)
+        for prompt in SELF_STUDY_PROMPTS:
+            work = base.copy()
+            work.policy = recorder
+            ids = turn_ids(ctx.tokenizer, prompt, templated)
+            logits = _feed(model, work, ids, start, options.repeat_chunk)
+            _sample_answer(model, work, logits, start + len(ids), options, generator, ctx.tokenizer)
         per_row.append(recorder)
     out = {}
     for layer_idx in layers:
@@ -419,13 +402,27 @@ def _random_queries(ctx: CompressionContext, layers: list[int], count: int) -> d
     return out
 
 
+def _repeat_queries(
+    ctx: CompressionContext, cache: FoldedCache, layers: list[int], shared: bool
+) -> dict[int, ReferenceQueries]:
+    """Repeat-prefill queries from the repeat pass: the shared one over the prefilled cache, or a
+    pass of their own over another cache (on-policy extraction)."""
+    if shared:
+        if ("repeat_pass", REPEAT_CHUNK) in ctx.shared:
+            ctx.report.setdefault("am", {})["queries_reused"] = True
+        found = shared_repeat_pass(ctx)
+    else:
+        found = repeat_pass(ctx, cache=cache, scores=False)
+    return {i: ReferenceQueries(found.queries[i], found.query_valid[i]) for i in layers}
+
+
 def extract_reference_queries(
     ctx: CompressionContext,
     options: QueryOptions,
     layers: list[int] | None = None,
     cache: FoldedCache | None = None,
     stop_early: bool = True,
-    reuse: bool = False,
+    shared: bool | None = None,
 ) -> dict[int, ReferenceQueries]:
     """Reference queries of the folded layers, from every source in ``options.sources``.
 
@@ -435,27 +432,21 @@ def extract_reference_queries(
         layers: layer indices (default every folded layer).
         cache: the cache that repeat / self-study passes run over (copies of it; default
             ``ctx.cache``). On-policy extraction passes a partially compacted cache.
-        stop_early: stop the repeat pass after the last requested layer.
-        reuse: reuse the queries extracted earlier for the same context tokens (the same
-            ``ctx.input_ids`` tensor, e.g. one :class:`~kvfold.pipeline.PrefilledContext`
-            compressed at several budgets), model, seed, options and cache contents. They are
-            kept while that tensor lives.
+        stop_early: stop self-study prompt passes after the last requested layer.
+        shared: use (and fill) the passes shared by every compression of the prefilled context;
+            default: when ``cache`` is ``ctx.cache`` (False once ``ctx.cache`` has been edited,
+            as on-policy extraction does).
+
+    The repeat pass and self-study over ``ctx.cache`` are computed once per prefilled context and
+    shared by every method and budget compressed from it (:meth:`CompressionContext.shared_result`).
 
     Returns:
         ``{layer_idx: ReferenceQueries}`` with at most ``options.max_queries`` valid queries per
         KV head.
     """
     cache = ctx.cache if cache is None else cache
+    shared = cache is ctx.cache if shared is None else shared
     layers = [i for i, _ in cache.folded_layers] if layers is None else list(layers)
-    key = _reuse_key(ctx, cache, options, layers) if reuse else None
-    if key is not None:
-        hit = _reuse_entries(ctx.input_ids).get(key)
-        if hit is not None:
-            ctx.report.setdefault("am", {})["queries_reused"] = True
-            queries, seconds = hit  # the reused pass still counts in this compression's reported time
-            ctx.report["reused_seconds"] = ctx.report.get("reused_seconds", 0.0) + seconds
-            return dict(queries)
-    start = time.perf_counter()
     stop_after = max(layers) if stop_early else None
     found: dict[int, ReferenceQueries] = {}
     for source in options.sources:
@@ -463,44 +454,19 @@ def extract_reference_queries(
             part = _context_queries(ctx, layers, options.context_window)
         elif source == "random":
             part = _random_queries(ctx, layers, options.random_queries)
+        elif source == "repeat":
+            part = _repeat_queries(ctx, cache, layers, shared)
+        elif shared:  # self-study: sampled once per context, seed and options
+            every = [i for i, _ in cache.folded_layers]
+            run = functools.partial(_model_pass_queries, ctx, cache, every, options, source, None)
+            part = ctx.shared_result(("am_selfstudy", ctx.seed, options), run)
         else:
             part = _model_pass_queries(ctx, cache, layers, options, source, stop_after)
-        for i, q in part.items():
+        for i in layers:
+            q = part[i]
             found[i] = q if i not in found else found[i].cat(q)
     out = {}
     for i in layers:
         generator = torch.Generator().manual_seed(ctx.seed * 999_983 + i)
         out[i] = found[i].subsample(options.max_queries, generator)
-    if key is not None:
-        entries = _reuse_entries(ctx.input_ids, create=True)
-        while len(entries) >= 4:
-            entries.pop(next(iter(entries)))
-        entries[key] = (dict(out), time.perf_counter() - start)
     return out
-
-
-_REUSE: dict[int, tuple[weakref.ref, dict]] = {}
-"""Extracted reference queries by context-token tensor identity (see ``reuse`` above); an entry
-goes away with its tensor."""
-
-
-def _reuse_entries(tokens: Tensor, create: bool = False) -> dict:
-    found = _REUSE.get(id(tokens))
-    if found is not None and found[0]() is tokens:
-        return found[1]
-    if not create:
-        return {}
-    entries: dict = {}
-    _REUSE[id(tokens)] = (weakref.ref(tokens), entries)
-    weakref.finalize(tokens, _REUSE.pop, id(tokens), None)
-    return entries
-
-
-def _reuse_key(ctx: CompressionContext, cache: FoldedCache, options: QueryOptions, layers: list[int]) -> tuple:
-    """What the queries depend on: model, seed, options, layers and the cache's contents."""
-    layer_map = dict(cache.folded_layers)
-    first = layer_map[layers[0]]
-    keys = first.padded()[0]
-    probe = float(keys.flatten()[:4096].double().sum()) if keys.numel() else 0.0
-    shape = tuple((layer_map[i].logical_length, layer_map[i].physical_length) for i in layers)
-    return (id(ctx.model), ctx.seed, options, tuple(layers), shape, probe, id(ctx.tokenizer))

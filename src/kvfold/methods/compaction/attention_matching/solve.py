@@ -62,6 +62,15 @@ class FitConfig:
         refills: OMP: times selection resumes after a β_min pruning (see :func:`omp_keys`).
         fit_values: refit ``C_v`` by least squares (False keeps the selected values).
         fit_beta: refit β by NNLS (False keeps ``β⁰``; OMP always fits β).
+        mass_weight: how the queries are weighted in the mass fit (highest-attention and given
+            keys): ``"none"`` is the paper's ``‖Φ_S w − m‖²``, ``"relative"`` divides each query's
+            residual by its mass ``m_i`` (the relative error ``Σ_i ((Φ_S w)_i / m_i − 1)²``), so
+            a query whose attention is peaked on a few keys (small max-shifted mass) counts as
+            much as a diffuse one (mass in the hundreds).
+        value_ridge: ridge of the value fit relative to the mean Gram diagonal, toward the kept
+            entries' own values (``C_v = V_S`` when the queries say nothing); None = ``ridge``.
+        query_block: reference queries per block while the fit's statistics are accumulated
+            (memory follows the block, not the number of queries).
         solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.linalg`).
         group_bytes: memory budget for the feature matrices of one group of problems.
     """
@@ -76,8 +85,11 @@ class FitConfig:
     refills: int = 8
     fit_values: bool = True
     fit_beta: bool = True
+    mass_weight: Literal["none", "relative"] = "none"
+    value_ridge: float | None = None
     solver: Literal["gram", "exact"] = "gram"
     group_bytes: int = DEFAULT_GROUP_BYTES
+    query_block: int = 1024
 
 
 @dataclass
@@ -134,10 +146,12 @@ def _block_statistics(
     query_valid: Tensor,
     scaling: Tensor,
     block: int = 256,
+    squares: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What highest-attention selection needs, one block of queries at a time (cache friendly):
     the shift ``(P, n)``, the mass ``m`` ``(P, n)``, the target ``Y = Φ V / m`` ``(P, n, D)`` and
-    ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i`` (the mean squared attention weight)."""
+    ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i`` (the mean squared attention weight; zeros
+    unless ``squares``: given keys need no selection score)."""
     P, n, _ = queries.shape
     shift = queries.new_zeros(P, n)
     mass = queries.new_zeros(P, n)
@@ -150,8 +164,9 @@ def _block_statistics(
         safe = torch.where(m > 0, m, torch.ones_like(m))
         shift[:, lo:hi], mass[:, lo:hi] = s, m
         target[:, lo:hi] = torch.bmm(phi, values) / safe[..., None]  # eq. 1: exp(ℓ) V / Mass
-        weights = (safe.pow(-2) / n_valid[:, None])[:, None, :]
-        square += torch.bmm(weights, phi.square_())[:, 0]
+        if squares:
+            weights = (safe.pow(-2) / n_valid[:, None])[:, None, :]
+            square += torch.bmm(weights, phi.square_())[:, 0]
     return shift, mass, target, square
 
 
@@ -195,10 +210,10 @@ def _fit_group(
     t_max = int(counts.max()) if P else 0
     history = None
     if given is not None or config.keys == "highest":
-        shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale)
+        shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
         if given is not None:
             ok = (given >= 0) & entry_valid.gather(1, given.clamp_min(0))
-            idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values
+            idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values[:, :t_max]  # used first
         else:
             # §3.3 / App. F.1: keep the t keys with the largest s_j = sqrt(mean_i a_ij²)
             score = square.masked_fill(~entry_valid, -math.inf)
@@ -208,17 +223,15 @@ def _fit_group(
         ok = idx < T
         idx = torch.where(ok, idx, idx[:, :1].clamp_max(max(T - 1, 0)))
         lengths = ok.sum(-1)
+        if config.solver != "exact":
+            return _streamed_fit(K, V, beta0, Q, qv, scale, shift, mass, target, idx, ok, lengths, config)
         phi_s = _selected_features(K, beta0, Q, qv, scale, shift, idx, ok)
         if config.fit_beta:
             # §3.2: w = argmin_{w ≥ 0} ‖Φ_S w − m‖ (box [e^β_min, e^β_max] for highest attention)
-            lower = 0.0 if config.beta_min is None else math.exp(config.beta_min)
-            upper = None if config.beta_max is None else math.exp(config.beta_max)
-            if config.solver == "exact":
-                w = nnls(phi_s, mass, iters=config.nnls_iters, lower=lower, upper=upper, ridge=config.ridge) * ok
-            else:
-                gram = phi_s.mT @ phi_s
-                corr = torch.bmm(mass[:, None, :], phi_s)[:, 0]
-                w = box_nnls(gram, corr, ok, lower=lower, upper=upper, iters=config.nnls_iters, ridge=config.ridge)
+            lower, upper = _weight_box(config)
+            root = _mass_weights(mass, qv, config.mass_weight).sqrt()[..., None]
+            rows, target_mass = phi_s * root, mass * root[..., 0]
+            w = nnls(rows, target_mass, iters=config.nnls_iters, lower=lower, upper=upper, ridge=config.ridge) * ok
         else:
             w = ok.to(dt)
     else:
@@ -260,9 +273,9 @@ def _fit_group(
     if config.fit_values and t_max > 0:
         residual = target - x @ v_s
         if config.solver == "exact":
-            fit = lstsq_ridge(x, residual, config.ridge)[0]
+            fit = lstsq_ridge(x, residual, _value_ridge(config))[0]
         else:
-            fit = ridge_solve(x.mT @ x, x.mT @ residual, config.ridge, ok)
+            fit = ridge_solve(x.mT @ x, x.mT @ residual, _value_ridge(config), ok)
         c_v = v_s + fit * ok[..., None].to(dt)
     else:
         c_v = v_s
@@ -279,6 +292,109 @@ def _fit_group(
         mass_error=mass_error,
         output_error=out_err,
         residual_history=history,
+    )
+
+
+def _weight_box(config: FitConfig) -> tuple[float, float | None]:
+    """The box of ``w = exp(β − β⁰)``: ``[e^β_min, e^β_max]`` (None bounds: ``[0, ∞)``)."""
+    lower = 0.0 if config.beta_min is None else math.exp(config.beta_min)
+    upper = None if config.beta_max is None else math.exp(config.beta_max)
+    return lower, upper
+
+
+def _value_ridge(config: FitConfig) -> float:
+    return config.ridge if config.value_ridge is None else config.value_ridge
+
+
+def _mass_weights(mass: Tensor, query_valid: Tensor, kind: str) -> Tensor:
+    """Per-query weights ``r_i`` of the mass fit ``Σ_i r_i ((Φ_S w)_i − m_i)²`` (0 on invalid queries)."""
+    valid = query_valid.to(mass.dtype)
+    if kind == "none":
+        return valid
+    if kind != "relative":
+        raise ValueError(f"mass_weight must be none or relative; got {kind!r}")
+    safe = torch.where(mass > 0, mass, torch.ones_like(mass))
+    return valid * safe.pow(-2)  # relative error: ((Φ_S w)_i − m_i) / m_i
+
+
+def _streamed_fit(
+    keys: Tensor,
+    values: Tensor,
+    beta0: Tensor,
+    queries: Tensor,
+    query_valid: Tensor,
+    scaling: Tensor,
+    shift: Tensor,
+    mass: Tensor,
+    target: Tensor,
+    idx: Tensor,
+    ok: Tensor,
+    lengths: Tensor,
+    config: FitConfig,
+) -> Compacted:
+    """β and values of the kept keys ``idx`` from normal equations accumulated one block of
+    queries at a time: no ``(n, t)`` matrix is ever held, so memory follows
+    ``config.query_block``, not the number of reference queries.
+
+    Pass 1 accumulates ``G = Φ_Sᵀ R Φ_S`` and ``c = Φ_Sᵀ R m`` (``R`` the query weights) and solves
+    the box-NNLS (§3.2, Algorithm 3); pass 2 accumulates ``XᵀX`` and ``Xᵀ(Y − X V_S)`` with
+    ``X = Φ_S w / (Φ_S w)·1`` (eq. 3–4) and the residual norms, then solves the values.
+    """
+    P, n, _ = queries.shape
+    t, dim = idx.shape[-1], values.shape[-1]
+    dt = keys.dtype
+    block = max(1, config.query_block)
+    blocks = [(lo, min(n, lo + block)) for lo in range(0, n, block)]
+
+    def phi_s(lo: int, hi: int) -> Tensor:
+        q, qv = queries[:, lo:hi], query_valid[:, lo:hi]
+        return _selected_features(keys, beta0, q, qv, scaling, shift[:, lo:hi], idx, ok)
+
+    if config.fit_beta:
+        weight = _mass_weights(mass, query_valid, config.mass_weight)
+        gram = keys.new_zeros(P, t, t)
+        corr = keys.new_zeros(P, t)
+        for lo, hi in blocks:
+            f = phi_s(lo, hi)
+            weighted = f * weight[:, lo:hi, None]
+            gram += weighted.mT @ f
+            corr += (weighted.mT @ mass[:, lo:hi, None])[..., 0]
+        gram = 0.5 * (gram + gram.mT)
+        lower, upper = _weight_box(config)
+        w = box_nnls(gram, corr, ok, lower=lower, upper=upper, iters=config.nnls_iters, ridge=config.ridge)
+    else:
+        w = ok.to(dt)
+    v_s = values.gather(1, idx[..., None].expand(-1, -1, dim))
+    xtx = keys.new_zeros(P, t, t)
+    xtr = keys.new_zeros(P, t, dim)
+    res_sq = keys.new_zeros(P)
+    mass_sq = keys.new_zeros(P)
+    for lo, hi in blocks:
+        x = phi_s(lo, hi).mul_(w[:, None, :])  # Φ_S w, column by column
+        fitted = x.sum(-1)
+        mass_sq += (fitted - mass[:, lo:hi]).square().sum(-1)
+        x.div_(torch.where(fitted > 0, fitted, torch.ones_like(fitted))[..., None])  # eq. 3: X
+        residual = target[:, lo:hi] - x @ v_s
+        xtx += x.mT @ x
+        xtr += x.mT @ residual
+        res_sq += residual.square().sum((-2, -1))
+    if config.fit_values and t > 0:  # eq. 4: C_v = V_S + argmin ‖X Δ − (Y − X V_S)‖
+        fit = ridge_solve(0.5 * (xtx + xtx.mT), xtr, _value_ridge(config), ok) * ok[..., None].to(dt)
+        out_sq = res_sq - 2 * (fit * xtr).sum((-2, -1)) + (fit * (xtx @ fit)).sum((-2, -1))
+        c_v = v_s + fit
+    else:
+        out_sq, c_v = res_sq, v_s
+    mass_norm = mass.norm(dim=-1)
+    y_norm = target.flatten(1).norm(dim=-1)
+    beta0_s = beta0.gather(1, idx)
+    log_w = torch.log(torch.where(ok, w, torch.ones_like(w)))
+    return Compacted(
+        index=idx,
+        log_mass=torch.where(ok, beta0_s + log_w, torch.full_like(beta0_s, -math.inf)),
+        values=c_v,
+        lengths=lengths,
+        mass_error=mass_sq.sqrt() / torch.where(mass_norm > 0, mass_norm, torch.ones_like(mass_norm)),
+        output_error=out_sq.clamp_min(0).sqrt() / torch.where(y_norm > 0, y_norm, torch.ones_like(y_norm)),
     )
 
 
@@ -392,8 +508,9 @@ def fit_problems(
 
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
     size = 8 if dt == torch.float64 else 4
-    if given is not None or config.keys == "highest":  # a block of queries × T, then n × t features
-        per_problem = size * (256 * T * 2 + n * (3 * t_max + 2 * D) + T * D * 2)
+    if given is not None or config.keys == "highest":  # a block of queries × T, then blocks × t features
+        rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
+        per_problem = size * (256 * T * 2 + rows_held * 3 * t_max + n * (D + 4) + 2 * t_max * (t_max + D) + T * D * 2)
     else:  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
         per_problem = size * (n * T + T * t_max + n * D)
     group = max(1, int(config.group_bytes // max(1, per_problem)))

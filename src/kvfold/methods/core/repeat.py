@@ -1,0 +1,202 @@
+"""The repeat pass: the model reads "repeat the previous context" and the context again over a copy
+of the prefilled cache (KVzip's context reconstruction, Kim et al. 2025 §3; Attention Matching's
+repeat-prefill reference queries, Zweiger et al. 2026 §3.1).
+
+One pass serves every consumer: :func:`repeat_pass` records, in the same forwards, the maximum
+attention each context entry receives (KVzip's scores) and the post-RoPE queries of the repeat
+input (AM's and ``am_fit``'s reference queries). :func:`shared_repeat_pass` caches the result on
+the prefilled context (:meth:`CompressionContext.shared_result`), so ``kvzip``, ``am_*`` and
+``kvzip+am_fit`` at any number of budgets pay for one pass per context.
+
+Memory: the repeat input runs ``forward_chunk`` tokens per forward, so the attention
+probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvfold.cache import FoldedCache, FoldedLayer
+from kvfold.methods.core.base import CompressionContext
+from kvfold.prompts import encode, template_parts
+
+Tensor = torch.Tensor
+
+REPEAT_FIRST = "Repeat the previous context exactly."
+REPEAT_NEXT = "Repeat the part of the previous context exactly, starting with"
+REPEAT_CHUNK = 2048
+"""Context tokens repeated per chunk (KVzip's 2K chunks)."""
+FORWARD_CHUNK = 512
+"""Repeat-input tokens per forward (bounds the attention probabilities held at once)."""
+
+
+@dataclass
+class RepeatPrompt:
+    """Token ids of KVzip's reconstruction prompt (Kim et al. 2025, §3.1 and Appendix).
+
+    The repeat input of chunk ``i`` is ``first`` (i = 0) or ``next`` + the last ``overlap`` tokens
+    of chunk ``i − 1``, then ``tail`` (end of the user turn, assistant header), then the chunk.
+    ``prefix`` holds the ids of the template that precedes the context text (not repeated).
+    """
+
+    first: list[int]
+    next: list[int]
+    tail: list[int]
+    prefix: list[int]
+
+    @classmethod
+    def build(cls, tokenizer: Any) -> RepeatPrompt:
+        """From the tokenizer (chat template when it has one); all empty without a tokenizer."""
+        if tokenizer is None:
+            return cls([], [], [], [])
+        head, first, tail = template_parts(tokenizer, REPEAT_FIRST)
+        _, following, _ = template_parts(tokenizer, REPEAT_NEXT)
+        return cls(
+            first=encode(tokenizer, first, special=False),
+            next=encode(tokenizer, following, special=False),
+            tail=encode(tokenizer, tail, special=False) if tail else [],
+            prefix=encode(tokenizer, head, special=True),
+        )
+
+    def chunk_inputs(self, row_ids: list[int], chunk: int, overlap: int = 8) -> list[list[int]]:
+        """The repeat inputs of one context row, chunk by chunk."""
+        start = len(self.prefix) if self.prefix and row_ids[: len(self.prefix)] == self.prefix else 0
+        text = row_ids[start:] or row_ids
+        pieces = [text[lo : lo + chunk] for lo in range(0, len(text), chunk)]
+        inputs = []
+        for i, piece in enumerate(pieces):
+            prompt = self.first if i == 0 else self.next + pieces[i - 1][-overlap:]
+            inputs.append(prompt + self.tail + piece)
+        return inputs
+
+
+@dataclass
+class RepeatPass:
+    """What one repeat pass recorded, per folded layer.
+
+    Attributes:
+        scores: ``(B, H_kv, N)`` KVzip's importance: the maximum attention each context slot
+            received from the repeat input's queries, max over the GQA group (−inf on padding).
+        queries: ``(B, H_kv, n, D)`` the repeat input's post-RoPE queries, the ``G`` query heads
+            of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), float32
+            (float64 for float64 models); rows of a batch padded to the longest.
+        query_valid: ``(B, H_kv, n)`` bool.
+    """
+
+    scores: dict[int, Tensor]
+    queries: dict[int, Tensor]
+    query_valid: dict[int, Tensor]
+
+
+class RepeatRecorder:
+    """Online-policy hook (see :class:`kvfold.attention.OnlinePolicy`) of one row's repeat pass:
+    per layer, the max attention each of the layer's ``context_slots[layer]`` entries (the cache
+    before the pass) receives and the pooled queries."""
+
+    needs_attention = True
+
+    def __init__(self, context_slots: dict[int, int], scores: bool = True, queries: bool = True) -> None:
+        self.context_slots = context_slots
+        self.record_scores = scores
+        self.record_queries = queries
+        self.scores: dict[int, Tensor] = {}
+        self.queries: dict[int, list[Tensor]] = {}
+        self.needs_attention = scores
+
+    def after_forward(
+        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+    ) -> None:
+        if self.record_scores:
+            if probs is None:
+                raise RuntimeError("the repeat pass needs attention probabilities from a filled dense cache")
+            received = probs[..., : self.context_slots[layer_idx]].amax(dim=2)  # max over queries, (B, H_q, N)
+            batch, heads_q, slots = received.shape
+            received = received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, slots).amax(dim=2)
+            previous = self.scores.get(layer_idx)
+            self.scores[layer_idx] = received if previous is None else torch.maximum(previous, received)
+        if self.record_queries:
+            dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
+            batch, heads_q, length, dim = query.shape
+            groups = heads_q // layer.num_heads
+            grouped = query.detach().to(dtype).reshape(batch, layer.num_heads, groups, length, dim)
+            self.queries.setdefault(layer_idx, []).append(grouped)  # (B, H_kv, G, q, D)
+
+
+def repeat_pass(
+    ctx: CompressionContext,
+    chunk: int = REPEAT_CHUNK,
+    cache: FoldedCache | None = None,
+    scores: bool = True,
+    queries: bool = True,
+    forward_chunk: int = FORWARD_CHUNK,
+) -> RepeatPass:
+    """Run the repeat pass over copies of ``cache`` (default ``ctx.cache``, never modified), one
+    batch row and one context chunk at a time (each chunk on a fresh copy, as KVzip does).
+
+    Args:
+        ctx: the compression context (model, tokenizer, context tokens).
+        chunk: context tokens repeated per chunk.
+        cache: the cache the pass runs over (on-policy AM passes a partially compacted one).
+        scores: record KVzip's scores (needs the attention probabilities).
+        queries: record the repeat input's queries.
+        forward_chunk: repeat-input tokens per forward.
+    """
+    cache = ctx.cache if cache is None else cache
+    prompt = RepeatPrompt.build(ctx.tokenizer)
+    batch, width = ctx.input_ids.shape
+    lengths = ctx.context_lengths.tolist()
+    device = ctx.input_ids.device
+    slots = {i: layer.physical_length for i, layer in cache.folded_layers}
+    logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
+    recorders: list[RepeatRecorder] = []
+    for b in range(batch):  # rows differ in length: their repeat inputs differ
+        row_cache = cache
+        if batch > 1:
+            row_cache = cache.copy()
+            row_cache.batch_select_indices(torch.tensor([b], device=device))
+        row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
+        recorder = RepeatRecorder(slots, scores=scores, queries=queries)
+        start = logical - (width - lengths[b])  # the row's positions continue where its context ended
+        for ids in prompt.chunk_inputs(row_ids, chunk):
+            work = row_cache.copy()
+            work.capture_window = 0
+            work.policy = recorder
+            for lo in range(0, len(ids), forward_chunk):  # causal: the same as one forward
+                piece = ids[lo : lo + forward_chunk]
+                positions = torch.arange(start + lo, start + lo + len(piece), device=device)
+                with torch.no_grad():
+                    ctx.model(
+                        input_ids=torch.tensor([piece], device=device),
+                        past_key_values=work,
+                        position_ids=positions[None],
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+        recorders.append(recorder)
+    out_scores: dict[int, Tensor] = {}
+    out_queries: dict[int, Tensor] = {}
+    out_valid: dict[int, Tensor] = {}
+    for layer_idx, layer in cache.folded_layers:
+        if scores:
+            stacked = torch.cat([r.scores[layer_idx] for r in recorders])
+            out_scores[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
+        if queries:
+            rows = [torch.cat(r.queries[layer_idx], dim=3).flatten(2, 3) for r in recorders]  # as one forward
+            n = max(row.shape[2] for row in rows)
+            first = rows[0]
+            q = first.new_zeros(batch, first.shape[1], n, first.shape[3])
+            valid = torch.zeros(batch, first.shape[1], n, dtype=torch.bool, device=first.device)
+            for b, row in enumerate(rows):
+                q[b, :, : row.shape[2]] = row[0]
+                valid[b, :, : row.shape[2]] = True
+            out_queries[layer_idx], out_valid[layer_idx] = q, valid
+    return RepeatPass(out_scores, out_queries, out_valid)
+
+
+def shared_repeat_pass(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> RepeatPass:
+    """The repeat pass of ``ctx``'s prefilled context, scores and queries, computed once per
+    prefilled context (every method and budget compressed from it reuses it)."""
+    return ctx.shared_result(("repeat_pass", chunk), lambda: repeat_pass(ctx, chunk))

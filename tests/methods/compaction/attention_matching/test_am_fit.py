@@ -1,0 +1,195 @@
+"""``am_fit`` and the fit it shares with Attention Matching: a fit that cannot erase a kept key, the
+streamed normal equations, and reference queries chosen for the selector.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvfold
+from kvfold.methods import build_method
+from kvfold.methods.compaction.attention_matching.method import AMFit
+from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
+from tests.conftest import CharTokenizer, make_tiny_model
+
+F64 = torch.float64
+TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps "
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def model64(family: str = "llama"):
+    return kvfold.enable(make_tiny_model(family).to(F64))
+
+
+# ---------------------------------------------------------------------------- a fit that cannot erase a kept key
+
+
+def rare_key_span(seed: int = 1, T: int = 600, n: int = 800, D: int = 16, keep: int = 30):
+    """A span where ``n − 2`` short queries spread their attention over every key (max-shifted mass
+    in the hundreds) and 2 queries read one rare key (mass ≈ 1): a needle and its question.
+    The kept entries are the rare key and 29 others."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(T, D, generator=g, dtype=F64)
+    keys[:, 1] = 0.0
+    rare = T // 2
+    keys[rare] = 0.0
+    keys[rare, 1] = 4.0  # only direction 1 reads it
+    values = torch.randn(T, D, generator=g, dtype=F64)
+    queries = torch.randn(n, D, generator=g, dtype=F64) * 0.2
+    queries[-2:] = 0.0
+    queries[-2:, 1] = 2.0  # the queries that read the rare key
+    others = [int(i) for i in torch.randperm(T, generator=g) if int(i) != rare][: keep - 1]
+    given = torch.tensor(sorted([*others, rare]))
+    return keys, values, queries, given, rare
+
+
+def rare_share(config: FitConfig) -> tuple[float, float]:
+    """The rare key's attention share for the queries that read it: before and after the fit."""
+    keys, values, queries, given, rare = rare_key_span()
+    beta0 = torch.zeros(keys.shape[0], dtype=F64)
+    reading = queries[-2:]
+    before = torch.softmax(reading @ keys.mT + beta0, -1)[:, rare].mean()
+    valid = torch.ones(1, queries.shape[0], dtype=torch.bool)
+    res = fit_problems(
+        keys[None], values[None], beta0[None], queries[None], valid, None, 1.0, config, given=given[None]
+    )
+    idx, beta = res.index[0], res.log_mass[0]
+    slot = int((idx == rare).nonzero()[0])
+    after = torch.softmax(reading @ keys[idx].mT + beta, -1)[:, slot].mean()
+    return float(before), float(after)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the default: β ≥ β⁰ and each query's mass residual relative to its mass
+        {"beta_max": math.inf},  # the same without the upper bound
+        {"beta_max": math.inf, "mass_weight": "none"},  # the floor alone
+        {"beta_min": -math.inf, "beta_max": math.inf},  # the relative weighting alone
+    ],
+)
+def test_the_fit_keeps_a_rarely_attended_key(options):
+    before, after = rare_share(AMFit(**options).fit_config())
+    assert before > 0.8 and abs(after - before) < 0.15
+
+
+def test_the_unconstrained_fit_erases_the_rarely_attended_key():
+    """The paper's plain NNLS (``am_fit[beta_min=-inf,beta_max=inf,mass_weight=none]``) gives the rare
+    key w = 0 (β = −inf): the diffuse queries decide its β, the two queries that read it do not count."""
+    before, after = rare_share(AMFit(beta_min=-math.inf, beta_max=math.inf, mass_weight="none").fit_config())
+    assert after < 0.01 * before
+
+
+def test_streamed_normal_equations_equal_the_materialised_fit():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(4, 50, 8, generator=g, dtype=F64)
+    values = torch.randn(4, 50, 8, generator=g, dtype=F64)
+    beta0 = torch.randn(4, 50, generator=g, dtype=F64) * 0.3
+    queries = torch.randn(4, 90, 8, generator=g, dtype=F64)
+    valid = torch.rand(4, 90, generator=g) > 0.1
+    counts = torch.tensor([5, 9, 12, 50])
+    for weight in ("none", "relative"):
+        base = dict(beta_min=0.0, beta_max=3.0, mass_weight=weight, ridge=1e-12)
+        streamed = fit_problems(keys, values, beta0, queries, valid, counts, 0.4, FitConfig(**base, query_block=7))
+        exact = fit_problems(keys, values, beta0, queries, valid, counts, 0.4, FitConfig(**base, solver="exact"))
+        assert torch.equal(streamed.index, exact.index)
+        torch.testing.assert_close(streamed.log_mass, exact.log_mass, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(streamed.values, exact.values, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(streamed.mass_error, exact.mass_error, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(streamed.output_error, exact.output_error, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------- reference queries for the selector
+
+
+def test_am_fit_fits_on_the_repeat_pass_after_a_query_agnostic_selector():
+    for spec, sources in [
+        ("kvzip+am_fit", ("repeat",)),
+        ("knorm[online=false]+am_fit", ("repeat",)),
+        ("streamingllm[online=false]+am_fit", ("repeat",)),
+        ("random+am_fit", ("repeat",)),
+        ("leverage+am_fit", ("repeat",)),
+        ("compactor+am_fit", ("context",)),
+        ("snapkv+am_fit", ("context",)),
+        ("am_fit", ("context",)),
+        ("kvzip+am_fit[queries=context]", ("context",)),
+    ]:
+        method = build_method(spec)
+        assert method.folder.sources == sources, spec
+        assert (method.query_window > 0) == ("context" in sources), spec
+    model = model64("llama")
+    pre = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False)
+    assert pre.compress("kvzip+am_fit", 0.3).report["am_fit"]["queries"] == "repeat"
+
+
+# ---------------------------------------------------------------------------- template and sinks verbatim
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class TemplateTokenizer(CharTokenizer):
+    """The character tokenizer with a ChatML template (~50 template tokens before the context)."""
+
+    chat_template = CHATML
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        from jinja2 import Template
+
+        return Template(CHATML).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+@pytest.mark.parametrize(
+    ("spec", "refit"),
+    [
+        ("am_highest_fast", "am_highest_fast[template=false,sinks=0]"),
+        ("am_omp_fast", "am_omp_fast[template=false,sinks=0]"),
+        ("kvzip+am_fit[template=true,sinks=4]", "kvzip+am_fit"),  # am_fit refits them by default
+    ],
+)
+def test_template_tokens_are_untouched_by_compaction(spec, refit):
+    tok = TemplateTokenizer()
+    model = model64("llama")
+    pre = kvfold.prefill(model, tok, TEXT * 2, methods=[spec])
+    head = len(tok("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\n").input_ids)
+    assert (
+        pre.input_ids[0, :head].tolist()
+        == tok("<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\n").input_ids
+    )
+    budget = head + 12
+    small = pre.compress(spec, budget)
+    kept = slots = 0
+    for (_, full), (_, layer) in zip(pre.cache.folded_layers, small.cache.folded_layers, strict=True):
+        k_full, v_full, _, _ = full.padded()
+        keys, values, beta, lengths = layer.padded()
+        kept += int(lengths.sum())
+        slots += budget * lengths.numel()
+        if spec.startswith("am_"):  # every template entry kept, first, as it was (bitwise)
+            assert torch.equal(keys[:, :, :head], k_full[:, :, :head])
+            assert torch.equal(values[:, :, :head], v_full[:, :, :head])
+            assert torch.equal(beta[:, :, :head], torch.zeros_like(beta[:, :, :head]))
+            assert bool((beta[:, :, head:][torch.isfinite(beta[:, :, head:])] != 0).any())  # the rest is fitted
+        else:  # am_fit: the template entries the selector kept are not refitted
+            for h in range(keys.shape[1]):
+                match = (keys[0, h, :, None, :] == k_full[0, h, None, :head, :]).all(-1)  # (kept, template)
+                rows, cols = match.nonzero(as_tuple=True)
+                assert rows.numel() >= 4  # KVzip's sinks at least
+                assert torch.equal(values[0, h, rows], v_full[0, h, cols])
+                assert torch.equal(beta[0, h, rows], torch.zeros_like(beta[0, h, rows]))
+    assert kept <= slots  # the template counts in the budget (KVzip's budgets are global)
+    _, layer = pre.compress(refit, budget).cache.folded_layers[0]
+    assert not torch.equal(layer.padded()[2][:, :, :4], torch.zeros_like(layer.padded()[2][:, :, :4]))  # refitted

@@ -1,0 +1,72 @@
+"""The repeat pass (:mod:`kvfold.methods.core.repeat`): one per prefilled context, shared by KVzip's
+scores and Attention Matching's and ``am_fit``'s reference queries, the same in pieces as in one
+forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvfold
+from kvfold.budget import Budget
+from kvfold.methods import CompressionContext
+from kvfold.methods.core import repeat
+from tests.conftest import CharTokenizer, make_tiny_model
+
+F64 = torch.float64
+TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps "
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def model64(family: str = "llama"):
+    return kvfold.enable(make_tiny_model(family).to(F64))
+
+
+def count_forwards(model) -> list[int]:
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    return calls
+
+
+def test_one_repeat_pass_per_context_for_every_method_and_budget():
+    tok = CharTokenizer()
+    model = model64("llama")
+    alone = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(
+        model, alone.cache, alone.input_ids, alone.attention_mask, Budget.parse(0.5), tokenizer=tok
+    )
+    calls = count_forwards(model)
+    repeat.repeat_pass(ctx)  # the forwards of one pass
+    one_pass = len(calls)
+    pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    calls.clear()
+    specs = ["kvzip", "am_highest_fast", "kvzip+am_fit", "knorm[online=false]+am_fit", "kvzip+am_fit[beta_min=-3]"]
+    sweep = [pre.compress(spec, budget) for spec in specs for budget in (0.5, 0.3)]
+    assert len(calls) == one_pass
+    kvfold.prefill(model, tok, TEXT, use_chat_template=False).compress("am_highest_fast", 0.3)
+    assert len(calls) == one_pass + 1 + one_pass  # another context: its prefill and its own pass
+    assert "reused_seconds" not in sweep[0].report and all(c.report["reused_seconds"] > 0 for c in sweep[1:])
+
+
+def test_the_repeat_pass_in_pieces_equals_one_forward():
+    tok = CharTokenizer()
+    model = model64("qwen2")
+    pre = kvfold.prefill(model, tok, [TEXT, TEXT[:40]], use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    whole = repeat.repeat_pass(ctx, chunk=2048, forward_chunk=4096)
+    pieces = repeat.repeat_pass(ctx, chunk=2048, forward_chunk=7)
+    for i in whole.scores:
+        torch.testing.assert_close(pieces.scores[i], whole.scores[i], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(pieces.queries[i], whole.queries[i], rtol=1e-10, atol=1e-12)
+        assert torch.equal(pieces.query_valid[i], whole.query_valid[i])
+    short = int(pre.attention_mask[1].sum())
+    (ids,) = repeat.RepeatPrompt.build(tok).chunk_inputs(pre.input_ids[1, -short:].tolist(), 2048)
+    assert int(whole.query_valid[0][1, 0].sum()) == 3 * len(ids)  # G = 3 query heads per KV head
