@@ -7,7 +7,8 @@ Both take the same selection flags::
     kvfold fidelity --dataset ruler --length 1024 --samples 1 --methods full,streamingllm \\
         --budgets 0.5,0.2,0.1 --out runs/fid-1k
 
-``kvfold eval --ray [ADDRESS]`` runs the same sweep on Ray workers (:mod:`kvfold.evaluate.distributed`).
+``kvfold eval --ray [ADDRESS]`` and ``kvfold fidelity --ray [ADDRESS]`` run the same sweep on Ray
+workers (:mod:`kvfold.evaluate.distributed`).
 
 Methods and budgets are checked before the model loads, so a typo fails at once.
 """
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvfold.cli_args import Handler, add_model_args
+from kvfold.cli_args import Handler, add_model_args, add_ray_args, ray_options, ray_where
 
 DATASET_HELP = (
     "ruler[:TASKS] (synthetic, generated locally), PATH.jsonl (one {context, question, answers, ...} a line), "
@@ -56,31 +57,12 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _add_ray_args(parser: argparse.ArgumentParser) -> None:
-    """``--ray [ADDRESS]`` and the worker shape (see :mod:`kvfold.evaluate.distributed`)."""
-    group = parser.add_argument_group("Ray (pip install 'kvfold[ray]')")
-    group.add_argument(
-        "--ray",
-        nargs="?",
-        const="local",
-        default=None,
-        metavar="ADDRESS",
-        help="run the sweep on Ray workers that each load the model once: alone, a local Ray instance with "
-        "one worker per core; with HOST:PORT (or auto), a running cluster (ray start --head)",
-    )
-    group.add_argument(
-        "--ray-workers", type=int, default=None, help="Ray workers to start (default: as many as the CPUs allow)"
-    )
-    group.add_argument("--ray-worker-cpus", type=float, default=1, help="CPUs (torch threads) per worker (default 1)")
-    group.add_argument("--ray-worker-gpus", type=float, default=0, help="GPUs per worker (default 0)")
-
-
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the ``eval`` and ``fidelity`` sub-parsers to the ``kvfold`` parser."""
     p = sub.add_parser("eval", help="score methods × budgets on a dataset (resumable)")
     _add_selection_args(p)
     p.add_argument("--query-aware", action="store_true", help="compress each context together with its question")
-    _add_ray_args(p)
+    add_ray_args(p, "context")
 
     p = sub.add_parser("fidelity", help="attention-output error and NLL increase vs the full cache (resumable)")
     _add_selection_args(p)
@@ -98,6 +80,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="run each method's decode-time policy while the continuation is teacher-forced (the cache "
         "held at its budget, as during generation); methods with no online path are reported, not run",
     )
+    add_ray_args(p, "context")
 
 
 def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
@@ -202,42 +185,42 @@ def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "dataset": args.dataset, "length": args.length, "seed": args.seed}
 
 
-def _eval_on_ray(args: argparse.Namespace) -> Any:
-    """``kvfold eval --ray``: this process reads the data; Ray workers load the model and answer."""
-    from kvfold.evaluate.distributed import ModelLoader, evaluate_on_ray, require_ray
+def _ray_setup(args: argparse.Namespace) -> tuple[list[str], list[Any], list, Any, dict[str, Any]]:
+    """What ``--ray`` needs before it starts: this process reads the data, the workers load the model.
+
+    Returns ``(methods, budgets, samples, loader, options of run_on_ray)``; fails (Ray missing, a
+    bad flag or dataset) before anything slow.
+    """
+    from kvfold.evaluate.distributed import ModelLoader, require_ray
     from kvfold.models import load_tokenizer
 
     methods, budgets = _check_selection(args)
-    if args.ray_workers is not None and args.ray_workers < 1:
-        raise ValueError(f"--ray-workers must be ≥ 1; got {args.ray_workers}")
+    options = ray_options(args)
     require_ray()
     _check_dataset(args.dataset)
     samples = load_samples(args, load_tokenizer(args.model))
-    where = "a local Ray instance" if args.ray == "local" else f"the Ray cluster at {args.ray}"
-    print(f"{describe_samples(samples)} on {where} → {args.out}", file=sys.stderr)
+    return methods, budgets, samples, ModelLoader(args.model, dtype=args.dtype, device=args.device), options
+
+
+def _eval_on_ray(args: argparse.Namespace) -> Any:
+    """``kvfold eval --ray``: this process reads the data; Ray workers load the model and answer."""
+    from kvfold.evaluate.distributed import evaluate_on_ray
+
+    methods, budgets, samples, loader, options = _ray_setup(args)
+    print(f"{describe_samples(samples)} on {ray_where(args)} → {args.out}", file=sys.stderr)
     result, runner = evaluate_on_ray(
-        ModelLoader(args.model, dtype=args.dtype, device=args.device),
+        loader,
         samples,
         methods,
         budgets,
-        address=None if args.ray == "local" else args.ray,
-        workers=args.ray_workers,
-        cpus_per_worker=args.ray_worker_cpus,
-        gpus_per_worker=args.ray_worker_gpus,
         query_aware=args.query_aware,
         seed=args.seed,
         out_dir=args.out,
         progress=not args.quiet,
         run_config=_run_config(args),
+        **options,
     )
-    by_worker = ", ".join(f"{name} {n}" for name, n in sorted(runner.answers_by_worker.items()))
-    lost = (
-        f"; {runner.workers_lost} workers lost, {runner.resubmitted} contexts resubmitted"
-        if runner.workers_lost
-        else ""
-    )
-    by_worker = by_worker or "none (all resumed)"
-    print(f"Ray workers started: {runner.workers_started}; answers by Ray worker: {by_worker}{lost}", file=sys.stderr)
+    print(runner.summary(), file=sys.stderr)
     return result
 
 
@@ -280,23 +263,32 @@ def run_fidelity(args: argparse.Namespace) -> int:
     """``kvfold fidelity``: write fidelity.json, fidelity.md and fidelity.png to ``--out``."""
     from kvfold.evaluate.fidelity import fidelity
 
-    methods, budgets, model, tokenizer, samples, config = _setup(args)
     mode = "online" if args.online else "offline"
-    print(f"{describe_samples(samples)}, continuation '{args.continuation}', {mode} → {args.out}", file=sys.stderr)
-    result = fidelity(
-        model,
-        tokenizer,
-        samples,
-        methods,
-        budgets,
-        continuation=args.continuation,
-        next_tokens=args.next_tokens,
-        online=args.online,
-        seed=args.seed,
-        out_dir=args.out,
-        progress=not args.quiet,
-        run_config=config,
-    )
+    options = {
+        "continuation": args.continuation,
+        "next_tokens": args.next_tokens,
+        "online": args.online,
+        "seed": args.seed,
+        "out_dir": args.out,
+        "progress": not args.quiet,
+    }
+    if args.ray is not None:
+        from kvfold.evaluate.distributed import fidelity_on_ray
+
+        methods, budgets, samples, loader, ray = _ray_setup(args)
+        where = f" on {ray_where(args)}"
+        print(
+            f"{describe_samples(samples)}, continuation '{args.continuation}', {mode}{where} → {args.out}",
+            file=sys.stderr,
+        )
+        result, runner = fidelity_on_ray(
+            loader, samples, methods, budgets, run_config=_run_config(args), **ray, **options
+        )
+        print(runner.summary(), file=sys.stderr)
+    else:
+        methods, budgets, model, tokenizer, samples, config = _setup(args)
+        print(f"{describe_samples(samples)}, continuation '{args.continuation}', {mode} → {args.out}", file=sys.stderr)
+        result = fidelity(model, tokenizer, samples, methods, budgets, run_config=config, **options)
     for record in result.records:
         if "rel_error" not in record:
             print(f"{record['method']:<24} budget {record['budget']!s:<6} no online path (not measured)")

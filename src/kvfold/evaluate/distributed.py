@@ -1,11 +1,15 @@
-"""Sweeps on a Ray cluster: ``kvfold eval --ray [ADDRESS]``.
+"""Sweeps on a Ray cluster: ``kvfold eval --ray``, ``kvfold fidelity --ray``, ``kvfold bench --ray``.
 
-A sweep is cut into work items (:class:`~kvfold.evaluate.runner.WorkItem`: one context with all
-its methods and budgets, so a context is prefilled once), and the items are answered by Ray
-actors that each load the model once (:class:`SweepWorker`). The driver — the process that runs
-:func:`~kvfold.evaluate.runner.run_sweep` — keeps each answer once, appends it to
-``predictions.jsonl`` as it arrives, counts it on the progress bar, and at the end writes the
-same ``predictions.jsonl`` order, ``results.json`` and report as a serial run of the same grid.
+A sweep is cut into work items (:class:`~kvfold.evaluate.runner.SweepItem`: for ``eval``
+:class:`~kvfold.evaluate.runner.WorkItem` and for ``fidelity``
+:class:`~kvfold.evaluate.fidelity.FidelityItem`, one context with all its methods and budgets, so a
+context is prefilled once; for ``bench`` :class:`kvfold.bench.BenchItem`, one length and batch),
+and the items are answered by Ray actors that each load the model once (:class:`SweepWorker`).
+The driver — the process that runs :func:`~kvfold.evaluate.runner.collect_rows` — keeps each row
+once, appends it to the sweep's file as it arrives, counts it on the progress bar, and at the end
+writes the same rows in the same order, and the same results, as a serial run of the same grid.
+The mechanism is written once (:class:`RayRunner`, :func:`run_on_ray`); what an item does is the
+item's ``run(model, tokenizer)``.
 
 Faults: each item streams its answers back one by one. When a worker dies (its process killed,
 its node lost), the answers it delivered are kept, the rest of its item goes back to the front of
@@ -36,11 +40,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvfold.budget import Budget
-from kvfold.evaluate.runner import EvalResult, WorkItem, row_key, run_item, run_sweep
+from kvfold.evaluate.runner import EvalResult, SweepItem, run_sweep
 from kvfold.evaluate.samples import Sample
+
+if TYPE_CHECKING:
+    from kvfold.evaluate.fidelity import FidelityResult
+
+R = TypeVar("R")
 
 __all__ = [
     "LOCAL_OBJECT_STORE_BYTES",
@@ -49,8 +58,10 @@ __all__ = [
     "RayUnavailableError",
     "SweepWorker",
     "evaluate_on_ray",
+    "fidelity_on_ray",
     "ray_session",
     "require_ray",
+    "run_on_ray",
 ]
 
 RAY_INSTALL_HINT = "pip install 'kvfold[ray]'"
@@ -103,24 +114,27 @@ class SweepWorker:
     """The body of a Ray actor: loads the model once, then answers work items one at a time.
 
     Args:
-        loader: returns ``(model, tokenizer)``, called once in the actor's process.
+        loader: returns ``(model, tokenizer)``, called once in the actor's process; None for items
+            that need no model in the worker (``bench``'s, which measure in child processes).
         threads: torch threads of this worker (its CPU share); None leaves torch's default.
     """
 
-    def __init__(self, loader: Callable[[], tuple[Any, Any]], threads: int | None = None):
-        import torch
+    def __init__(self, loader: Callable[[], tuple[Any, Any]] | None, threads: int | None = None):
+        self.model = self.tokenizer = None
+        if loader is not None:
+            import torch
 
-        if threads:
-            torch.set_num_threads(threads)
-        self.model, self.tokenizer = loader()
+            if threads:
+                torch.set_num_threads(threads)
+            self.model, self.tokenizer = loader()
 
     def name(self) -> str:
         """``host:pid`` of this worker (also tells the driver the model is loaded)."""
         return f"{socket.gethostname()}:{os.getpid()}"
 
-    def run(self, item: WorkItem) -> Iterator[dict[str, Any]]:
-        """The item's prediction rows, streamed back one by one as each answer is scored."""
-        yield from run_item(self.model, self.tokenizer, item)
+    def run(self, item: SweepItem) -> Iterator[dict[str, Any]]:
+        """The item's rows, streamed back one by one as each is produced."""
+        yield from item.run(self.model, self.tokenizer)
 
 
 @dataclass
@@ -129,8 +143,8 @@ class _Running:
 
     actor: Any
     name: str
-    item: WorkItem
-    delivered: set[tuple[str, str, str, bool]] = dataclasses.field(default_factory=set)
+    item: SweepItem
+    delivered: set[Any] = dataclasses.field(default_factory=set)
 
 
 class RayRunner:
@@ -140,7 +154,7 @@ class RayRunner:
     killed when the last answer is in (or on an error).
 
     Args:
-        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`); None: no model.
         workers: how many actors; by default as many as the cluster's CPUs (GPUs, when
             ``gpus_per_worker`` > 0) allow, and never more than there are items.
         cpus_per_worker: CPUs reserved by each actor (also its torch threads).
@@ -153,13 +167,14 @@ class RayRunner:
     Attributes:
         workers_started: actors started (replacements of lost workers included).
         answers_by_worker: ``host:pid`` → answers that worker delivered (over all its items).
+        worker_of: row key → ``host:pid`` of the worker that delivered it (the first delivery).
         workers_lost: workers that died while the sweep ran.
         resubmitted: items sent back to the queue after their worker died.
     """
 
     def __init__(
         self,
-        loader: Callable[[], tuple[Any, Any]],
+        loader: Callable[[], tuple[Any, Any]] | None,
         *,
         workers: int | None = None,
         cpus_per_worker: float = 1,
@@ -183,8 +198,18 @@ class RayRunner:
         self.kill_after = kill_after
         self.workers_started = 0
         self.answers_by_worker: Counter[str] = Counter()
+        self.worker_of: dict[Any, str] = {}
         self.workers_lost = 0
         self.resubmitted = 0
+
+    def summary(self) -> str:
+        """``Ray workers started: N; answers by Ray worker: host:pid n, ...`` (and losses), for the log."""
+        by_worker = ", ".join(f"{name} {n}" for name, n in sorted(self.answers_by_worker.items()))
+        lost = f"; {self.workers_lost} workers lost, {self.resubmitted} items resubmitted" if self.workers_lost else ""
+        return (
+            f"Ray workers started: {self.workers_started}; answers by Ray worker: "
+            f"{by_worker or 'none (all resumed)'}{lost}"
+        )
 
     def worker_count(self, items: int) -> int:
         """How many actors to start for ``items`` items on the connected cluster."""
@@ -204,7 +229,7 @@ class RayRunner:
             count = self.workers
         return max(1, min(count, items))
 
-    def __call__(self, items: Sequence[WorkItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    def __call__(self, items: Sequence[SweepItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         """Answer ``items`` on the cluster; yields each delivered row (a retried item's rows may repeat)."""
         if not items:
             return
@@ -216,7 +241,7 @@ class RayRunner:
         )
         threads = max(1, int(self.cpus_per_worker))
         count = self.worker_count(len(items))
-        queue: deque[WorkItem] = deque(items)
+        queue: deque[SweepItem] = deque(items)
         attempts: Counter[int] = Counter()
         starting: dict[Any, Any] = {}  # ref of name() → actor, while the model loads
         idle: list[tuple[Any, str]] = []
@@ -239,7 +264,7 @@ class RayRunner:
                     item = queue.popleft()
                     running[actor.run.options(num_returns="streaming").remote(item)] = _Running(actor, name, item)
                 busy = len(running)
-                status(f"{busy}/{busy + len(idle) + len(starting)} workers busy, {len(queue)} contexts queued")
+                status(f"{busy}/{busy + len(idle) + len(starting)} workers busy, {len(queue)} items queued")
                 if not running and not starting:  # pragma: no cover - a new worker always replaces a lost one
                     raise RuntimeError("no Ray worker left to answer the remaining items")
                 ready, _ = ray.wait([*running, *starting], num_returns=1)
@@ -271,19 +296,21 @@ class RayRunner:
                         attempts[task.item.index] += 1
                         if attempts[task.item.index] >= self.max_attempts or replacements > count * self.max_attempts:
                             raise RuntimeError(
-                                f"gave up after losing {self.workers_lost} Ray workers (the last on the context of "
-                                f"{task.item.sample_ids[0]}); rerun to resume: {err}"
+                                f"gave up after losing {self.workers_lost} Ray workers (the last on "
+                                f"{task.item.label}); rerun to resume: {err}"
                             ) from err
                         print(
-                            f"kvfold: Ray worker {task.name} lost ({type(err).__name__}); its context goes to "
-                            f"another worker ({len(task.delivered)} answers kept)",
+                            f"kvfold: Ray worker {task.name} lost ({type(err).__name__}); the rest of "
+                            f"{task.item.label} goes to another worker ({len(task.delivered)} answers kept)",
                             file=sys.stderr,
                         )
                         queue.appendleft(dataclasses.replace(task.item, skip=task.item.skip | task.delivered))
                         self.resubmitted += 1
                         start()
                         continue
-                    task.delivered.add(row_key(row))
+                    key = task.item.row_key(row)
+                    task.delivered.add(key)
+                    self.worker_of.setdefault(key, task.name)
                     self.answers_by_worker[task.name] += 1
                     yield row
                     if self.kill_after is not None and self.kill_after == self.answers_by_worker.total():
@@ -326,6 +353,41 @@ def ray_session(address: str | None = None, *, num_cpus: int | None = None) -> I
         ray.shutdown()
 
 
+def run_on_ray(
+    loader: Callable[[], tuple[Any, Any]] | None,
+    sweep: Callable[[RayRunner], R],
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+) -> tuple[R, RayRunner]:
+    """Run ``sweep(runner)`` with a :class:`RayRunner` inside a Ray session.
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`); None: no model.
+        sweep: the driver, e.g. ``lambda runner: run_sweep(runner, ...)``.
+        address: as for :func:`ray_session` (None: a local instance).
+        workers: actors to start; by default as many as the cluster's CPUs allow (for a local
+            instance: this machine's cores, or ``workers × cpus_per_worker`` CPUs if more).
+        cpus_per_worker, gpus_per_worker: resources reserved by each actor.
+
+    Returns:
+        ``(sweep's result, runner)``: the runner holds its counts (answers by worker, workers
+        lost, items resubmitted).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+    """
+    runner = RayRunner(loader, workers=workers, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker)
+    local_cpus = os.cpu_count() or 1
+    if workers is not None:
+        local_cpus = max(local_cpus, int(workers * cpus_per_worker + 0.999))
+    with ray_session(address, num_cpus=local_cpus):
+        result = sweep(runner)
+    return result, runner
+
+
 def evaluate_on_ray(
     loader: Callable[[], tuple[Any, Any]],
     samples: Sequence[Sample],
@@ -348,10 +410,7 @@ def evaluate_on_ray(
         loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
         samples, methods, budgets, query_aware, seed, out_dir, progress, run_config: as for
             :func:`~kvfold.evaluate.runner.run_sweep`.
-        address: as for :func:`ray_session` (None: a local instance).
-        workers: actors to start; by default as many as the cluster's CPUs allow (for a local
-            instance: this machine's cores, or ``workers × cpus_per_worker`` CPUs if more).
-        cpus_per_worker, gpus_per_worker: resources reserved by each actor.
+        address, workers, cpus_per_worker, gpus_per_worker: as for :func:`run_on_ray`.
 
     Returns:
         ``(result, runner)``: the result, identical to a serial run's but for timings, and the
@@ -362,12 +421,9 @@ def evaluate_on_ray(
         ValueError: as :func:`~kvfold.evaluate.runner.run_sweep`.
         RuntimeError: workers could not load the model, or too many were lost.
     """
-    runner = RayRunner(loader, workers=workers, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker)
-    local_cpus = os.cpu_count() or 1
-    if workers is not None:
-        local_cpus = max(local_cpus, int(workers * cpus_per_worker + 0.999))
-    with ray_session(address, num_cpus=local_cpus):
-        result = run_sweep(
+    return run_on_ray(
+        loader,
+        lambda runner: run_sweep(
             runner,
             samples,
             methods,
@@ -377,5 +433,52 @@ def evaluate_on_ray(
             out_dir=out_dir,
             progress=progress,
             run_config=run_config,
-        )
-    return result, runner
+        ),
+        address=address,
+        workers=workers,
+        cpus_per_worker=cpus_per_worker,
+        gpus_per_worker=gpus_per_worker,
+    )
+
+
+def fidelity_on_ray(
+    loader: Callable[[], tuple[Any, Any]],
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+    run_config: Mapping[str, Any],
+    **options: Any,
+) -> tuple[FidelityResult, RayRunner]:
+    """:func:`~kvfold.evaluate.fidelity.fidelity` on a Ray cluster (or a local Ray instance).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
+        samples, methods, budgets, run_config: as for
+            :func:`~kvfold.evaluate.fidelity.run_fidelity_sweep`.
+        address, workers, cpus_per_worker, gpus_per_worker: as for :func:`run_on_ray`.
+        options: ``continuation``, ``next_tokens``, ``online``, ``seed``, ``out_dir``,
+            ``progress``, as for :func:`~kvfold.evaluate.fidelity.fidelity`.
+
+    Returns:
+        ``(result, runner)``: the result, identical to a serial run's, and the runner's counts.
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+        ValueError: as :func:`~kvfold.evaluate.fidelity.fidelity`.
+        RuntimeError: workers could not load the model, or too many were lost.
+    """
+    from kvfold.evaluate.fidelity import run_fidelity_sweep
+
+    return run_on_ray(
+        loader,
+        lambda runner: run_fidelity_sweep(runner, samples, methods, budgets, run_config=run_config, **options),
+        address=address,
+        workers=workers,
+        cpus_per_worker=cpus_per_worker,
+        gpus_per_worker=gpus_per_worker,
+    )

@@ -44,6 +44,11 @@ Results are written as they are produced (``fidelity_samples.jsonl``, one line p
 method × budget); a rerun into the same directory with the same configuration measures only what
 is missing, and the progress bar shows the time left.
 
+The sweep is cut into :class:`FidelityItem` s, one per context (its continuations, its reference
+passes and its compressions), answered here (:func:`fidelity`) or by Ray workers
+(:func:`kvfold.evaluate.distributed.fidelity_on_ray`, ``kvfold fidelity --ray``) through the same
+driver (:func:`run_fidelity_sweep`), with the same rows in the same order.
+
 Example:
     >>> from kvfold import load_model
     >>> from kvfold.evaluate import fidelity, generate_ruler
@@ -57,7 +62,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -67,12 +72,29 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.budget import Budget
 from kvfold.cache import FoldedCache
-from kvfold.evaluate.runner import check_run_config, plan_runs, read_predictions, sample_keys
+from kvfold.evaluate.runner import (
+    ItemRunner,
+    check_run_config,
+    collect_rows,
+    local_runner,
+    plan_runs,
+    read_predictions,
+    sample_keys,
+)
 from kvfold.evaluate.samples import Sample, group_by_context
 from kvfold.methods import ComposedMethod, build_method
 from kvfold.pipeline import PrefilledContext, build_prompt, check_length, encode, prefill
 
-__all__ = ["FidelityResult", "fidelity", "reference_answer"]
+__all__ = [
+    "FidelityItem",
+    "FidelityResult",
+    "fidelity",
+    "fidelity_key",
+    "measure_item",
+    "plan_fidelity_items",
+    "reference_answer",
+    "run_fidelity_sweep",
+]
 
 FIDELITY_FILE = "fidelity.json"
 SAMPLES_FILE = "fidelity_samples.jsonl"
@@ -128,6 +150,7 @@ def _continuations(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     samples: Sequence[Sample],
+    keys: Sequence[str],
     mode: str,
     next_tokens: int,
     methods: list[ComposedMethod],
@@ -135,9 +158,10 @@ def _continuations(
 ):
     """Yield one :class:`_Continuation` per sample (per distinct context in ``"next"`` mode).
 
-    Samples whose key is in ``finished`` are passed over before anything is prefilled.
+    ``keys`` are the samples' ids (:func:`~kvfold.evaluate.runner.sample_keys` of the whole sweep);
+    samples whose key is in ``finished`` are passed over before anything is prefilled.
     """
-    key_of = {id(s): k for s, k in zip(samples, sample_keys(samples), strict=True)}
+    key_of = {id(s): k for s, k in zip(samples, keys, strict=True)}
     prefilled: dict[tuple[str, bool], PrefilledContext] = {}
     seen: set[str] = set()
     for sample in (s for _, group in group_by_context(samples) for s in group):
@@ -338,6 +362,151 @@ def _compare(
     }
 
 
+def fidelity_key(sample_id: str, method: str, budget: float | int) -> tuple[str, str, str]:
+    """The key of one fidelity row: continuation id, method spec, budget label (as JSON)."""
+    return sample_id, method, json.dumps(budget)
+
+
+def _row_key(row: Mapping[str, Any]) -> tuple[str, str, str]:
+    return fidelity_key(row["sample_id"], row["method"], row["budget"])
+
+
+@dataclass(frozen=True)
+class FidelityItem:
+    """One context's share of a fidelity sweep: its continuations, each measured against every run.
+
+    The context is prefilled once (per prompt format), each continuation's reference passes run
+    once, and each (method, budget) compresses the context once for all its continuations.
+
+    Attributes:
+        index: position of the item in the sweep (the serial order of its rows).
+        samples: the samples of one context (in ``"next"`` mode its first sample only).
+        sample_ids: their ids (:func:`~kvfold.evaluate.runner.sample_keys` of the whole sweep).
+        runs: ``(method spec, budget)`` pairs with at least one row to produce.
+        skip: :func:`fidelity_key` s already measured (earlier runs, or an earlier attempt).
+        continuation, next_tokens, online, seed: as for :func:`fidelity`.
+    """
+
+    index: int
+    samples: tuple[Sample, ...]
+    sample_ids: tuple[str, ...]
+    runs: tuple[tuple[str, Budget], ...]
+    skip: frozenset[tuple[str, str, str]] = frozenset()
+    continuation: str = "answer"
+    next_tokens: int = DEFAULT_NEXT_TOKENS
+    online: bool = False
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        """What this item is, for messages."""
+        return f"the context of {self.sample_ids[0]}"
+
+    def unit_keys(self) -> list[tuple[str, str, str]]:
+        """The keys of the rows this item produces, in the order it produces them."""
+        keys = [fidelity_key(sid, spec, b.label()) for sid in self.sample_ids for spec, b in self.runs]
+        return [k for k in keys if k not in self.skip]
+
+    row_key = staticmethod(_row_key)
+
+    def run(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, status: Callable[[str], None] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The item's rows (:func:`measure_item`)."""
+        return measure_item(model, tokenizer, self, status)
+
+
+def plan_fidelity_items(
+    samples: Sequence[Sample],
+    runs: Sequence[tuple[str, Budget]],
+    done: Collection[tuple[str, str, str]] = (),
+    *,
+    continuation: str = "answer",
+    next_tokens: int = DEFAULT_NEXT_TOKENS,
+    online: bool = False,
+    seed: int = 0,
+) -> list[FidelityItem]:
+    """Cut a fidelity sweep into one item per context, leaving out rows already in ``done``."""
+    key_of = {id(s): k for s, k in zip(samples, sample_keys(samples), strict=True)}
+    items: list[FidelityItem] = []
+    for _, group in group_by_context(samples):
+        chosen = group[:1] if continuation == "next" else group
+        ids = tuple(key_of[id(s)] for s in chosen)
+        pending = tuple(
+            (spec, b) for spec, b in runs if any(fidelity_key(sid, spec, b.label()) not in done for sid in ids)
+        )
+        if pending:
+            skip = frozenset(k for k in done if k[0] in ids)
+            items.append(
+                FidelityItem(len(items), tuple(chosen), ids, pending, skip, continuation, next_tokens, online, seed)
+            )
+    return items
+
+
+def measure_item(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    item: FidelityItem,
+    status: Callable[[str], None] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """The rows of one :class:`FidelityItem`, each yielded as soon as it is measured.
+
+    ``status`` hears each (method, budget) before it is measured (progress display).
+    """
+    built = {spec: build_method(spec) for spec, _ in item.runs}
+    finished = {
+        sid for sid in item.sample_ids if all(fidelity_key(sid, s, b.label()) in item.skip for s, b in item.runs)
+    }
+    scalings = _scalings(model)
+    online = item.online
+    compressed_runs: dict[tuple[str, Budget], Any] = {}
+    compressed_for: PrefilledContext | None = None
+    for cont in _continuations(
+        model,
+        tokenizer,
+        item.samples,
+        item.sample_ids,
+        item.continuation,
+        item.next_tokens,
+        list(built.values()),
+        finished,
+    ):
+        queries: list[torch.Tensor] = []
+        reference = _teacher_forced(model, cont.context.cache.copy(), cont, queries)
+        if online:  # the full cache fed on the same schedule as the compressed ones
+            reference = _teacher_forced(model, cont.context.cache.copy(), cont, online=True)
+        full_blocks = _context_blocks(cont.context.cache)
+        if cont.context is not compressed_for:  # questions of one context share its compressions
+            compressed_runs, compressed_for = {}, cont.context
+        for spec, budget in item.runs:
+            if fidelity_key(cont.sample_id, spec, budget.label()) in item.skip:
+                continue
+            if status is not None:
+                status(f"{spec} @ {budget}")
+            if (spec, budget) not in compressed_runs:
+                compressed_runs[(spec, budget)] = cont.context.compress(built[spec], budget, seed=item.seed)
+            compressed = compressed_runs[(spec, budget)]
+            row: dict[str, Any] = {
+                "sample_id": cont.sample_id,
+                "task": cont.task,
+                "method": spec,
+                "budget": budget.label(),
+                "kv_ratio": compressed.kv_bytes / compressed.kv_bytes_full,
+                "continuation_tokens": len(cont.ids),
+                "scored_tokens": sum(cont.scored),
+            }
+            if online and compressed.policy is None and not (built[spec].is_identity or budget.is_full):
+                row["online_path"] = False  # not run offline in its place
+            else:
+                cache = compressed.decode_cache() if online else compressed.cache.copy()
+                row.update(_compare(reference, _teacher_forced(model, cache, cont, online=online), cont))
+                block = _block_errors(queries, full_blocks, _context_blocks(compressed.cache), scalings)
+                row.update(block_error=sum(block) / len(block), block_per_layer=block)
+                if online:
+                    row["online_path"] = compressed.policy is not None
+            yield row
+
+
 def fidelity(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -379,8 +548,53 @@ def fidelity(
         ValueError: an invalid spec, budget or mode, no samples, a context too short to split, or
             ``out_dir`` holding a run with another configuration.
     """
-    from tqdm.auto import tqdm
+    config = dict(run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__})
+    return run_fidelity_sweep(
+        local_runner(model, tokenizer),
+        samples,
+        methods,
+        budgets,
+        continuation=continuation,
+        next_tokens=next_tokens,
+        online=online,
+        seed=seed,
+        out_dir=out_dir,
+        progress=progress,
+        run_config=config,
+    )
 
+
+def run_fidelity_sweep(
+    runner: ItemRunner,
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    continuation: Literal["answer", "next"] = "answer",
+    next_tokens: int = DEFAULT_NEXT_TOKENS,
+    online: bool = False,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    run_config: Mapping[str, Any],
+) -> FidelityResult:
+    """:func:`fidelity` with the measuring left to ``runner`` (serial, or Ray workers).
+
+    The sweep is cut into :class:`FidelityItem` s (rows already in ``out_dir`` left out); each row
+    is kept once, appended to ``fidelity_samples.jsonl`` as it arrives and counted by the progress
+    bar, and the file ends in the serial order (:func:`~kvfold.evaluate.runner.collect_rows`).
+
+    Args:
+        runner: measures the items (:func:`~kvfold.evaluate.runner.local_runner`,
+            :class:`kvfold.evaluate.distributed.RayRunner`).
+        samples, methods, budgets, continuation, next_tokens, online, seed, out_dir, progress: as
+            for :func:`fidelity`.
+        run_config: what identifies the run (model, dataset, ...); the mode and seed are added.
+
+    Raises:
+        ValueError: as :func:`fidelity`.
+        RuntimeError: the runner ended without producing every row.
+    """
     if continuation not in ("answer", "next"):
         raise ValueError(f"continuation must be 'answer' or 'next'; got {continuation!r}")
     if next_tokens < 2:
@@ -388,74 +602,27 @@ def fidelity(
     if not samples:
         raise ValueError("no samples to measure")
     runs = plan_runs(methods, budgets)
-    built = {spec: build_method(spec) for spec, _ in runs}
-    config = dict(run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__})
+    config = dict(run_config)
     config.update(continuation=continuation, online=online, seed=seed)
     if continuation == "next":
         config["next_tokens"] = next_tokens
     done: dict[tuple[str, str, str], dict[str, Any]] = {}
-    writer = None
+    path = None
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         check_run_config(out_dir, config)
-        for row in read_predictions(out_dir / SAMPLES_FILE):
-            done[(row["sample_id"], row["method"], row["budget"])] = row
-        writer = (out_dir / SAMPLES_FILE).open("a", encoding="utf-8")
+        path = out_dir / SAMPLES_FILE
+        for row in read_predictions(path):
+            done[_row_key(row)] = row
     keys = _continuation_keys(samples, continuation)
-    finished = {k for k in keys if all((k, spec, b.label()) in done for spec, b in runs)}
-    total = len(keys) * len(runs)
-    initial = sum((k, spec, b.label()) in done for k in keys for spec, b in runs)
-    scalings = _scalings(model)
-    compressed_runs: dict[tuple[str, Budget], Any] = {}
-    compressed_for: PrefilledContext | None = None
-    bar = tqdm(total=total, initial=initial, disable=not progress, desc="fidelity", unit="run", dynamic_ncols=True)
-    try:
-        for cont in _continuations(
-            model, tokenizer, samples, continuation, next_tokens, list(built.values()), finished
-        ):
-            queries: list[torch.Tensor] = []
-            reference = _teacher_forced(model, cont.context.cache.copy(), cont, queries)
-            if online:  # the full cache fed on the same schedule as the compressed ones
-                reference = _teacher_forced(model, cont.context.cache.copy(), cont, online=True)
-            full_blocks = _context_blocks(cont.context.cache)
-            if cont.context is not compressed_for:  # questions of one context share its compressions
-                compressed_runs, compressed_for = {}, cont.context
-            for spec, budget in runs:
-                if (cont.sample_id, spec, budget.label()) in done:
-                    continue
-                bar.set_postfix_str(f"{spec} @ {budget}", refresh=False)
-                if (spec, budget) not in compressed_runs:
-                    compressed_runs[(spec, budget)] = cont.context.compress(built[spec], budget, seed=seed)
-                compressed = compressed_runs[(spec, budget)]
-                row: dict[str, Any] = {
-                    "sample_id": cont.sample_id,
-                    "task": cont.task,
-                    "method": spec,
-                    "budget": budget.label(),
-                    "kv_ratio": compressed.kv_bytes / compressed.kv_bytes_full,
-                    "continuation_tokens": len(cont.ids),
-                    "scored_tokens": sum(cont.scored),
-                }
-                if online and compressed.policy is None and not (built[spec].is_identity or budget.is_full):
-                    row["online_path"] = False  # not run offline in its place
-                else:
-                    cache = compressed.decode_cache() if online else compressed.cache.copy()
-                    row.update(_compare(reference, _teacher_forced(model, cache, cont, online=online), cont))
-                    block = _block_errors(queries, full_blocks, _context_blocks(compressed.cache), scalings)
-                    row.update(block_error=sum(block) / len(block), block_per_layer=block)
-                    if online:
-                        row["online_path"] = compressed.policy is not None
-                done[(cont.sample_id, spec, budget.label())] = row
-                if writer is not None:
-                    writer.write(json.dumps(row) + "\n")
-                    writer.flush()
-                bar.update(1)
-    finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
-    rows = [done[(k, spec, b.label())] for spec, b in runs for k in keys]
+    items = plan_fidelity_items(
+        samples, runs, done, continuation=continuation, next_tokens=next_tokens, online=online, seed=seed
+    )
+    collect_rows(
+        runner, items, done, path=path, total=len(keys) * len(runs), progress=progress, desc="fidelity", unit="run"
+    )
+    rows = [done[fidelity_key(k, spec, b.label())] for spec, b in runs for k in keys]
     result = FidelityResult(
         records=_aggregate(rows),
         samples=rows,

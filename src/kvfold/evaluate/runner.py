@@ -36,7 +36,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -50,9 +50,11 @@ from kvfold.pipeline import prefill
 __all__ = [
     "EvalResult",
     "ItemRunner",
+    "SweepItem",
     "WorkItem",
     "aggregate",
     "answer_context",
+    "collect_rows",
     "context_id",
     "evaluate",
     "local_runner",
@@ -381,10 +383,52 @@ class WorkItem:
         ]
         return [k for k in keys if k not in self.skip]
 
+    @property
+    def label(self) -> str:
+        """What this item is, for messages."""
+        return f"the context of {self.sample_ids[0]}"
 
-ItemRunner = Callable[[Sequence[WorkItem], Callable[[str], None]], Iterable[dict[str, Any]]]
-"""Answers work items: ``runner(items, status)`` yields prediction rows in any order (a row may
-come twice, e.g. when a lost worker's item is retried: the sweep keeps the first), and may call
+    @staticmethod
+    def row_key(row: Mapping[str, Any]) -> tuple[str, str, str, bool]:
+        """The unit key of one of this item's rows (:func:`row_key`)."""
+        return row_key(row)
+
+    def run(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, status: Callable[[str], None] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """The item's prediction rows (:func:`run_item`); ``status`` hears each (method, budget)."""
+        on_method = None if status is None else lambda spec, budget: status(f"{spec} @ {budget}")
+        return run_item(model, tokenizer, self, on_method)
+
+
+class SweepItem(Protocol):
+    """What every kind of work item offers (:class:`WorkItem`, fidelity's and bench's items), so one
+    driver (:func:`collect_rows`) and one cluster runner (:class:`kvfold.evaluate.distributed.RayRunner`)
+    serve them all.
+
+    An item is a frozen dataclass with ``index`` (its place in the serial order) and ``skip`` (the
+    keys of rows already delivered: a retried item gets ``skip | delivered``), picklable so it can
+    travel to a worker.
+    """
+
+    index: int
+    skip: frozenset
+
+    @property
+    def label(self) -> str: ...  # pragma: no cover - a protocol
+
+    def unit_keys(self) -> list[Any]: ...  # pragma: no cover - a protocol
+
+    def row_key(self, row: Mapping[str, Any]) -> Any: ...  # pragma: no cover - a protocol
+
+    def run(
+        self, model: Any, tokenizer: Any, status: Callable[[str], None] | None = None
+    ) -> Iterator[dict[str, Any]]: ...  # pragma: no cover - a protocol
+
+
+ItemRunner = Callable[[Sequence[SweepItem], Callable[[str], None]], Iterable[dict[str, Any]]]
+"""Answers work items: ``runner(items, status)`` yields their rows in any order (a row may come
+twice, e.g. when a lost worker's item is retried: the sweep keeps the first), and may call
 ``status(text)`` to show what it is doing next to the progress bar."""
 
 
@@ -408,14 +452,66 @@ def run_item(
     )
 
 
-def local_runner(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> ItemRunner:
+def local_runner(model: Any, tokenizer: Any) -> ItemRunner:
     """The serial :data:`ItemRunner`: every item in order, on this process's model."""
 
-    def run(items: Sequence[WorkItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+    def run(items: Sequence[SweepItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
         for item in items:
-            yield from run_item(model, tokenizer, item, lambda spec, budget: status(f"{spec} @ {budget}"))
+            yield from item.run(model, tokenizer, status)
 
     return run
+
+
+def collect_rows(
+    runner: ItemRunner,
+    items: Sequence[SweepItem],
+    done: dict[Any, dict[str, Any]],
+    *,
+    path: Path | None,
+    total: int,
+    progress: bool = True,
+    desc: str = "eval",
+    unit: str = "answer",
+) -> None:
+    """Drive a sweep: run ``items`` through ``runner`` and keep each new row once, in ``done``.
+
+    Each row is keyed by its item's ``row_key``; a row whose key is done already, or belongs to no
+    item, is dropped (a retried item's repeat). New rows are appended to ``path`` as they arrive
+    and counted by the progress bar (``total`` units, those done before counted at the start); at
+    the end the rows of this call are put in the items' serial order in the file, so it reads as a
+    serial run's would.
+
+    Raises:
+        RuntimeError: the runner ended without producing every row the items owe.
+    """
+    from tqdm.auto import tqdm
+
+    order = {key: n for n, key in enumerate(key for item in items for key in item.unit_keys())}
+    key_of = items[0].row_key if items else row_key
+    written_before = path.stat().st_size if path is not None and path.exists() else 0
+    writer = path.open("a", encoding="utf-8") if path is not None else None
+    bar = tqdm(total=total, initial=total - len(order), disable=not progress, desc=desc, unit=unit, dynamic_ncols=True)
+    arrived: list[Any] = []
+    try:
+        for row in runner(items, lambda text: bar.set_postfix_str(text, refresh=False)):
+            key = key_of(row)
+            if key not in order or key in done:
+                continue  # a retried item's row that arrived before, or none of this sweep's
+            done[key] = row
+            arrived.append(key)
+            if writer is not None:
+                writer.write(json.dumps(row) + "\n")
+                writer.flush()
+            bar.update(1)
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
+    missing = [key for key in order if key not in done]
+    if missing:
+        raise RuntimeError(f"{len(missing)} answers were not produced (first: {missing[0]}); rerun to resume")
+    if path is not None and arrived != sorted(arrived, key=order.__getitem__):
+        _rewrite_in_order(path, written_before, [done[k] for k in sorted(arrived, key=order.__getitem__)])
 
 
 def plan_items(
@@ -526,53 +622,23 @@ def run_sweep(
         ValueError: an invalid spec or budget, no samples, or ``out_dir`` holding another run.
         RuntimeError: the runner ended without producing every answer.
     """
-    from tqdm.auto import tqdm
-
     if not samples:
         raise ValueError("no samples to evaluate")
     runs = plan_runs(methods, budgets)
     config = dict(run_config)
     keys = sample_keys(samples)
     done: dict[tuple[str, str, str, bool], dict[str, Any]] = {}
-    writer = None
-    written_before = 0
+    path = None
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         check_run_config(out_dir, config)
-        for row in read_predictions(out_dir / PREDICTIONS_FILE):
-            done[row_key(row)] = row
-        _check_stale_rows(out_dir / PREDICTIONS_FILE, done.values(), dict(zip(keys, samples, strict=True)))
         path = out_dir / PREDICTIONS_FILE
-        written_before = path.stat().st_size if path.exists() else 0
-        writer = path.open("a", encoding="utf-8")
+        for row in read_predictions(path):
+            done[row_key(row)] = row
+        _check_stale_rows(path, done.values(), dict(zip(keys, samples, strict=True)))
     items = plan_items(samples, runs, done, query_aware=query_aware, seed=seed)
-    order = {key: n for n, key in enumerate(key for item in items for key in item.unit_keys())}
-    total = len(samples) * len(runs)
-    bar = tqdm(
-        total=total, initial=total - len(order), disable=not progress, desc="eval", unit="answer", dynamic_ncols=True
-    )
-    arrived: list[tuple[str, str, str, bool]] = []
-    try:
-        for row in runner(items, lambda text: bar.set_postfix_str(text, refresh=False)):
-            key = row_key(row)
-            if key not in order or key in done:
-                continue  # a retried item's answer that arrived before, or none of this sweep's
-            done[key] = row
-            arrived.append(key)
-            if writer is not None:
-                writer.write(json.dumps(row) + "\n")
-                writer.flush()
-            bar.update(1)
-    finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
-    missing = [key for key in order if key not in done]
-    if missing:
-        raise RuntimeError(f"{len(missing)} answers were not produced (first: {missing[0]}); rerun to resume")
-    if out_dir is not None and arrived != sorted(arrived, key=order.__getitem__):
-        _rewrite_in_order(out_dir / PREDICTIONS_FILE, written_before, [done[k] for k in sorted(arrived, key=order.get)])
+    collect_rows(runner, items, done, path=path, total=len(samples) * len(runs), progress=progress)
     predictions = [done[_unit_key(k, spec, b.label(), query_aware)] for spec, b in runs for k in keys]
     result = EvalResult(
         model=str(config.get("model", "")), records=aggregate(predictions), predictions=predictions, out_dir=out_dir
