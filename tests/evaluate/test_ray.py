@@ -1,4 +1,5 @@
-"""``kvfold eval --ray``: a local Ray cluster of 2 workers gives what a serial run gives.
+"""``kvfold eval --ray`` and ``kvfold fidelity --ray``: a local Ray cluster of 2 workers gives what
+a serial run gives.
 
 A tiny random Llama and a byte-level tokenizer are saved as a model directory, so the Ray
 workers load the model the way ``kvfold`` does (:class:`kvfold.evaluate.distributed.ModelLoader`).
@@ -248,9 +249,83 @@ def test_lost_worker_loses_nothing_and_counts_nothing_twice(ray_cluster, tiny_di
     assert _records(out) == _records(serial)
 
 
-def test_ray_missing_says_how_to_install(tiny_dir, data, tmp_path, capsys, monkeypatch) -> None:
+FIDELITY_RUNS = 1 + 2 * 2  # full once, the two others at two budgets
+
+
+def _fidelity_args(tiny_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["fidelity", *_eval_args(tiny_dir, data, out, *extra)[1:]]
+
+
+def _serial_fidelity(tiny_dir: Path, data: Path, out: Path, *extra: str) -> Path:
+    """A serial ``kvfold fidelity`` run with one torch thread, as each Ray worker has (so the
+    floating-point sums are the same ones, and the measures equal to the last bit)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(_fidelity_args(tiny_dir, data, out, *extra)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _fidelity_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "fidelity_samples.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def serial_fidelity(tiny_dir: Path, data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _serial_fidelity(tiny_dir, data, tmp_path_factory.mktemp("serial-fidelity"))
+
+
+@needs_ray
+def test_fidelity_on_local_cluster_matches_serial(
+    ray_cluster, tiny_dir, data, serial_fidelity, tmp_path, capsys
+) -> None:
+    out = tmp_path / "ray-fidelity"
+    capsys.readouterr()
+    assert main(_fidelity_args(tiny_dir, data, out, "--ray", "--ray-workers", "2")) == 0
+    _, err = capsys.readouterr()
+    workers = _workers(err)
+    assert "Ray workers started: 2;" in err
+    assert workers and all(int(name.rsplit(":", 1)[1]) != os.getpid() for name in workers), workers
+    rows = _fidelity_rows(out)
+    assert sum(workers.values()) == len(rows) == len(DATASET) * FIDELITY_RUNS
+    assert rows == _fidelity_rows(serial_fidelity)  # same rows, same order, same measures
+    for name in ("fidelity.json", "run.json"):
+        assert json.loads((out / name).read_text()) == json.loads((serial_fidelity / name).read_text())
+
+
+@needs_ray
+def test_fidelity_online_resumes_on_the_cluster(ray_cluster, tiny_dir, data, tmp_path, capsys) -> None:
+    """``--online`` on Ray, resumed from a serial run's first rows (cut mid-line), equals the serial run."""
+    extra = ("--online", "--methods", "full,streamingllm,snapkv", "--budgets", "0.5")
+    serial = _serial_fidelity(tiny_dir, data, tmp_path / "serial-online", *extra)
+    lines = (serial / "fidelity_samples.jsonl").read_text().splitlines(keepends=True)
+    kept = 4  # the first question of the first context (3 runs) and full of its second: a half-done item
+    out = tmp_path / "resumed"
+    out.mkdir()
+    (out / "run.json").write_text((serial / "run.json").read_text())
+    (out / "fidelity_samples.jsonl").write_text("".join(lines[:kept]) + lines[kept][:25])
+    capsys.readouterr()
+    assert main(_fidelity_args(tiny_dir, data, out, "--ray", "--ray-workers", "2", *extra)) == 0
+    workers = _workers(capsys.readouterr().err)
+    assert sum(workers.values()) == len(lines) - kept
+    assert _fidelity_rows(out) == _fidelity_rows(serial)
+    result = json.loads((out / "fidelity.json").read_text())
+    assert result == json.loads((serial / "fidelity.json").read_text()) and result["online"] is True
+    assert {r["method"]: r.get("online_path") for r in result["records"]}["snapkv"] is False
+
+    capsys.readouterr()  # a third run finds everything done and starts no work
+    assert main(_fidelity_args(tiny_dir, data, out, "--ray", *extra)) == 0
+    assert "none (all resumed)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["eval", "fidelity"])
+def test_ray_missing_says_how_to_install(command, tiny_dir, data, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    code = main(_eval_args(tiny_dir, data, tmp_path / "out", "--ray"))
+    code = main([command, *_eval_args(tiny_dir, data, tmp_path / "out", "--ray")[1:]])
     _, err = capsys.readouterr()
     assert code == 2
     assert "pip install 'kvfold[ray]'" in err and err.count("\n") == 1
