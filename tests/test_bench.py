@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import sys
 
 import pytest
 
@@ -36,10 +39,15 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def test_bench_records_ratios_and_files(tiny_dir, tmp_path):
-    result = bench(
-        str(tiny_dir), ["streamingllm"], [0.25], [64], [1, 2], new_tokens=3, out_dir=tmp_path, progress=False
-    )
+@pytest.fixture(scope="module")
+def serial_bench(tiny_dir, tmp_path_factory):
+    """A serial bench of two (length, batch) items: full and streamingllm at 64 tokens, batch 1 and 2."""
+    out = tmp_path_factory.mktemp("serial-bench")
+    return bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1, 2], new_tokens=3, out_dir=out, progress=False), out
+
+
+def test_bench_records_ratios_and_files(serial_bench):
+    result, tmp_path = serial_bench
     records = result["records"]
     assert {(r["method"], r["batch"]) for r in records} == {
         ("full", 1),
@@ -72,7 +80,7 @@ def test_bench_resumes_from_finished_records(tiny_dir, tmp_path, monkeypatch):
 
     spawned = []
     real_spawn = bench_module._spawn
-    monkeypatch.setattr(bench_module, "_spawn", lambda config: spawned.append(config) or real_spawn(config))
+    monkeypatch.setattr(bench_module, "_spawn", lambda config, **kw: spawned.append(config) or real_spawn(config, **kw))
     again = bench(
         str(tiny_dir), ["streamingllm", "h2o"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
     )
@@ -93,6 +101,59 @@ def test_bench_resumes_from_finished_records(tiny_dir, tmp_path, monkeypatch):
     (tmp_path / "records.jsonl").write_text("not json\n")
     with pytest.raises(ValueError, match="line 1 is not a bench record"):
         bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+
+
+TIMED = {
+    "prefill_s",
+    "compress_s",
+    "decode_tokens_per_s",
+    "reference_tokens_per_s",
+    "peak_rss_mb",
+    "base_rss_mb",
+    "speedup",
+    "limit_speedup",
+    "speedup_over_limit",
+}
+"""Record fields that are measured (time or memory): they differ between any two runs."""
+
+
+def _untimed(result: dict) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMED} for r in result["records"]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed: pip install 'kvfold[ray]'")
+def test_bench_on_ray_matches_serial_with_each_length_on_one_worker(tiny_dir, serial_bench, tmp_path, capsys):
+    """``kvfold bench --ray`` (a local instance it starts and stops): the serial records (timings
+    aside) in the same order, each (length, batch) measured by one worker, ratios within it."""
+    import ray
+
+    serial, _ = serial_bench
+    out = tmp_path / "ray"
+    args = ["bench", "--model", str(tiny_dir), "--methods", "streamingllm", "--budgets", "0.25", "--lengths", "64"]
+    args += ["--batch", "1,2", "--new-tokens", "3", "--out", str(out), "--ray", "--ray-workers", "2"]
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "Ray workers started: 2;" in err and not ray.is_initialized()
+    result = json.loads((out / "bench.json").read_text())
+    assert _untimed(result) == _untimed(serial)
+    assert [set(r) for r in result["records"]] == [set(r) for r in serial["records"]]
+    workers = result["ray_workers"]
+    assert len(workers) == 4 and all(int(w.rsplit(":", 1)[1]) != os.getpid() for w in workers.values())
+    for batch in (1, 2):  # full and the method of one (length, batch) on the same worker
+        assert workers[f"full @ 1.0, 64 tokens x {batch}"] == workers[f"streamingllm @ 0.25, 64 tokens x {batch}"]
+    for record in result["records"]:
+        full = next(r for r in result["records"] if r["method"] == "full" and r["batch"] == record["batch"])
+        assert record["speedup"] == pytest.approx(record["decode_tokens_per_s"] / full["decode_tokens_per_s"])
+    assert "Measured on Ray workers" in (out / "bench.md").read_text()
+
+
+def test_bench_ray_without_ray_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert main(["bench", "--lengths", "64", "--out", str(tmp_path / "out"), "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'kvfold[ray]'" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):

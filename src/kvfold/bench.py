@@ -14,6 +14,12 @@ process, after its peak memory is read, and its decode steps alternate with the 
 shared machine the speed of one process drifts by 20–30% from one run to the next, and
 ``speedup / limit_speedup`` = method / reference is then a paired measurement. Decode speed is
 the batch over the median step time of the measured steps (warm-up steps excluded).
+
+The configurations are measured by :class:`BenchItem` s, one per (length, batch): ``full`` first,
+then every method at that length, each in a process of its own. Serially the items run one after
+the other here; with ``kvfold bench --ray`` (:func:`kvfold.evaluate.distributed.run_on_ray`) each
+item runs on one Ray worker, so every ``speedup`` divides by a ``full`` measured on the same worker
+(see the README, "Sweeps on a Ray cluster", for what such timings mean).
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kvfold.bench_common import (
     DECODE_MMAP_THRESHOLD,
@@ -183,10 +191,16 @@ def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
     return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
 
 
-def _spawn(config: BenchConfig, timeout: float | None = None) -> dict:
-    """Run one configuration in a fresh Python process and return its record."""
+def _spawn(config: BenchConfig, timeout: float | None = None, threads: int | None = None) -> dict:
+    """Run one configuration in a fresh Python process and return its record.
+
+    ``threads`` sets the child's ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (a Ray worker's CPU
+    share); None leaves the environment as it is (torch's default: every core).
+    """
     cmd = [sys.executable, "-m", "kvfold.bench", "--worker", json.dumps(asdict(config))]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
@@ -234,6 +248,65 @@ def plan(
     return runs, list(refs.values())
 
 
+@dataclass(frozen=True)
+class BenchItem:
+    """One (length, batch) of a bench sweep: ``full`` and every method configuration at it.
+
+    The unit of work of ``kvfold bench`` (a :class:`~kvfold.evaluate.runner.SweepItem`): its
+    configurations are measured one after the other, each in a child process of its own, on one
+    machine, so each method's ``speedup`` divides by a ``full`` measured there.
+
+    Attributes:
+        index: position of the item in the sweep.
+        configs: ``full`` first, then the method configurations, in the serial order.
+        skip: configuration keys already measured (earlier runs, or an earlier attempt).
+        threads: threads of each child process (``OMP_NUM_THREADS``); None: torch's default.
+    """
+
+    index: int
+    configs: tuple[BenchConfig, ...]
+    skip: frozenset[str] = frozenset()
+    threads: int | None = None
+
+    @property
+    def label(self) -> str:
+        """What this item is, for messages."""
+        return f"length {self.configs[0].length} x batch {self.configs[0].batch}"
+
+    def unit_keys(self) -> list[str]:
+        """The keys of the records this item produces, in the order it produces them."""
+        return [key for key in map(_config_key, self.configs) if key not in self.skip]
+
+    @staticmethod
+    def row_key(row: Mapping[str, Any]) -> str:
+        """The key of a record (:func:`_config_key`)."""
+        return _config_key(dict(row))
+
+    def run(
+        self, model: Any = None, tokenizer: Any = None, status: Callable[[str], None] | None = None
+    ) -> Iterator[dict]:
+        """Measure the configurations not in ``skip`` (the model is loaded by each child, not here)."""
+        for config in self.configs:
+            if _config_key(config) in self.skip:
+                continue
+            if status is not None:
+                status(f"{config.method} @ {config.budget}, {config.length} tokens x {config.batch}")
+            yield _spawn(config, threads=self.threads) if self.threads else _spawn(config)
+
+
+def plan_items(
+    runs: list[BenchConfig], refs: list[BenchConfig], done: Mapping[str, Any] = {}, threads: int | None = None
+) -> list[BenchItem]:
+    """One :class:`BenchItem` per (length, batch) that has a configuration not in ``done``."""
+    items: list[BenchItem] = []
+    for ref in refs:
+        configs = (ref, *(c for c in runs if (c.length, c.batch) == (ref.length, ref.batch)))
+        keys = [_config_key(c) for c in configs]
+        if any(key not in done for key in keys):
+            items.append(BenchItem(len(items), configs, frozenset(k for k in keys if k in done), threads))
+    return items
+
+
 def bench(
     model: str = "smollm2-135m",
     methods: list[str] | None = None,
@@ -246,11 +319,18 @@ def bench(
     dtype: str = "auto",
     device: str = "auto",
     progress: bool = True,
+    runner: Any = None,
+    threads: int | None = None,
 ) -> dict:
     """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
 
     Every finished configuration is appended to ``out_dir/records.jsonl`` at once; a run started
     again on the same directory reuses the configurations found there and measures only the rest.
+
+    ``runner`` measures the :class:`BenchItem` s (an :data:`~kvfold.evaluate.runner.ItemRunner`:
+    by default one after the other here; :class:`kvfold.evaluate.distributed.RayRunner` on Ray
+    workers, which adds ``ray_workers`` to the result: who measured what). ``threads`` sets each
+    measuring process's threads (None: torch's default).
 
     Returns:
         ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
@@ -258,8 +338,7 @@ def bench(
         ``limit_speedup``, ``speedup_over_limit`` and the reference's ``reference_length`` and
         ``reference_tokens_per_s`` (module docstring).
     """
-    from tqdm import tqdm
-
+    from kvfold.evaluate.runner import collect_rows, local_runner
 
     runs, refs = plan(
         model,
@@ -272,19 +351,23 @@ def bench(
         dtype,
         device,
     )
-    measured: dict[tuple, dict] = {}
-    records = []
     done = load_finished_records(Path(out_dir)) if out_dir is not None else {}
-    for config in tqdm([*refs, *runs], desc="kvfold bench", disable=not progress):
-        record = done.get(_config_key(config))
-        if record is None or "reference_tokens_per_s" not in record:  # none, or from an older kvfold
-            record = _spawn(config)
-            if out_dir is not None:
-                _append_record(Path(out_dir), record)
-        if config.method == "full":
-            measured[(config.length, config.batch)] = record
-        else:
-            records.append(record)
+    done = {key: r for key, r in done.items() if "reference_tokens_per_s" in r}  # older kvfold: measure again
+    items = plan_items(runs, refs, done, threads)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    collect_rows(
+        runner or local_runner(None, None),
+        items,
+        done,
+        path=Path(out_dir) / RECORDS_FILE if out_dir is not None else None,
+        total=len(runs) + len(refs),
+        progress=progress,
+        desc="kvfold bench",
+        unit="configuration",
+    )
+    measured = {(c.length, c.batch): done[_config_key(c)] for c in refs}
+    records = [done[_config_key(c)] for c in runs]
     full_records = [measured[(c.length, c.batch)] for c in refs]
     for record in records:
         full = measured[(record["length"], record["batch"])]
@@ -293,7 +376,12 @@ def bench(
         record["speedup_over_limit"] = record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
     for record in full_records:
         record.update(speedup=1.0, limit_speedup=1.0, speedup_over_limit=1.0)
-    result = {"model": model, "records": [*full_records, *records]}
+    result: dict[str, Any] = {"model": model, "records": [*full_records, *records]}
+    worker_of = getattr(runner, "worker_of", None)
+    if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
+        result["ray_workers"] = {
+            _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
+        }
     if out_dir is not None:
         write_bench_report(result, Path(out_dir))
     return result
@@ -302,17 +390,15 @@ def bench(
 RECORDS_FILE = "records.jsonl"
 
 
+def _describe(config: BenchConfig) -> str:
+    """``"streamingllm @ 0.1, 2048 tokens x 1"``."""
+    return f"{config.method} @ {config.budget}, {config.length} tokens x {config.batch}"
+
+
 def _config_key(config: BenchConfig | dict) -> str:
     """The identity of a configuration: every :class:`BenchConfig` field, as canonical JSON."""
     fields = asdict(config) if isinstance(config, BenchConfig) else config
     return json.dumps({name: fields.get(name) for name in BenchConfig.__dataclass_fields__}, sort_keys=True)
-
-
-def _append_record(out_dir: Path, record: dict) -> None:
-    """Append one finished configuration to ``out_dir/records.jsonl`` (so a killed run loses nothing)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with (out_dir / RECORDS_FILE).open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
 
 
 def load_finished_records(out_dir: Path) -> dict[str, dict]:
@@ -362,6 +448,14 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
             f"{r['speedup_over_limit']:.2f} | {r['kv_bytes'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
+    if result.get("ray_workers"):
+        lines += [
+            "",
+            "Measured on Ray workers (each a machine's share: a `speedup` divides by the `full` measured by the "
+            "same worker; workers on one machine contend):",
+            "",
+            *(f"* {what}: `{worker}`" for what, worker in result["ray_workers"].items()),
+        ]
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out_dir / "bench.png")
 
@@ -402,7 +496,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def add_parsers(sub) -> None:
     """The ``kvfold bench`` sub-parser (gathered by :mod:`kvfold.cli`)."""
-    from kvfold.cli_args import add_model_args
+    from kvfold.cli_args import add_model_args, add_ray_args
 
     p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
     add_model_args(p)
@@ -416,6 +510,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--cachefile", action="store_true", help="cache files and chat memory (kvfold.cachefile_bench)")
     p.add_argument("--turns", type=int, default=50, help="--cachefile: turns of the measured chat (0: none)")
     p.add_argument("--chat-budget", type=int, default=256, help="--cachefile: entries the chat keeps")
+    add_ray_args(p, "length and batch")
 
 
 def run_bench_command(args) -> int:
@@ -423,6 +518,8 @@ def run_bench_command(args) -> int:
     from kvfold.methods import build_method, split_specs
 
     if args.cachefile:
+        if args.ray is not None:
+            raise ValueError("--ray does not apply to --cachefile")
         from kvfold.cachefile_bench import run_from_bench_args
 
         return run_from_bench_args(args)
@@ -435,18 +532,21 @@ def run_bench_command(args) -> int:
     batches = _positive_ints(args.batch, "--batch")
     if args.new_tokens < 1:
         raise ValueError("--new-tokens must be ≥ 1")
-    result = bench(
-        args.model,
-        methods,
-        budgets,
-        lengths,
-        batches,
-        args.new_tokens,
-        args.prefill_chunk,
-        args.out,
-        args.dtype,
-        args.device,
-    )
+    grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
+    if args.ray is None:
+        result = bench(*grid, args.dtype, args.device)
+    else:
+        from kvfold.cli_args import ray_options, ray_where
+        from kvfold.evaluate.distributed import require_ray, run_on_ray
+
+        options = ray_options(args)
+        require_ray()
+        threads = max(1, int(args.ray_worker_cpus))
+        print(f"kvfold bench on {ray_where(args)}, {threads} threads a measurement → {args.out}", file=sys.stderr)
+        result, ray_runner = run_on_ray(
+            None, lambda runner: bench(*grid, args.dtype, args.device, runner=runner, threads=threads), **options
+        )
+        print(ray_runner.summary(), file=sys.stderr)
     print((Path(args.out) / "bench.md").read_text())
     return 0 if result["records"] else 1
 
