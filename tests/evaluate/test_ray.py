@@ -322,6 +322,26 @@ def test_fidelity_online_resumes_on_the_cluster(ray_cluster, tiny_dir, data, tmp
     assert "none (all resumed)" in capsys.readouterr().err
 
 
+@needs_ray
+def test_fidelity_lost_worker_loses_nothing(ray_cluster, tiny_dir, data, serial_fidelity, tmp_path) -> None:
+    from kvfold.evaluate.distributed import ModelLoader, RayRunner
+    from kvfold.evaluate.fidelity import run_fidelity_sweep
+
+    runner = RayRunner(ModelLoader(str(tiny_dir)), workers=2, kill_after=2)  # killed after its 2nd row
+    samples = load_samples(_Args(str(data)), load_tokenizer(str(tiny_dir)))
+    config = json.loads((serial_fidelity / "run.json").read_text())
+    counted: list[int] = []
+    config = {k: config[k] for k in ("model", "dataset", "length", "seed")}  # the mode is added back
+    out = tmp_path / "crash"
+    run_fidelity_sweep(
+        _counting(runner, counted), samples, METHODS.split(","), BUDGETS.split(","), out_dir=out, progress=False,
+        run_config=config,
+    )  # fmt: skip
+    assert runner.workers_lost == 1 and runner.resubmitted == 1
+    assert sum(counted) == len(DATASET) * FIDELITY_RUNS  # the killed worker's rows kept, none measured twice
+    assert _fidelity_rows(out) == _fidelity_rows(serial_fidelity)
+
+
 @pytest.mark.parametrize("command", ["eval", "fidelity"])
 def test_ray_missing_says_how_to_install(command, tiny_dir, data, tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
