@@ -39,7 +39,13 @@ from typing import Literal
 import torch
 
 from kvfold.linalg import lstsq_ridge, nnls, omp_select
-from kvfold.methods.compaction.attention_matching.solvers import _gather_cols, box_nnls, omp_keys, ridge_solve
+from kvfold.methods.compaction.attention_matching.solvers import (
+    _gather_cols,
+    box_nnls,
+    omp_keys,
+    ridge_solve,
+    symmetric_product,
+)
 
 Tensor = torch.Tensor
 
@@ -357,7 +363,7 @@ def _streamed_fit(
         for lo, hi in blocks:
             f = phi_s(lo, hi)
             weighted = f * weight[:, lo:hi, None]
-            gram += weighted.mT @ f
+            gram += symmetric_product(weighted, f)
             corr += (weighted.mT @ mass[:, lo:hi, None])[..., 0]
         gram = 0.5 * (gram + gram.mT)
         lower, upper = _weight_box(config)
@@ -375,7 +381,7 @@ def _streamed_fit(
         mass_sq += (fitted - mass[:, lo:hi]).square().sum(-1)
         x.div_(torch.where(fitted > 0, fitted, torch.ones_like(fitted))[..., None])  # eq. 3: X
         residual = target[:, lo:hi] - x @ v_s
-        xtx += x.mT @ x
+        xtx += symmetric_product(x, x)
         xtr += x.mT @ residual
         res_sq += residual.square().sum((-2, -1))
     if config.fit_values and t > 0:  # eq. 4: C_v = V_S + argmin ‖X Δ − (Y − X V_S)‖
