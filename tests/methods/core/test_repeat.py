@@ -78,7 +78,7 @@ def test_max_received_equals_the_float64_softmax_over_the_whole_cache():
     from kvfold.attention import _attend_after_cache
 
     torch.manual_seed(0)
-    b, h_kv, groups, q_len, context, d = 2, 2, 3, 150, 70, 16  # 150 queries: blocks of 128 and 22
+    b, h_kv, groups, q_len, context, d = 2, 2, 3, 150, 70, 16  # 3 × 150 rows: blocks of 128 and a rest
     scaling = d**-0.5
     query = torch.randn(b, h_kv * groups, q_len, d)
     keys = torch.randn(b, h_kv, context + q_len, d) * 2
