@@ -113,6 +113,9 @@ TIMED = {
     "speedup",
     "limit_speedup",
     "speedup_over_limit",
+    "repeat_s",
+    "compress_over_prefill",
+    "compress_over_repeat",
 }
 """Record fields that are measured (time or memory): they differ between any two runs."""
 
@@ -154,6 +157,51 @@ def test_bench_ray_without_ray_says_how_to_install(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert "pip install 'kvfold[ray]'" in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path):
+    result = bench(
+        str(tiny_dir), ["kvzip", "streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
+    )
+    by_method = {r["method"]: r for r in result["records"]}
+    kvzip, streaming, full = by_method["kvzip"], by_method["streamingllm"], by_method["full"]
+    assert kvzip["repeat_s"] > 0
+    assert kvzip["compress_over_repeat"] == pytest.approx(kvzip["compress_s"] / kvzip["repeat_s"])
+    assert kvzip["compress_over_prefill"] == pytest.approx(kvzip["compress_s"] / kvzip["prefill_s"])
+    assert streaming["repeat_s"] is None and streaming["compress_over_repeat"] is None  # no repeat pass
+    assert streaming["compress_over_prefill"] == pytest.approx(streaming["compress_s"] / streaming["prefill_s"])
+    assert full["compress_over_repeat"] is None
+    table = (tmp_path / "bench.md").read_text()
+    assert "| c/prefill | c/repeat |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| kvzip |"))
+    ratios = f"{kvzip['compress_over_prefill']:.2f} | {kvzip['compress_over_repeat']:.2f}"
+    assert f"| {kvzip['repeat_s']:.2f} | {ratios} |" in row
+
+
+def test_compression_ratios_of_an_older_record_without_repeat_time():
+    from kvfold.bench import compression_ratios
+
+    assert compression_ratios({"compress_s": 3.0, "prefill_s": 2.0}) == {
+        "compress_over_prefill": 1.5,
+        "compress_over_repeat": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "uses"),
+    [
+        ("kvzip", True),
+        ("kvzip+am_fit", True),
+        ("am_highest_fast", True),
+        ("am_highest[queries=selfstudy]", False),
+        ("snapkv+am_fit", False),  # am_fit after a query-aware selector fits on the prefill's queries
+        ("streamingllm", False),
+    ],
+)
+def test_methods_say_whether_they_run_the_repeat_pass(spec, uses):
+    from kvfold.methods import build_method
+
+    assert build_method(spec).uses_repeat_pass is uses
 
 
 def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):

@@ -56,6 +56,13 @@ class OnlinePolicy(Protocol):
                 held a compressed or filled cache; None on a fresh prefill.
             logits: with ``probs``, the scaled scores ``q·k·scaling`` before β, ``(B, H_kv, G·q, N)``
                 (the G query heads of a KV head folded into the query axis).
+
+        A policy with ``accepts_log_sum_exp = True`` may instead be called with ``probs=None`` and
+        the keywords ``log_sum_exp`` (``(B, H_q, q)``, each query's log-sum-exp over every entry,
+        float32 or wider) and ``scaling`` (the logit scale) when the layer holds an uncompressed
+        cache and several query tokens: it then computes from the keys only the probabilities it
+        needs (``exp(q·k·scaling − log_sum_exp)``), and the attention runs the fused kernel
+        instead of materialising every probability (:func:`_attend_after_cache`).
         """
 
 
@@ -104,6 +111,11 @@ def kvfold_attention(
         _check_sliding_window(layer, kwargs.get("sliding_window"))
         if layer.paged is not None and q_len == 1:
             out = _paged_decode(query, layer.paged, scaling)
+        elif need_probs and getattr(policy, "accepts_log_sum_exp", False) and _fused_after_cache(query, layer):
+            keys, values, _ = _dense_views(layer)
+            out, lse = _attend_after_cache(query, keys, values, scaling, with_lse=True)
+            policy.after_forward(module.layer_idx, layer, query, None, None, log_sum_exp=lse, scaling=scaling)
+            return out.transpose(1, 2), None
         else:
             out, probs, logits = _dense_attention(query, layer, scaling, need_probs)
     if policy is not None:
@@ -147,9 +159,29 @@ _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 """The CPU flash-attention kernel that also returns each query's log-sum-exp (None in builds without it)."""
 
 
-def _attend_after_cache(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def _fused_after_cache(query: torch.Tensor, layer: FoldedLayer) -> bool:
+    """True when :func:`_attend_after_cache` runs the fused CPU kernel for ``query`` on ``layer``
+    (and so can give each query's log-sum-exp): several new tokens on an uncompressed dense CPU
+    cache in float32 or bfloat16, with older entries before them."""
+    q_len = query.shape[2]
+    return (
+        _FLASH_WITH_LSE is not None
+        and query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.bfloat16)
+        and layer.paged is None
+        and layer._log_mass is None  # noqa: SLF001 - the attention is the layer's reader
+        and q_len > 1
+        and layer.physical_length > q_len
+    )
+
+
+def _attend_after_cache(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, with_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` new tokens over an uncompressed cache whose last ``q`` entries are
-    theirs: every older entry is visible, the new ones causally. Returns ``(B, H_q, q, D)``.
+    theirs: every older entry is visible, the new ones causally. Returns ``(B, H_q, q, D)``, and
+    with ``with_lse`` (fused path only, see :func:`_fused_after_cache`) each query's log-sum-exp
+    over every entry, ``(B, H_q, q)`` float32.
 
     On CPU the two parts are computed apart and merged by their log-sum-exp (the block
     decomposition of attention, Zweiger et al. 2026 §2): the old entries with no mask and the G
@@ -163,6 +195,8 @@ def _attend_after_cache(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     old = n - q_len
     flash = _FLASH_WITH_LSE
     if query.device.type != "cpu" or flash is None or old <= 0 or query.dtype not in (torch.float32, torch.bfloat16):
+        if with_lse:
+            raise ValueError("the log-sum-exp comes from the fused CPU kernel only (see _fused_after_cache)")
         mask = _causal_after_cache(q_len, n, query.device, query.dtype)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     groups = h_q // h_kv
@@ -176,7 +210,7 @@ def _attend_after_cache(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     weight_old = (lse_old - lse).exp_()[..., None]
     weight_new = (lse_new - lse).exp_()[..., None]
     out = out_old.reshape(b, h_q, q_len, d).float() * weight_old + out_new.float() * weight_new
-    return out.to(query.dtype)
+    return (out.to(query.dtype), lse) if with_lse else out.to(query.dtype)
 
 
 _CAUSAL_MASKS: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}

@@ -20,6 +20,17 @@ then every method at that length, each in a process of its own. Serially the ite
 the other here; with ``kvfold bench --ray`` (:func:`kvfold.evaluate.distributed.run_on_ray`) each
 item runs on one Ray worker, so every ``speedup`` divides by a ``full`` measured on the same worker
 (see the README, "Sweeps on a Ray cluster", for what such timings mean).
+
+Compression time is reported against two references measured in the method's own process:
+
+* ``compress_over_prefill`` = compression seconds / prefill seconds of the same context;
+* ``compress_over_repeat`` = compression seconds / seconds of the repeat pass alone
+  (:func:`kvfold.methods.core.repeat.repeat_pass` with nothing recorded: the forward pass
+  "Repeat the previous context" over a copy of the cache that KVzip, Kim et al. 2025 §3, and
+  Attention Matching's repeat-prefill queries, Zweiger et al. 2026 §3.1, cannot avoid). The pass
+  is timed once per configuration, before compression, only for a method that runs it
+  (``method.uses_repeat_pass``) and without ``--prefill-chunk``; otherwise ``repeat_s`` and the
+  ratio are None.
 """
 
 from __future__ import annotations
@@ -88,6 +99,7 @@ def run_config(config: BenchConfig) -> dict:
     ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
     method = kvfold.build_method(config.method)
     budget = 1.0 if method.is_identity else config.budget
+    repeat_s = None
     with torch.inference_mode():
         if config.prefill_chunk:
             compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
@@ -95,6 +107,8 @@ def run_config(config: BenchConfig) -> dict:
         else:
             source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
             prefill_s = source.prefill_seconds
+            if method.uses_repeat_pass and not method.is_identity:
+                repeat_s = time_repeat_pass(source)
             compressed = _compress_in_place(source, method, budget)
         kv_bytes = compressed.cache.nbytes()
         kv_bytes_full = compressed.cache.full_nbytes()
@@ -114,6 +128,7 @@ def run_config(config: BenchConfig) -> dict:
         "budget": config.budget if not method.is_identity else 1.0,
         "prefill_s": prefill_s,
         "compress_s": compressed.compress_seconds,
+        "repeat_s": repeat_s,
         "decode_tokens_per_s": speeds[0],
         "reference_length": reference_length or config.length,
         "reference_tokens_per_s": speeds[1] if reference_length else speeds[0],
@@ -122,6 +137,39 @@ def run_config(config: BenchConfig) -> dict:
         "kv_bytes": kv_bytes,
         "kv_bytes_full": kv_bytes_full,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
+    }
+
+
+def time_repeat_pass(source) -> float:
+    """Seconds of the repeat pass alone over ``source``'s prefilled cache (copies of it; nothing
+    recorded, the default chunk): the one model pass a repeat-pass method cannot avoid."""
+    import torch
+
+    from kvfold.budget import Budget
+    from kvfold.methods.core.base import CompressionContext
+    from kvfold.methods.core.repeat import repeat_pass
+
+    ctx = CompressionContext(
+        model=source.model,
+        cache=source.cache,
+        input_ids=source.input_ids,
+        attention_mask=source.attention_mask,
+        budget=Budget.parse(1.0),
+        tokenizer=source.tokenizer,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        repeat_pass(ctx, scores=False, queries=False)
+    return time.perf_counter() - start
+
+
+def compression_ratios(record: dict) -> dict:
+    """``compress_over_prefill`` and ``compress_over_repeat`` of a record (None without the
+    reference time; records of an older kvfold have no ``repeat_s``)."""
+    compress, prefill, repeat = record.get("compress_s"), record.get("prefill_s"), record.get("repeat_s")
+    return {
+        "compress_over_prefill": compress / prefill if compress is not None and prefill else None,
+        "compress_over_repeat": compress / repeat if compress is not None and repeat else None,
     }
 
 
@@ -335,8 +383,9 @@ def bench(
     Returns:
         ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
         ``decode_tokens_per_s``, ``peak_rss_mb``, ``kv_bytes``, ``kv_bytes_full``, ``speedup``,
-        ``limit_speedup``, ``speedup_over_limit`` and the reference's ``reference_length`` and
-        ``reference_tokens_per_s`` (module docstring).
+        ``limit_speedup``, ``speedup_over_limit``, the reference's ``reference_length`` and
+        ``reference_tokens_per_s``, ``repeat_s``, ``compress_over_prefill`` and
+        ``compress_over_repeat`` (module docstring).
     """
     from kvfold.evaluate.runner import collect_rows, local_runner
 
@@ -376,6 +425,8 @@ def bench(
         record["speedup_over_limit"] = record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
     for record in full_records:
         record.update(speedup=1.0, limit_speedup=1.0, speedup_over_limit=1.0)
+    for record in [*full_records, *records]:
+        record.update(compression_ratios(record))
     result: dict[str, Any] = {"model": model, "records": [*full_records, *records]}
     worker_of = getattr(runner, "worker_of", None)
     if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
@@ -435,16 +486,20 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         "`speedup` is against `full` at the same length; `limit` is `full` at the compressed size against "
         "`full` at the length (the ceiling); `full` at the compressed size decodes in the method's own process, "
         "step for step with it, so `speedup/limit` is a paired ratio. Peak RSS is each configuration's own "
-        "process (prefill and compression).",
+        "process (prefill and compression). `repeat s` is the repeat pass alone (methods that run it); "
+        "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass.",
         "",
-        "| method | budget | length | batch | prefill s | compress s | decode tok/s | speedup | limit | "
-        "speedup/limit | KV MB | full KV MB | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | budget | length | batch | prefill s | compress s | repeat s | c/prefill | c/repeat | "
+        "decode tok/s | speedup | limit | speedup/limit | KV MB | full KV MB | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        ratios = compression_ratios(r)
         lines.append(
             f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r['prefill_s']:.2f} | "
-            f"{r['compress_s']:.2f} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['limit_speedup']:.2f} | "
+            f"{r['compress_s']:.2f} | {_cell(r.get('repeat_s'))} | {_cell(ratios['compress_over_prefill'])} | "
+            f"{_cell(ratios['compress_over_repeat'])} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+            f"{r['limit_speedup']:.2f} | "
             f"{r['speedup_over_limit']:.2f} | {r['kv_bytes'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
@@ -458,6 +513,10 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         ]
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out_dir / "bench.png")
+
+
+def _cell(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -70,3 +70,55 @@ def test_the_repeat_pass_in_pieces_equals_one_forward():
     short = int(pre.attention_mask[1].sum())
     (ids,) = repeat.RepeatPrompt.build(tok).chunk_inputs(pre.input_ids[1, -short:].tolist(), 2048)
     assert int(whole.query_valid[0][1, 0].sum()) == 3 * len(ids)  # G = 3 query heads per KV head
+
+
+def test_max_received_equals_the_float64_softmax_over_the_whole_cache():
+    """KVzip's score from each query's log-sum-exp (the fused attention's) equals the max over
+    queries and the GQA group of the eager float64 probabilities (Kim et al. 2025 §3.2)."""
+    from kvfold.attention import _attend_after_cache
+
+    torch.manual_seed(0)
+    b, h_kv, groups, q_len, context, d = 2, 2, 3, 150, 70, 16  # 3 × 150 rows: blocks of 128 and a rest
+    scaling = d**-0.5
+    query = torch.randn(b, h_kv * groups, q_len, d)
+    keys = torch.randn(b, h_kv, context + q_len, d) * 2
+    values = torch.randn(b, h_kv, context + q_len, d)
+    _, lse = _attend_after_cache(query, keys, values, scaling, with_lse=True)
+    fast = repeat.max_received(query, keys[:, :, :context], lse, scaling)
+
+    logits = query.to(F64) @ keys.to(F64).repeat_interleave(groups, dim=1).transpose(-1, -2) * scaling
+    causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    allowed = torch.cat([torch.ones(q_len, context, dtype=torch.bool), causal], dim=1)
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)[..., :context]
+    reference = probs.amax(dim=2).reshape(b, h_kv, groups, context).amax(dim=2)
+    assert fast.dtype == torch.float32 and fast.shape == (b, h_kv, context)
+    torch.testing.assert_close(fast.to(F64), reference, rtol=2e-5, atol=1e-9)
+
+
+def test_the_fused_repeat_pass_scores_equal_the_eager_ones(monkeypatch):
+    """A float32 model takes the fused path (the log-sum-exp, no probability matrix); its scores and
+    queries equal the eager path's and, to float32 rounding, a float64 model's."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    calls = []
+    real = repeat.max_received
+    monkeypatch.setattr(repeat, "max_received", lambda *args: calls.append(1) or real(*args))
+    fused = repeat.repeat_pass(ctx, forward_chunk=64)
+    assert calls  # the fused path ran
+    monkeypatch.setattr(repeat.RepeatRecorder, "accepts_log_sum_exp", False)
+    calls.clear()
+    eager = repeat.repeat_pass(ctx, forward_chunk=64)
+    assert not calls
+    model64_ = kvfold.enable(make_tiny_model("llama").to(F64))
+    pre64 = kvfold.prefill(model64_, tok, TEXT * 3, use_chat_template=False)
+    ctx64 = CompressionContext(
+        model64_, pre64.cache, pre64.input_ids, pre64.attention_mask, Budget.parse(0.5), tokenizer=tok
+    )
+    exact = repeat.repeat_pass(ctx64, forward_chunk=64)
+    for i in fused.scores:
+        torch.testing.assert_close(fused.scores[i], eager.scores[i], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(fused.scores[i].to(F64), exact.scores[i], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(fused.queries[i], eager.queries[i], rtol=1e-5, atol=1e-6)
+        assert torch.equal(fused.query_valid[i], eager.query_valid[i])

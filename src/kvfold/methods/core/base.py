@@ -162,6 +162,9 @@ class Method:
     role: ClassVar[str] = "standalone"
     query_window: ClassVar[int] = 0
     """How many of the last prefill query states the method reads (captured during prefill)."""
+    uses_repeat_pass: ClassVar[bool] = False
+    """True when compression runs the repeat pass over the prefilled cache
+    (:mod:`kvfold.methods.core.repeat`; ``kvfold bench`` then times that pass alone too)."""
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -432,6 +435,11 @@ class ComposedMethod:
     @property
     def is_identity(self) -> bool:
         return getattr(self.selector, "name", "") == "full"
+
+    @property
+    def uses_repeat_pass(self) -> bool:
+        """True when a part runs the repeat pass (KVzip's scores, AM's repeat-prefill queries)."""
+        return any(part.uses_repeat_pass for part in self.parts)
 
     @property
     def parts(self) -> list[Method]:

@@ -94,9 +94,17 @@ class RepeatPass:
 class RepeatRecorder:
     """Online-policy hook (see :class:`kvfold.attention.OnlinePolicy`) of one row's repeat pass:
     per layer, the max attention each of the layer's ``context_slots[layer]`` entries (the cache
-    before the pass) receives and the pooled queries."""
+    before the pass) receives and the pooled queries.
+
+    Where the attention can give each query's log-sum-exp (the fused CPU kernel over an
+    uncompressed cache, ``accepts_log_sum_exp``), the probabilities of the context entries are
+    computed from it, ``exp(q·k·s − lse)`` (:func:`max_received`), instead of the attention
+    materialising every probability with an additive mask: the same scores up to rounding
+    (KVzip's max attention received, Kim et al. 2025 §3.2), at a fraction of the cost.
+    """
 
     needs_attention = True
+    accepts_log_sum_exp = True
 
     def __init__(self, context_slots: dict[int, int], scores: bool = True, queries: bool = True) -> None:
         self.context_slots = context_slots
@@ -107,14 +115,25 @@ class RepeatRecorder:
         self.needs_attention = scores
 
     def after_forward(
-        self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        query: Tensor,
+        probs: Tensor | None,
+        logits: Tensor | None = None,
+        log_sum_exp: Tensor | None = None,
+        scaling: float | None = None,
     ) -> None:
         if self.record_scores:
-            if probs is None:
+            slots = self.context_slots[layer_idx]
+            if log_sum_exp is not None and scaling is not None:
+                received = max_received(query, layer.keys[:, :, :slots], log_sum_exp, scaling)
+            elif probs is None:
                 raise RuntimeError("the repeat pass needs attention probabilities from a filled dense cache")
-            received = probs[..., : self.context_slots[layer_idx]].amax(dim=2)  # max over queries, (B, H_q, N)
-            batch, heads_q, slots = received.shape
-            received = received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, slots).amax(dim=2)
+            else:
+                received = probs[..., :slots].amax(dim=2)  # max over queries, (B, H_q, N)
+                batch, heads_q, n = received.shape
+                received = received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, n).amax(dim=2)
             previous = self.scores.get(layer_idx)
             self.scores[layer_idx] = received if previous is None else torch.maximum(previous, received)
         if self.record_queries:
@@ -123,6 +142,46 @@ class RepeatRecorder:
             groups = heads_q // layer.num_heads
             grouped = query.detach().to(dtype).reshape(batch, layer.num_heads, groups, length, dim)
             self.queries.setdefault(layer_idx, []).append(grouped)  # (B, H_kv, G, q, D)
+
+
+BLOCK_ELEMENTS = 1 << 18
+"""Logits per KV head in one block of :func:`max_received`: ``(rows, N)`` stays in cache (128
+query rows at 2K context entries, 32 at 8K; at 8K the scores took 77 ms per layer and forward
+with 32 rows against 88 ms with 128)."""
+
+
+def max_received(query: Tensor, keys: Tensor, log_sum_exp: Tensor, scaling: float) -> Tensor:
+    """The largest attention probability each key receives from ``query``, max over the queries
+    and the GQA group (KVzip's score, Kim et al. 2025 §3.2), from each query's log-sum-exp over
+    the whole cache: ``max_q exp(s·q·k − lse_q)``.
+
+    One ``baddbmm`` per block of queries gives ``s·q·k − lse_q`` in float32 (float64 for
+    float64 queries), the max runs over the block, and the exponential is taken once per key
+    after the max (``exp`` is monotone): no probability matrix is materialised.
+
+    Args:
+        query: ``(B, H_q, q, D)`` this forward's queries.
+        keys: ``(B, H_kv, N, D)`` the keys scored (the context entries).
+        log_sum_exp: ``(B, H_q, q)`` each query's log-sum-exp over every entry it attends.
+        scaling: the logit scale.
+
+    Returns:
+        ``(B, H_kv, N)`` float32 (float64 for float64 queries).
+    """
+    b, h_q, q_len, d = query.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    rows = (h_q // h_kv) * q_len  # the G query heads of a KV head on one axis
+    folded = query.to(acc).reshape(b * h_kv, rows, d)
+    key_t = keys.to(acc).reshape(b * h_kv, n, d).transpose(-1, -2)
+    shift = log_sum_exp.to(acc).reshape(b * h_kv, rows, 1).neg()
+    best = torch.full((b * h_kv, n), float("-inf"), dtype=acc, device=query.device)
+    block = min(128, max(16, BLOCK_ELEMENTS // max(1, n)))
+    for lo in range(0, rows, block):
+        hi = lo + block
+        logits = torch.baddbmm(shift[:, lo:hi], folded[:, lo:hi], key_t, alpha=scaling)  # s·q·k − lse
+        best = torch.maximum(best, logits.amax(dim=1))
+    return best.exp_().reshape(b, h_kv, n)
 
 
 def repeat_pass(

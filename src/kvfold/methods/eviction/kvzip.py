@@ -56,6 +56,7 @@ class KVzip(Selector):
 
     name: ClassVar[str] = "kvzip"
     query_agnostic: ClassVar[bool] = True
+    uses_repeat_pass: ClassVar[bool] = True
     description: ClassVar[str] = "query-agnostic: max attention received while the model repeats the context"
     paper: ClassVar[str] = "Kim et al. 2025, KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
     comparable_scores: ClassVar[bool] = True  # max attention probabilities (§3.2 ranks them over all layers)

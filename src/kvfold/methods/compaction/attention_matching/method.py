@@ -199,6 +199,10 @@ class _AttentionMatching(Standalone):
     def query_window(self) -> int:  # type: ignore[override]
         return self.context_window if "context" in parse_sources(self.queries, self.name) else 0
 
+    @property
+    def uses_repeat_pass(self) -> bool:  # type: ignore[override]
+        return "repeat" in parse_sources(self.queries, self.name)
+
     def validate(self) -> None:
         parse_sources(self.queries, self.name)
         parse_span(self.span, self.name)
@@ -455,6 +459,10 @@ class AMFit(Folder):
     @property
     def query_window(self) -> int:  # type: ignore[override]
         return self.context_window if "context" in self.sources else 0
+
+    @property
+    def uses_repeat_pass(self) -> bool:  # type: ignore[override]
+        return "repeat" in self.sources
 
     def validate(self) -> None:
         if self.queries.strip().lower() != "auto":

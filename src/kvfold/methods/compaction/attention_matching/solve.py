@@ -39,12 +39,20 @@ from typing import Literal
 import torch
 
 from kvfold.linalg import lstsq_ridge, nnls, omp_select
-from kvfold.methods.compaction.attention_matching.solvers import _gather_cols, box_nnls, omp_keys, ridge_solve
+from kvfold.methods.compaction.attention_matching.solvers import (
+    _gather_cols,
+    box_nnls,
+    omp_keys,
+    ridge_solve,
+    symmetric_product,
+)
 
 Tensor = torch.Tensor
 
 DEFAULT_GROUP_BYTES = 192 << 20
 """Bytes of ``(n, T)`` feature matrices processed at once (several such temporaries exist)."""
+STATISTICS_BYTES = 4 << 20
+"""Bytes of one ``(problems, query block, T)`` feature block of :func:`_block_statistics`."""
 
 
 @dataclass(frozen=True)
@@ -158,15 +166,21 @@ def _block_statistics(
     target = queries.new_zeros(P, n, values.shape[-1])
     square = queries.new_zeros(P, keys.shape[1])
     n_valid = query_valid.sum(-1).clamp_min(1).to(queries.dtype)
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
-        phi, m, s = _features(keys, beta0, queries[:, lo:hi], query_valid[:, lo:hi], scaling)
-        safe = torch.where(m > 0, m, torch.ones_like(m))
-        shift[:, lo:hi], mass[:, lo:hi] = s, m
-        target[:, lo:hi] = torch.bmm(phi, values) / safe[..., None]  # eq. 1: exp(ℓ) V / Mass
-        if squares:
-            weights = (safe.pow(-2) / n_valid[:, None])[:, None, :]
-            square += torch.bmm(weights, phi.square_())[:, 0]
+    # A few problems at a time: the (problems, block, T) features stay in cache through their
+    # ten or so passes. Every operation is per problem, so the result is the same bit for bit.
+    step = max(1, STATISTICS_BYTES // max(1, block * keys.shape[1] * queries.element_size()))
+    for p0 in range(0, P, step):
+        p1 = min(P, p0 + step)
+        k, v, b0, sc = keys[p0:p1], values[p0:p1], beta0[p0:p1], scaling[p0:p1]
+        for lo in range(0, n, block):
+            hi = min(n, lo + block)
+            phi, m, s = _features(k, b0, queries[p0:p1, lo:hi], query_valid[p0:p1, lo:hi], sc)
+            safe = torch.where(m > 0, m, torch.ones_like(m))
+            shift[p0:p1, lo:hi], mass[p0:p1, lo:hi] = s, m
+            target[p0:p1, lo:hi] = torch.bmm(phi, v) / safe[..., None]  # eq. 1: exp(ℓ) V / Mass
+            if squares:
+                weights = (safe.pow(-2) / n_valid[p0:p1, None])[:, None, :]
+                square[p0:p1] += torch.bmm(weights, phi.square_())[:, 0]
     return shift, mass, target, square
 
 
@@ -357,7 +371,7 @@ def _streamed_fit(
         for lo, hi in blocks:
             f = phi_s(lo, hi)
             weighted = f * weight[:, lo:hi, None]
-            gram += weighted.mT @ f
+            gram += symmetric_product(weighted, f)
             corr += (weighted.mT @ mass[:, lo:hi, None])[..., 0]
         gram = 0.5 * (gram + gram.mT)
         lower, upper = _weight_box(config)
@@ -375,7 +389,7 @@ def _streamed_fit(
         mass_sq += (fitted - mass[:, lo:hi]).square().sum(-1)
         x.div_(torch.where(fitted > 0, fitted, torch.ones_like(fitted))[..., None])  # eq. 3: X
         residual = target[:, lo:hi] - x @ v_s
-        xtx += x.mT @ x
+        xtx += symmetric_product(x, x)
         xtr += x.mT @ residual
         res_sq += residual.square().sum((-2, -1))
     if config.fit_values and t > 0:  # eq. 4: C_v = V_S + argmin ‖X Δ − (Y − X V_S)‖
