@@ -62,3 +62,88 @@ def test_block_statistics_a_few_problems_at_a_time_equal_all_at_once(monkeypatch
     apart = solve._block_statistics(keys, values, beta0, queries, valid, scaling, block=64)
     for a, b in zip(together, apart, strict=True):
         assert torch.equal(a, b)
+
+
+def test_problems_are_grouped_widest_first_within_the_width_slack_and_memory():
+    """A global budget gives the heads of one layer widths from a few entries to most of them:
+    a group pads to its widest problem, so groups keep widths within ``WIDTH_SLACK``."""
+    counts = torch.tensor([11, 1704, 160, 1600, 1500, 150, 9])
+    todo = torch.arange(7)
+    groups = solve._groups_by_width(todo, counts, lambda t: t, group_bytes=1 << 40)
+    assert [g.tolist() for g in groups] == [[1, 3, 4], [2, 5], [0, 6]]
+    capped = solve._groups_by_width(todo, counts, lambda t: t, group_bytes=3100)  # one 1600, two 1500s
+    assert [g.tolist() for g in capped] == [[1], [3], [4], [2, 5], [0, 6]]
+    assert solve._groups_by_width(todo[:0], counts, lambda t: t, group_bytes=1) == []
+
+
+def test_a_fit_of_mixed_widths_equals_each_problem_fitted_alone():
+    """``am_fit`` on given keys of very different widths (a global budget's heads) gives every
+    problem what it gets when fitted alone, and each slot past a problem's width stays empty."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(4, 64, 8, dtype=F64), torch.randn(4, 64, 8, dtype=F64)
+    log_mass = torch.zeros(4, 64, dtype=F64)
+    queries, valid = torch.randn(4, 300, 8, dtype=F64), torch.ones(4, 300, dtype=torch.bool)
+    widths = [40, 3, 38, 12]
+    given = torch.full((4, 40), -1)
+    for p, w in enumerate(widths):
+        given[p, :w] = torch.randperm(64)[:w].sort().values
+    config = FitConfig(beta_min=0.0, mass_weight="relative")
+    together = fit_problems(keys, values, log_mass, queries, valid, torch.tensor(widths), 8**-0.5, config, given)
+    assert together.lengths.tolist() == widths
+    for p, w in enumerate(widths):
+        alone = fit_problems(
+            keys[p : p + 1],
+            values[p : p + 1],
+            log_mass[p : p + 1],
+            queries[p : p + 1],
+            valid[p : p + 1],
+            torch.tensor([w]),
+            8**-0.5,
+            config,
+            given[p : p + 1, :w],
+        )
+        assert torch.equal(together.index[p, :w], alone.index[0])
+        torch.testing.assert_close(together.log_mass[p, :w], alone.log_mass[0], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(together.values[p, :w], alone.values[0], rtol=1e-9, atol=1e-10)
+        assert torch.isinf(together.log_mass[p, w:]).all()
+
+
+def test_box_nnls_of_a_padded_problem_equals_the_problem_alone():
+    """Algorithm 3's step ``1/L`` comes from the used slots: padding a 3-key problem to 40 slots
+    (a wider problem's width in the same group) changes nothing, even when ``λ_max(G) < 1``."""
+    torch.manual_seed(4)
+    phi = torch.rand(1, 200, 3, dtype=F64) * 0.02
+    mass = phi.sum(-1) * 1.3
+    gram, corr = phi.mT @ phi, (phi.mT @ mass[..., None])[..., 0]
+    assert torch.linalg.eigvalsh(gram)[0, -1] < 1
+    alone = solvers.box_nnls(gram, corr, torch.ones(1, 3, dtype=torch.bool), lower=1.0, upper=20.0, iters=2, ridge=1e-6)
+    padded_gram = torch.zeros(1, 40, 40, dtype=F64)
+    padded_gram[:, :3, :3] = gram
+    padded_corr = torch.zeros(1, 40, dtype=F64)
+    padded_corr[:, :3] = corr
+    ok = torch.arange(40)[None] < 3
+    padded = solvers.box_nnls(padded_gram, padded_corr, ok, lower=1.0, upper=20.0, iters=2, ridge=1e-6)
+    torch.testing.assert_close(padded[:, :3], alone, rtol=1e-12, atol=1e-12)
+    assert (padded[:, 3:] == 0).all()
+
+
+def test_fused_statistics_give_the_fit_of_the_max_shifted_blocks(monkeypatch):
+    """``am_fit`` with relative mass weighting: the fused kernel's log-sum-exp shift (``m_i = 1``)
+    and App. A.2's max-shift give the same β and values (the fit is a ratio to ``m_i``)."""
+    torch.manual_seed(5)
+    keys, values = torch.randn(3, 120, 16), torch.randn(3, 120, 16)
+    log_mass = torch.zeros(3, 120)
+    log_mass[:, 7] = 0.7
+    queries, valid = torch.randn(3, 400, 16) * 2, torch.rand(3, 400) > 0.05
+    given = torch.stack([torch.randperm(120)[:30].sort().values for _ in range(3)])
+    config = FitConfig(beta_min=0.0, mass_weight="relative", query_block=128)
+    args = (keys, values, log_mass, queries, valid, torch.full((3,), 30), 0.25, config, given)
+    assert solve._fused_statistics_apply(keys, queries, torch.full((3,), 0.25), config)
+    fused = fit_problems(*args)
+    monkeypatch.setattr(solve, "_fused_statistics_apply", lambda *a: False)
+    blocks = fit_problems(*args)
+    assert torch.equal(fused.index, blocks.index)
+    torch.testing.assert_close(fused.log_mass, blocks.log_mass, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused.values, blocks.values, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fused.output_error, blocks.output_error, rtol=1e-3, atol=1e-5)
+    assert not solve._fused_statistics_apply(keys, queries, torch.full((3,), 0.25), FitConfig(mass_weight="none"))

@@ -33,6 +33,7 @@ processed in groups whose ``(n, T)`` feature matrices fit a memory budget.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -184,6 +185,43 @@ def _block_statistics(
     return shift, mass, target, square
 
 
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""PyTorch's fused CPU attention kernel that also returns each query's log-sum-exp."""
+
+
+def _fused_statistics_apply(keys: Tensor, queries: Tensor, scaling: Tensor, config: FitConfig) -> bool:
+    """True when :func:`_fused_statistics` may replace :func:`_block_statistics`: float32 on CPU,
+    one logit scale, and a fit whose answer does not depend on the per-query shift (relative
+    mass weighting: every quantity of the fit is a ratio to ``m_i``)."""
+    return (
+        _FLASH_WITH_LSE is not None
+        and config.mass_weight == "relative"
+        and config.solver != "exact"
+        and keys.device.type == "cpu"
+        and keys.dtype == torch.float32
+        and queries.dtype == torch.float32
+        and bool((scaling == scaling[0]).all())
+    )
+
+
+def _fused_statistics(
+    keys: Tensor, values: Tensor, beta0: Tensor, queries: Tensor, query_valid: Tensor, scaling: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The shift, mass and target of :func:`_block_statistics` (no selection score) from the fused
+    attention kernel: ``Y = softmax(s·Q Kᵀ + β⁰) V`` and each query's log-sum-exp ``lse_i``, taken
+    as the shift, so ``Φ_ij = exp(ℓ_ij − lse_i)`` are the attention weights and ``m_i = 1``.
+    With relative mass weighting (``Σ_i ((Φ_S w)_i / m_i − 1)²``) and the value fit on
+    ``X = Φ_S w / (Φ_S w)·1`` the fit is the same as with App. A.2's max-shift, at half the time
+    of the blocks of :func:`_block_statistics` (no ``(n, T)`` features in memory either)."""
+    P, n, _ = queries.shape
+    mask = beta0[None, :, None, :].expand(1, P, n, beta0.shape[-1])
+    target, lse = _FLASH_WITH_LSE(
+        queries[None], keys[None], values[None], 0.0, False, attn_mask=mask, scale=float(scaling[0])
+    )
+    valid = query_valid.to(queries.dtype)
+    return lse[0].to(queries.dtype), valid, target[0] * valid[..., None]
+
+
 def _selected_features(
     keys: Tensor,
     beta0: Tensor,
@@ -224,7 +262,10 @@ def _fit_group(
     t_max = int(counts.max()) if P else 0
     history = None
     if given is not None or config.keys == "highest":
-        shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
+        if given is not None and _fused_statistics_apply(K, Q, scale, config):
+            shift, mass, target = _fused_statistics(K, V, beta0, Q, qv, scale)
+        else:
+            shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
         if given is not None:
             ok = (given >= 0) & entry_valid.gather(1, given.clamp_min(0))
             idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values[:, :t_max]  # used first
@@ -451,6 +492,32 @@ def _omp_exact(
 # ---------------------------------------------------------------------------- all problems
 
 
+WIDTH_SLACK = 0.8
+"""A group's narrowest problem keeps at least this fraction of its widest one's entries."""
+
+
+def _groups_by_width(todo: Tensor, counts: Tensor, per_problem: Callable[[int], int], group_bytes: int) -> list[Tensor]:
+    """Split the problems ``todo`` into groups fitted together: widest first, each group within
+    ``group_bytes`` (``per_problem(t)`` bytes a problem of width ``t``) and no narrower than
+    :data:`WIDTH_SLACK` of its widest problem. A group pads every problem to its widest one and
+    the fit costs ``n·t²`` per problem, so under a global budget (one head of a layer keeping
+    1,700 entries, another 11) mixing widths would multiply the work."""
+    if todo.numel() == 0:
+        return []
+    order = counts[todo].argsort(descending=True, stable=True)
+    todo, widths = todo[order], counts[todo][order].tolist()
+    groups, start = [], 0
+    while start < len(widths):
+        widest = widths[start]
+        cap = max(1, int(group_bytes // max(1, per_problem(widest))))
+        stop = start + 1
+        while stop < len(widths) and stop - start < cap and widths[stop] >= WIDTH_SLACK * widest:
+            stop += 1
+        groups.append(todo[start:stop])
+        start = stop
+    return groups
+
+
 def fit_problems(
     keys: Tensor,
     values: Tensor,
@@ -522,14 +589,15 @@ def fit_problems(
 
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
     size = 8 if dt == torch.float64 else 4
-    if given is not None or config.keys == "highest":  # a block of queries × T, then blocks × t features
-        rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
-        per_problem = size * (256 * T * 2 + rows_held * 3 * t_max + n * (D + 4) + 2 * t_max * (t_max + D) + T * D * 2)
-    else:  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
-        per_problem = size * (n * T + T * t_max + n * D)
-    group = max(1, int(config.group_bytes // max(1, per_problem)))
-    for start in range(0, int(todo.numel()), group):
-        rows = todo[start : start + group]
+
+    def per_problem(t: int) -> int:
+        """Bytes one problem of width ``t`` holds while its group is fitted."""
+        if given is not None or config.keys == "highest":  # a block of queries × T, then blocks × t
+            rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
+            return size * (256 * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
+        return size * (n * T + T * t + n * D)  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
+
+    for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes):
         res = _fit_group(
             flat["keys"][rows],
             flat["values"][rows],

@@ -141,7 +141,9 @@ def box_nnls(
     delta = ridge_solve(gram, (corr - (gram @ w0[..., None])[..., 0])[..., None], ridge, ok)[..., 0]
     w = (w0 + delta).clamp(min=lower, max=upper)  # lines 1-5: B⁽⁰⁾ = clamp(lstsq)
     if iters > 0:
-        lipschitz = _top_eigenvalue(gram)  # line 9: L ≈ ‖M‖₂²
+        # line 9: L ≈ ‖M‖₂², of the used slots only (the unit diagonal of unused ones would
+        # otherwise cap the step of a problem padded to a wider group's width)
+        lipschitz = _top_eigenvalue(gram * okf[..., :, None] * okf[..., None, :])
         step = torch.where(lipschitz > 0, lipschitz.reciprocal(), torch.zeros_like(lipschitz))[..., None]
         for _ in range(iters):  # lines 11-18: g = Mᵀ(MB − y); B = Π(B − g/L)
             grad = (gram @ w[..., None])[..., 0] - corr
