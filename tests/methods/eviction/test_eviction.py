@@ -333,6 +333,29 @@ def test_kvzip_scores_are_max_attention_while_repeating_the_context(chunk):
             assert got[h] == sorted(j for li, hh, j in chosen if (li, hh) == (layer_idx, h))
 
 
+def test_kvzip_pool_ranks_the_max_pooled_scores():
+    """``kvzip[pool=3]``: each entry ranked by the largest score among itself and its two
+    neighbours (a kept token keeps its neighbours when they outrank the rest)."""
+    model = model64("llama")
+    tok = CharTokenizer()
+    ids = torch.tensor([tok("kvzip pools neighbouring scores!").input_ids])
+    plain = compress(model, prefill_cache(model, ids, capture=0), ids, "kvzip", 8, tokenizer=tok)
+    pooled_cache = prefill_cache(model, ids, capture=0)
+    full = pooled_cache.copy()
+    pooled = compress(model, pooled_cache, ids, "kvzip[pool=3]", 8, tokenizer=tok)
+    for layer_idx, raw in plain.memo["kvzip_scores"].items():
+        expected = torch.maximum(raw, torch.nn.functional.pad(raw, (1, 0))[..., :-1])
+        expected = torch.maximum(expected, torch.nn.functional.pad(raw, (0, 1))[..., 1:])
+        torch.testing.assert_close(pooled.memo["kvzip_scores"][layer_idx], expected)
+    kept = [kept_positions(full.layers[i], layer)[0] for i, layer in pooled_cache.folded_layers]
+    plain_cache = prefill_cache(model, ids, capture=0)
+    plain_full = plain_cache.copy()
+    compress(model, plain_cache, ids, "kvzip", 8, tokenizer=tok)
+    assert kept != [kept_positions(plain_full.layers[i], layer)[0] for i, layer in plain_cache.folded_layers]
+    with pytest.raises(SpecError, match="pool must be an odd kernel"):
+        compress(model, prefill_cache(model, ids, capture=0), ids, "kvzip[pool=2]", 8, tokenizer=tok)
+
+
 def test_repeat_prompt_follows_the_kvzip_template():
     tok = CharTokenizer()
     prompt = RepeatPrompt.build(tok)

@@ -18,6 +18,7 @@ from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.budgets import global_head_budgets
 from kvfold.methods.core.repeat import RepeatPrompt, shared_repeat_pass
+from kvfold.methods.core.scoring import pool_tokens
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
 
@@ -42,7 +43,9 @@ class KVzip(Selector):
     tokens of the previous chunk). By default entries are ranked across all layers and heads at
     once (the paper's non-uniform allocation: the cache total matches the budget); with
     ``layerwise=true`` every layer keeps the same budget (then ``adakv:kvzip`` spreads it over
-    heads). The first ``sinks`` tokens are kept.
+    heads). The first ``sinks`` tokens are kept. ``pool`` > 1 max-pools the scores over that
+    many neighbouring tokens before ranking (SnapKV's clustering, Li et al. 2024 §4.3; not in
+    KVzip): a multi-token fact is then kept or dropped as a whole.
 
     Differences from the release: the scores use the attention over the whole context (the
     release restricts the softmax to the chunk's own entries and the sinks, for speed), and a
@@ -52,6 +55,7 @@ class KVzip(Selector):
         chunk: tokens of context repeated per pass (2048).
         sinks: first tokens always kept (4).
         layerwise: same budget in every layer instead of one ranking over all layers.
+        pool: odd max-pooling kernel over neighbouring tokens' scores (1 = none, the paper).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -63,16 +67,19 @@ class KVzip(Selector):
     chunk: int = 2048
     sinks: int = 4
     layerwise: bool = False
+    pool: int = 1
 
     def validate(self) -> None:
         if self.chunk < 1 or self.sinks < 0:
             raise SpecError(f"kvzip: chunk must be ≥ 1 and sinks ≥ 0; got chunk={self.chunk}, sinks={self.sinks}")
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise SpecError(f"kvzip: pool must be an odd kernel ≥ 1 (1 = no pooling); got {self.pool}")
 
     def prepare(self, ctx: CompressionContext) -> None:
         # one repeat pass per prefilled context, whatever the method and budget (copies: later steps
         # edit scores); the same pass gives Attention Matching its reference queries
         shared = shared_repeat_pass(ctx, self.chunk).scores
-        scores = {layer_idx: s.clone() for layer_idx, s in shared.items()}
+        scores = {layer_idx: pool_tokens(s, self.pool).clone() for layer_idx, s in shared.items()}
         ctx.memo["kvzip_scores"] = scores
         if not self.layerwise:
             layers = dict(ctx.cache.folded_layers)
