@@ -368,3 +368,29 @@ def _counting(runner, counted: list[int]):
             yield row
 
     return run
+
+
+def test_a_sweep_with_nothing_left_starts_no_ray(monkeypatch) -> None:
+    """A resumed sweep whose answers are all on disk gives the runner no items: Ray is never
+    joined or started (it took 15–20 s); the first items join it, once."""
+    import contextlib
+
+    from kvfold.evaluate import distributed
+
+    class Joined(Exception):
+        pass
+
+    joined: list[str | None] = []
+
+    @contextlib.contextmanager
+    def session(address, num_cpus=None):
+        joined.append(address)
+        raise Joined
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(distributed, "ray_session", session)
+    result, runner = distributed.run_on_ray(None, lambda r: list(r([], lambda _: None)), address="auto")
+    assert result == [] and joined == [] and runner.workers_started == 0
+    with pytest.raises(Joined):
+        distributed.run_on_ray(None, lambda r: list(r(["item"], lambda _: None)), address="auto")
+    assert joined == ["auto"]

@@ -201,6 +201,9 @@ class RayRunner:
         self.worker_of: dict[Any, str] = {}
         self.workers_lost = 0
         self.resubmitted = 0
+        self.connect: Callable[[], Any] | None = None
+        """Called once, before the first items run (:func:`run_on_ray` joins or starts Ray then,
+        so a resumed sweep with nothing left to answer starts no Ray)."""
 
     def summary(self) -> str:
         """``Ray workers started: N; answers by Ray worker: host:pid n, ...`` (and losses), for the log."""
@@ -233,6 +236,9 @@ class RayRunner:
         """Answer ``items`` on the cluster; yields each delivered row (a retried item's rows may repeat)."""
         if not items:
             return
+        if self.connect is not None:
+            connect, self.connect = self.connect, None
+            connect()
         ray = require_ray()
         from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
@@ -362,7 +368,9 @@ def run_on_ray(
     cpus_per_worker: float = 1,
     gpus_per_worker: float = 0,
 ) -> tuple[R, RayRunner]:
-    """Run ``sweep(runner)`` with a :class:`RayRunner` inside a Ray session.
+    """Run ``sweep(runner)`` with a :class:`RayRunner`; the Ray session (:func:`ray_session`) is
+    joined or started when the runner is first given items and closed at the end (a resumed sweep
+    with nothing left starts none).
 
     Args:
         loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`); None: no model.
@@ -383,7 +391,8 @@ def run_on_ray(
     local_cpus = os.cpu_count() or 1
     if workers is not None:
         local_cpus = max(local_cpus, int(workers * cpus_per_worker + 0.999))
-    with ray_session(address, num_cpus=local_cpus):
+    with contextlib.ExitStack() as session:  # entered when the first items run
+        runner.connect = lambda: session.enter_context(ray_session(address, num_cpus=local_cpus))
         result = sweep(runner)
     return result, runner
 
