@@ -155,7 +155,7 @@ def _dense_attention(
     return out, probs, logits
 
 
-_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 """The CPU flash-attention kernel that also returns each query's log-sum-exp (None in builds without it)."""
 
 
@@ -165,7 +165,7 @@ def _fused_after_cache(query: torch.Tensor, layer: FoldedLayer) -> bool:
     cache in float32 or bfloat16, with older entries before them."""
     q_len = query.shape[2]
     return (
-        _FLASH_WITH_LSE is not None
+        FLASH_WITH_LSE is not None
         and query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
         and layer.paged is None
@@ -193,7 +193,7 @@ def _attend_after_cache(
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     old = n - q_len
-    flash = _FLASH_WITH_LSE
+    flash = FLASH_WITH_LSE
     if query.device.type != "cpu" or flash is None or old <= 0 or query.dtype not in (torch.float32, torch.bfloat16):
         if with_lse:
             raise ValueError("the log-sum-exp comes from the fused CPU kernel only (see _fused_after_cache)")

@@ -178,17 +178,24 @@ def test_ray_alone_starts_a_local_instance_and_stops_it(tiny_dir, data, tmp_path
     assert not ray.is_initialized()  # the instance it started is stopped
 
 
-@needs_ray
-def test_local_cluster_matches_serial(ray_cluster, tiny_dir, data, serial, tmp_path, capsys) -> None:
-    out = tmp_path / "ray"
+def _run_on_two_workers(args: list[str], capsys) -> dict[str, int]:
+    """Run ``kvfold`` with ``--ray-workers 2``; check that two workers started and that every
+    answer came from a worker process, none from this one (which of the two answers what depends
+    on when each finished loading; the test that kills a worker shows two answering). Returns
+    the answers by worker."""
     capsys.readouterr()
-    assert main(_eval_args(tiny_dir, data, out, "--ray", "--ray-workers", "2")) == 0
+    assert main(args) == 0
     _, err = capsys.readouterr()
     workers = _workers(err)
     assert "Ray workers started: 2;" in err
-    # Every answer came from a worker process, none from this one. Which of the two answers what
-    # depends on when each finished loading (the test that kills a worker shows two answering).
     assert workers and all(int(name.rsplit(":", 1)[1]) != os.getpid() for name in workers), workers
+    return workers
+
+
+@needs_ray
+def test_local_cluster_matches_serial(ray_cluster, tiny_dir, data, serial, tmp_path, capsys) -> None:
+    out = tmp_path / "ray"
+    workers = _run_on_two_workers(_eval_args(tiny_dir, data, out, "--ray", "--ray-workers", "2"), capsys)
     assert sum(workers.values()) == ANSWERS
     assert _predictions(out) == _predictions(serial)  # same rows, same order
     assert _records(out) == _records(serial)
@@ -284,12 +291,7 @@ def test_fidelity_on_local_cluster_matches_serial(
     ray_cluster, tiny_dir, data, serial_fidelity, tmp_path, capsys
 ) -> None:
     out = tmp_path / "ray-fidelity"
-    capsys.readouterr()
-    assert main(_fidelity_args(tiny_dir, data, out, "--ray", "--ray-workers", "2")) == 0
-    _, err = capsys.readouterr()
-    workers = _workers(err)
-    assert "Ray workers started: 2;" in err
-    assert workers and all(int(name.rsplit(":", 1)[1]) != os.getpid() for name in workers), workers
+    workers = _run_on_two_workers(_fidelity_args(tiny_dir, data, out, "--ray", "--ray-workers", "2"), capsys)
     rows = _fidelity_rows(out)
     assert sum(workers.values()) == len(rows) == len(DATASET) * FIDELITY_RUNS
     assert rows == _fidelity_rows(serial_fidelity)  # same rows, same order, same measures

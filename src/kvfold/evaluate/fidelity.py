@@ -83,6 +83,7 @@ from kvfold.evaluate.runner import (
 )
 from kvfold.evaluate.samples import Sample, group_by_context
 from kvfold.methods import ComposedMethod, build_method
+from kvfold.methods.core.model import model_name
 from kvfold.pipeline import PrefilledContext, build_prompt, check_length, encode, prefill
 
 __all__ = [
@@ -548,7 +549,7 @@ def fidelity(
         ValueError: an invalid spec, budget or mode, no samples, a context too short to split, or
             ``out_dir`` holding a run with another configuration.
     """
-    config = dict(run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__})
+    config = dict(run_config or {"model": model_name(model)})
     return run_fidelity_sweep(
         local_runner(model, tokenizer),
         samples,

@@ -45,6 +45,7 @@ from kvfold.evaluate.metrics import score_sample_metrics
 from kvfold.evaluate.samples import Sample, group_by_context
 from kvfold.evaluate.stats import Interval, TaskScores, macro_retention, macro_score, task_retention, task_score
 from kvfold.methods import build_method
+from kvfold.methods.core.model import model_name
 from kvfold.pipeline import prefill
 
 __all__ = [
@@ -577,7 +578,7 @@ def evaluate(
     Raises:
         ValueError: an invalid spec or budget, no samples, or ``out_dir`` holding another run.
     """
-    config = run_config or {"model": getattr(model.config, "name_or_path", "") or type(model).__name__, "seed": seed}
+    config = run_config or {"model": model_name(model), "seed": seed}
     return run_sweep(
         local_runner(model, tokenizer),
         samples,

@@ -21,6 +21,12 @@ Tensor = torch.Tensor
 # ---------------------------------------------------------------------------- shared helpers
 
 
+def model_name(model: PreTrainedModel) -> str:
+    """The model's hub id or directory (``config.name_or_path``), else its class name: how
+    reports, resumable runs and saved schedules name the model."""
+    return str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+
+
 def attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
     """The attention module of every decoder layer by layer index (modules with ``layer_idx`` and
     ``o_proj``: the same rule :func:`kvfold.enable` uses to find them)."""

@@ -30,6 +30,7 @@ from kvfold.budget import Budget
 from kvfold.cache import FoldedCache
 from kvfold.methods.core.base import CompressionContext, build_method
 from kvfold.methods.core.budgets import apportion
+from kvfold.methods.core.model import model_name
 
 Tensor = torch.Tensor
 
@@ -62,10 +63,6 @@ def config_hash(config) -> str:
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     fields = {name: getattr(text_config, name, None) for name in _ARCH_FIELDS}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _model_name(model) -> str:
-    return str(getattr(model.config, "name_or_path", "") or type(model).__name__)
 
 
 @dataclass
@@ -117,7 +114,7 @@ class HeadSchedule:
                 raise ValueError(
                     f"the head schedule {path} was computed for {schedule.model!r} "
                     f"(architecture {schedule.config_hash}); "
-                    f"this model is {_model_name(model)!r} ({expected}). Compute one for this model with "
+                    f"this model is {model_name(model)!r} ({expected}). Compute one for this model with "
                     "kvfold.methods.compaction.attention_matching.schedule.build_head_schedule"
                 )
         return schedule
@@ -349,7 +346,7 @@ def build_head_schedule(
     shares = greedy_swap(curves.reshape(num_layers * heads, -1), ratios, r0=r0, eta=step).view(num_layers, heads)
     layers = [i for i, _ in FoldedCache(model.config).folded_layers]
     schedule = HeadSchedule(
-        model=_model_name(model),
+        model=model_name(model),
         config_hash=config_hash(model.config),
         layers=layers,
         shares=shares.tolist(),

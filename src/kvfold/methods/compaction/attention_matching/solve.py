@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from kvfold.attention import FLASH_WITH_LSE
 from kvfold.linalg import lstsq_ridge, nnls, omp_select
 from kvfold.methods.compaction.attention_matching.solvers import (
     _gather_cols,
@@ -185,16 +186,12 @@ def _block_statistics(
     return shift, mass, target, square
 
 
-_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-"""PyTorch's fused CPU attention kernel that also returns each query's log-sum-exp."""
-
-
 def _fused_statistics_apply(keys: Tensor, queries: Tensor, scaling: Tensor, config: FitConfig) -> bool:
     """True when :func:`_fused_statistics` may replace :func:`_block_statistics`: float32 on CPU,
     one logit scale, and a fit whose answer does not depend on the per-query shift (relative
     mass weighting: every quantity of the fit is a ratio to ``m_i``)."""
     return (
-        _FLASH_WITH_LSE is not None
+        FLASH_WITH_LSE is not None
         and config.mass_weight == "relative"
         and config.solver != "exact"
         and keys.device.type == "cpu"
@@ -215,7 +212,7 @@ def _fused_statistics(
     of the blocks of :func:`_block_statistics` (no ``(n, T)`` features in memory either)."""
     P, n, _ = queries.shape
     mask = beta0[None, :, None, :].expand(1, P, n, beta0.shape[-1])
-    target, lse = _FLASH_WITH_LSE(
+    target, lse = FLASH_WITH_LSE(
         queries[None], keys[None], values[None], 0.0, False, attn_mask=mask, scale=float(scaling[0])
     )
     valid = query_valid.to(queries.dtype)
