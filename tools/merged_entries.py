@@ -7,10 +7,11 @@ Usage::
 
 Prefills sample ``IDX`` of a synthetic RULER task (2,048 tokens), compresses it with the plain
 selection (``BASE``, e.g. ``kvzip``) and with each ``BASE+folder``, and reports for every kept entry
-(all layers and KV heads) the relative change of its value ``‖v' − v‖ / ‖v‖`` and of its β,
+(all layers and KV heads) the relative change of its value ``‖v' − v‖ / ‖v‖`` and of its β
+against the full cache's entry at the same position,
 grouped by where the entry sits: the answer's tokens (``needle``), the first 4 tokens (``sink``),
-the last 8 (``tail``) and the rest. Each kept entry of the plain selection is located in the full
-cache by its key (eviction keeps keys as they are). Then every cache answers the sample's question.
+the last 8 (``tail``) and the rest; the plain selection itself changes nothing. Then every cache
+answers the sample's question.
 A folder that loses what its selection kept shows here *which* entries it overwrote.
 """
 
@@ -18,9 +19,8 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 import kvfold
+from kvfold.evaluate.mergemap import compress_recorded
 from kvfold.evaluate.ruler import generate_ruler
 
 GROUPS = ("needle", "sink", "tail", "other")
@@ -50,26 +50,29 @@ def group_of(position: int, length: int, needle: set[int]) -> str:
     return "tail" if position >= length - 8 else "other"
 
 
-def changes(full, base, folded, needle: set[int], length: int) -> dict[str, list[float]]:
-    """Per group: [entries, summed relative value change, summed |Δβ|]."""
+def changes(context, spec: str, budget: float, needle: set[int], length: int) -> tuple[dict[str, list[float]], object]:
+    """Per group: [entries, summed relative value change, summed |Δβ|] against the full cache.
+
+    The kept slots (positions in the full cache, in entry order) come from the compression's own
+    record (:func:`kvfold.evaluate.mergemap.compress_recorded`), as ``kvfold mergemap`` reads them.
+    """
+    cache, recorder, _ = compress_recorded(context, spec, budget)
     totals = {g: [0, 0.0, 0.0] for g in GROUPS}
-    for layer in range(len(full)):
-        full_keys = full[layer].padded()[0][0]
-        base_k, base_v, base_beta, base_n = base[layer].padded()
-        _, fold_v, fold_beta, fold_n = folded[layer].padded()
-        for head in range(full_keys.shape[0]):
-            n = int(base_n[0, head])
-            if int(fold_n[0, head]) != n:
-                raise SystemExit(f"layer {layer} head {head}: the folder kept {int(fold_n[0, head])} entries, not {n}")
-            positions = torch.cdist(base_k[0, head, :n], full_keys[head]).argmin(-1).tolist()
-            dv = (fold_v[0, head, :n] - base_v[0, head, :n]).norm(dim=-1) / base_v[0, head, :n].norm(dim=-1)
-            db = (fold_beta[0, head, :n] - base_beta[0, head, :n]).abs()
-            for j, p in enumerate(positions):
+    for layer, (keep, lengths) in sorted(recorder.kept_slots.items()):
+        _, full_v, full_beta, _ = context.cache.layers[layer].padded()
+        _, fold_v, fold_beta, _ = cache.layers[layer].padded()
+        for head in range(keep.shape[1]):
+            n = int(lengths[0, head])
+            positions = keep[0, head, :n]
+            before = full_v[0, head, positions]
+            dv = (fold_v[0, head, :n] - before).norm(dim=-1) / before.norm(dim=-1)
+            db = (fold_beta[0, head, :n] - full_beta[0, head, positions]).abs()
+            for j, p in enumerate(positions.tolist()):
                 row = totals[group_of(p, length, needle)]
                 row[0] += 1
                 row[1] += float(dv[j])
                 row[2] += float(db[j])
-    return totals
+    return totals, cache
 
 
 def main(argv: list[str]) -> None:
@@ -86,8 +89,8 @@ def main(argv: list[str]) -> None:
     reply = base.answer(sample.question, max_new_tokens=sample.max_new_tokens)
     print(f"{base_spec}: answers {reply[-50:]!r}")
     for spec in folded_specs:
+        totals, _ = changes(context, spec, budget, needle, len(ids))
         folded = context.compress(spec, budget=budget)
-        totals = changes(context.cache.layers, base.cache.layers, folded.cache.layers, needle, len(ids))
         for group, (count, dv, db) in totals.items():
             mean_dv, mean_db = dv / max(count, 1), db / max(count, 1)
             print(f"  {spec:24s} {group:6s} entries {count:6d}  mean |dv|/|v| {mean_dv:.3f}  mean |dβ| {mean_db:.3f}")

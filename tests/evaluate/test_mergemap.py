@@ -164,3 +164,24 @@ def test_mergemap_cli(capsys, loads, tmp_path: Path):
     assert code == 2 and "context file not found" in err and len(err.strip().splitlines()) == 1
     code = main(["mergemap", "--context-file", str(context), "--methods", "nosuch", "--out", str(out)])
     assert code == 2 and "unknown method 'nosuch'" in capsys.readouterr().err
+
+
+def test_a_recorded_compression_reuses_the_repeat_pass_and_equals_compress(monkeypatch):
+    """``compress_recorded`` shares KVzip's repeat pass with the context's other compressions, and
+    records the cache that :meth:`PrefilledContext.compress` makes, slot for slot."""
+    from kvfold.evaluate.mergemap import compress_recorded
+    from kvfold.methods.core import repeat
+
+    model = kvfold.enable(make_tiny_model("llama"))
+    calls = []
+    real = repeat.repeat_pass
+    monkeypatch.setattr(repeat, "repeat_pass", lambda ctx, chunk, **kw: calls.append(chunk) or real(ctx, chunk, **kw))
+    context = kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False)
+    plain = context.compress("kvzip", 0.3)
+    recorded, recorder, _ = compress_recorded(context, "kvzip+keepkv", 0.3)
+    assert len(calls) == 1
+    folded = context.compress("kvzip+keepkv", 0.3)
+    for (i, a), (_, b) in zip(recorded.folded_layers, folded.cache.folded_layers, strict=True):
+        torch.testing.assert_close(a.padded()[1], b.padded()[1], rtol=0, atol=0)
+        keep, lengths = recorder.kept_slots[i]
+        assert torch.equal(lengths, plain.cache.layers[i].padded()[3].cpu())

@@ -101,6 +101,8 @@ def compress_recorded(
 ) -> tuple[FoldedCache, MergeRecorder, dict[str, Any]]:
     """Compress a copy of a prefilled cache (as :meth:`PrefilledContext.compress`) with a recorder.
 
+    Results shared between compressions of the context (KVzip's repeat pass) are reused, as there.
+
     Returns:
         ``(compressed cache, recorder, the method's report)``.
     """
@@ -116,6 +118,7 @@ def compress_recorded(
         budget=parsed,
         seed=seed,
         tokenizer=prefilled.tokenizer,
+        shared=prefilled.shared,
         merge_recorder=recorder,
     )
     with torch.inference_mode():
