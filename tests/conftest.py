@@ -63,7 +63,7 @@ def tiny_family(request) -> str:
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model (converted once and cached); skipped if not installed."""
-    from kvfold.models import ModelLoadError, load_model
+    from kvfold.runtime.models import ModelLoadError, load_model
 
     try:
         return load_model("smollm2-135m")

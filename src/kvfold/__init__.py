@@ -4,14 +4,14 @@ Importing kvfold changes nothing in transformers: :func:`load_model` (or :func:`
 for a model you loaded yourself, or :func:`enable`) switches a model to the kvfold attention.
 """
 
-from kvfold.attention import enable
-from kvfold.budget import Budget
-from kvfold.cache import FoldedCache, FoldedLayer
-from kvfold.cachefile import CacheFileError
-from kvfold.cachefile_load import load_cache, load_context
 from kvfold.methods import available_methods, build_method, split_specs
-from kvfold.models import load_model, prepare_model
-from kvfold.pipeline import CompressedContext, PrefilledContext, build_prompt, prefill
+from kvfold.pipeline.context import CompressedContext, PrefilledContext, build_prompt, prefill
+from kvfold.runtime.attention import enable
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.models import load_model, prepare_model
+from kvfold.store.format import CacheFileError
+from kvfold.store.load import load_cache, load_context
 
 __version__ = "0.1.0"
 

@@ -9,13 +9,13 @@ Example:
     >>> fidelity(model, tokenizer, samples, ["full", "streamingllm"], [0.5, 0.2], out_dir="runs/fid")
 """
 
-from kvfold.evaluate.datasets import load_dataset_spec, load_jsonl, load_longbench, load_ruler_official, load_xsum
-from kvfold.evaluate.fidelity import FidelityResult, fidelity
-from kvfold.evaluate.metrics import METRICS, score, score_sample, score_sample_metrics
-from kvfold.evaluate.report import write_eval_report, write_fidelity_report
-from kvfold.evaluate.ruler import RULER_TASKS, generate_ruler
-from kvfold.evaluate.runner import EvalResult, aggregate, evaluate
-from kvfold.evaluate.samples import Sample, group_by_context
+from kvfold.evaluate.data.loaders import load_dataset_spec, load_jsonl, load_longbench, load_ruler_official, load_xsum
+from kvfold.evaluate.data.ruler import RULER_TASKS, generate_ruler
+from kvfold.evaluate.data.samples import Sample, group_by_context
+from kvfold.evaluate.reporting.report import write_eval_report, write_fidelity_report
+from kvfold.evaluate.running.fidelity import FidelityResult, fidelity
+from kvfold.evaluate.running.runner import EvalResult, aggregate, evaluate
+from kvfold.evaluate.scoring.metrics import METRICS, score, score_sample, score_sample_metrics
 
 __all__ = [
     "METRICS",

@@ -61,10 +61,10 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "kvfold.integrations.lm_eval needs lm-evaluation-harness 0.4.x: pip install 'kvfold[lm-eval]'"
     ) from err
 
-from kvfold.budget import Budget
 from kvfold.methods import ComposedMethod, SpecError, available_methods, build_method
-from kvfold.models import ModelLoadError, load_model, prepare_model
-from kvfold.pipeline import CompressedContext, _eos_ids, prefill_ids
+from kvfold.pipeline.context import CompressedContext, _eos_ids, prefill_ids
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.models import ModelLoadError, load_model, prepare_model
 
 __all__ = ["DEFAULT_CONTEXT_SPLIT", "DEFAULT_MAX_SUFFIX_TOKENS", "ContextSplit", "KVFoldLM", "cli_main"]
 

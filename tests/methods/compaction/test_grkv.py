@@ -20,7 +20,7 @@ from kvfold.methods.compaction.grkv import (
     window_probs,
 )
 from tests.conftest import make_tiny_model
-from tests.test_attention import _CharTokenizer
+from tests.runtime.test_attention import _CharTokenizer
 
 F64 = torch.float64
 CONTEXT = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing. " * 3

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.budget import Budget
 from kvfold.methods import CompressionContext
 from kvfold.methods.core import repeat
+from kvfold.runtime.budget import Budget
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64
@@ -75,7 +75,7 @@ def test_the_repeat_pass_in_pieces_equals_one_forward():
 def test_max_received_equals_the_float64_softmax_over_the_whole_cache():
     """KVzip's score from each query's log-sum-exp (the fused attention's) equals the max over
     queries and the GQA group of the eager float64 probabilities (Kim et al. 2025 §3.2)."""
-    from kvfold.attention import _attend_after_cache
+    from kvfold.runtime.attention import _attend_after_cache
 
     torch.manual_seed(0)
     b, h_kv, groups, q_len, context, d = 2, 2, 3, 150, 70, 16  # 3 × 150 rows: blocks of 128 and a rest

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.budget import Budget
-from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods import CompressionContext, SpecError, build_method
 from kvfold.methods.core.budgets import pyramid_layer_budgets
 from kvfold.methods.core.model import unrotate
 from kvfold.methods.eviction.h2o import H2OPrefillObserver
 from kvfold.methods.eviction.kvzip import RepeatPrompt
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from tests.conftest import FAMILIES, CharTokenizer, make_tiny_model
 
 F64 = torch.float64
@@ -503,7 +503,8 @@ def test_online_mode_keeps_the_budget_at_every_step(spec, recent):
     assert compressed.policy.recent == recent
     cache = compressed.cache.copy()
     cache.policy = spy
-    answer = kvfold.pipeline.greedy_decode(model, tok, cache, tok("why?", False).input_ids, 40, stop_at_eos=False)
+    question_ids = tok("why?", False).input_ids
+    answer = kvfold.pipeline.context.greedy_decode(model, tok, cache, question_ids, 40, stop_at_eos=False)
     assert answer.new_tokens == 40
     assert spy.longest == 9 and spy.calls == 2 * 40  # prompt + 39 decode steps, 2 layers
     assert cache.get_seq_length() == prefilled.input_ids.shape[1] + 4 + 39
@@ -586,7 +587,7 @@ def test_every_method_runs_on_every_family_and_batches(family):
 
 @pytest.mark.parametrize("spec", ["snapkv[window=8]", "knorm", "tova"])
 def test_chunked_prefill_holds_the_budget_plus_one_chunk(spec):
-    from kvfold.chunked import prefill_chunked
+    from kvfold.pipeline.chunked import prefill_chunked
 
     model = kvfold.enable(make_tiny_model("qwen2"))
     ids = random_ids(1, 64, seed=14)

@@ -13,10 +13,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kvfold.budget import Budget
 from kvfold.methods import ComposedMethod, CompressionContext, Selector, SpecError, build_method
 from kvfold.methods.core.budgets import global_head_budgets
 from kvfold.methods.eviction.global_budget import GlobalBudget
+from kvfold.runtime.budget import Budget
 from tests.conftest import CharTokenizer
 from tests.methods.eviction.test_eviction import compress, kept_positions, model64, prefill_cache, random_ids
 

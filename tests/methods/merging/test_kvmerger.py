@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.evaluate.mergemap import compress_recorded, merge_maps
+from kvfold.evaluate.diagnostics.mergemap import compress_recorded, merge_maps
 from kvfold.methods import SpecError, build_method
 from kvfold.methods.merging.kvmerger import KVMerger, KVMergerSets, kept_carriers, kvmerger_fold, similar_runs
 from tests.conftest import CharTokenizer, make_tiny_model

@@ -18,13 +18,13 @@ import math
 
 import torch
 
-from kvfold.budget import Budget
-from kvfold.cache import FoldedLayer
 from kvfold.methods import CompressionContext
 from kvfold.methods.merging.cam import CaM
 from kvfold.methods.merging.d2o import D2OMerge
 from kvfold.methods.merging.kvmerger import KVMerger
 from kvfold.methods.merging.zsmerge.merge import BudgetSplit, _fold_layers
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedLayer
 
 F64 = torch.float64
 DIM = 4

@@ -41,13 +41,13 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
-from kvfold.linalg import max_shifted_exp, ridge_dual, ridge_dual_cg
+from kvfold.methods.compaction.linalg import max_shifted_exp, ridge_dual, ridge_dual_cg
 from kvfold.methods.core.base import CompressionContext, register
 from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_queries, layer_scaling
 from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.scoring import window_attention
 from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 
 Tensor = torch.Tensor
 
@@ -229,7 +229,7 @@ def key_step(
         values: ``(..., c, D_v)`` the values of this step.
         free: ``(..., c)`` bool.
         lam_k: ``λ_k > 0``.
-        solver: ``"cg"`` (matrix-free conjugate gradients, :func:`kvfold.linalg.ridge_dual_cg`)
+        solver: ``"cg"`` (matrix-free conjugate gradients, :func:`kvfold.methods.compaction.linalg.ridge_dual_cg`)
             or ``"exact"`` (explicit ``J`` and a Cholesky solve of the ``M·D_v`` dual system).
         cg_iters, cg_tol: CG budget (the authors' code: 16 iterations, tol 1e-6).
 

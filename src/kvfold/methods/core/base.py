@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 from transformers import PreTrainedModel
 
-from kvfold.budget import Budget
-from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spec
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 
 # ------------------------------------------------------------------------- context
 
@@ -42,11 +42,11 @@ class CompressionContext:
         memo: scratch space shared by the parts of a method during this one compression
             (e.g. scores computed for every layer at once in :meth:`Method.prepare`).
         shared: results that depend on the prefilled context only, not on the method's budget,
-            kept across every compression of one :class:`~kvfold.pipeline.PrefilledContext` (e.g.
+            kept across every compression of one :class:`~kvfold.pipeline.context.PrefilledContext` (e.g.
             KVzip's repeat-pass scores); read and filled through :meth:`shared_result`. Empty (and
             private to this compression) when the cache is not a fresh copy of a prefilled context.
         merge_recorder: optional diagnostic sink (``kvfold mergemap``,
-            :class:`kvfold.evaluate.mergemap.MergeRecorder`); None in normal runs. Methods report
+            :class:`kvfold.evaluate.diagnostics.mergemap.MergeRecorder`); None in normal runs. Methods report
             through :meth:`record_kept` and :meth:`record_merges`, which do nothing without it.
             Positions are **slot indices of the layer before compression** (= indices into
             ``input_ids``, left padding included). ``ComposedMethod`` records the kept slots of

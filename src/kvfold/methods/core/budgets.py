@@ -108,7 +108,7 @@ def pyramid_layer_budgets(
     release). Rounded by largest remainder so the total is exactly ``num_layers · avg_budget``.
 
     Args:
-        avg_budget: mean entries per layer (per KV head), an int (see :meth:`kvfold.budget.Budget.count`).
+        avg_budget: mean entries per layer (per KV head), an int (see :meth:`kvfold.runtime.budget.Budget.count`).
         num_layers: ``L``.
         beta: ``β`` (20 in the paper).
         window: the observation window kept in every layer.

@@ -16,9 +16,9 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Folder, gather_entries
 from kvfold.methods.core.scoring import pool_gqa, window_attention
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
 
 Tensor = torch.Tensor
 

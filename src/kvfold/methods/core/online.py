@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 
 PROTECTED = float("inf")
 POSITION_STAT = "online.position"
@@ -128,7 +128,7 @@ class OnlineEviction:
         continues from a one-shot compression (e.g. after a chunked prefill, for every answer).
 
         Args:
-            cache: the :class:`~kvfold.cache.FoldedCache` this policy ran on.
+            cache: the :class:`~kvfold.runtime.cache.FoldedCache` this policy ran on.
         """
         for layer_idx, layer in cache.folded_layers:
             state = self._state.get(layer_idx)

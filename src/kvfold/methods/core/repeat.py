@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext
-from kvfold.prompts import encode, template_parts
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.prompts import encode, template_parts
 
 Tensor = torch.Tensor
 
@@ -92,7 +92,7 @@ class RepeatPass:
 
 
 class RepeatRecorder:
-    """Online-policy hook (see :class:`kvfold.attention.OnlinePolicy`) of one row's repeat pass:
+    """Online-policy hook (see :class:`kvfold.runtime.attention.OnlinePolicy`) of one row's repeat pass:
     per layer, the max attention each of the layer's ``context_slots[layer]`` entries (the cache
     before the pass) receives and the pooled queries.
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector
 from kvfold.methods.core.selection import protected_mask
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

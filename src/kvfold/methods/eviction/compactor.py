@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import observe_prefill
 from kvfold.methods.core.scoring import noncausal_chunk_attention, pool_tokens, zscore
@@ -21,6 +20,7 @@ from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import layer_content
 from kvfold.methods.eviction.leverage import PAPER, layer_leverage
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Wrapper, register
 from kvfold.methods.core.model import o_proj_weight
 from kvfold.methods.core.scoring import (
@@ -21,6 +20,7 @@ from kvfold.methods.core.scoring import (
 from kvfold.methods.core.selection import critical_two_stage_select
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import layer_content
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import module_scaling, rope_tables, unrotate
 from kvfold.methods.core.scoring import (
@@ -20,6 +19,7 @@ from kvfold.methods.core.scoring import (
 )
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import captured_window, first_valid, layer_content
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -13,7 +13,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import observe_prefill
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
@@ -23,6 +22,7 @@ from kvfold.methods.core.scoring import (
 )
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, last_valid, layer_content, online_limits
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 
@@ -96,7 +96,7 @@ class H2O(Selector):
     The budget is split between heavy hitters and the most recent tokens, half and half as in
     the paper's experiments. Online (default): during decoding the scores keep accumulating and
     the cache never exceeds the budget. Chunked prefill runs the online policy over the chunks
-    after the first (:mod:`kvfold.chunked`): an entry's score is the attention it received from
+    after the first (:mod:`kvfold.pipeline.chunked`): an entry's score is the attention it received from
     every query seen, chunk after chunk, on the evolving cache (the H₂ policy of Algorithm 1,
     ``chunk`` queries per step).
 

@@ -10,7 +10,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import (
@@ -18,6 +17,7 @@ from kvfold.methods.core.scoring import (
 )
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, layer_content, online_limits
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

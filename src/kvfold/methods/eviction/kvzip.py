@@ -14,13 +14,13 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.budgets import global_head_budgets
 from kvfold.methods.core.repeat import RepeatPrompt, shared_repeat_pass
 from kvfold.methods.core.scoring import pool_tokens
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -12,12 +12,12 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import pre_rope_keys
 from kvfold.methods.core.scoring import leverage_scores, zscore
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -7,10 +7,10 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, Standalone, register
 from kvfold.methods.core.online import RecencyEviction
 from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.cache import FoldedLayer
 
 
 def first_valid_mask(valid: torch.Tensor, count: int) -> torch.Tensor:

@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.budgets import pyramid_layer_budgets
 from kvfold.methods.core.model import module_scaling
@@ -22,6 +21,7 @@ from kvfold.methods.core.scoring import (
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import captured_window, layer_content
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

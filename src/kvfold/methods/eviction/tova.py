@@ -10,7 +10,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import module_scaling
 from kvfold.methods.core.online import OnlineEviction
@@ -20,6 +19,7 @@ from kvfold.methods.core.scoring import (
 )
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.eviction.common import captured_window, layer_content, online_limits
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

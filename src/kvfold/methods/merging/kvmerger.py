@@ -53,11 +53,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Standalone, register
 from kvfold.methods.core.folding import FoldSite, MergingFolder, compute_dtype, kept_mask, window_scores
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

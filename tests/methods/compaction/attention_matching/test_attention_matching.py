@@ -12,9 +12,6 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.budget import Budget
-from kvfold.chunked import prefill_chunked
-from kvfold.linalg import nnls, nnls_reference, omp_select
 from kvfold.methods import REGISTRY, CompressionContext, SpecError, build_method
 from kvfold.methods.compaction.attention_matching.compact import compact_layers
 from kvfold.methods.compaction.attention_matching.queries import QueryOptions, extract_reference_queries
@@ -27,7 +24,10 @@ from kvfold.methods.compaction.attention_matching.schedule import (
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, _fit_group, fit_problems
 from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys
+from kvfold.methods.compaction.linalg import nnls, nnls_reference, omp_select
 from kvfold.methods.core.repeat import RepeatPrompt
+from kvfold.pipeline.chunked import prefill_chunked
+from kvfold.runtime.budget import Budget
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64
@@ -238,7 +238,7 @@ def test_nnls_matches_the_float64_reference():
     w = box_nnls(gram, corr, ok, lower=0.0, upper=None, iters=20000, ridge=1e-14)
     for p in range(5):
         torch.testing.assert_close(w[p], nnls_reference(A[p], b[p]), rtol=1e-5, atol=1e-6)
-    # Algorithm 3 with iters = 0 is the clamped least-squares solution, as in kvfold.linalg.nnls
+    # Algorithm 3 with iters = 0 is the clamped least-squares solution, as in kvfold.methods.compaction.linalg.nnls
     w0 = box_nnls(gram, corr, ok, lower=0.0, upper=None, iters=0, ridge=1e-14)
     torch.testing.assert_close(w0, nnls(A, b, iters=0, lower=0.0), rtol=1e-6, atol=1e-8)
     # and the two steps of AM-HighestAttnKeys agree with the reference implementation in a box

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.budget import Budget
 from kvfold.methods import CompressionContext
 from kvfold.methods.merging.keepkv.decode import LayerBatchedDecode
 from kvfold.methods.merging.keepkv.online import LayerPolicies
+from kvfold.runtime.budget import Budget
 from tests.conftest import make_tiny_model
-from tests.test_attention import _CharTokenizer
+from tests.runtime.test_attention import _CharTokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog; " * 3, "pack my box with five dozen liquor jugs now " * 3]
 """Two contexts of one length: decoding a batch needs equal rows (a padded batch decodes row by row)."""

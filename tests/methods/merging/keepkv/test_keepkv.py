@@ -14,8 +14,6 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.budget import Budget
-from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods import CompressionContext, SpecError, build_method
 from kvfold.methods.merging.keepkv.merge import best_match, merge_first_keep, zip_merge, zip_merge_pair
 from kvfold.methods.merging.keepkv.method import KeepKV
@@ -27,9 +25,11 @@ from kvfold.methods.merging.keepkv.scores import (
     step_log_scores,
     window_log_scores,
 )
-from kvfold.pipeline import greedy_decode
+from kvfold.pipeline.context import greedy_decode
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from tests.conftest import FAMILIES, make_tiny_model
-from tests.test_attention import _CharTokenizer
+from tests.runtime.test_attention import _CharTokenizer
 
 F64 = torch.float64
 TEXTS = ["the quick brown fox jumps over the lazy dog; " * 3, "a shorter context, left padded. " * 2]

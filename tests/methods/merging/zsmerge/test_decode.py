@@ -9,7 +9,7 @@ import kvfold
 from kvfold.methods import CompressionContext
 from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
 from tests.conftest import make_tiny_model
-from tests.test_attention import _CharTokenizer
+from tests.runtime.test_attention import _CharTokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog; " * 3, "pack my box with five dozen liquor jugs now " * 3]
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.cache import FoldedCache
 from kvfold.methods import CompressionContext, SpecError, build_method
 from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.selection import topk_keep
@@ -27,8 +26,9 @@ from kvfold.methods.merging.zsmerge.merge import (
 )
 from kvfold.methods.merging.zsmerge.method import ZeroMerge, ZSMerge
 from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
+from kvfold.runtime.cache import FoldedCache
 from tests.conftest import make_tiny_model
-from tests.test_attention import _CharTokenizer
+from tests.runtime.test_attention import _CharTokenizer
 
 F64 = torch.float64
 CONTEXT = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing. " * 2

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.compaction.attention_matching.queries import (
     ReferenceQueries,
 )
 from kvfold.methods.compaction.attention_matching.solve import Compacted, FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.spec import SpecError
-from kvfold.prompts import context_text_ids
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.prompts import context_text_ids
 
 Tensor = torch.Tensor
 

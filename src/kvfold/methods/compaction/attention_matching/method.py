@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.compaction.attention_matching.compact import (
     _scaling,
     _trim_captured,
@@ -31,6 +30,7 @@ from kvfold.methods.compaction.attention_matching.queries import (
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
 from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
-from kvfold.cache import FoldedCache, FoldedLayer
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.repeat import REPEAT_CHUNK, repeat_pass, shared_repeat_pass
 from kvfold.methods.core.spec import SpecError
-from kvfold.prompts import context_text_ids, turn_ids
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.prompts import context_text_ids, turn_ids
 
 Tensor = torch.Tensor
 
@@ -118,7 +118,7 @@ class _StopForward(Exception):
 
 
 class QueryRecorder:
-    """An online-policy hook (see :class:`kvfold.attention.OnlinePolicy`) that records queries.
+    """An online-policy hook (see :class:`kvfold.runtime.attention.OnlinePolicy`) that records queries.
 
     Each forward of a folded layer hands its post-RoPE queries ``(B, H_q, q, D)`` to
     :meth:`after_forward`; they are pooled per KV head and kept in a streaming reservoir of at

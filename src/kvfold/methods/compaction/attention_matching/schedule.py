@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from kvfold.budget import Budget
-from kvfold.cache import FoldedCache
 from kvfold.methods.core.base import CompressionContext, build_method
 from kvfold.methods.core.budgets import apportion
 from kvfold.methods.core.model import model_name
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache
 
 Tensor = torch.Tensor
 

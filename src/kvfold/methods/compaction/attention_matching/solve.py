@@ -24,7 +24,7 @@ the prior has no effect; where they do not (fewer queries than kept entries, col
 the entry keeps its own mass and value rather than a minimum-norm guess. In particular ``t = T``
 reproduces the block exactly for any number of queries. OMP keeps ``Φᵀ Φ_S`` incrementally, so a
 refit is a ``t × t`` solve and correlations ``Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w`` cost no pass over Φ.
-``solver="exact"`` runs the reference solvers of :mod:`kvfold.linalg` instead.
+``solver="exact"`` runs the reference solvers of :mod:`kvfold.methods.compaction.linalg` instead.
 
 All work is in float32 (float64 for float64 inputs), vectorised over problems; problems are
 processed in groups whose ``(n, T)`` feature matrices fit a memory budget.
@@ -39,8 +39,6 @@ from typing import Literal
 
 import torch
 
-from kvfold.attention import FLASH_WITH_LSE
-from kvfold.linalg import lstsq_ridge, nnls, omp_select
 from kvfold.methods.compaction.attention_matching.solvers import (
     _gather_cols,
     box_nnls,
@@ -48,6 +46,8 @@ from kvfold.methods.compaction.attention_matching.solvers import (
     ridge_solve,
     symmetric_product,
 )
+from kvfold.methods.compaction.linalg import lstsq_ridge, nnls, omp_select
+from kvfold.runtime.attention import FLASH_WITH_LSE
 
 Tensor = torch.Tensor
 
@@ -81,7 +81,7 @@ class FitConfig:
             entries' own values (``C_v = V_S`` when the queries say nothing); None = ``ridge``.
         query_block: reference queries per block while the fit's statistics are accumulated
             (memory follows the block, not the number of queries).
-        solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.linalg`).
+        solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.methods.compaction.linalg`).
         group_bytes: memory budget for the feature matrices of one group of problems.
     """
 
@@ -453,7 +453,7 @@ def _streamed_fit(
 def _omp_exact(
     phi: Tensor, mass: Tensor, counts: Tensor, entry_valid: Tensor, config: FitConfig
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """OMP by :func:`kvfold.linalg.omp_select` (reference path; one budget per call)."""
+    """OMP by :func:`kvfold.methods.compaction.linalg.omp_select` (reference path; one budget per call)."""
     P = phi.shape[0]
     t_max = int(counts.max())
     idx = torch.zeros(P, t_max, dtype=torch.long, device=phi.device)

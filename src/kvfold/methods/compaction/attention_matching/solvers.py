@@ -92,7 +92,7 @@ def ridge_solve(gram: Tensor, rhs: Tensor, ridge: float, ok: Tensor | None = Non
 
 def _top_eigenvalue(gram: Tensor, iters: int = 30) -> Tensor:
     """``λ_max(G)``: exact for t ≤ 64, else power iteration inflated 5% and capped by the trace
-    (as :func:`kvfold.linalg.nnls` estimates ``L ≈ ‖M‖₂²``)."""
+    (as :func:`kvfold.methods.compaction.linalg.nnls` estimates ``L ≈ ‖M‖₂²``)."""
     if gram.shape[-1] <= 64:
         return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
     v = torch.ones(gram.shape[:-1], dtype=gram.dtype, device=gram.device)
@@ -234,7 +234,7 @@ def omp_keys(
     kept key satisfies the bound and notes that OMP rarely goes below it; on small models it
     often does, one or two keys per round, and an unbounded loop ran ~1,900 greedy steps for a
     budget of 205 keys. ``refine=False`` is Algorithms 1–3 verbatim (plus the never-worse rule),
-    as :func:`kvfold.linalg.omp_select`.
+    as :func:`kvfold.methods.compaction.linalg.omp_select`.
 
     Args:
         phi: ``(P, n, T)`` mass features; mass: ``(P, n)`` target.

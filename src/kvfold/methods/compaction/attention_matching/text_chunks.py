@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedCache
 from kvfold.methods.compaction.attention_matching.queries import extract_reference_queries
 from kvfold.methods.compaction.attention_matching.solve import FitConfig
 from kvfold.methods.core.base import CompressionContext
-from kvfold.prompts import context_text_ids
+from kvfold.runtime.cache import NEG_INF, FoldedCache
+from kvfold.runtime.prompts import context_text_ids
 
 Tensor = torch.Tensor
 

@@ -51,7 +51,7 @@ left out is merged into its most similar carrier if the cosine is ``> T``, else 
 **Online** (decoding): on top of the selector's online policy (``h2o``, ``h2o_cosine``,
 ``streamingllm``, ``tova``, ``knorm``): each step updates ``ŝ`` with the step's attention and,
 before the policy removes its victim, ZIP-merges it into its most similar remaining entry, in
-place in the dense buffers (work ∝ budget). **Chunked prefill** (:mod:`kvfold.chunked`) runs the
+place in the dense buffers (work ∝ budget). **Chunked prefill** (:mod:`kvfold.pipeline.chunked`) runs the
 same online half over the chunks after the first: each chunk's attention updates ``ŝ`` (its
 queries in order, eq. 8) and the chunk's victims are merged at once (eq. 25) into the entries
 that remain; a selector without an online mode (``snapkv``) cannot be chunked with KeepKV.

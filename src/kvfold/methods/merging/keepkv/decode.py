@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedLayer
 from kvfold.methods.core.online import PROTECTED
+from kvfold.runtime.cache import NEG_INF, FoldedLayer
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvfold.methods.eviction.h2o import H2OOnline

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfold.cache import NEG_INF
 from kvfold.methods.core.selection import _priority_order, topk_keep
 from kvfold.methods.merging.keepkv.scores import _dtype
+from kvfold.runtime.cache import NEG_INF
 
 Tensor = torch.Tensor
 _SIM_CHUNK = 1 << 22

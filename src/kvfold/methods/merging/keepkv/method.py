@@ -10,7 +10,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, register
 from kvfold.methods.core.budgets import cosine_layer_budgets
 from kvfold.methods.core.folding import FoldSite, MergingFolder
@@ -22,6 +21,7 @@ from kvfold.methods.merging.keepkv import PAPER
 from kvfold.methods.merging.keepkv.merge import _kept_mask, _merged_weight, best_match, merge_first_keep, zip_merge
 from kvfold.methods.merging.keepkv.online import KeepKVOnline, LayerPolicies
 from kvfold.methods.merging.keepkv.scores import STAT_LOG_SCORE, STAT_WEIGHT, _count, _scalings, window_log_scores
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -8,7 +8,6 @@ from typing import Protocol
 
 import torch
 
-from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.core.online import OnlineEviction, StepView
 from kvfold.methods.merging.keepkv.merge import _merged_weight, best_match, zip_merge, zip_merge_pair
 from kvfold.methods.merging.keepkv.scores import (
@@ -20,6 +19,7 @@ from kvfold.methods.merging.keepkv.scores import (
     step_log_scores,
     window_log_scores,
 )
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 
 Tensor = torch.Tensor
 _TALLY_BATCH = 256

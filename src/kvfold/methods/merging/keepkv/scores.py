@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from kvfold.cache import NEG_INF
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.model import attention_modules
+from kvfold.runtime.cache import NEG_INF
 
 Tensor = torch.Tensor
 

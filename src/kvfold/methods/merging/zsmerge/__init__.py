@@ -38,7 +38,7 @@ Two moments, one algorithm:
   token, one merge per token, and the cache never holds more than the budget. Residual slots are
   kept in float32 (float64 for float64 models) beside the cache, so a bf16 cache does not round
   away merges into a slot that already holds hundreds of tokens.
-* **chunked prefill** (:mod:`kvfold.chunked`): the first chunk is a prompt brought to budget by
+* **chunked prefill** (:mod:`kvfold.pipeline.chunked`): the first chunk is a prompt brought to budget by
   the online policy (:meth:`ZSMergeOnline.adopt`: window scores, Algorithm 1 over it); every later
   token goes through Algorithm 1 with the scores of eq. 5 updated by its own query's attention
   (one masked minimum per token, the rest vectorized over the chunk), so the residual slots and

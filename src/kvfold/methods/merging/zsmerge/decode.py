@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kvfold.cache import NEG_INF
 from kvfold.methods.merging.zsmerge.merge import slot_affinity
+from kvfold.runtime.cache import NEG_INF
 
 Tensor = torch.Tensor
 

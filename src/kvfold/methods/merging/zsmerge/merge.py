@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfold.cache import NEG_INF, FoldedLayer
 from kvfold.methods.core.scoring import pool_gqa, pool_tokens, window_attention
 from kvfold.methods.core.selection import topk_keep
+from kvfold.runtime.cache import NEG_INF, FoldedLayer
 
 Tensor = torch.Tensor
 

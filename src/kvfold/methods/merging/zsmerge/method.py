@@ -11,7 +11,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.cache import FoldedLayer
 from kvfold.methods.core.base import CompressionContext, Standalone, register
 from kvfold.methods.core.folding import fresh_window_queries
 from kvfold.methods.core.spec import SpecError
@@ -25,6 +24,7 @@ from kvfold.methods.merging.zsmerge.merge import (
     split_budget,
 )
 from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
+from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
 

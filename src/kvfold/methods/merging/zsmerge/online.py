@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfold.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.methods.core.scoring import pool_gqa
 from kvfold.methods.merging.zsmerge.decode import ZSMergeLayerBatch
 from kvfold.methods.merging.zsmerge.merge import (
@@ -25,6 +24,7 @@ from kvfold.methods.merging.zsmerge.merge import (
     prefill_scores,
     slot_affinity,
 )
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 
 Tensor = torch.Tensor
 STEP_BLOCK = 64
@@ -278,7 +278,7 @@ class ZSMergeOnline:
         """Take over a freshly prefilled cache: bring every layer this policy has not seen to budget
         as :meth:`after_forward` does for a prefill run under the policy (scores from the window of
         the captured prefill queries, Algorithm 1 over the prompt), all layers in one stream.
-        A chunked prefill calls it after its first chunk (:mod:`kvfold.chunked`).
+        A chunked prefill calls it after its first chunk (:mod:`kvfold.pipeline.chunked`).
 
         Raises:
             ValueError: a layer holds merged entries already, or the prefill kept no queries.

@@ -1,0 +1,1 @@
+"""The ``kvfold`` command line: every subcommand, the demo and chat."""

@@ -1,0 +1,305 @@
+"""The ``kvfold eval`` and ``kvfold fidelity`` commands (loaded by :mod:`kvfold.cli.main`).
+
+Both take the same selection flags::
+
+    kvfold eval --dataset ruler --length 2048 --samples 3 --methods full,streamingllm \\
+        --budgets 0.5,0.2 --out runs/ruler-2k
+    kvfold fidelity --dataset ruler --length 1024 --samples 1 --methods full,streamingllm \\
+        --budgets 0.5,0.2,0.1 --out runs/fid-1k
+
+``kvfold eval --ray [ADDRESS]`` and ``kvfold fidelity --ray [ADDRESS]`` run the same sweep on Ray
+workers (:mod:`kvfold.evaluate.running.distributed`).
+
+Methods and budgets are checked before the model loads, so a typo fails at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvfold.cli.args import Handler, add_model_args, add_ray_args, ray_options, ray_where
+
+DATASET_HELP = (
+    "ruler[:TASKS] (synthetic, generated locally), PATH.jsonl (one {context, question, answers, ...} a line), "
+    "longbench[:TASKS][@DIR_OR_REPO], xsum[@PATH_OR_REPO], ruler-official[:TASKS]@PATH_OR_REPO"
+)
+
+
+def _add_selection_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.add_argument("--dataset", required=True, help=DATASET_HELP)
+    parser.add_argument(
+        "--length",
+        type=int,
+        default=2048,
+        help="context length in tokens (RULER), prompt limit (LongBench, XSum); default 2048",
+    )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per task: contexts per task for ruler (default 3); for a file or a published "
+        "benchmark every sample runs unless this (or --limit) is given",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="run at most this many samples in all")
+    parser.add_argument("--tasks", default=None, help="comma-separated task names to keep")
+    parser.add_argument("--methods", required=True, help="comma-separated method specs, e.g. full,streamingllm")
+    parser.add_argument(
+        "--budgets",
+        default="0.5,0.2,0.1",
+        help="comma-separated fractions in (0, 1] or token counts (default 0.5,0.2,0.1)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="dataset and method seed")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` and ``fidelity`` sub-parsers to the ``kvfold`` parser."""
+    p = sub.add_parser("eval", help="score methods × budgets on a dataset (resumable)")
+    _add_selection_args(p)
+    p.add_argument("--query-aware", action="store_true", help="compress each context together with its question")
+    add_ray_args(p, "context")
+
+    p = sub.add_parser("fidelity", help="attention-output error and NLL increase vs the full cache (resumable)")
+    _add_selection_args(p)
+    p.add_argument(
+        "--continuation",
+        choices=("answer", "next"),
+        default="answer",
+        help="answer: question + reference answer, teacher-forced (default); next: the document's "
+        "last --next-tokens tokens",
+    )
+    p.add_argument("--next-tokens", type=int, default=64, help="held-out tokens with --continuation next")
+    p.add_argument(
+        "--online",
+        action="store_true",
+        help="run each method's decode-time policy while the continuation is teacher-forced (the cache "
+        "held at its budget, as during generation); methods with no online path are reported, not run",
+    )
+    add_ray_args(p, "context")
+
+
+def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
+    """Validate methods, budgets and counts before anything slow happens."""
+    from kvfold.methods import build_method, split_specs
+    from kvfold.runtime.budget import Budget
+
+    methods = split_specs(args.methods)
+    for spec in methods:
+        build_method(spec)
+    budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
+    if not budgets:
+        raise ValueError("--budgets is empty; give e.g. 0.5,0.2")
+    if args.samples is not None and args.samples < 1:
+        raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be ≥ 1; got {args.limit}")
+    if args.length < 1:
+        raise ValueError(f"--length must be a positive number of tokens; got {args.length}")
+    return methods, budgets
+
+
+def _is_jsonl(spec: str) -> bool:
+    return spec.lower().endswith(".jsonl")
+
+
+def _check_dataset(spec: str) -> None:
+    """Fail on a malformed JSONL file or an unknown dataset form before the model loads."""
+    from kvfold.evaluate.data.loaders import load_dataset_spec, load_jsonl
+
+    if _is_jsonl(spec):
+        if not Path(spec).is_file():
+            raise ValueError(f"dataset file not found: {spec}")
+        load_jsonl(spec)
+        return
+    name = spec.partition("@")[0].partition(":")[0].strip().lower()
+    if name not in ("ruler", "longbench", "xsum", "ruler-official"):
+        load_dataset_spec(spec)  # raises the list of valid forms
+
+
+def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
+    """The samples the flags select: ``--tasks`` kept, ``--samples`` per task, at most ``--limit``.
+
+    A file or a published benchmark runs whole unless ``--samples`` or ``--limit`` is given. For
+    ``ruler`` ``--samples`` counts contexts: a context with several questions (the multi-query
+    task) keeps all of them.
+    """
+    from kvfold.evaluate.data.loaders import load_dataset_spec
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    spec = args.dataset
+    synthetic = spec.strip().lower() == "ruler"
+    if tasks and synthetic:
+        spec = "ruler:" + ",".join(tasks)  # generate only what is asked
+    samples = load_dataset_spec(
+        spec,
+        tokenizer,
+        length=args.length,
+        samples=args.samples if synthetic or spec.lower().startswith("ruler:") else None,
+        seed=args.seed,
+    )
+    if tasks:
+        unknown = sorted(set(tasks) - {s.task for s in samples})
+        if unknown:
+            found = ", ".join(dict.fromkeys(s.task for s in samples))
+            raise ValueError(f"--tasks: no samples for {', '.join(unknown)}; this dataset has: {found}")
+        samples = [s for s in samples if s.task in tasks]
+    if args.samples is not None and not (synthetic or spec.lower().startswith("ruler:")):
+        per_task: dict[str, int] = {}
+        kept = []
+        for sample in samples:
+            per_task[sample.task] = per_task.get(sample.task, 0) + 1
+            if per_task[sample.task] <= args.samples:
+                kept.append(sample)
+        samples = kept
+    if args.limit is not None:
+        samples = samples[: args.limit]
+    return samples
+
+
+def describe_samples(samples: list) -> str:
+    """``"40 samples (34 contexts) in 8 tasks: niah_single_1 5, ..."`` for the log."""
+    per_task: dict[str, int] = {}
+    for sample in samples:
+        per_task[sample.task] = per_task.get(sample.task, 0) + 1
+    contexts = len({s.context for s in samples})
+    listing = ", ".join(f"{task} {n}" for task, n in per_task.items())
+    return f"{len(samples)} samples ({contexts} contexts) in {len(per_task)} tasks: {listing}"
+
+
+def _setup(args: argparse.Namespace):
+    from kvfold.runtime.models import load_model
+
+    methods, budgets = _check_selection(args)
+    _check_dataset(args.dataset)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    samples = load_samples(args, tokenizer)
+    return methods, budgets, model, tokenizer, samples, _run_config(args)
+
+
+def _run_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": args.model, "dataset": args.dataset, "length": args.length, "seed": args.seed}
+
+
+def _ray_setup(args: argparse.Namespace) -> tuple[list[str], list[Any], list, Any, dict[str, Any]]:
+    """What ``--ray`` needs before it starts: this process reads the data, the workers load the model.
+
+    Returns ``(methods, budgets, samples, loader, options of run_on_ray)``; fails (Ray missing, a
+    bad flag or dataset) before anything slow.
+    """
+    from kvfold.evaluate.running.distributed import ModelLoader, require_ray
+    from kvfold.runtime.models import load_tokenizer
+
+    methods, budgets = _check_selection(args)
+    options = ray_options(args)
+    require_ray()
+    _check_dataset(args.dataset)
+    samples = load_samples(args, load_tokenizer(args.model))
+    return methods, budgets, samples, ModelLoader(args.model, dtype=args.dtype, device=args.device), options
+
+
+def _eval_on_ray(args: argparse.Namespace) -> Any:
+    """``kvfold eval --ray``: this process reads the data; Ray workers load the model and answer."""
+    from kvfold.evaluate.running.distributed import evaluate_on_ray
+
+    methods, budgets, samples, loader, options = _ray_setup(args)
+    print(f"{describe_samples(samples)} on {ray_where(args)} → {args.out}", file=sys.stderr)
+    result, runner = evaluate_on_ray(
+        loader,
+        samples,
+        methods,
+        budgets,
+        query_aware=args.query_aware,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.quiet,
+        run_config=_run_config(args),
+        **options,
+    )
+    print(runner.summary(), file=sys.stderr)
+    return result
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
+    from kvfold.evaluate.running.runner import AVERAGE_TASK, HEADLINE_TASK, evaluate
+
+    if args.ray is not None:
+        result = _eval_on_ray(args)
+    else:
+        methods, budgets, model, tokenizer, samples, config = _setup(args)
+        print(f"{describe_samples(samples)} → {args.out}", file=sys.stderr)
+        result = evaluate(
+            model,
+            tokenizer,
+            samples,
+            methods,
+            budgets,
+            query_aware=args.query_aware,
+            seed=args.seed,
+            out_dir=args.out,
+            progress=not args.quiet,
+            run_config=config,
+        )
+    for record in result.records:
+        if record["task"] in (AVERAGE_TASK, HEADLINE_TASK):
+            retention = record.get("retention")
+            kept = f"  retention {100 * retention:5.1f}%" if retention is not None else ""
+            print(
+                f"{record['method']:<24} budget {record['budget']!s:<6} {record['task']:<8} "
+                f"score {record['score']:6.1f}{kept}  kv {record['kv_ratio']:.3f}  (n={record['n']})"
+            )
+    print(
+        f"wrote {args.out}/results.json, predictions.jsonl, report.md, scores.png, scores_by_task.png", file=sys.stderr
+    )
+    return 0
+
+
+def run_fidelity(args: argparse.Namespace) -> int:
+    """``kvfold fidelity``: write fidelity.json, fidelity.md and fidelity.png to ``--out``."""
+    from kvfold.evaluate.running.fidelity import fidelity
+
+    mode = "online" if args.online else "offline"
+    options = {
+        "continuation": args.continuation,
+        "next_tokens": args.next_tokens,
+        "online": args.online,
+        "seed": args.seed,
+        "out_dir": args.out,
+        "progress": not args.quiet,
+    }
+    if args.ray is not None:
+        from kvfold.evaluate.running.distributed import fidelity_on_ray
+
+        methods, budgets, samples, loader, ray = _ray_setup(args)
+        where = f" on {ray_where(args)}"
+        print(
+            f"{describe_samples(samples)}, continuation '{args.continuation}', {mode}{where} → {args.out}",
+            file=sys.stderr,
+        )
+        result, runner = fidelity_on_ray(
+            loader, samples, methods, budgets, run_config=_run_config(args), **ray, **options
+        )
+        print(runner.summary(), file=sys.stderr)
+    else:
+        methods, budgets, model, tokenizer, samples, config = _setup(args)
+        print(f"{describe_samples(samples)}, continuation '{args.continuation}', {mode} → {args.out}", file=sys.stderr)
+        result = fidelity(model, tokenizer, samples, methods, budgets, run_config=config, **options)
+    for record in result.records:
+        if "rel_error" not in record:
+            print(f"{record['method']:<24} budget {record['budget']!s:<6} no online path (not measured)")
+            continue
+        print(
+            f"{record['method']:<24} budget {record['budget']!s:<6} rel_error {record['rel_error']:.4g}  "
+            f"nll_delta {record['nll_delta']:+.4g}  kl {record['kl']:.4g}  (n={record['n']})"
+        )
+    print(f"wrote {args.out}/fidelity.json, fidelity.md, fidelity.png", file=sys.stderr)
+    return 0
+
+
+COMMANDS: dict[str, Handler] = {"eval": run_eval, "fidelity": run_fidelity}
+"""The subcommands of this module, gathered by :mod:`kvfold.cli.main`."""

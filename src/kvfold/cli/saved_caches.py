@@ -1,0 +1,292 @@
+"""Command line for saved caches and chat: ``kvfold compress``, ``kvfold ask``, ``kvfold chat`` and
+``kvfold generate --cache``.
+
+* ``kvfold compress --context-file F --method M --budget B --out doc.kvc`` — prefill and compress
+  once, write the cache file.
+* ``kvfold generate --cache doc.kvc --question Q`` — answer from the file, no prefill.
+* ``kvfold ask --cache doc.kvc [--questions FILE]`` — many questions (a file, or stdin), one a
+  line, each answered from a fresh copy of the same loaded cache.
+* ``kvfold chat [--context-file F | --cache doc.kvc] --method M --budget B`` — a conversation kept
+  in a cache of fixed size (:class:`kvfold.pipeline.chat.ChatSession`), read from stdin (a tty or a pipe),
+  with ``/save PATH``, ``/load PATH``, ``/stats`` and ``/quit``.
+
+The module exposes ``add_parsers(sub)`` and ``COMMANDS`` (name → handler), which the command line
+gathers; importing it loads no model and no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+
+def add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dtype`` / ``--cache-device``: explicit conversion of a cache file on load."""
+    parser.add_argument(
+        "--cache-dtype", default=None, help="convert the cache file's keys and values to this dtype (the model's)"
+    )
+    parser.add_argument("--cache-device", default=None, help="load the cache file onto this device (the model's)")
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    from kvfold.cli.args import add_model_args
+
+    add_model_args(parser)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register ``compress``, ``ask`` and ``chat``."""
+    p = sub.add_parser("compress", help="prefill and compress a context once, write a cache file (.kvc)")
+    _model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--context-file", type=Path, help="file with the context text")
+    src.add_argument("--context", help="the context text")
+    p.add_argument("--method", required=True, help="method spec, e.g. snapkv, am_highest_fast, snapkv+keepkv")
+    p.add_argument("--budget", required=True, help="fraction in (0, 1] of the context to keep, or a token count")
+    p.add_argument("--out", required=True, type=Path, help="the cache file to write (e.g. doc.kvc)")
+    p.add_argument(
+        "--resumable",
+        action="store_true",
+        help="also store the token ids and last query states, so a chat on this file can compact it again",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("ask", help="answer many questions from one saved cache file, no prefill")
+    _model_args(p)
+    p.add_argument("--cache", required=True, type=Path, help="a cache file written by kvfold compress")
+    p.add_argument("--questions", type=Path, default=None, help="file with one question a line (default: stdin)")
+    p.add_argument("--answer-prefix", default="")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON object a line")
+    add_cache_args(p)
+
+    p = sub.add_parser("chat", help="a conversation in a cache of fixed size (stdin; /save, /load, /stats, /quit)")
+    _model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--context-file", type=Path, help="a document the conversation is about")
+    src.add_argument("--cache", type=Path, help="a cache file (kvfold compress, or /save) to continue from")
+    p.add_argument("--method", default="snapkv", help="method spec used to compact the conversation")
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="entries kept after a compaction: a token count, or a fraction of --context-file "
+        "(default: the cache file's budget)",
+    )
+    p.add_argument(
+        "--cap", type=int, default=None, help="physical entries that trigger a compaction (default 2 x budget)"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--system", default=None, help="a system message (chat template permitting)")
+    add_cache_args(p)
+
+
+# ----------------------------------------------------------------------------- compress
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    from kvfold import Budget, build_method, load_model, prefill
+
+    method = build_method(args.method)
+    budget = Budget.parse(args.budget)
+    text = args.context if args.context is not None else _read_text(args.context_file)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    prefilled = prefill(model, tokenizer, text, methods=[method])
+    compressed = prefilled.compress(method, budget, seed=args.seed)
+    start = time.perf_counter()
+    size = compressed.save(args.out, source_text=text, resumable=args.resumable)
+    save_seconds = time.perf_counter() - start
+    record = {
+        "out": str(args.out),
+        "method": args.method,
+        "budget": budget.label(),
+        "context_tokens": prefilled.context_tokens,
+        "file_bytes": size,
+        "kv_bytes": compressed.kv_bytes,
+        "kv_bytes_full": compressed.kv_bytes_full,
+        "file_ratio": size / compressed.kv_bytes_full,
+        "prefill_seconds": prefilled.prefill_seconds,
+        "compress_seconds": compressed.compress_seconds,
+        "save_seconds": save_seconds,
+        "model": args.model,
+    }
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print(
+            f"{args.out}: {record['context_tokens']} tokens, {args.method} @ {budget}: "
+            f"{size / 2**20:.2f} MB of {record['kv_bytes_full'] / 2**20:.2f} MB full "
+            f"({100 * record['file_ratio']:.1f}%); prefill {record['prefill_seconds']:.2f}s, "
+            f"compress {record['compress_seconds']:.2f}s, save {save_seconds:.2f}s"
+        )
+    return 0
+
+
+# ----------------------------------------------------------------------------- generate / ask
+
+
+def _load_saved(args: argparse.Namespace):
+    """Model, tokenizer and the loaded :class:`CompressedContext` of ``args.cache``, with load time."""
+    from kvfold import load_model
+    from kvfold.store.load import load_context
+
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    start = time.perf_counter()
+    context = load_context(
+        args.cache,
+        model,
+        tokenizer,
+        dtype=getattr(args, "cache_dtype", None),
+        device=getattr(args, "cache_device", None),
+    )
+    return model, tokenizer, context, time.perf_counter() - start
+
+
+def _answer_record(context, question: str, args: argparse.Namespace) -> dict:
+    answer = context.generate(question, answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens)[0]
+    return {
+        "question": question,
+        "answer": answer.text,
+        "new_tokens": answer.new_tokens,
+        "decode_seconds": answer.decode_seconds,
+    }
+
+
+def run_generate_cached(args: argparse.Namespace) -> int:
+    """``kvfold generate --cache doc.kvc --question Q``: the answer from a saved cache, no prefill."""
+    if args.method != "full" or str(args.budget) != "1.0" or args.query_aware:
+        raise ValueError(
+            "--method, --budget and --query-aware do not apply with --cache: the file was compressed already "
+            "(its method and budget are in its header; see kvfold compress)"
+        )
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    _, _, context, load_seconds = _load_saved(args)
+    record = _answer_record(context, args.question, args)
+    record.update(
+        cache=str(args.cache),
+        method=context.method.spec,
+        budget=context.budget.label(),
+        context_tokens=context.source.context_tokens,
+        kv_bytes=context.kv_bytes,
+        kv_bytes_full=context.kv_bytes_full,
+        load_seconds=load_seconds,
+        model=args.model,
+    )
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        print(record["answer"])
+        print(
+            f"[{record['method']} @ {record['budget']} from {args.cache}] context {record['context_tokens']} tokens, "
+            f"KV {record['kv_bytes'] / 2**20:.2f} MB of {record['kv_bytes_full'] / 2**20:.2f} MB, "
+            f"load {load_seconds:.2f}s, decode {record['decode_seconds']:.2f}s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _questions(path: Path | None, stream: TextIO) -> Iterator[str]:
+    if path is not None:
+        if not path.is_file():
+            raise ValueError(f"questions file not found: {path}")
+        lines: Iterator[str] = iter(path.read_text(encoding="utf-8").splitlines())
+    else:
+        lines = (line.rstrip("\n") for line in stream)
+    for line in lines:
+        if line.strip():
+            yield line.strip()
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    """``kvfold ask --cache doc.kvc``: one answer a line, each from a fresh copy of the loaded cache."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    _, _, context, load_seconds = _load_saved(args)
+    print(
+        f"[{context.method.spec} @ {context.budget.label()} from {args.cache}] loaded in {load_seconds:.2f}s",
+        file=sys.stderr,
+    )
+    count = 0
+    for question in _questions(args.questions, sys.stdin):
+        record = _answer_record(context, question, args)
+        print(json.dumps(record) if args.json else record["answer"], flush=True)
+        count += 1
+    if count == 0:
+        raise ValueError("no questions: give --questions FILE or one question a line on stdin")
+    return 0
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    """``kvfold chat``: read lines from stdin; a line is a user turn unless it is a command."""
+    from kvfold import load_model
+    from kvfold.pipeline.chat import ChatSession
+
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}
+    if args.cache is not None:
+        session = ChatSession.load(args.cache, model, tokenizer, cap=args.cap, **load_kwargs)
+        if args.budget is not None or args.method != "snapkv":
+            print("note: --method/--budget are taken from the cache file", file=sys.stderr)
+    else:
+        if args.budget is None:
+            raise ValueError("give --budget: a token count (or a fraction of --context-file)")
+        context = _read_text(args.context_file) if args.context_file is not None else None
+        session = ChatSession(
+            model, tokenizer, args.method, args.budget, cap=args.cap, context=context, system=args.system
+        )
+    session.max_new_tokens = args.max_new_tokens
+    interactive = stdin.isatty()
+    if interactive:
+        print("kvfold chat: /save PATH, /load PATH, /stats, /quit", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            command, _, rest = line.partition(" ")
+            rest = rest.strip()
+            if command in ("/quit", "/exit"):
+                break
+            if command == "/stats":
+                print(json.dumps(session.stats()), file=stdout, flush=True)
+            elif command == "/save" and rest:
+                size = session.save(rest)
+                print(f"saved {rest} ({size} bytes)", file=stdout, flush=True)
+            elif command == "/load" and rest:
+                session = ChatSession.load(rest, model, tokenizer, cap=args.cap, **load_kwargs)
+                session.max_new_tokens = args.max_new_tokens
+                print(f"loaded {rest} ({session.stats()['turns']} turns)", file=stdout, flush=True)
+            else:
+                print(f"unknown command {line!r}: /save PATH, /load PATH, /stats, /quit", file=stdout, flush=True)
+            continue
+        print(session.ask(line), file=stdout, flush=True)
+    return 0
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise ValueError(f"context file not found: {path}")
+    return path.read_text(encoding="utf-8")
+
+
+COMMANDS = {"compress": run_compress, "ask": run_ask, "chat": run_chat}
+"""The subcommands of this module."""
+

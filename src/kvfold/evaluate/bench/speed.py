@@ -1,0 +1,631 @@
+"""``kvfold bench``: prefill, compression and decode speed and memory, as ratios against ``full``.
+
+Each configuration (method, budget, length, batch) runs in its own process so that its peak
+resident memory is its own. ``full`` runs in the same invocation at every length, which gives two
+ratios per configuration:
+
+* ``speedup`` = decode tokens/s of the method / decode tokens/s of ``full`` at the same length;
+* ``limit_speedup`` = decode tokens/s of ``full`` on a context as long as the compressed cache
+  (⌈budget × length⌉ tokens) / decode tokens/s of ``full`` at ``length`` — a compressed cache
+  cannot decode faster than an uncompressed one of its size, so this is the practical ceiling.
+
+The ``full`` cache of the compressed size (the *reference*) is prefilled in the method's own
+process, after its peak memory is read, and its decode steps alternate with the method's: on a
+shared machine the speed of one process drifts by 20–30% from one run to the next, and
+``speedup / limit_speedup`` = method / reference is then a paired measurement. Decode speed is
+the batch over the median step time of the measured steps (warm-up steps excluded).
+
+The configurations are measured by :class:`BenchItem` s, one per (length, batch): ``full`` first,
+then every method at that length, each in a process of its own. Serially the items run one after
+the other here; with ``kvfold bench --ray`` (:func:`kvfold.evaluate.running.distributed.run_on_ray`) each
+item runs on one Ray worker, so every ``speedup`` divides by a ``full`` measured on the same worker
+(see the README, "Sweeps on a Ray cluster", for what such timings mean).
+
+Compression time is reported against two references measured in the method's own process:
+
+* ``compress_over_prefill`` = compression seconds / prefill seconds of the same context;
+* ``compress_over_repeat`` = compression seconds / seconds of the repeat pass alone
+  (:func:`kvfold.methods.core.repeat.repeat_pass` with nothing recorded: the forward pass
+  "Repeat the previous context" over a copy of the cache that KVzip, Kim et al. 2025 §3, and
+  Attention Matching's repeat-prefill queries, Zweiger et al. 2026 §3.1, cannot avoid). The pass
+  is timed once per configuration, before compression, only for a method that runs it
+  (``method.uses_repeat_pass``) and without ``--prefill-chunk``; otherwise ``repeat_s`` and the
+  ratio are None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvfold.evaluate.bench.process import (
+    DECODE_MMAP_THRESHOLD,
+    MEASURED_MMAP_THRESHOLD,
+    _positive_ints,
+    _rss_mb,
+    context_ids,
+    release_freed_memory,
+    set_mmap_threshold,
+)
+
+WARMUP_STEPS = 4
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One measured configuration."""
+
+    model: str
+    method: str
+    budget: float | int
+    length: int
+    batch: int
+    new_tokens: int = 64
+    prefill_chunk: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    bounded_memory: bool = False
+    """Peak RSS with glibc's mmap threshold fixed (every configuration of a ``--prefill-chunk``
+    sweep, ``full`` included; see :func:`set_mmap_threshold`)."""
+
+
+def run_config(config: BenchConfig) -> dict:
+    """Measure one configuration in this process (called in a child process by :func:`bench`).
+
+    After prefill and compression the peak memory is read; then, for a compressing method, the
+    reference (``full`` on ⌈budget × length⌉ tokens) is prefilled and decoded step for step
+    alongside the method (:func:`_decode_interleaved`).
+    """
+    import torch
+
+    import kvfold
+    from kvfold.pipeline.chunked import prefill_chunked
+    from kvfold.pipeline.context import check_length, prefill_ids
+    from kvfold.runtime.budget import Budget
+
+    model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
+    check_length(model, config.length)  # the context must fit; timed decode steps may run past it (speed only)
+    base_rss = _rss_mb()
+    if config.bounded_memory:  # what a chunked sweep measures: see set_mmap_threshold
+        set_mmap_threshold(MEASURED_MMAP_THRESHOLD)
+    ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
+    method = kvfold.build_method(config.method)
+    budget = 1.0 if method.is_identity else config.budget
+    repeat_s = None
+    with torch.inference_mode():
+        if config.prefill_chunk:
+            compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
+            prefill_s = compressed.source.prefill_seconds
+        else:
+            source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
+            prefill_s = source.prefill_seconds
+            if method.uses_repeat_pass and not method.is_identity:
+                repeat_s = time_repeat_pass(source)
+            compressed = _compress_in_place(source, method, budget)
+        kv_bytes = compressed.cache.nbytes()
+        kv_bytes_full = compressed.cache.full_nbytes()
+        peak_rss = _rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
+        if config.bounded_memory:
+            set_mmap_threshold(DECODE_MMAP_THRESHOLD)
+        release_freed_memory()
+        runs = [compressed]
+        reference_length = None
+        if not method.is_identity:
+            reference_length = Budget.parse(config.budget).count(config.length)
+            reference_ids = context_ids(tokenizer, reference_length, config.batch).to(model.device)
+            runs.append(prefill_ids(model, tokenizer, reference_ids, capture_window=0))
+        speeds = _decode_interleaved(model, runs, config.new_tokens)
+    return {
+        **asdict(config),
+        "budget": config.budget if not method.is_identity else 1.0,
+        "prefill_s": prefill_s,
+        "compress_s": compressed.compress_seconds,
+        "repeat_s": repeat_s,
+        "decode_tokens_per_s": speeds[0],
+        "reference_length": reference_length or config.length,
+        "reference_tokens_per_s": speeds[1] if reference_length else speeds[0],
+        "peak_rss_mb": peak_rss,
+        "base_rss_mb": base_rss,
+        "kv_bytes": kv_bytes,
+        "kv_bytes_full": kv_bytes_full,
+        "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
+    }
+
+
+def time_repeat_pass(source) -> float:
+    """Seconds of the repeat pass alone over ``source``'s prefilled cache (copies of it; nothing
+    recorded, the default chunk): the one model pass a repeat-pass method cannot avoid."""
+    import torch
+
+    from kvfold.methods.core.base import CompressionContext
+    from kvfold.methods.core.repeat import repeat_pass
+    from kvfold.runtime.budget import Budget
+
+    ctx = CompressionContext(
+        model=source.model,
+        cache=source.cache,
+        input_ids=source.input_ids,
+        attention_mask=source.attention_mask,
+        budget=Budget.parse(1.0),
+        tokenizer=source.tokenizer,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        repeat_pass(ctx, scores=False, queries=False)
+    return time.perf_counter() - start
+
+
+def compression_ratios(record: dict) -> dict:
+    """``compress_over_prefill`` and ``compress_over_repeat`` of a record (None without the
+    reference time; records of an older kvfold have no ``repeat_s``)."""
+    compress, prefill, repeat = record.get("compress_s"), record.get("prefill_s"), record.get("repeat_s")
+    return {
+        "compress_over_prefill": compress / prefill if compress is not None and prefill else None,
+        "compress_over_repeat": compress / repeat if compress is not None and repeat else None,
+    }
+
+
+def _compress_in_place(source, method, budget):
+    """Like :meth:`PrefilledContext.compress` but without copying the full cache first."""
+    import torch
+
+    from kvfold.methods.core.base import CompressionContext
+    from kvfold.pipeline.context import CompressedContext
+    from kvfold.runtime.budget import Budget
+
+    parsed = Budget.parse(budget)
+    ctx = CompressionContext(
+        model=source.model,
+        cache=source.cache,
+        input_ids=source.input_ids,
+        attention_mask=source.attention_mask,
+        budget=parsed,
+        tokenizer=source.tokenizer,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        if not method.is_identity and not parsed.is_full:
+            method.compress(ctx)
+        policy = None if parsed.is_full else method.online_policy(ctx)
+    return CompressedContext(
+        source=source,
+        method=method,
+        budget=parsed,
+        cache=source.cache,
+        policy=policy,
+        compress_seconds=time.perf_counter() - start,
+        report=ctx.report,
+    )
+
+
+def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
+    """Greedy decode of every context, one step of each in turn; steady-state tokens/s of each.
+
+    Each context is a :class:`~kvfold.pipeline.context.CompressedContext` (its cache decodes under its
+    online policy) or a :class:`~kvfold.pipeline.context.PrefilledContext` (a full cache). The order of the
+    contexts within a step alternates from step to step. Speed is the batch over the median time
+    of the ``new_tokens`` steps after :data:`WARMUP_STEPS` warm-up steps, summed over the batch.
+    """
+    import statistics
+
+    import torch
+
+    states = []
+    for context in contexts:
+        cache = context.cache
+        cache.policy = getattr(context, "policy", None)
+        source = getattr(context, "source", context)
+        states.append([cache, source.last_logits.argmax(-1)])
+    times: list[list[float]] = [[] for _ in contexts]
+    for step in range(WARMUP_STEPS + new_tokens):
+        order = range(len(states)) if step % 2 == 0 else reversed(range(len(states)))
+        for index in order:
+            cache, tokens = states[index]
+            batch = tokens.shape[0]
+            position = torch.full((batch, 1), cache.get_seq_length(), device=tokens.device)
+            start = time.perf_counter()
+            logits = model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
+            states[index][1] = logits.argmax(-1)
+            if step >= WARMUP_STEPS:
+                times[index].append(time.perf_counter() - start)
+    return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
+
+
+def _spawn(config: BenchConfig, timeout: float | None = None, threads: int | None = None) -> dict:
+    """Run one configuration in a fresh Python process and return its record.
+
+    ``threads`` sets the child's ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (a Ray worker's CPU
+    share); None leaves the environment as it is (torch's default: every core).
+    """
+    cmd = [sys.executable, "-m", "kvfold.evaluate.bench.speed", "--worker", json.dumps(asdict(config))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        where = f"{config.method} @ {config.length} tokens x {config.batch}"
+        last = lines[-1] if lines else ""
+        for kind in ("ValueError", "NotImplementedError", "kvfold.runtime.models.ModelLoadError", "ModelLoadError"):
+            if last.startswith(kind + ": "):  # the user's input, not a crash: say it plainly
+                raise ValueError(f"{where}: {last[len(kind) + 2 :]}")
+        tail = "\n".join(lines[-5:])
+        raise RuntimeError(f"bench worker failed for {where}:\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plan(
+    model: str,
+    methods: list[str],
+    budgets: list[float | int],
+    lengths: list[int],
+    batches: list[int],
+    new_tokens: int,
+    prefill_chunk: int | None,
+    dtype: str = "auto",
+    device: str = "auto",
+) -> tuple[list[BenchConfig], list[BenchConfig]]:
+    """The method configurations and the ``full`` runs at every length and batch.
+
+    (``full`` at each compressed size is measured inside the method's own process.)
+    """
+    runs, refs = [], {}
+    bounded = prefill_chunk is not None
+    for length in lengths:
+        for batch in batches:
+            refs[(length, batch)] = BenchConfig(
+                model, "full", 1.0, length, batch, new_tokens, None, dtype, device, bounded
+            )
+            for method in methods:
+                if method == "full":
+                    continue
+                for budget in budgets:
+                    runs.append(
+                        BenchConfig(
+                            model, method, budget, length, batch, new_tokens, prefill_chunk, dtype, device, bounded
+                        )
+                    )
+    return runs, list(refs.values())
+
+
+@dataclass(frozen=True)
+class BenchItem:
+    """One (length, batch) of a bench sweep: ``full`` and every method configuration at it.
+
+    The unit of work of ``kvfold bench`` (a :class:`~kvfold.evaluate.running.runner.SweepItem`): its
+    configurations are measured one after the other, each in a child process of its own, on one
+    machine, so each method's ``speedup`` divides by a ``full`` measured there.
+
+    Attributes:
+        index: position of the item in the sweep.
+        configs: ``full`` first, then the method configurations, in the serial order.
+        skip: configuration keys already measured (earlier runs, or an earlier attempt).
+        threads: threads of each child process (``OMP_NUM_THREADS``); None: torch's default.
+    """
+
+    index: int
+    configs: tuple[BenchConfig, ...]
+    skip: frozenset[str] = frozenset()
+    threads: int | None = None
+
+    @property
+    def label(self) -> str:
+        """What this item is, for messages."""
+        return f"length {self.configs[0].length} x batch {self.configs[0].batch}"
+
+    def unit_keys(self) -> list[str]:
+        """The keys of the records this item produces, in the order it produces them."""
+        return [key for key in map(_config_key, self.configs) if key not in self.skip]
+
+    @staticmethod
+    def row_key(row: Mapping[str, Any]) -> str:
+        """The key of a record (:func:`_config_key`)."""
+        return _config_key(dict(row))
+
+    def run(
+        self, model: Any = None, tokenizer: Any = None, status: Callable[[str], None] | None = None
+    ) -> Iterator[dict]:
+        """Measure the configurations not in ``skip`` (the model is loaded by each child, not here)."""
+        for config in self.configs:
+            if _config_key(config) in self.skip:
+                continue
+            if status is not None:
+                status(f"{config.method} @ {config.budget}, {config.length} tokens x {config.batch}")
+            yield _spawn(config, threads=self.threads) if self.threads else _spawn(config)
+
+
+def plan_items(
+    runs: list[BenchConfig], refs: list[BenchConfig], done: Mapping[str, Any] = {}, threads: int | None = None
+) -> list[BenchItem]:
+    """One :class:`BenchItem` per (length, batch) that has a configuration not in ``done``."""
+    items: list[BenchItem] = []
+    for ref in refs:
+        configs = (ref, *(c for c in runs if (c.length, c.batch) == (ref.length, ref.batch)))
+        keys = [_config_key(c) for c in configs]
+        if any(key not in done for key in keys):
+            items.append(BenchItem(len(items), configs, frozenset(k for k in keys if k in done), threads))
+    return items
+
+
+def bench(
+    model: str = "smollm2-135m",
+    methods: list[str] | None = None,
+    budgets: list[float | int] | None = None,
+    lengths: list[int] | None = None,
+    batches: list[int] | None = None,
+    new_tokens: int = 64,
+    prefill_chunk: int | None = None,
+    out_dir: str | Path | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+    runner: Any = None,
+    threads: int | None = None,
+) -> dict:
+    """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
+
+    Every finished configuration is appended to ``out_dir/records.jsonl`` at once; a run started
+    again on the same directory reuses the configurations found there and measures only the rest.
+
+    ``runner`` measures the :class:`BenchItem` s (an :data:`~kvfold.evaluate.running.runner.ItemRunner`:
+    by default one after the other here; :class:`kvfold.evaluate.running.distributed.RayRunner` on Ray
+    workers, which adds ``ray_workers`` to the result: who measured what). ``threads`` sets each
+    measuring process's threads (None: torch's default).
+
+    Returns:
+        ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
+        ``decode_tokens_per_s``, ``peak_rss_mb``, ``kv_bytes``, ``kv_bytes_full``, ``speedup``,
+        ``limit_speedup``, ``speedup_over_limit``, the reference's ``reference_length`` and
+        ``reference_tokens_per_s``, ``repeat_s``, ``compress_over_prefill`` and
+        ``compress_over_repeat`` (module docstring).
+    """
+    from kvfold.evaluate.running.runner import collect_rows, local_runner
+
+    runs, refs = plan(
+        model,
+        methods or ["streamingllm"],
+        budgets or [0.1],
+        lengths or [2048],
+        batches or [1],
+        new_tokens,
+        prefill_chunk,
+        dtype,
+        device,
+    )
+    done = load_finished_records(Path(out_dir)) if out_dir is not None else {}
+    done = {key: r for key, r in done.items() if "reference_tokens_per_s" in r}  # older kvfold: measure again
+    items = plan_items(runs, refs, done, threads)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    collect_rows(
+        runner or local_runner(None, None),
+        items,
+        done,
+        path=Path(out_dir) / RECORDS_FILE if out_dir is not None else None,
+        total=len(runs) + len(refs),
+        progress=progress,
+        desc="kvfold bench",
+        unit="configuration",
+    )
+    measured = {(c.length, c.batch): done[_config_key(c)] for c in refs}
+    records = [done[_config_key(c)] for c in runs]
+    full_records = [measured[(c.length, c.batch)] for c in refs]
+    for record in records:
+        full = measured[(record["length"], record["batch"])]
+        record["speedup"] = record["decode_tokens_per_s"] / full["decode_tokens_per_s"]
+        record["limit_speedup"] = record["reference_tokens_per_s"] / full["decode_tokens_per_s"]
+        record["speedup_over_limit"] = record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
+    for record in full_records:
+        record.update(speedup=1.0, limit_speedup=1.0, speedup_over_limit=1.0)
+    for record in [*full_records, *records]:
+        record.update(compression_ratios(record))
+    result: dict[str, Any] = {"model": model, "records": [*full_records, *records]}
+    worker_of = getattr(runner, "worker_of", None)
+    if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
+        result["ray_workers"] = {
+            _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
+        }
+    if out_dir is not None:
+        write_bench_report(result, Path(out_dir))
+    return result
+
+
+RECORDS_FILE = "records.jsonl"
+
+
+def _describe(config: BenchConfig) -> str:
+    """``"streamingllm @ 0.1, 2048 tokens x 1"``."""
+    return f"{config.method} @ {config.budget}, {config.length} tokens x {config.batch}"
+
+
+def _config_key(config: BenchConfig | dict) -> str:
+    """The identity of a configuration: every :class:`BenchConfig` field, as canonical JSON."""
+    fields = asdict(config) if isinstance(config, BenchConfig) else config
+    return json.dumps({name: fields.get(name) for name in BenchConfig.__dataclass_fields__}, sort_keys=True)
+
+
+def load_finished_records(out_dir: Path) -> dict[str, dict]:
+    """Records of configurations already measured into ``out_dir`` (a resumed run skips them).
+
+    A configuration is reused only when every field matches (model, method, budget, length, batch,
+    new tokens, prefill chunk, dtype, device); anything else is measured again.
+    """
+    path = out_dir / RECORDS_FILE
+    if not path.exists():
+        return {}
+    done = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            done[_config_key(record)] = record
+        except (ValueError, KeyError):
+            raise ValueError(f"{path} line {number} is not a bench record; delete the line to resume") from None
+    return done
+
+
+def write_bench_report(result: dict, out_dir: Path) -> None:
+    """``bench.json``, ``bench.md`` (a table) and ``bench.png`` (throughput and memory vs length)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
+    lines = [
+        f"# kvfold bench — {result['model']}",
+        "",
+        "Decode throughput is steady state (after warm-up, prefill excluded), summed over the batch. "
+        "Decode speed is the batch over the median step time. "
+        "`speedup` is against `full` at the same length; `limit` is `full` at the compressed size against "
+        "`full` at the length (the ceiling); `full` at the compressed size decodes in the method's own process, "
+        "step for step with it, so `speedup/limit` is a paired ratio. Peak RSS is each configuration's own "
+        "process (prefill and compression). `repeat s` is the repeat pass alone (methods that run it); "
+        "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass.",
+        "",
+        "| method | budget | length | batch | prefill s | compress s | repeat s | c/prefill | c/repeat | "
+        "decode tok/s | speedup | limit | speedup/limit | KV MB | full KV MB | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratios = compression_ratios(r)
+        lines.append(
+            f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r['prefill_s']:.2f} | "
+            f"{r['compress_s']:.2f} | {_cell(r.get('repeat_s'))} | {_cell(ratios['compress_over_prefill'])} | "
+            f"{_cell(ratios['compress_over_repeat'])} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+            f"{r['limit_speedup']:.2f} | "
+            f"{r['speedup_over_limit']:.2f} | {r['kv_bytes'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | "
+            f"{r['peak_rss_mb']:.0f} |"
+        )
+    if result.get("ray_workers"):
+        lines += [
+            "",
+            "Measured on Ray workers (each a machine's share: a `speedup` divides by the `full` measured by the "
+            "same worker; workers on one machine contend):",
+            "",
+            *(f"* {what}: `{worker}`" for what, worker in result["ray_workers"].items()),
+        ]
+    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out_dir / "bench.png")
+
+
+def _cell(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
+    for col, batch in enumerate(batches):
+        series: dict[str, list[dict]] = {}
+        for r in rows:
+            if r["batch"] == batch:
+                label = r["method"] if r["method"] == "full" else f"{r['method']} @ {r['budget']}"
+                series.setdefault(label, []).append(r)
+        for label, points in sorted(series.items()):
+            points.sort(key=lambda r: r["length"])
+            style = {"linestyle": "--", "color": "black"} if label == "full" else {"marker": "o"}
+            lengths = [p["length"] for p in points]
+            axes[0][col].plot(lengths, [p["decode_tokens_per_s"] for p in points], label=label, **style)
+            axes[1][col].plot(lengths, [p["peak_rss_mb"] for p in points], label=label, **style)
+        axes[0][col].set_title(f"decode throughput, batch {batch}")
+        axes[0][col].set_ylabel("tokens / s (summed over batch)")
+        axes[1][col].set_title(f"peak resident memory, batch {batch}")
+        axes[1][col].set_ylabel("MB")
+        for row in (0, 1):
+            axes[row][col].set_xlabel("context length (tokens)")
+            axes[row][col].set_xscale("log", base=2)
+            axes[row][col].grid(True, alpha=0.3)
+            axes[row][col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_parsers(sub) -> None:
+    """The ``kvfold bench`` sub-parser (gathered by :mod:`kvfold.cli.main`)."""
+    from kvfold.cli.args import add_model_args, add_ray_args
+
+    p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
+    add_model_args(p)
+    p.add_argument("--methods", default="streamingllm", help="comma-separated method specs")
+    p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
+    p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
+    p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=64, help="decode steps measured after warm-up")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks, compressing as it goes")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument(
+        "--cachefile",
+        action="store_true",
+        help="cache files and chat memory (kvfold.evaluate.bench.saved_caches)",
+    )
+    p.add_argument("--turns", type=int, default=50, help="--cachefile: turns of the measured chat (0: none)")
+    p.add_argument("--chat-budget", type=int, default=256, help="--cachefile: entries the chat keeps")
+    add_ray_args(p, "length and batch")
+
+
+def run_bench_command(args) -> int:
+    from kvfold.methods import build_method, split_specs
+    from kvfold.runtime.budget import Budget
+
+    if args.cachefile:
+        if args.ray is not None:
+            raise ValueError("--ray does not apply to --cachefile")
+        from kvfold.evaluate.bench.saved_caches import run_from_bench_args
+
+        return run_from_bench_args(args)
+
+    methods = split_specs(args.methods)
+    for spec in methods:
+        build_method(spec)  # fail fast on unknown methods or options
+    budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
+    lengths = _positive_ints(args.lengths, "--lengths")
+    batches = _positive_ints(args.batch, "--batch")
+    if args.new_tokens < 1:
+        raise ValueError("--new-tokens must be ≥ 1")
+    grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
+    if args.ray is None:
+        result = bench(*grid, args.dtype, args.device)
+    else:
+        from kvfold.cli.args import ray_options, ray_where
+        from kvfold.evaluate.running.distributed import require_ray, run_on_ray
+
+        options = ray_options(args)
+        require_ray()
+        threads = max(1, int(args.ray_worker_cpus))
+        print(f"kvfold bench on {ray_where(args)}, {threads} threads a measurement → {args.out}", file=sys.stderr)
+        result, ray_runner = run_on_ray(
+            None, lambda runner: bench(*grid, args.dtype, args.device, runner=runner, threads=threads), **options
+        )
+        print(ray_runner.summary(), file=sys.stderr)
+    print((Path(args.out) / "bench.md").read_text())
+    return 0 if result["records"] else 1
+
+
+COMMANDS = {"bench": run_bench_command}
+"""The subcommand of this module, gathered by :mod:`kvfold.cli.main`."""
+
+
+def _worker_main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvfold.evaluate.bench.speed")
+    parser.add_argument("--worker", required=True, help="a BenchConfig as JSON")
+    args = parser.parse_args()
+    config = BenchConfig(**json.loads(args.worker))
+    print(json.dumps(run_config(config)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker_main())

@@ -1,0 +1,1 @@
+"""Diagnostics: what a merge did to the cache (merge maps, merged entries)."""

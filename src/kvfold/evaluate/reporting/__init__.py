@@ -1,0 +1,1 @@
+"""Reporting: Markdown tables, JSON and plots from result files."""

@@ -1,0 +1,1 @@
+"""Running evaluations: the quality sweep, fidelity measurements, and Ray."""

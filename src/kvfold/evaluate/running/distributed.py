@@ -1,0 +1,493 @@
+"""Sweeps on a Ray cluster: ``kvfold eval --ray``, ``kvfold fidelity --ray``, ``kvfold bench --ray``.
+
+A sweep is cut into work items (:class:`~kvfold.evaluate.running.runner.SweepItem`: for ``eval``
+:class:`~kvfold.evaluate.running.runner.WorkItem` and for ``fidelity``
+:class:`~kvfold.evaluate.running.fidelity.FidelityItem`, one context with all its methods and budgets, so a
+context is prefilled once; for ``bench`` :class:`kvfold.evaluate.bench.speed.BenchItem`, one length and batch),
+and the items are answered by Ray actors that each load the model once (:class:`SweepWorker`).
+The driver — the process that runs :func:`~kvfold.evaluate.running.runner.collect_rows` — keeps each row
+once, appends it to the sweep's file as it arrives, counts it on the progress bar, and at the end
+writes the same rows in the same order, and the same results, as a serial run of the same grid.
+The mechanism is written once (:class:`RayRunner`, :func:`run_on_ray`); what an item does is the
+item's ``run(model, tokenizer)``.
+
+Faults: each item streams its answers back one by one. When a worker dies (its process killed,
+its node lost), the answers it delivered are kept, the rest of its item goes back to the front of
+the queue (with the delivered answers marked done) for the next free worker, and a new worker
+replaces the lost one. The sweep gives up when one item has lost ``max_attempts`` workers; an
+error raised by the item itself (a bad spec, a bug) is not retried but raised as it is.
+
+Ray is optional (``pip install 'kvfold[ray]'``) and imported only when a sweep runs on it.
+
+Example:
+    >>> from kvfold.evaluate.running.distributed import ModelLoader, RayRunner, ray_session
+    >>> from kvfold.evaluate.running.runner import run_sweep
+    >>> runner = RayRunner(ModelLoader("smollm2-135m"), workers=2)
+    >>> with ray_session(None, num_cpus=2):  # a local Ray instance; or ray_session("HOST:6379")
+    ...     result = run_sweep(runner, samples, ["full", "snapkv"], [0.1], out_dir="runs/r", run_config={})
+    >>> runner.answers_by_worker  # {"host:pid": answers, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import sys
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvfold.evaluate.data.samples import Sample
+from kvfold.evaluate.running.runner import EvalResult, SweepItem, run_sweep
+from kvfold.runtime.budget import Budget
+
+if TYPE_CHECKING:
+    from kvfold.evaluate.running.fidelity import FidelityResult
+
+R = TypeVar("R")
+
+__all__ = [
+    "LOCAL_OBJECT_STORE_BYTES",
+    "ModelLoader",
+    "RayRunner",
+    "RayUnavailableError",
+    "SweepWorker",
+    "evaluate_on_ray",
+    "fidelity_on_ray",
+    "ray_session",
+    "require_ray",
+    "run_on_ray",
+]
+
+RAY_INSTALL_HINT = "pip install 'kvfold[ray]'"
+LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2
+"""Object store of a local Ray instance: items and answers are small JSON-like objects."""
+
+
+class RayUnavailableError(ValueError):
+    """Ray is not installed (a ValueError, so the command line reports it as a one-line user error)."""
+
+
+def require_ray() -> ModuleType:
+    """Import Ray, or say how to install it.
+
+    Raises:
+        RayUnavailableError: Ray is not importable.
+    """
+    try:
+        import ray
+    except ImportError as err:
+        raise RayUnavailableError(
+            f"--ray needs Ray, which is not installed ({err}); install it with: {RAY_INSTALL_HINT}"
+        ) from err
+    return ray
+
+
+@dataclass(frozen=True)
+class ModelLoader:
+    """How a worker loads the model: a picklable call of :func:`kvfold.runtime.models.load_model`.
+
+    Attributes:
+        spec: the model spec (``smollm2-135m``, a ``.gguf``, a directory or a hub id) as every
+            worker's machine resolves it.
+        dtype: ``auto``, ``float32``, ``bfloat16``, ``float16``.
+        device: ``auto``, ``cpu``, ``cuda``, ``cuda:N`` (on the worker's machine).
+    """
+
+    spec: str
+    dtype: str = "auto"
+    device: str = "auto"
+
+    def __call__(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` with the kvfold attention."""
+        from kvfold.runtime.models import load_model
+
+        return load_model(self.spec, dtype=self.dtype, device=self.device)
+
+
+class SweepWorker:
+    """The body of a Ray actor: loads the model once, then answers work items one at a time.
+
+    Args:
+        loader: returns ``(model, tokenizer)``, called once in the actor's process; None for items
+            that need no model in the worker (``bench``'s, which measure in child processes).
+        threads: torch threads of this worker (its CPU share); None leaves torch's default.
+    """
+
+    def __init__(self, loader: Callable[[], tuple[Any, Any]] | None, threads: int | None = None):
+        self.model = self.tokenizer = None
+        if loader is not None:
+            import torch
+
+            if threads:
+                torch.set_num_threads(threads)
+            self.model, self.tokenizer = loader()
+
+    def name(self) -> str:
+        """``host:pid`` of this worker (also tells the driver the model is loaded)."""
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+    def run(self, item: SweepItem) -> Iterator[dict[str, Any]]:
+        """The item's rows, streamed back one by one as each is produced."""
+        yield from item.run(self.model, self.tokenizer)
+
+
+@dataclass
+class _Running:
+    """An item being answered: on which worker, and the answers it has delivered so far."""
+
+    actor: Any
+    name: str
+    item: SweepItem
+    delivered: set[Any] = dataclasses.field(default_factory=set)
+
+
+class RayRunner:
+    """An :data:`~kvfold.evaluate.running.runner.ItemRunner` on Ray actors (see the module docstring).
+
+    Needs a connected Ray (:func:`ray_session`). Workers are started when items are run and
+    killed when the last answer is in (or on an error).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`); None: no model.
+        workers: how many actors; by default as many as the cluster's CPUs (GPUs, when
+            ``gpus_per_worker`` > 0) allow, and never more than there are items.
+        cpus_per_worker: CPUs reserved by each actor (also its torch threads).
+        gpus_per_worker: GPUs reserved by each actor (0 on CPU clusters).
+        max_attempts: how many times one item may lose its worker; at the last the sweep gives up.
+        kill_after: fault injection for tests: kill (``ray.kill``) the worker that delivered the
+            sweep's ``kill_after``-th answer right after it arrives, once, while it works on the
+            rest of its item. None in normal use.
+
+    Attributes:
+        workers_started: actors started (replacements of lost workers included).
+        answers_by_worker: ``host:pid`` → answers that worker delivered (over all its items).
+        worker_of: row key → ``host:pid`` of the worker that delivered it (the first delivery).
+        workers_lost: workers that died while the sweep ran.
+        resubmitted: items sent back to the queue after their worker died.
+    """
+
+    def __init__(
+        self,
+        loader: Callable[[], tuple[Any, Any]] | None,
+        *,
+        workers: int | None = None,
+        cpus_per_worker: float = 1,
+        gpus_per_worker: float = 0,
+        max_attempts: int = 3,
+        kill_after: int | None = None,
+    ):
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be ≥ 1; got {workers}")
+        if cpus_per_worker <= 0 or gpus_per_worker < 0:
+            raise ValueError(
+                f"cpus_per_worker must be > 0 and gpus_per_worker ≥ 0; got {cpus_per_worker}, {gpus_per_worker}"
+            )
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be ≥ 1; got {max_attempts}")
+        self.loader = loader
+        self.workers = workers
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = gpus_per_worker
+        self.max_attempts = max_attempts
+        self.kill_after = kill_after
+        self.workers_started = 0
+        self.answers_by_worker: Counter[str] = Counter()
+        self.worker_of: dict[Any, str] = {}
+        self.workers_lost = 0
+        self.resubmitted = 0
+        self.connect: Callable[[], Any] | None = None
+        """Called once, before the first items run (:func:`run_on_ray` joins or starts Ray then,
+        so a resumed sweep with nothing left to answer starts no Ray)."""
+
+    def summary(self) -> str:
+        """``Ray workers started: N; answers by Ray worker: host:pid n, ...`` (and losses), for the log."""
+        by_worker = ", ".join(f"{name} {n}" for name, n in sorted(self.answers_by_worker.items()))
+        lost = f"; {self.workers_lost} workers lost, {self.resubmitted} items resubmitted" if self.workers_lost else ""
+        return (
+            f"Ray workers started: {self.workers_started}; answers by Ray worker: "
+            f"{by_worker or 'none (all resumed)'}{lost}"
+        )
+
+    def worker_count(self, items: int) -> int:
+        """How many actors to start for ``items`` items on the connected cluster."""
+        ray = require_ray()
+        if self.workers is None:
+            resources = ray.cluster_resources()
+            count = int(resources.get("CPU", 1) // self.cpus_per_worker)
+            if self.gpus_per_worker:
+                count = min(count, int(resources.get("GPU", 0) // self.gpus_per_worker))
+            if count < 1:
+                have = f"{resources.get('CPU', 0)} CPUs and {resources.get('GPU', 0)} GPUs"
+                raise ValueError(
+                    f"the Ray cluster has {have}: not enough for one worker of {self.cpus_per_worker} CPUs "
+                    f"and {self.gpus_per_worker} GPUs; lower --ray-worker-gpus or add nodes"
+                )
+        else:
+            count = self.workers
+        return max(1, min(count, items))
+
+    def __call__(self, items: Sequence[SweepItem], status: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+        """Answer ``items`` on the cluster; yields each delivered row (a retried item's rows may repeat)."""
+        if not items:
+            return
+        if self.connect is not None:
+            connect, self.connect = self.connect, None
+            connect()
+        ray = require_ray()
+        from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+        actor_class = ray.remote(SweepWorker).options(
+            num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0, max_task_retries=0
+        )
+        threads = max(1, int(self.cpus_per_worker))
+        count = self.worker_count(len(items))
+        queue: deque[SweepItem] = deque(items)
+        attempts: Counter[int] = Counter()
+        starting: dict[Any, Any] = {}  # ref of name() → actor, while the model loads
+        idle: list[tuple[Any, str]] = []
+        running: dict[Any, _Running] = {}  # streaming generator → its item
+        every: list[Any] = []
+        replacements = 0
+
+        def start() -> None:
+            actor = actor_class.remote(self.loader, threads)
+            every.append(actor)
+            self.workers_started += 1
+            starting[actor.name.remote()] = actor
+
+        for _ in range(count):
+            start()
+        try:
+            while queue or running:
+                while queue and idle:
+                    actor, name = idle.pop()
+                    item = queue.popleft()
+                    running[actor.run.options(num_returns="streaming").remote(item)] = _Running(actor, name, item)
+                busy = len(running)
+                status(f"{busy}/{busy + len(idle) + len(starting)} workers busy, {len(queue)} items queued")
+                if not running and not starting:  # pragma: no cover - a new worker always replaces a lost one
+                    raise RuntimeError("no Ray worker left to answer the remaining items")
+                ready, _ = ray.wait([*running, *starting], num_returns=1)
+                for ref in ready:
+                    if ref in starting:
+                        actor = starting.pop(ref)
+                        try:
+                            idle.append((actor, ray.get(ref)))
+                        except (RayActorError, RayTaskError) as err:
+                            raise RuntimeError(
+                                "a Ray worker could not load the model (is kvfold installed on every node, and the "
+                                f"model reachable there?): {err}"
+                            ) from err
+                        continue
+                    task = running[ref]
+                    try:
+                        row = ray.get(next(ref))
+                    except StopIteration:
+                        del running[ref]
+                        idle.append((task.actor, task.name))
+                        continue
+                    except RayTaskError as err:  # the item itself failed: retrying would fail the same way
+                        raise err.as_instanceof_cause() from None
+                    except (RayActorError, ObjectLostError) as err:
+                        del running[ref]
+                        self.workers_lost += 1
+                        replacements += 1
+                        ray.kill(task.actor, no_restart=True)
+                        attempts[task.item.index] += 1
+                        if attempts[task.item.index] >= self.max_attempts or replacements > count * self.max_attempts:
+                            raise RuntimeError(
+                                f"gave up after losing {self.workers_lost} Ray workers (the last on "
+                                f"{task.item.label}); rerun to resume: {err}"
+                            ) from err
+                        print(
+                            f"kvfold: Ray worker {task.name} lost ({type(err).__name__}); the rest of "
+                            f"{task.item.label} goes to another worker ({len(task.delivered)} answers kept)",
+                            file=sys.stderr,
+                        )
+                        queue.appendleft(dataclasses.replace(task.item, skip=task.item.skip | task.delivered))
+                        self.resubmitted += 1
+                        start()
+                        continue
+                    key = task.item.row_key(row)
+                    task.delivered.add(key)
+                    self.worker_of.setdefault(key, task.name)
+                    self.answers_by_worker[task.name] += 1
+                    yield row
+                    if self.kill_after is not None and self.kill_after == self.answers_by_worker.total():
+                        ray.kill(task.actor, no_restart=True)
+        finally:
+            for actor in every:
+                ray.kill(actor, no_restart=True)
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, *, num_cpus: int | None = None) -> Iterator[ModuleType]:
+    """Connect to Ray for the duration of a ``with`` block; yields the ``ray`` module.
+
+    Args:
+        address: ``None`` or ``"local"``: start a local Ray instance (dashboard off, a small object
+            store) and stop it at the end; ``"HOST:PORT"`` or ``"auto"``: connect to a running
+            cluster (``ray start --head``) and disconnect at the end. When Ray is already
+            initialized in this process, that connection is used and left open.
+        num_cpus: CPUs of a local instance (default: this machine's cores).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+    """
+    ray = require_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    if address in (None, "local"):
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count() or 1,
+            include_dashboard=False,
+            object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+            log_to_driver=False,
+        )
+    else:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def run_on_ray(
+    loader: Callable[[], tuple[Any, Any]] | None,
+    sweep: Callable[[RayRunner], R],
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+) -> tuple[R, RayRunner]:
+    """Run ``sweep(runner)`` with a :class:`RayRunner`; the Ray session (:func:`ray_session`) is
+    joined or started when the runner is first given items and closed at the end (a resumed sweep
+    with nothing left starts none).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`); None: no model.
+        sweep: the driver, e.g. ``lambda runner: run_sweep(runner, ...)``.
+        address: as for :func:`ray_session` (None: a local instance).
+        workers: actors to start; by default as many as the cluster's CPUs allow (for a local
+            instance: this machine's cores, or ``workers × cpus_per_worker`` CPUs if more).
+        cpus_per_worker, gpus_per_worker: resources reserved by each actor.
+
+    Returns:
+        ``(sweep's result, runner)``: the runner holds its counts (answers by worker, workers
+        lost, items resubmitted).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+    """
+    runner = RayRunner(loader, workers=workers, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker)
+    local_cpus = os.cpu_count() or 1
+    if workers is not None:
+        local_cpus = max(local_cpus, int(workers * cpus_per_worker + 0.999))
+    with contextlib.ExitStack() as session:  # entered when the first items run
+        runner.connect = lambda: session.enter_context(ray_session(address, num_cpus=local_cpus))
+        result = sweep(runner)
+    return result, runner
+
+
+def evaluate_on_ray(
+    loader: Callable[[], tuple[Any, Any]],
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+    query_aware: bool = False,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    run_config: Mapping[str, Any],
+) -> tuple[EvalResult, RayRunner]:
+    """:func:`~kvfold.evaluate.running.runner.evaluate` on a Ray cluster (or a local Ray instance).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
+        samples, methods, budgets, query_aware, seed, out_dir, progress, run_config: as for
+            :func:`~kvfold.evaluate.running.runner.run_sweep`.
+        address, workers, cpus_per_worker, gpus_per_worker: as for :func:`run_on_ray`.
+
+    Returns:
+        ``(result, runner)``: the result, identical to a serial run's but for timings, and the
+        runner with its counts (answers by worker, workers lost, items resubmitted).
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+        ValueError: as :func:`~kvfold.evaluate.running.runner.run_sweep`.
+        RuntimeError: workers could not load the model, or too many were lost.
+    """
+    return run_on_ray(
+        loader,
+        lambda runner: run_sweep(
+            runner,
+            samples,
+            methods,
+            budgets,
+            query_aware=query_aware,
+            seed=seed,
+            out_dir=out_dir,
+            progress=progress,
+            run_config=run_config,
+        ),
+        address=address,
+        workers=workers,
+        cpus_per_worker=cpus_per_worker,
+        gpus_per_worker=gpus_per_worker,
+    )
+
+
+def fidelity_on_ray(
+    loader: Callable[[], tuple[Any, Any]],
+    samples: Sequence[Sample],
+    methods: Sequence[str],
+    budgets: Sequence[float | int | str | Budget],
+    *,
+    address: str | None = None,
+    workers: int | None = None,
+    cpus_per_worker: float = 1,
+    gpus_per_worker: float = 0,
+    run_config: Mapping[str, Any],
+    **options: Any,
+) -> tuple[FidelityResult, RayRunner]:
+    """:func:`~kvfold.evaluate.running.fidelity.fidelity` on a Ray cluster (or a local Ray instance).
+
+    Args:
+        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
+        samples, methods, budgets, run_config: as for
+            :func:`~kvfold.evaluate.running.fidelity.run_fidelity_sweep`.
+        address, workers, cpus_per_worker, gpus_per_worker: as for :func:`run_on_ray`.
+        options: ``continuation``, ``next_tokens``, ``online``, ``seed``, ``out_dir``,
+            ``progress``, as for :func:`~kvfold.evaluate.running.fidelity.fidelity`.
+
+    Returns:
+        ``(result, runner)``: the result, identical to a serial run's, and the runner's counts.
+
+    Raises:
+        RayUnavailableError: Ray is not installed.
+        ValueError: as :func:`~kvfold.evaluate.running.fidelity.fidelity`.
+        RuntimeError: workers could not load the model, or too many were lost.
+    """
+    from kvfold.evaluate.running.fidelity import run_fidelity_sweep
+
+    return run_on_ray(
+        loader,
+        lambda runner: run_fidelity_sweep(runner, samples, methods, budgets, run_config=run_config, **options),
+        address=address,
+        workers=workers,
+        cpus_per_worker=cpus_per_worker,
+        gpus_per_worker=gpus_per_worker,
+    )

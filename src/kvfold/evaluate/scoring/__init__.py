@@ -1,0 +1,1 @@
+"""Scoring: task metrics and statistics (retention, intervals)."""

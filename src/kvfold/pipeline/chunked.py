@@ -1,0 +1,177 @@
+"""Bounded-memory prefill: feed a long context chunk by chunk and compress whenever the cache
+passes its budget, so peak memory follows budget + chunk, not the context length.
+
+Methods opt in with ``supports_chunked_prefill = True``. Two ways to stay within the budget:
+
+* **one-shot between chunks** (default): after every forward that leaves the cache over budget,
+  the method compresses it as after a prefill. Its scores must make sense on a cache that already
+  holds compressed entries followed by the newest chunk (StreamingLLM's recency, SnapKV's window
+  of the newest chunk, key norms).
+* **online** (methods that also set ``chunked_prefill_online = True``: H2O, ZSMerge, KeepKV): the
+  scores accumulate over every query seen, so the method's decode-time policy
+  (``method.online_policy``) runs inside each chunk's forward and brings every layer back to its
+  budget right after that layer's attention, with the chunk's attention probabilities
+  ``(B, H_q, chunk, budget + chunk)``: H2O sums the attention of all queries (its Algorithm 1),
+  ZSMerge runs Algorithm 1 for each new token and keeps its residual slots, KeepKV updates its
+  scores and merges the victims. The first chunk is compressed one-shot (as a prefill) when it
+  alone passes the budget, or taken over by a policy that brings a fresh prefill to its budget
+  itself (``policy.adopt(cache)``: ZSMerge, whose residual slots are part of that budget); then
+  the policy runs. At the end the policy writes its state into the cache's statistics
+  (``export_state``), so decoding continues from it: with the same policy object
+  (``CompressedContext.policy``) or a fresh one per answer.
+
+Memory: a layer holds at most ``max(its budget, budget) + chunk`` entries (its own budget differs
+from the requested one with per-layer budgets such as ``h2o_cosine``'s; until the cache first
+passes the requested budget nothing is compressed).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
+from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, CompressedContext, PrefilledContext, check_length
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache
+
+
+def supports_chunked_prefill(method: ComposedMethod) -> bool:
+    """Whether every part of a method can compress between chunks."""
+    return all(getattr(part, "supports_chunked_prefill", False) for part in method.parts)
+
+
+def runs_online_between_chunks(method: ComposedMethod) -> bool:
+    """Whether a method keeps its budget between chunks with its online policy (see the module docstring)."""
+    return any(getattr(part, "chunked_prefill_online", False) for part in method.parts)
+
+
+def chunked_methods() -> list[str]:
+    """Names of the registered methods that support chunked prefill."""
+    from kvfold.methods import available_methods
+
+    return [c.name for c in available_methods() if getattr(c, "supports_chunked_prefill", False)]
+
+
+@torch.inference_mode()
+def prefill_chunked(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    input_ids: torch.Tensor,
+    method: str | ComposedMethod,
+    budget: float | int | str | Budget,
+    chunk_size: int,
+    *,
+    seed: int = 0,
+) -> CompressedContext:
+    """Prefill ``input_ids`` ``(B, N)`` (equal lengths) in chunks, compressing as it goes.
+
+    Args:
+        model: an enabled model.
+        tokenizer: its tokenizer (used by methods that build prompts; may be None).
+        input_ids: the context tokens.
+        method: a method spec that supports chunked prefill.
+        budget: fraction of the whole context or a token count; the cache holds at most this many
+            entries per head plus one chunk (per-layer budgets: see the module docstring).
+        chunk_size: tokens per forward pass.
+
+    Returns:
+        A :class:`CompressedContext` (its ``source.cache`` is the compressed cache itself: no full
+        cache is ever held). For online methods ``compress_seconds`` counts the one-shot part only;
+        the policy's work inside the forwards is part of ``source.prefill_seconds``.
+
+    Raises:
+        ValueError: the method cannot compress between chunks (or, for an online one, has no online
+            policy: ``h2o[online=false]``, ``snapkv+keepkv``), or bad sizes.
+    """
+    composed = build_method(method) if isinstance(method, str) else method
+    if chunk_size < 1:
+        raise ValueError(f"prefill chunk must be ≥ 1 token; got {chunk_size}")
+    if not composed.is_identity and not supports_chunked_prefill(composed):
+        raise ValueError(
+            f"{composed.spec} cannot compress during a chunked prefill; methods that can: "
+            f"{', '.join(chunked_methods())}"
+        )
+    batch, length = input_ids.shape
+    check_length(model, length)
+    parsed = Budget.parse(budget)
+    keep = parsed.count(length)
+    cache = FoldedCache(model.config)
+    cache.capture_window = max(DEFAULT_SNAPSHOT_WINDOW, composed.query_window)
+    cache.prefill_observers = [] if composed.is_identity else composed.prefill_observers()  # H2O: first chunk
+    attention_mask = torch.ones_like(input_ids)
+    report: dict = {}
+
+    def context(end: int) -> CompressionContext:
+        return CompressionContext(
+            model=model,
+            cache=cache,
+            input_ids=input_ids[:, :end],
+            attention_mask=attention_mask[:, :end],
+            budget=Budget(tokens=keep) if keep > 1 else Budget(fraction=1.0 / end),
+            seed=seed,
+            report=report,
+            tokenizer=tokenizer,
+        )
+
+    final_ctx = context(length)
+    online = not composed.is_identity and runs_online_between_chunks(composed)
+    policy = composed.online_policy(final_ctx) if online else None
+    if online and policy is None:
+        raise ValueError(
+            f"{composed.spec} keeps its budget between chunks with its online (decode-time) policy, and has "
+            "none here: leave online=true, and pair keepkv with a selector that runs online "
+            "(h2o, h2o_cosine, streamingllm, tova, knorm)"
+        )
+    prefill_seconds = compress_seconds = 0.0
+    out = None
+    for start in range(0, length, chunk_size):
+        end = min(length, start + chunk_size)
+        positions = torch.arange(start, end, device=input_ids.device).expand(batch, -1)
+        t0 = time.perf_counter()
+        out = model(
+            input_ids=input_ids[:, start:end],
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        prefill_seconds += time.perf_counter() - t0
+        cache.prefill_observers = []  # they see the first chunk only (a fresh prefill)
+        if cache.policy is not None:
+            continue  # the policy brought every layer back to its budget inside the forward
+        t0 = time.perf_counter()
+        if online and hasattr(policy, "adopt"):
+            policy.adopt(cache)  # the policy brings the first chunk to its budget (ZSMerge)
+        elif not composed.is_identity and any(layer.physical_length > keep for _, layer in cache.folded_layers):
+            composed.compress(context(end))
+        compress_seconds += time.perf_counter() - t0
+        if online:
+            cache.policy = policy  # from the second chunk on: scores accumulate over every query
+    cache.capture_window = 0
+    cache.policy = None
+    if online:
+        policy.export_state(cache)
+    cache.shrink_to_fit()  # an online policy evicts in place: release the last chunk's capacity
+    source = PrefilledContext(
+        model=model,
+        tokenizer=tokenizer,
+        cache=cache,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prefill_seconds=prefill_seconds,
+        last_logits=out.logits[:, -1],
+    )
+    if not online:
+        policy = None if composed.is_identity else composed.online_policy(final_ctx)
+    return CompressedContext(
+        source=source,
+        method=composed,
+        budget=parsed,
+        cache=cache,
+        policy=policy,
+        compress_seconds=compress_seconds,
+        report=report,
+    )

@@ -1,0 +1,453 @@
+"""From a user's context to answers through a compressed cache: prefill → compress → answer.
+
+Protocol (shared/guide/evaluation.md): by default **query-agnostic** — the context is prefilled
+and compressed alone, then the question (and answer prefix) is appended and decoded greedily.
+With ``query_aware=True`` the question is part of what is compressed.
+
+Example:
+    >>> from kvfold import load_model, prefill
+    >>> model, tokenizer = load_model()
+    >>> context = prefill(model, tokenizer, open("report.txt").read())
+    >>> small = context.compress("snapkv", budget=0.1)
+    >>> small.answer("Who signed the report?")
+    >>> small.kv_bytes, small.kv_bytes_full
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
+
+DEFAULT_SNAPSHOT_WINDOW = 64
+"""Prefill query states kept per layer for methods with an observation window (SnapKV: 32)."""
+
+
+def _max_positions(model: PreTrainedModel) -> int | None:
+    config = model.config.get_text_config(decoder=True)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_length(model: PreTrainedModel, total_tokens: int) -> None:
+    """Raise a clear error when a prompt would not fit the model's positions."""
+    limit = _max_positions(model)
+    if limit is not None and total_tokens > limit:
+        raise ValueError(
+            f"context, question and answer need {total_tokens} tokens but the model supports {limit} positions; "
+            "shorten the context or lower --max-new-tokens"
+        )
+
+
+@dataclass
+class Timings:
+    prefill_seconds: float = 0.0
+    compress_seconds: float = 0.0
+
+
+@dataclass
+class PrefilledContext:
+    """A context prefilled once into a full :class:`FoldedCache`; compress copies of it.
+
+    Attributes:
+        model, tokenizer: what produced it.
+        cache: the full cache (not modified by :meth:`compress`).
+        input_ids: ``(B, N)`` context tokens (left-padded for batches).
+        attention_mask: ``(B, N)``.
+        question: set in query-aware mode (the question is inside the context).
+        prefill_seconds: wall time of the prefill.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    cache: FoldedCache
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    prefill_seconds: float
+    suffixes: list[str] | None = None
+    last_logits: torch.Tensor | None = None
+    shared: dict[Any, Any] = field(default_factory=dict, repr=False)
+    """Budget-independent results kept across compressions (``CompressionContext.shared``)."""
+
+    @property
+    def context_tokens(self) -> int:
+        return int(self.attention_mask.sum(-1).max())
+
+    def compress(
+        self,
+        method: str | ComposedMethod = "full",
+        budget: float | int | str | Budget = 1.0,
+        *,
+        seed: int = 0,
+    ) -> CompressedContext:
+        """Compress a copy of the prefilled cache with a method spec and budget.
+
+        Args:
+            method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, …) or a built method.
+            budget: a fraction in (0, 1] of the context to keep, or a token count.
+            seed: seed for randomized methods.
+
+        Returns:
+            A :class:`CompressedContext` that answers questions; this object is unchanged.
+        """
+        composed = build_method(method) if isinstance(method, str) else method
+        parsed_budget = Budget.parse(budget)
+        cache = self.cache.copy()
+        ctx = CompressionContext(
+            model=self.model,
+            cache=cache,
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            budget=parsed_budget,
+            seed=seed,
+            tokenizer=self.tokenizer,
+            shared=self.shared,
+        )
+        start = time.perf_counter()
+        policy = composed.apply(ctx)
+        # the time this compression costs alone: shared results it reused count as if computed here
+        elapsed = time.perf_counter() - start + ctx.report.get("reused_seconds", 0.0)
+        return CompressedContext(
+            source=self,
+            method=composed,
+            budget=parsed_budget,
+            cache=cache,
+            policy=policy,
+            compress_seconds=elapsed,
+            report=ctx.report,
+        )
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    new_tokens: int
+    decode_seconds: float
+
+
+@dataclass
+class CompressedContext:
+    """A compressed cache ready to answer questions (each answer works on a copy)."""
+
+    source: PrefilledContext
+    method: ComposedMethod
+    budget: Budget
+    cache: FoldedCache
+    policy: Any
+    compress_seconds: float
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Physical bytes the compressed cache holds."""
+        return self.cache.nbytes()
+
+    @property
+    def kv_bytes_full(self) -> int:
+        """Bytes the uncompressed cache of this context holds (keys and values)."""
+        return self.cache.full_nbytes()
+
+    def answer(
+        self,
+        question: str = "",
+        *,
+        answer_prefix: str = "",
+        max_new_tokens: int = 32,
+        use_chat_template: bool | None = None,
+    ) -> str | list[str]:
+        """Append the question to a copy of the compressed cache and decode greedily.
+
+        In query-aware mode the question was given to :func:`prefill` and must not be repeated.
+
+        Returns:
+            The answer text (a list for a batch of contexts).
+        """
+        answers = self.generate(
+            question,
+            answer_prefix=answer_prefix,
+            max_new_tokens=max_new_tokens,
+            use_chat_template=use_chat_template,
+        )
+        texts = [a.text for a in answers]
+        return texts[0] if len(texts) == 1 else texts
+
+    def save(self, path, *, source_text: str | None = None, resumable: bool = False) -> int:
+        """Save this compressed context to a cache file; see :func:`kvfold.store.format.save_context`."""
+        from kvfold.store.format import save_context
+
+        return save_context(self, path, source_text=source_text, resumable=resumable)
+
+    def decode_cache(self, row: int = 0) -> FoldedCache:
+        """A copy of one batch row of the compressed cache, ready to decode from.
+
+        The copy carries a fresh decode-time policy of the method (``cache.policy``) when the method
+        has an online path, so it stays at its budget while tokens are appended, exactly as during
+        :meth:`generate`; the policy's state follows this copy only.
+        """
+        cache = _row_cache(self.cache, row, self.source.input_ids.shape[0])
+        if self.policy is not None:
+            cache.policy = self.method.online_policy(_row_context(self, cache, row))
+        return cache
+
+    def generate(
+        self,
+        question: str = "",
+        *,
+        answer_prefix: str = "",
+        max_new_tokens: int = 32,
+        use_chat_template: bool | None = None,
+    ) -> list[Answer]:
+        """Like :meth:`answer` but returns token ids and timings per batch row."""
+        src = self.source
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
+        if src.suffixes is not None:
+            if question:
+                raise ValueError("this context was prefilled query-aware; its question is already inside it")
+            suffixes = [s + answer_prefix for s in src.suffixes]
+        else:
+            tok = src.tokenizer
+            parts = build_prompt(tok, "", question, answer_prefix, use_chat_template=use_chat_template)
+            suffixes = [parts.suffix] * src.input_ids.shape[0]
+        results = []
+        for row, suffix in enumerate(suffixes):
+            cache = self.decode_cache(row)
+            suffix_ids = encode(src.tokenizer, suffix, special=False) if suffix else []
+            check_length(src.model, src.input_ids.shape[1] + len(suffix_ids) + max_new_tokens)
+            start_pos = int(src.attention_mask[row].sum())
+            pad = src.input_ids.shape[1] - start_pos
+            first_logits = None if suffix_ids else src.last_logits[row : row + 1]
+            results.append(
+                greedy_decode(
+                    src.model,
+                    src.tokenizer,
+                    cache,
+                    suffix_ids,
+                    max_new_tokens,
+                    position_offset=-pad,
+                    first_logits=first_logits,
+                )
+            )
+        return results
+
+
+def _row_cache(cache: FoldedCache, row: int, batch: int) -> FoldedCache:
+    copy = cache.copy()
+    if batch > 1:
+        copy.batch_select_indices(torch.tensor([row]))
+    return copy
+
+
+def _row_context(compressed: CompressedContext, cache: FoldedCache, row: int) -> CompressionContext:
+    src = compressed.source
+    return CompressionContext(
+        model=src.model,
+        cache=cache,
+        input_ids=src.input_ids[row : row + 1],
+        attention_mask=src.attention_mask[row : row + 1],
+        budget=compressed.budget,
+        tokenizer=src.tokenizer,
+    )
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    cache: FoldedCache,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    position_offset: int = 0,
+    first_logits: torch.Tensor | None = None,
+    stop_at_eos: bool = True,
+) -> Answer:
+    """Feed ``prompt_ids`` after the cache, then decode greedily (batch of one).
+
+    Positions continue from the cache's logical length (plus ``position_offset``, minus the
+    left padding of the row), exactly as without compression.
+    """
+    device = model.device
+    eos = _eos_ids(model, tokenizer)
+    logical = cache.get_seq_length()
+    generated: list[int] = []
+    start = time.perf_counter()
+    if prompt_ids:
+        ids = torch.tensor([prompt_ids], device=device)
+        pos = torch.arange(logical, logical + len(prompt_ids), device=device)[None] + position_offset
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1]
+    else:
+        if first_logits is None:
+            raise ValueError("nothing to decode from: give prompt ids or the last prefill logits")
+        logits = first_logits
+    for _ in range(max_new_tokens):
+        token = int(logits.argmax(-1)[0])
+        if stop_at_eos and token in eos:
+            break
+        generated.append(token)
+        if len(generated) == max_new_tokens:
+            break
+        logical = cache.get_seq_length()
+        ids = torch.tensor([[token]], device=device)
+        pos = torch.tensor([[logical + position_offset]], device=device)
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1]
+    elapsed = time.perf_counter() - start
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    return Answer(text=text, token_ids=generated, new_tokens=len(generated), decode_seconds=elapsed)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    im_end = (
+        tokenizer.convert_tokens_to_ids("<|im_end|>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
+    )
+    if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
+        ids.add(im_end)
+    return ids
+
+
+def _planned_methods(
+    methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None,
+) -> list[ComposedMethod]:
+    """Build the methods announced to :func:`prefill` (specs or built methods)."""
+    from kvfold.methods.core.spec import split_specs
+
+    if methods is None:
+        return []
+    items = [methods] if isinstance(methods, (str, ComposedMethod)) else list(methods)
+    built: list[ComposedMethod] = []
+    for item in items:
+        specs = split_specs(item) if isinstance(item, str) else [item]
+        built.extend(build_method(s) if isinstance(s, str) else s for s in specs)
+    return built
+
+
+@torch.inference_mode()
+def prefill(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str | list[str],
+    *,
+    question: str | list[str] | None = None,
+    query_aware: bool = False,
+    answer_prefix: str = "",
+    use_chat_template: bool | None = None,
+    capture_window: int = DEFAULT_SNAPSHOT_WINDOW,
+    methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None = None,
+) -> PrefilledContext:
+    """Tokenize and prefill one context (or a left-padded batch of contexts) into a FoldedCache.
+
+    Args:
+        model: a model prepared by :func:`kvfold.load_model` or :func:`kvfold.prepare_model`.
+        tokenizer: its tokenizer.
+        context: the text to compress (or a list for a batch).
+        question: with ``query_aware=True``, the question compressed together with the context.
+        query_aware: put the question inside the compressed part.
+        answer_prefix: query-aware only: appended after the question.
+        capture_window: last prefill query states kept per layer for windowed methods.
+        methods: the method specs this context will be compressed with (a spec, a list of
+            specs, or a comma-separated list). The prefill then captures what they need: a
+            longer query window if one asks for more than ``capture_window``, and statistics
+            computed during the prefill itself (H2O's accumulated attention). Methods not
+            listed still work; H2O then recomputes its statistics with an extra forward pass.
+
+    Raises:
+        ValueError: empty context, or a context beyond the model's positions.
+    """
+    contexts = [context] if isinstance(context, str) else list(context)
+    if not contexts or any(not c or not c.strip() for c in contexts):
+        raise ValueError("the context is empty; give the text to compress (--context or --context-file)")
+    questions = (
+        [question] * len(contexts) if isinstance(question, str) or question is None else list(question)
+    )
+    if query_aware and any(not q for q in questions):
+        raise ValueError("query-aware mode needs the question at prefill time")
+    rows, suffixes = [], []
+    for text, q in zip(contexts, questions, strict=True):
+        if query_aware:
+            parts = build_prompt(tokenizer, text, q, answer_prefix, use_chat_template=use_chat_template)
+            rows.append(encode(tokenizer, parts.context + parts.suffix, special=True))
+            suffixes.append("")
+        else:
+            parts = build_prompt(tokenizer, text, "", use_chat_template=use_chat_template)
+            rows.append(encode(tokenizer, parts.context, special=True))
+    longest = max(len(r) for r in rows)
+    check_length(model, longest + 1)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.tensor([[pad_id] * (longest - len(r)) + r for r in rows], device=model.device)
+    attention_mask = torch.tensor(
+        [[0] * (longest - len(r)) + [1] * len(r) for r in rows], device=model.device
+    )
+    return prefill_ids(
+        model,
+        tokenizer,
+        input_ids,
+        attention_mask if len(rows) > 1 else None,
+        capture_window=capture_window,
+        methods=methods,
+        suffixes=suffixes if query_aware else None,
+    )
+
+
+@torch.inference_mode()
+def prefill_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    capture_window: int = DEFAULT_SNAPSHOT_WINDOW,
+    methods: str | ComposedMethod | Sequence[str | ComposedMethod] | None = None,
+    suffixes: list[str] | None = None,
+) -> PrefilledContext:
+    """Prefill token ids already encoded (``(B, N)``, left-padded) into a full :class:`FoldedCache`.
+
+    Args:
+        attention_mask: ``(B, N)`` with 0 on left padding; None when no row is padded (the model
+            then runs without a mask).
+        capture_window, methods: as in :func:`prefill`.
+        suffixes: the query-aware suffixes, kept on the returned context.
+    """
+    cache = FoldedCache(model.config)
+    planned = _planned_methods(methods)
+    cache.capture_window = max([capture_window, *(m.query_window for m in planned)])
+    cache.prefill_observers = list({o.key: o for m in planned for o in m.prefill_observers()}.values())
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    start = time.perf_counter()
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    elapsed = time.perf_counter() - start
+    cache.capture_window = 0
+    cache.prefill_observers = []
+    return PrefilledContext(
+        model=model,
+        tokenizer=tokenizer,
+        cache=cache,
+        input_ids=input_ids,
+        attention_mask=mask,
+        prefill_seconds=elapsed,
+        suffixes=suffixes,
+        last_logits=out.logits[:, -1],
+    )

@@ -1,0 +1,743 @@
+"""The folded KV cache: keys, values and a per-entry log-mass β, with real per-head lengths.
+
+Every method of the seed papers ends in the same object (see ``shared/guide/architecture.md``):
+a shorter cache whose entries may stand for several tokens. An entry with log-mass β adds β to
+its attention logit, ``logits_j = q·k_j / sqrt(d) + β_j``, so one entry with β = log k attends
+exactly like k identical copies. β is ZSMerge's α·log w (§3), KeepKV's log of electoral votes
+(eq. 7) and Attention Matching's fitted bias (§2). β = −inf marks a slot that holds nothing
+(left padding of a batch, or the unused tail of a shorter row).
+
+Storage per layer has two layouts:
+
+* **dense** — ``(B, H_kv, capacity, D)`` buffers with one physical length for all rows. Decoding
+  writes the new token in place; capacity grows geometrically, so a decode step never copies
+  the cache.
+* **paged** — used when rows (batch × KV head) hold different numbers of entries, as with
+  per-head budgets (AdaKV, Attention Matching head schedules). Entries live in fixed-size
+  blocks owned by rows, so the memory held is Σ row lengths rounded up to a block, not
+  rows × the longest row.
+
+The layer also keeps a **logical length** (positions seen, including compressed ones) that is
+what ``get_seq_length()`` reports, so RoPE positions of new tokens continue where the
+uncompressed context ended (architecture invariant 4).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+NEG_INF = float("-inf")
+BLOCK_SIZE = 16
+"""Entries per block of the paged layout."""
+
+
+def _grow(capacity: int, needed: int) -> int:
+    """Geometric growth: amortised O(1) copies per appended token."""
+    return max(needed, capacity + max(16, capacity // 8))
+
+
+@dataclass
+class PagedRows:
+    """Paged storage for rows of different lengths (one row = one batch element × KV head).
+
+    Attributes:
+        keys: ``(num_blocks_capacity, BLOCK_SIZE, D)``.
+        values: same shape as ``keys``.
+        log_mass: ``(num_blocks_capacity, BLOCK_SIZE)`` float32; −inf in empty slots.
+        block_row: ``(num_blocks_capacity,)`` long, the row that owns each block.
+        num_blocks: number of blocks in use (a prefix of the buffers).
+        row_lengths: ``(R,)`` long, entries per row.
+        row_last_block: ``(R,)`` long, the block that receives the row's next entry.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    log_mass: torch.Tensor
+    block_row: torch.Tensor
+    num_blocks: int
+    row_lengths: torch.Tensor
+    row_last_block: torch.Tensor
+
+    @classmethod
+    def from_padded(
+        cls, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, lengths: torch.Tensor
+    ) -> PagedRows:
+        """Pack padded rows ``(R, N, D)`` whose first ``lengths[r]`` entries are valid."""
+        rows, _, dim = keys.shape
+        lengths = lengths.to(torch.long).cpu().clone()  # owned: decoding increments it in place
+        blocks_per_row = torch.clamp((lengths + BLOCK_SIZE - 1) // BLOCK_SIZE, min=1)
+        num_blocks = int(blocks_per_row.sum())
+        block_row = torch.repeat_interleave(torch.arange(rows), blocks_per_row)
+        first_block = torch.cumsum(blocks_per_row, 0) - blocks_per_row
+        block_in_row = torch.arange(num_blocks) - first_block[block_row]
+        # Gather each block's entries from its row; slots past the row length stay empty.
+        positions = block_in_row[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)[None, :]
+        filled = positions < lengths[block_row][:, None]
+        src = torch.where(filled, positions, torch.zeros_like(positions))
+        device = keys.device
+        row_idx = block_row.to(device)[:, None].expand(-1, BLOCK_SIZE)
+        src = src.to(device)
+        filled_d = filled.to(device)
+        k = keys[row_idx, src] * filled_d[..., None]
+        v = values[row_idx, src] * filled_d[..., None]
+        lm = torch.where(
+            filled_d, log_mass[row_idx, src].float(), torch.full_like(src, NEG_INF, dtype=torch.float32)
+        )
+        return cls(
+            keys=k.contiguous(),
+            values=v.contiguous(),
+            log_mass=lm.contiguous(),
+            block_row=block_row.to(device),
+            num_blocks=num_blocks,
+            row_lengths=lengths.to(device),
+            row_last_block=(first_block + blocks_per_row - 1).to(device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_lengths.shape[0])
+
+    def to_padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Unpack to padded ``(R, N_max, D)`` tensors (β = −inf past each row's length)."""
+        nb = self.num_blocks
+        rows = self.num_rows
+        dim = self.keys.shape[-1]
+        max_len = int(self.row_lengths.max()) if rows else 0
+        width = max(1, math.ceil(max_len / BLOCK_SIZE)) * BLOCK_SIZE
+        block_row = self.block_row[:nb]
+        counts = torch.bincount(block_row, minlength=rows)
+        first = torch.cumsum(counts, 0) - counts
+        block_in_row = torch.arange(nb, device=block_row.device) - first[block_row]
+        k = self.keys.new_zeros(rows, width // BLOCK_SIZE, BLOCK_SIZE, dim)
+        v = self.values.new_zeros(rows, width // BLOCK_SIZE, BLOCK_SIZE, dim)
+        lm = self.log_mass.new_full((rows, width // BLOCK_SIZE, BLOCK_SIZE), NEG_INF)
+        k[block_row, block_in_row] = self.keys[:nb]
+        v[block_row, block_in_row] = self.values[:nb]
+        lm[block_row, block_in_row] = self.log_mass[:nb]
+        k = k.reshape(rows, width, dim)[:, :max_len]
+        v = v.reshape(rows, width, dim)[:, :max_len]
+        lm = lm.reshape(rows, width)[:, :max_len]
+        return k, v, lm, self.row_lengths.clone()
+
+    def append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append one entry to every row in place (decode step). ``keys``: ``(R, D)``."""
+        slot = self.row_lengths % BLOCK_SIZE
+        needs_block = (slot == 0) & (self.row_lengths > 0)
+        new_rows = torch.nonzero(needs_block).flatten()
+        if new_rows.numel():
+            count = int(new_rows.numel())
+            self._ensure_blocks(self.num_blocks + count)
+            ids = torch.arange(self.num_blocks, self.num_blocks + count, device=self.block_row.device)
+            self.block_row[ids] = new_rows
+            self.log_mass[ids] = NEG_INF
+            self.row_last_block[new_rows] = ids
+            self.num_blocks += count
+        target = self.row_last_block
+        self.keys[target, slot] = keys.to(self.keys.dtype)
+        self.values[target, slot] = values.to(self.values.dtype)
+        self.log_mass[target, slot] = 0.0
+        self.row_lengths += 1
+
+    def _ensure_blocks(self, needed: int) -> None:
+        capacity = self.keys.shape[0]
+        if needed <= capacity:
+            return
+        new_cap = _grow(capacity, needed)
+        extra = new_cap - capacity
+        self.keys = torch.cat([self.keys, self.keys.new_zeros(extra, *self.keys.shape[1:])])
+        self.values = torch.cat([self.values, self.values.new_zeros(extra, *self.values.shape[1:])])
+        self.log_mass = torch.cat([self.log_mass, self.log_mass.new_full((extra, BLOCK_SIZE), NEG_INF)])
+        self.block_row = torch.cat([self.block_row, self.block_row.new_full((extra,), -1)])
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from (
+            self.keys,
+            self.values,
+            self.log_mass,
+            self.block_row,
+            self.row_lengths,
+            self.row_last_block,
+        )
+
+
+class FoldedLayer(CacheLayerMixin):
+    """One attention layer of a :class:`FoldedCache`.
+
+    Read the contents with :meth:`padded` (keys, values, log-mass and per-row lengths as padded
+    tensors) and write a compressed result with :meth:`replace`. Decode-time methods can edit
+    the dense layout in place through :meth:`dense_buffers`.
+    """
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self) -> None:
+        self.is_initialized = False
+        self._keys: torch.Tensor | None = None  # (B, H, capacity, D)
+        self._values: torch.Tensor | None = None
+        self._log_mass: torch.Tensor | None = None  # (B, H, capacity) float32 or None (all zero)
+        self._length = 0  # physical entries per row in the dense layout
+        self.paged: PagedRows | None = None
+        self.logical_length = 0
+        self.captured_queries: torch.Tensor | None = None  # last window of prefill queries
+        # Per-entry statistics ``(B, H, N)`` aligned with the slots (e.g. H2O's accumulated
+        # attention, written by a prefill observer). Batch edits and copies keep them; replace()
+        # drops them (the caller re-aligns what it keeps); in-place decode edits make them stale.
+        self.entry_stats: dict[str, torch.Tensor] = {}
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+        self.batch_size = 0
+        self.num_heads = 0
+        self.head_dim = 0
+
+    # ----------------------------------------------------------------- transformers API
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        if self.paged is not None:
+            return self.padded()[0]
+        return None if self._keys is None else self._keys[:, :, : self._length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("assign keys through FoldedLayer.replace()")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        if self.paged is not None:
+            return self.padded()[1]
+        return None if self._values is None else self._values[:, :, : self._length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("assign values through FoldedLayer.replace()")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
+        self._keys = key_states.new_zeros(self.batch_size, self.num_heads, 0, self.head_dim)
+        self._values = value_states.new_zeros(self.batch_size, self.num_heads, 0, value_states.shape[-1])
+        self._length = 0
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new entries (β = 0) and return what attention should read.
+
+        In the paged layout the returned tensors are the padded view (only used by fallbacks;
+        the kvfold attention reads the pages directly).
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        self.logical_length += q
+        if self.paged is not None:
+            if q == 1:
+                rows = self.batch_size * self.num_heads
+                self.paged.append_one(key_states.reshape(rows, -1), value_states.reshape(rows, -1))
+                return key_states, value_states  # placeholders: attention reads self.paged
+            k, v, lm, lengths = self.padded()
+            self.paged = None
+            self._store_dense_padded(k, v, lm, lengths)
+        self._append_dense(key_states, value_states)
+        return self._keys[:, :, : self._length], self._values[:, :, : self._length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        physical = self.physical_length
+        return physical + query_length, self.logical_length - physical
+
+    def get_seq_length(self) -> int:
+        return self.logical_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "a FoldedLayer cannot be cropped (compressed entries no longer map to positions); "
+            "re-run the prefill instead"
+        )
+
+    def offload(self) -> None:
+        self._map_tensors(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.device is not None:
+            self._map_tensors(lambda t: t.to(self.device, non_blocking=True))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._batch_edit(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._batch_edit(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._batch_edit(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    # ------------------------------------------------------------------- kvfold API
+    @property
+    def physical_length(self) -> int:
+        """Entries in the longest row (dense: the common row length)."""
+        if self.paged is not None:
+            return int(self.paged.row_lengths.max()) if self.paged.num_rows else 0
+        return self._length
+
+    @property
+    def has_log_mass(self) -> bool:
+        """False when every entry has β = 0 (plain tokens): attention can skip the bias."""
+        return self.paged is not None or self._log_mass is not None
+
+    def row_lengths(self) -> torch.Tensor:
+        """Valid entries per row, ``(B, H)`` long (slots with β = −inf are not counted)."""
+        if self.paged is not None:
+            return self.paged.row_lengths.view(self.batch_size, self.num_heads).clone()
+        if self._log_mass is None:
+            return torch.full(
+                (self.batch_size, self.num_heads), self._length, dtype=torch.long, device=self.device
+            )
+        return torch.isfinite(self._log_mass[:, :, : self._length]).sum(-1)
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Contents as padded tensors.
+
+        Returns:
+            ``(keys (B, H, N, D), values (B, H, N, D), log_mass (B, H, N) float32, lengths (B, H))``
+            where N is the physical length and β = −inf marks empty or padding slots. In the
+            dense layout keys and values are views of the cache (do not write to them).
+        """
+        if self.paged is not None:
+            k, v, lm, lengths = self.paged.to_padded()
+            b, h = self.batch_size, self.num_heads
+            return (
+                k.view(b, h, *k.shape[1:]),
+                v.view(b, h, *v.shape[1:]),
+                lm.view(b, h, -1),
+                lengths.view(b, h),
+            )
+        n = self._length
+        keys = self._keys[:, :, :n]
+        values = self._values[:, :, :n]
+        if self._log_mass is None:
+            log_mass = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+        else:
+            log_mass = self._log_mass[:, :, :n]
+        return keys, values, log_mass, self.row_lengths()
+
+    def valid_mask(self) -> torch.Tensor:
+        """``(B, H, N)`` bool: True where a slot holds an entry."""
+        return torch.isfinite(self.padded()[2])
+
+    def replace(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        log_mass: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> None:
+        """Store a new (compressed) content for this layer; the logical length is unchanged.
+
+        Args:
+            keys: ``(B, H, N, D)`` padded keys.
+            values: ``(B, H, N, D)`` padded values.
+            log_mass: ``(B, H, N)`` β per entry (None = all zero). Slots at or past a row's
+                length are ignored.
+            lengths: ``(B, H)`` valid entries per row (None = all N). Rows of different
+                lengths are stored in the paged layout, so the memory held follows Σ lengths.
+
+        Raises:
+            ValueError: on shape mismatches or non-finite keys, values or β of valid entries.
+        """
+        if not self.is_initialized:
+            raise ValueError("replace() needs a layer that has been filled by a forward pass first")
+        b, h, n, _ = keys.shape
+        if (b, h) != (self.batch_size, self.num_heads) or values.shape[:3] != keys.shape[:3]:
+            raise ValueError(
+                f"replace(): expected keys/values of shape ({self.batch_size}, {self.num_heads}, N, D); "
+                f"got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        if lengths is None:
+            lengths = torch.full((b, h), n, dtype=torch.long, device=keys.device)
+        lengths = lengths.to(device=keys.device, dtype=torch.long)
+        if bool((lengths > n).any()) or bool((lengths < 0).any()):
+            raise ValueError(f"replace(): lengths must be in [0, {n}]")
+        slot_valid = torch.arange(n, device=keys.device)[None, None, :] < lengths[..., None]
+        if log_mass is None:
+            log_mass = torch.zeros(b, h, n, dtype=torch.float32, device=keys.device)
+        log_mass = torch.where(
+            slot_valid, log_mass.float(), torch.full_like(log_mass, NEG_INF, dtype=torch.float32)
+        )
+        self._check_finite(keys, values, log_mass, slot_valid)
+        self.entry_stats = {}  # slots changed: the caller re-aligns the statistics it keeps
+        rows_equal = bool((lengths == lengths.flatten()[0]).all())
+        if rows_equal or not _paging_saves_memory(lengths, n):
+            self.paged = None
+            self._store_dense_padded(keys, values, log_mass, lengths)
+        else:
+            r = b * h
+            self.paged = PagedRows.from_padded(
+                keys.reshape(r, n, -1).to(self.dtype),
+                values.reshape(r, n, -1).to(self.dtype),
+                log_mass.reshape(r, n),
+                lengths.reshape(r),
+            )
+            self._keys = self._values = self._log_mass = None
+            self._length = 0
+
+    def dense_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """In-place access for online (decode-time) methods: keys, values, log-mass views.
+
+        The log-mass buffer is created (zeros) if the layer had none. Only the dense layout
+        supports in-place edits.
+        """
+        if self.paged is not None:
+            raise NotImplementedError(
+                "online (decode-time) compression needs equal row lengths; this layer holds per-head "
+                "lengths (e.g. after adakv). Use a one-shot method, or no per-head budgets, with online methods."
+            )
+        self._ensure_log_mass()
+        n = self._length
+        return self._keys[:, :, :n], self._values[:, :, :n], self._log_mass[:, :, :n]
+
+    def truncate(self, length: int) -> None:
+        """Shrink the dense layout to its first ``length`` slots (after an in-place compaction)."""
+        if self.paged is not None or length > self._length:
+            raise ValueError("truncate() applies to the dense layout and cannot grow it")
+        self._length = length
+
+    def shrink_to_fit(self, headroom: int = 16) -> None:
+        """Release dense capacity beyond ``length + headroom`` slots (e.g. the last chunk of a chunked
+        prefill that an online policy evicted in place); the paged layout is already compact."""
+        if self.paged is None and self._keys is not None and self._keys.shape[2] > self._length + headroom:
+            self._resize(self._length + headroom)
+
+    def set_log_mass(self, log_mass: torch.Tensor) -> None:
+        """Overwrite β of the dense layout, ``(B, H, N)`` (−inf marks empty slots)."""
+        self._ensure_log_mass()
+        self._log_mass[:, :, : self._length] = log_mass.float()
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds (capacity included), exactly."""
+        total = 0
+        for t in self._tensors():
+            total += t.untyped_storage().nbytes()
+        return total
+
+    def copy(self) -> FoldedLayer:
+        """A deep copy whose tensors are compact clones."""
+        new = copy.copy(self)
+        if self.paged is not None:
+            new.paged = PagedRows(
+                *(
+                    t.clone()
+                    for t in (self.paged.keys, self.paged.values, self.paged.log_mass, self.paged.block_row)
+                ),
+                num_blocks=self.paged.num_blocks,
+                row_lengths=self.paged.row_lengths.clone(),
+                row_last_block=self.paged.row_last_block.clone(),
+            )
+        elif self._keys is not None:
+            n = self._length
+            new._keys = self._keys[:, :, :n].clone()
+            new._values = self._values[:, :, :n].clone()
+            new._log_mass = None if self._log_mass is None else self._log_mass[:, :, :n].clone()
+        if self.captured_queries is not None:
+            new.captured_queries = self.captured_queries.clone()
+        new.entry_stats = {name: t.clone() for name, t in self.entry_stats.items()}
+        return new
+
+    def live_tensors(self, *, queries: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+        """What the layer holds, without spare capacity: the content a cache file stores.
+
+        Args:
+            queries: also return the captured prefill queries (``captured_queries``).
+
+        Returns:
+            ``(layout, tensors)``. Dense layout: ``keys``/``values`` ``(B, H, N, D)`` of the N
+            physical slots, ``log_mass`` ``(B, H, N)`` (absent when every β is 0). Paged layout:
+            ``keys``/``values`` ``(L, D)`` of the L = Σ row lengths entries, row after row in entry
+            order, ``log_mass`` ``(L,)`` and ``row_lengths`` ``(B, H)``. Statistics of
+            ``entry_stats`` come as ``stat.<name>``, aligned the same way.
+        """
+        out: dict[str, torch.Tensor] = {}
+        if self.paged is not None:
+            layout = "paged"
+            keys, values, log_mass, lengths = self.padded()
+            slot = torch.arange(keys.shape[2], device=keys.device)[None, None, :] < lengths[..., None]
+            out.update(keys=keys[slot], values=values[slot], log_mass=log_mass[slot], row_lengths=lengths)
+        else:
+            layout = "dense"
+            n = self._length
+            out.update(keys=self._keys[:, :, :n], values=self._values[:, :, :n])
+            if self._log_mass is not None:
+                out["log_mass"] = self._log_mass[:, :, :n]
+            slot = None
+        for name, stat in self.entry_stats.items():
+            out[f"stat.{name}"] = stat if slot is None or stat.shape != slot.shape else stat[slot]
+        if queries and self.captured_queries is not None:
+            out["captured_queries"] = self.captured_queries
+        return layout, {name: t.detach().contiguous() for name, t in out.items()}
+
+    @classmethod
+    def from_live_tensors(
+        cls,
+        layout: str,
+        tensors: dict[str, torch.Tensor],
+        *,
+        logical_length: int,
+        batch_size: int,
+        num_heads: int,
+    ) -> FoldedLayer:
+        """Rebuild a layer from :meth:`live_tensors` (same layout, same slots, same statistics).
+
+        Raises:
+            ValueError: unknown layout or tensors of inconsistent shapes.
+        """
+        keys, values = tensors["keys"], tensors["values"]
+        layer = cls()
+        head_dim, value_dim = keys.shape[-1], values.shape[-1]
+        layer.lazy_initialization(
+            keys.new_zeros(batch_size, num_heads, 0, head_dim), values.new_zeros(batch_size, num_heads, 0, value_dim)
+        )
+        stats = {name[5:]: t for name, t in tensors.items() if name.startswith("stat.")}
+        if layout == "dense":
+            if keys.shape[:2] != (batch_size, num_heads) or values.shape[:3] != keys.shape[:3]:
+                raise ValueError(f"dense layer: keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree")
+            layer._keys, layer._values = keys, values
+            layer._length = keys.shape[2]
+            layer._log_mass = tensors.get("log_mass")
+        elif layout == "paged":
+            lengths = tensors["row_lengths"].to(torch.long)
+            if lengths.shape != (batch_size, num_heads) or int(lengths.sum()) != keys.shape[0]:
+                raise ValueError("paged layer: row lengths do not add up to the stored entries")
+            n = int(lengths.max()) if lengths.numel() else 0
+            slot = torch.arange(n, device=keys.device)[None, None, :] < lengths[..., None]
+            k = keys.new_zeros(batch_size, num_heads, n, head_dim)
+            v = values.new_zeros(batch_size, num_heads, n, value_dim)
+            lm = torch.full((batch_size, num_heads, n), NEG_INF, dtype=torch.float32, device=keys.device)
+            k[slot], v[slot], lm[slot] = keys, values, tensors["log_mass"].float()
+            rows = batch_size * num_heads
+            layer.paged = PagedRows.from_padded(
+                k.reshape(rows, n, head_dim), v.reshape(rows, n, value_dim), lm.reshape(rows, n), lengths.reshape(rows)
+            )
+            layer._keys = layer._values = layer._log_mass = None
+            layer._length = 0
+            for name, stat in list(stats.items()):
+                if stat.dim() == 1 and stat.shape[0] == keys.shape[0]:
+                    full = stat.new_zeros(batch_size, num_heads, n)
+                    full[slot] = stat
+                    stats[name] = full
+        else:
+            raise ValueError(f"unknown layer layout {layout!r}")
+        layer.logical_length = int(logical_length)
+        layer.entry_stats = stats
+        layer.captured_queries = tensors.get("captured_queries")
+        return layer
+
+    # -------------------------------------------------------------------- internals
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        if self.paged is not None:
+            yield from self.paged.tensors()
+            return
+        for t in (self._keys, self._values, self._log_mass):
+            if t is not None:
+                yield t
+
+    def _ensure_log_mass(self) -> None:
+        if self._log_mass is None and self._keys is not None:
+            b, h, cap, _ = self._keys.shape
+            self._log_mass = torch.zeros(b, h, cap, dtype=torch.float32, device=self._keys.device)
+
+    def _append_dense(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        q = key_states.shape[-2]
+        needed = self._length + q
+        capacity = self._keys.shape[2]
+        if needed > capacity:
+            new_cap = needed if self._length == 0 else _grow(capacity, needed)
+            self._resize(new_cap)
+        self._keys[:, :, self._length : needed] = key_states
+        self._values[:, :, self._length : needed] = value_states
+        if self._log_mass is not None:
+            self._log_mass[:, :, self._length : needed] = 0.0
+        self._length = needed
+
+    def _resize(self, capacity: int) -> None:
+        n = self._length
+        b, h, _, d = self._keys.shape
+        keys = self._keys.new_zeros(b, h, capacity, d)
+        values = self._values.new_zeros(b, h, capacity, self._values.shape[-1])
+        keys[:, :, :n] = self._keys[:, :, :n]
+        values[:, :, :n] = self._values[:, :, :n]
+        self._keys, self._values = keys, values
+        if self._log_mass is not None:
+            log_mass = self._log_mass.new_full((b, h, capacity), NEG_INF)
+            log_mass[:, :, :n] = self._log_mass[:, :, :n]
+            self._log_mass = log_mass
+
+    def _store_dense_padded(
+        self, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        n = keys.shape[2]
+        self._keys = keys.to(self.dtype).contiguous().clone()
+        self._values = values.to(self.dtype).contiguous().clone()
+        self._length = n
+        lm = log_mass.float()
+        plain = bool((lm == 0).all()) if lm.numel() else True
+        self._log_mass = None if plain else lm.contiguous().clone()
+        del lengths  # encoded by β = −inf
+
+    def _check_finite(
+        self, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, slot_valid: torch.Tensor
+    ) -> None:
+        bad_kv = ~(torch.isfinite(keys).all(-1) & torch.isfinite(values).all(-1)) & slot_valid
+        bad_beta = torch.isnan(log_mass) | (log_mass == float("inf"))
+        if bool(bad_kv.any()) or bool(bad_beta.any()):
+            raise ValueError(
+                "replace(): the compressed cache holds NaN or inf in keys, values or log-mass; "
+                "the method produced an invalid result (try another method or budget, or float32)"
+            )
+
+    def _map_tensors(self, fn) -> None:
+        if self.paged is not None:
+            p = self.paged
+            p.keys, p.values, p.log_mass = fn(p.keys), fn(p.values), fn(p.log_mass)
+            p.block_row, p.row_lengths, p.row_last_block = (
+                fn(p.block_row),
+                fn(p.row_lengths),
+                fn(p.row_last_block),
+            )
+            return
+        if self._keys is not None:
+            self._keys, self._values = fn(self._keys), fn(self._values)
+        if self._log_mass is not None:
+            self._log_mass = fn(self._log_mass)
+
+    def _batch_edit(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        k, v, lm, lengths = self.padded()
+        k, v, lm, lengths = fn(k), fn(v), fn(lm), fn(lengths)
+        self.batch_size = k.shape[0]
+        if self.captured_queries is not None:
+            self.captured_queries = fn(self.captured_queries)
+        stats = {name: fn(t) for name, t in self.entry_stats.items()}
+        self.paged = None
+        self._store_dense_padded(k, v, lm, lengths)
+        if k.shape[0] and not bool((lengths == lengths.flatten()[0]).all()):
+            self.replace(k, v, lm, lengths)
+        self.entry_stats = stats
+
+
+def _paging_saves_memory(lengths: torch.Tensor, padded_length: int) -> bool:
+    """Page rows when padding would waste more than an eighth of the dense layout."""
+    rows = lengths.numel()
+    dense = rows * int(lengths.max())
+    paged = int(((lengths + BLOCK_SIZE - 1) // BLOCK_SIZE).clamp(min=1).sum()) * BLOCK_SIZE
+    return paged < dense * 7 / 8 and padded_length > 0
+
+
+class FoldedCache(Cache):
+    """A transformers ``Cache`` whose layers are :class:`FoldedLayer` (see the module docstring).
+
+    Args:
+        config: the model config (used for the number of layers and sliding-window layers).
+        num_layers: number of layers when no config is given.
+
+    Attributes:
+        policy: an optional online policy, called by the kvfold attention after every forward
+            (decode-time compression under a fixed budget).
+        capture_window: when > 0, the kvfold attention keeps the last ``capture_window`` query
+            states of every layer in ``layer.captured_queries`` (SnapKV, GRKV windows).
+        prefill_observers: callables ``observer(layer_idx, layer, query, scaling)`` that the kvfold
+            attention calls during the prefill of an empty layer, after the layer holds the keys
+            and values (e.g. H2O's accumulated attention, written to ``layer.entry_stats``).
+    """
+
+    def __init__(self, config=None, num_layers: int | None = None) -> None:
+        if config is None and num_layers is None:
+            raise ValueError("FoldedCache needs a model config or num_layers")
+        text_config = config.get_text_config(decoder=True) if config is not None else None
+        n = num_layers if num_layers is not None else text_config.num_hidden_layers
+        layer_types = getattr(text_config, "layer_types", None) if text_config is not None else None
+        layers: list[CacheLayerMixin] = []
+        for i in range(n):
+            kind = layer_types[i] if layer_types else "full_attention"
+            if kind == "sliding_attention":
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text_config.sliding_window))
+            else:
+                layers.append(FoldedLayer())
+        super().__init__(layers=layers)
+        self.policy = None
+        self.capture_window = 0
+        self.prefill_observers: list = []
+
+    @property
+    def folded_layers(self) -> list[tuple[int, FoldedLayer]]:
+        """``(index, layer)`` for every layer that kvfold compresses (full-attention layers)."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, FoldedLayer)]
+
+    def shrink_to_fit(self, headroom: int = 16) -> None:
+        """Release unused dense capacity in every folded layer (see :meth:`FoldedLayer.shrink_to_fit`)."""
+        for _, layer in self.folded_layers:
+            layer.shrink_to_fit(headroom)
+
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers' tensors (keys, values, log-mass, page tables)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, FoldedLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+        return total
+
+    def full_nbytes(self) -> int:
+        """Bytes an uncompressed cache of the same logical length would hold (keys + values)."""
+        total = 0
+        for layer in self.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            if isinstance(layer, FoldedLayer):
+                per = layer.batch_size * layer.num_heads * layer.head_dim * 2
+                total += per * layer.logical_length * torch.empty(0, dtype=layer.dtype).element_size()
+            else:
+                total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+        return total
+
+    def save(self, path, model, tokenizer=None, **header) -> int:
+        """Write this cache to a kvfold cache file (see :func:`kvfold.store.format.save_cache`).
+
+        Args:
+            path: the file to write (``.kvc`` by convention).
+            model: the model that made the cache (its fingerprint goes into the header).
+            tokenizer: its tokenizer (its vocabulary hash goes into the header), or None.
+            **header: ``method``, ``budget``, ``context_tokens``, ``source_text``, ``token_ids``,
+                ``queries``, ``extra`` as :func:`kvfold.store.format.save_cache` takes them.
+
+        Returns:
+            The size of the file in bytes.
+        """
+        from kvfold.store.format import save_cache
+
+        return save_cache(self, path, model, tokenizer, **header)
+
+    def copy(self) -> FoldedCache:
+        """A deep copy (policy not copied): prefill once, then compress copies with many methods."""
+        new = copy.copy(self)
+        new.layers = [
+            layer.copy() if isinstance(layer, FoldedLayer) else copy.deepcopy(layer) for layer in self.layers
+        ]
+        new.policy = None
+        new.prefill_observers = []
+        return new

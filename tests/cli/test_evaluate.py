@@ -1,0 +1,187 @@
+"""``kvfold eval`` and ``kvfold fidelity``: files, flags, one-line errors (tiny model; one SmolLM2 run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvfold
+import kvfold.runtime.models
+from kvfold.cli.main import main
+from kvfold.evaluate.data.loaders import DEFAULT_RULER_SAMPLES
+from tests.conftest import make_tiny_model
+from tests.evaluate.conftest import CharTokenizer
+
+FOX = "The quick brown fox jumps over the lazy dog. " * 3
+DATASET = [
+    {"context": FOX, "question": "\nWhat jumps?", "answers": ["fox"], "answer_prefix": "Answer:", "max_new_tokens": 4,
+     "task": "animals"},
+    {"context": FOX, "question": "\nWho is lazy?", "answers": ["dog"], "max_new_tokens": 4, "task": "animals"},
+    {"context": "Paris is the capital of France. " * 3, "question": "\nCapital?", "answers": ["Paris"],
+     "max_new_tokens": 4, "task": "capitals", "metric": "string_match_part"},
+]  # fmt: skip
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Replace model loading by a tiny random model and the character tokenizer; record the specs."""
+    specs: list[str] = []
+
+    def load(spec: str, **kwargs):
+        specs.append(spec)
+        return kvfold.enable(make_tiny_model("llama", max_position_embeddings=2048)), CharTokenizer()
+
+    monkeypatch.setattr(kvfold.runtime.models, "load_model", load)
+    return specs
+
+
+def run(capsys, *parts: str | Path) -> tuple[int, str, str]:
+    """Run ``kvfold``; string parts are split at whitespace, paths stay one argument."""
+    argv = [a for p in parts for a in ([str(p)] if isinstance(p, Path) else p.split())]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_eval_jsonl_end_to_end(capsys, loads, tmp_path: Path) -> None:
+    data, out = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "run"
+    args = ("eval --model tiny --dataset", data, "--methods full,streamingllm --budgets 0.5,0.3 --quiet --out", out)
+    code, stdout, _ = run(capsys, *args)
+    assert code == 0 and loads == ["tiny"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == "tiny"
+    runs = {(r["method"], r["budget"]) for r in results["records"]}
+    assert runs == {("full", 1.0), ("streamingllm", 0.5), ("streamingllm", 0.3)}
+    assert {r["task"] for r in results["records"]} == {"animals", "capitals", "average"}
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == 3 * 3
+    assert json.loads((out / "run.json").read_text())["dataset"] == str(data)
+    for name in ("report.md", "scores.png", "scores_by_task.png"):
+        assert (out / name).stat().st_size > 0
+    assert "streamingllm" in stdout and "score" in stdout
+    code, _, err = run(capsys, *args, "--seed 1")
+    assert code == 2 and "use a new --out directory" in err
+
+
+def test_samples_per_task_and_task_filter(capsys, loads, tmp_path: Path) -> None:
+    data, out = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "run"
+    code, _, _ = run(capsys, "eval --dataset", data, "--samples 1 --tasks animals --methods full --quiet --out", out)
+    assert code == 0
+    rows = (out / "predictions.jsonl").read_text().splitlines()
+    assert [json.loads(r)["task"] for r in rows] == ["animals"]
+
+
+def test_eval_ruler(capsys, loads, tmp_path: Path) -> None:
+    out = tmp_path / "ruler"
+    flags = "--length 700 --samples 1 --tasks vt,qa_1 --methods full,streamingllm --budgets 0.2 --quiet"
+    code, _, _ = run(capsys, "eval --dataset ruler", flags, "--out", out)
+    assert code == 0
+    tasks = {r["task"] for r in json.loads((out / "results.json").read_text())["records"]}
+    assert tasks == {"vt", "qa_1", "average"}
+
+
+def test_fidelity_cli(capsys, loads, tmp_path: Path) -> None:
+    data, out = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "fid"
+    code, stdout, _ = run(capsys, "fidelity --dataset", data, "--methods full,streamingllm --budgets 0.9,0.3 --quiet",
+                          "--out", out)  # fmt: skip
+    assert code == 0
+    by_run = {(r["method"], r["budget"]): r for r in json.loads((out / "fidelity.json").read_text())["records"]}
+    assert by_run[("full", 1.0)]["rel_error"] <= 1e-5
+    assert by_run[("streamingllm", 0.3)]["rel_error"] > by_run[("streamingllm", 0.9)]["rel_error"]
+    assert (out / "fidelity.md").exists() and (out / "fidelity.png").exists()
+    assert "rel_error" in stdout
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        ("--methods full,nosuch", "unknown method 'nosuch'; valid:"),
+        ("--methods streamingllm[sink=3]", "unknown option(s) sink"),
+        ("--budgets 1.5", "budget must be a fraction in (0, 1] or a positive token count"),
+        ("--dataset mmlu", "unknown dataset spec 'mmlu'; valid forms:"),
+        ("--dataset BAD", "line 2: 'answers' must be a list of strings, got str"),
+        ("--dataset MISSING", "dataset file not found:"),
+        ("--samples 0", "--samples must be ≥ 1"),
+    ],
+)
+def test_bad_input_is_one_line_before_loading(capsys, loads, tmp_path: Path, flags: str, message: str) -> None:
+    rows = [{"context": "c", "question": "q", "answers": ["a"]}, {"context": "c", "question": "q", "answers": "a"}]
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    flags = flags.replace("BAD", str(bad)).replace("MISSING", str(tmp_path / "missing.jsonl"))
+    base = {"--dataset": "ruler", "--methods": "full", "--budgets": "0.5"}
+    defaults = " ".join(f"{k} {v}" for k, v in base.items() if k not in flags)
+    for cmd in ("eval", "fidelity"):
+        code, _, err = run(capsys, cmd, defaults, flags, "--out", tmp_path / "o")
+        assert code == 2 and message in err and "Traceback" not in err
+        assert len(err.strip().splitlines()) == 1
+    assert loads == []  # refused before the model was loaded
+
+
+@pytest.mark.model
+def test_eval_on_smollm2(capsys, monkeypatch: pytest.MonkeyPatch, smollm2, tmp_path: Path) -> None:
+    monkeypatch.setattr(kvfold.runtime.models, "load_model", lambda spec, **kwargs: smollm2)
+    rows = [
+        {"context": "The secret code is 4721. The weather was mild all week. " * 4, "question": "\nWhat is the code?",
+         "answers": ["4721"], "answer_prefix": "The code is", "max_new_tokens": 8},
+        {"context": "Marta keeps bees in a red hive behind the old mill. " * 4,
+         "question": "\nWhat colour is the hive?", "answers": ["red"], "max_new_tokens": 8},
+    ]  # fmt: skip
+    data, out = _write_jsonl(tmp_path / "two.jsonl", rows), tmp_path / "run"
+    code, _, _ = run(capsys, "eval --dataset", data, "--methods full,streamingllm --budgets 0.5 --quiet --out", out)
+    assert code == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    averages = [(r["method"], r["budget"]) for r in records if r["task"] == "average"]
+    assert averages == [("full", 1.0), ("streamingllm", 0.5)]
+    assert len((out / "predictions.jsonl").read_text().splitlines()) == 4
+    for name in ("report.md", "scores.png", "scores_by_task.png", "run.json"):
+        assert (out / name).exists()
+
+
+def test_own_file_runs_every_line_unless_limited(capsys, loads, tmp_path: Path) -> None:
+    rows = [
+        {"context": f"Item {i} is kept in box {i}. " * 3, "question": f"\nBox of item {i}?", "answers": [str(i)],
+         "max_new_tokens": 2, "task": "boxes"}
+        for i in range(7)
+    ]  # fmt: skip
+    assert len(rows) > DEFAULT_RULER_SAMPLES  # the per-task default that used to cut a user's file
+    data = _write_jsonl(tmp_path / "boxes.jsonl", rows)
+    code, _, err = run(capsys, "eval --dataset", data, "--methods full --quiet --out", tmp_path / "all")
+    assert code == 0 and "7 samples (7 contexts) in 1 tasks" in err
+    assert len((tmp_path / "all" / "predictions.jsonl").read_text().splitlines()) == 7  # more than 3 (old default)
+    code, _, err = run(capsys, "eval --dataset", data, "--limit 2 --methods full --quiet --out", tmp_path / "two")
+    assert code == 0 and "2 samples" in err
+    assert len((tmp_path / "two" / "predictions.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_multi_question_line_is_compressed_once(capsys, loads, tmp_path: Path, monkeypatch) -> None:
+    from kvfold.pipeline.context import PrefilledContext
+
+    calls: list[str] = []
+    original = PrefilledContext.compress
+
+    def counting(self, method, budget, **kwargs):
+        calls.append(str(budget))
+        return original(self, method, budget, **kwargs)
+
+    monkeypatch.setattr(PrefilledContext, "compress", counting)
+    row = {"context": FOX, "questions": ["\nWhat jumps?", "\nWho is lazy?", "\nWhat colour?"],
+           "answers": [["fox"], ["dog"], ["brown"]], "max_new_tokens": 3, "task": "animals"}  # fmt: skip
+    data = _write_jsonl(tmp_path / "multi.jsonl", [row])
+    flags = "--methods streamingllm --budgets 0.5,0.2 --quiet --out"
+    code, _, err = run(capsys, "eval --dataset", data, flags, tmp_path / "m")
+    assert code == 0 and "3 samples (1 contexts)" in err
+    assert len(calls) == 2 and len(set(calls)) == 2  # one compression per budget, three answers from each
+    predictions = [json.loads(line) for line in (tmp_path / "m" / "predictions.jsonl").read_text().splitlines()]
+    assert [p["sample_id"] for p in predictions] == ["animals/1/q0", "animals/1/q1", "animals/1/q2"] * 2
+    assert [p["budget"] for p in predictions] == [0.5] * 3 + [0.2] * 3
+    assert len({p["context_id"] for p in predictions}) == 1
+    bad = dict(row, answers=[["fox"], ["dog"]])
+    code, _, err = run(capsys, "eval --dataset", _write_jsonl(tmp_path / "bad.jsonl", [bad]),
+                       "--methods full --quiet --out", tmp_path / "b")  # fmt: skip
+    assert code == 2 and "one per question" in err

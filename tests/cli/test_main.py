@@ -1,0 +1,73 @@
+"""The ``kvfold`` command line: listing methods, generate on the embedded model, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfold.cli.demo import build_context
+from kvfold.cli.main import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_methods_json_lists_registered_methods(capsys):
+    code, out, _ = run(capsys, "methods", "--json")
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert {"full", "streamingllm", "random"} <= set(rows)
+    assert all(r["description"] and r["paper"] for r in rows.values())
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "nosuch"], "unknown method 'nosuch'; valid:"),
+        (["--method", "streamingllm[sink=3]"], "unknown option(s) sink; valid options: sinks, online"),
+        (["--budget", "1.5"], "budget must be a fraction in (0, 1] or a positive token count; got '1.5'"),
+        (["--budget", "0"], "budget must be a fraction in (0, 1] or a positive token count"),
+        (["--context", "   "], "the context is empty"),
+        (["--model", "/nonexistent/model-dir"], "model path not found"),
+        (["--model", "tests"], "without config.json"),
+    ],
+)
+def test_generate_bad_input_is_one_clear_line(capsys, argv, message):
+    base = {"--context": "Some context.", "--question": "Q?"}
+    args = ["generate"]
+    for key, value in base.items():
+        if key not in argv:
+            args += [key, value]
+    code, _, err = run(capsys, *args, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.model
+def test_generate_over_long_context_is_refused(capsys, smollm2):
+    code, _, err = run(capsys, "generate", "--context", "word " * 9000, "--question", "Q?")
+    assert code == 2
+    assert "supports 8192 positions" in err
+
+
+@pytest.mark.model
+def test_generate_streamingllm_json_reports_memory(capsys, smollm2, tmp_path):
+    _, tokenizer = smollm2
+    path = tmp_path / "context.txt"
+    path.write_text(build_context(tokenizer, target_tokens=1200))
+    code, out, _ = run(
+        capsys, "generate", "--method", "streamingllm", "--budget", "0.1", "--context-file", str(path),
+        "--question", "What is the special magic number for the cabin?", "--max-new-tokens", "4", "--json",
+    )
+    assert code == 0
+    record = json.loads(out)
+    for key in ("answer", "method", "budget", "context_tokens", "kv_bytes", "kv_bytes_full",
+                "prefill_seconds", "compress_seconds"):
+        assert key in record
+    assert record["context_tokens"] > 1000
+    assert record["kv_bytes"] <= 0.11 * record["kv_bytes_full"]

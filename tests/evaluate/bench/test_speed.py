@@ -1,0 +1,268 @@
+"""``kvfold bench`` end to end on a tiny local model (one process per configuration)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+from kvfold.cli.main import main
+from kvfold.evaluate.bench.speed import bench
+from tests.conftest import make_tiny_model
+from tests.runtime.test_models import _write_tokenizer
+
+FIELDS = {
+    "method",
+    "budget",
+    "length",
+    "batch",
+    "prefill_s",
+    "compress_s",
+    "decode_tokens_per_s",
+    "peak_rss_mb",
+    "kv_bytes",
+    "kv_bytes_full",
+    "limit_speedup",
+    "reference_length",
+    "reference_tokens_per_s",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama").save_pretrained(path)
+    _write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def serial_bench(tiny_dir, tmp_path_factory):
+    """A serial bench of two (length, batch) items: full and streamingllm at 64 tokens, batch 1 and 2."""
+    out = tmp_path_factory.mktemp("serial-bench")
+    return bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1, 2], new_tokens=3, out_dir=out, progress=False), out
+
+
+def test_bench_records_ratios_and_files(serial_bench):
+    result, tmp_path = serial_bench
+    records = result["records"]
+    assert {(r["method"], r["batch"]) for r in records} == {
+        ("full", 1),
+        ("full", 2),
+        ("streamingllm", 1),
+        ("streamingllm", 2),
+    }
+    for record in records:
+        assert set(record) >= FIELDS
+        assert record["decode_tokens_per_s"] > 0 and record["peak_rss_mb"] > 0
+    small = [r for r in records if r["method"] == "streamingllm"]
+    assert all(r["kv_bytes"] <= 0.26 * r["kv_bytes_full"] for r in small)
+    for record in small:  # the reference (full at the compressed size) decoded in the method's process
+        full = next(r for r in records if r["method"] == "full" and r["batch"] == record["batch"])
+        assert record["reference_length"] == 16
+        assert record["limit_speedup"] == pytest.approx(record["reference_tokens_per_s"] / full["decode_tokens_per_s"])
+        assert record["speedup_over_limit"] == pytest.approx(
+            record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
+        )
+    assert json.loads((tmp_path / "bench.json").read_text())["records"]
+    assert "| streamingllm | 0.25 | 64 |" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_resumes_from_finished_records(tiny_dir, tmp_path, monkeypatch):
+    import kvfold.evaluate.bench.speed as bench_module
+
+    first = bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 2  # full@64, streamingllm
+
+    spawned = []
+    real_spawn = bench_module._spawn
+    monkeypatch.setattr(bench_module, "_spawn", lambda config, **kw: spawned.append(config) or real_spawn(config, **kw))
+    again = bench(
+        str(tiny_dir), ["streamingllm", "h2o"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
+    )
+    assert [c.method for c in spawned] == ["h2o"]  # only the configuration not measured before
+    by_method = {r["method"]: r for r in again["records"]}
+    old = {r["method"]: r for r in first["records"]}
+    assert by_method["streamingllm"]["decode_tokens_per_s"] == old["streamingllm"]["decode_tokens_per_s"]
+
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    older = [json.loads(line) for line in lines]
+    for record in older:  # records of an older kvfold (no paired reference) are measured again
+        record.pop("reference_tokens_per_s", None)
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in older))
+    spawned.clear()
+    bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+    assert sorted(c.method for c in spawned) == ["full", "streamingllm"]
+
+    (tmp_path / "records.jsonl").write_text("not json\n")
+    with pytest.raises(ValueError, match="line 1 is not a bench record"):
+        bench(str(tiny_dir), ["streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False)
+
+
+TIMED = {
+    "prefill_s",
+    "compress_s",
+    "decode_tokens_per_s",
+    "reference_tokens_per_s",
+    "peak_rss_mb",
+    "base_rss_mb",
+    "speedup",
+    "limit_speedup",
+    "speedup_over_limit",
+    "repeat_s",
+    "compress_over_prefill",
+    "compress_over_repeat",
+}
+"""Record fields that are measured (time or memory): they differ between any two runs."""
+
+
+def _untimed(result: dict) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMED} for r in result["records"]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed: pip install 'kvfold[ray]'")
+def test_bench_on_ray_matches_serial_with_each_length_on_one_worker(tiny_dir, serial_bench, tmp_path, capsys):
+    """``kvfold bench --ray`` (a local instance it starts and stops): the serial records (timings
+    aside) in the same order, each (length, batch) measured by one worker, ratios within it."""
+    import ray
+
+    serial, _ = serial_bench
+    out = tmp_path / "ray"
+    args = ["bench", "--model", str(tiny_dir), "--methods", "streamingllm", "--budgets", "0.25", "--lengths", "64"]
+    args += ["--batch", "1,2", "--new-tokens", "3", "--out", str(out), "--ray", "--ray-workers", "2"]
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "Ray workers started: 2;" in err and not ray.is_initialized()
+    result = json.loads((out / "bench.json").read_text())
+    assert _untimed(result) == _untimed(serial)
+    assert [set(r) for r in result["records"]] == [set(r) for r in serial["records"]]
+    workers = result["ray_workers"]
+    assert len(workers) == 4 and all(int(w.rsplit(":", 1)[1]) != os.getpid() for w in workers.values())
+    for batch in (1, 2):  # full and the method of one (length, batch) on the same worker
+        assert workers[f"full @ 1.0, 64 tokens x {batch}"] == workers[f"streamingllm @ 0.25, 64 tokens x {batch}"]
+    for record in result["records"]:
+        full = next(r for r in result["records"] if r["method"] == "full" and r["batch"] == record["batch"])
+        assert record["speedup"] == pytest.approx(record["decode_tokens_per_s"] / full["decode_tokens_per_s"])
+    assert "Measured on Ray workers" in (out / "bench.md").read_text()
+
+
+def test_bench_ray_without_ray_says_how_to_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    assert main(["bench", "--lengths", "64", "--out", str(tmp_path / "out"), "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'kvfold[ray]'" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path):
+    result = bench(
+        str(tiny_dir), ["kvzip", "streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
+    )
+    by_method = {r["method"]: r for r in result["records"]}
+    kvzip, streaming, full = by_method["kvzip"], by_method["streamingllm"], by_method["full"]
+    assert kvzip["repeat_s"] > 0
+    assert kvzip["compress_over_repeat"] == pytest.approx(kvzip["compress_s"] / kvzip["repeat_s"])
+    assert kvzip["compress_over_prefill"] == pytest.approx(kvzip["compress_s"] / kvzip["prefill_s"])
+    assert streaming["repeat_s"] is None and streaming["compress_over_repeat"] is None  # no repeat pass
+    assert streaming["compress_over_prefill"] == pytest.approx(streaming["compress_s"] / streaming["prefill_s"])
+    assert full["compress_over_repeat"] is None
+    table = (tmp_path / "bench.md").read_text()
+    assert "| c/prefill | c/repeat |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| kvzip |"))
+    ratios = f"{kvzip['compress_over_prefill']:.2f} | {kvzip['compress_over_repeat']:.2f}"
+    assert f"| {kvzip['repeat_s']:.2f} | {ratios} |" in row
+
+
+def test_compression_ratios_of_an_older_record_without_repeat_time():
+    from kvfold.evaluate.bench.speed import compression_ratios
+
+    assert compression_ratios({"compress_s": 3.0, "prefill_s": 2.0}) == {
+        "compress_over_prefill": 1.5,
+        "compress_over_repeat": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "uses"),
+    [
+        ("kvzip", True),
+        ("kvzip+am_fit", True),
+        ("am_highest_fast", True),
+        ("am_highest[queries=selfstudy]", False),
+        ("snapkv+am_fit", False),  # am_fit after a query-aware selector fits on the prefill's queries
+        ("streamingllm", False),
+    ],
+)
+def test_methods_say_whether_they_run_the_repeat_pass(spec, uses):
+    from kvfold.methods import build_method
+
+    assert build_method(spec).uses_repeat_pass is uses
+
+
+def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):
+    result = bench(
+        str(tiny_dir), ["streamingllm"], [16], [64], [1], new_tokens=2, prefill_chunk=16, out_dir=None, progress=False
+    )
+    record = next(r for r in result["records"] if r["method"] == "streamingllm")
+    assert record["physical_tokens"] <= 16
+
+
+def test_bench_rejects_a_length_beyond_the_model_positions(tiny_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(tiny_dir).max_position_embeddings
+    args = ["bench", "--model", str(tiny_dir), "--lengths", str(limit + 1), "--batch", "1", "--out", str(tmp_path)]
+    code = main(args)
+    assert code == 2
+    assert f"supports {limit} positions" in capsys.readouterr().err
+
+
+def test_bench_cli_rejects_bad_input(capsys, tmp_path):
+    assert main(["bench", "--methods", "nosuch", "--out", str(tmp_path)]) == 2
+    assert "unknown method" in capsys.readouterr().err
+    assert main(["bench", "--lengths", "0", "--out", str(tmp_path)]) == 2
+    assert "--lengths takes comma-separated positive integers" in capsys.readouterr().err
+
+
+def test_mmap_threshold_is_set_where_the_c_library_is_glibc():
+    from kvfold.evaluate.bench import process as bench_common
+    from kvfold.evaluate.bench import speed as bench_module
+
+    expected = bench_common._glibc() is not None
+    assert bench_module.set_mmap_threshold(bench_module.MEASURED_MMAP_THRESHOLD) is expected
+    assert bench_module.set_mmap_threshold(bench_module.DECODE_MMAP_THRESHOLD) is expected
+
+
+def test_a_chunked_sweep_measures_every_configuration_with_a_fixed_mmap_threshold():
+    from kvfold.evaluate.bench.speed import plan
+
+    runs, refs = plan("m", ["snapkv"], [0.1], [64, 128], [1], 4, prefill_chunk=32)
+    assert runs and refs and all(c.bounded_memory for c in runs + refs)  # `full` included
+    assert all(c.prefill_chunk is None for c in refs)
+    runs, refs = plan("m", ["snapkv"], [0.1], [64], [1], 4, prefill_chunk=None)
+    assert not any(c.bounded_memory for c in runs + refs)
+
+
+def test_bench_cachefile_mode_reports_file_size_speed_and_chat_memory(tiny_dir, tmp_path, capsys):
+    args = [
+        "bench", "--cachefile", "--model", str(tiny_dir), "--methods", "snapkv", "--budgets", "0.25",
+        "--lengths", "128", "--new-tokens", "4", "--turns", "6", "--chat-budget", "24", "--out", str(tmp_path),
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| snapkv | 0.25 |" in out and "RSS growth" in out
+    records = [json.loads(line) for line in (tmp_path / "cachefile.jsonl").read_text().splitlines()]
+    files = [r for r in records if r["kind"] == "file"]
+    chats = [r for r in records if r["kind"] == "chat"]
+    assert len(files) == 1 and len(chats) == 1
+    record = files[0]
+    assert 0.2 < record["file_ratio"] < 0.3 and record["same_answer"] is True
+    assert record["scratch_s"] > 0 and record["from_file_s"] > 0 and record["speedup"] > 0
+    chat = chats[0]
+    assert len(chat["per_turn"]) == 6 and chat["final"]["compactions"] >= 1
+    assert chat["max_entries"] < chat["final"]["logical_tokens"] / 2

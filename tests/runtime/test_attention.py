@@ -1,0 +1,154 @@
+"""The kvfold attention on real model code: exactness, positions, batches, plain generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvfold
+from kvfold.pipeline.context import greedy_decode
+from kvfold.runtime.cache import FoldedCache
+from tests.conftest import CharTokenizer as _CharTokenizer
+from tests.conftest import make_tiny_model
+
+
+def test_import_changes_nothing():
+    model = make_tiny_model("llama")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_no_compression_equals_stock_transformers(tiny_family):
+    model = make_tiny_model(tiny_family)
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
+    stock_cache = DynamicCache(config=model.config)
+    stock_prefill = model(ids, past_key_values=stock_cache).logits
+    stock_text = model.generate(ids, max_new_tokens=12, do_sample=False)
+    kvfold.enable(model)
+    cache = FoldedCache(model.config)
+    ours_prefill = model(ids, past_key_values=cache).logits
+    torch.testing.assert_close(ours_prefill, stock_prefill, rtol=0, atol=1e-5)
+    nxt = torch.tensor([[5, 7, 11]])
+    model.set_attn_implementation("sdpa")
+    stock_more = model(nxt, past_key_values=stock_cache).logits
+    model.set_attn_implementation("kvfold")
+    ours_more = model(nxt, past_key_values=cache).logits
+    torch.testing.assert_close(ours_more, stock_more, rtol=0, atol=1e-5)
+    ours_text = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=FoldedCache(model.config))
+    assert torch.equal(ours_text, stock_text)
+
+
+def test_evicted_entries_keep_logical_positions():
+    """Evict entries after prefill; new tokens must see RoPE positions as if nothing was evicted.
+
+    Reference: stock transformers with the full cache and a 4-D mask hiding the same entries
+    from the new query only.
+    """
+    model = make_tiny_model("llama")
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(2))
+    keep = torch.tensor([0, 1, 2, 3, 10, 11, 12, 20, 25, 28, 29])
+    stock_cache = DynamicCache(config=model.config)
+    model(ids, past_key_values=stock_cache)
+    mask = torch.full((1, 1, 1, 31), float("-inf"))
+    mask[..., keep] = 0.0
+    mask[..., 30] = 0.0
+    nxt = torch.tensor([[42]])
+    stock = model(nxt, past_key_values=stock_cache, attention_mask=mask, position_ids=torch.tensor([[30]])).logits
+    kvfold.enable(model)
+    cache = FoldedCache(model.config)
+    model(ids, past_key_values=cache)
+    for _, layer in cache.folded_layers:
+        k, v, _, _ = layer.padded()
+        layer.replace(k[:, :, keep], v[:, :, keep])
+    assert cache.get_seq_length() == 30
+    ours = model(nxt, past_key_values=cache).logits  # positions come from the logical length
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-5)
+
+
+def test_left_padded_batch_equals_each_context_alone():
+    model = kvfold.enable(make_tiny_model("qwen2"))
+    tok = _CharTokenizer()
+    contexts = ["the quick brown fox jumps over the lazy dog " * 2, "a short one"]
+    batch = kvfold.prefill(model, tok, contexts, use_chat_template=False)
+    for method, budget in (("full", 1.0), ("streamingllm", 0.5)):
+        together = batch.compress(method, budget).generate("why?", max_new_tokens=6, use_chat_template=False)
+        for row, text in enumerate(contexts):
+            alone = kvfold.prefill(model, tok, text, use_chat_template=False).compress(method, budget)
+            single = alone.generate("why?", max_new_tokens=6, use_chat_template=False)[0]
+            assert together[row].token_ids == single.token_ids, (method, row)
+
+
+def test_plain_generate_runs_on_a_compressed_cache():
+    model = kvfold.enable(make_tiny_model("llama"))
+    tok = _CharTokenizer()
+    prefilled = kvfold.prefill(model, tok, "abcdefghij" * 6, use_chat_template=False)
+    compressed = prefilled.compress("streamingllm[online=false]", 0.25)
+    question = tok("?!", add_special_tokens=False).input_ids
+    ours = greedy_decode(model, tok, compressed.cache.copy(), question, 8, stop_at_eos=False)
+    full_ids = torch.cat([prefilled.input_ids, torch.tensor([question])], dim=1)
+    out = model.generate(
+        full_ids, past_key_values=compressed.cache.copy(), max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert out[0, full_ids.shape[1] :].tolist() == ours.token_ids
+
+
+def test_gemma3_folds_global_layers_only():
+    model = kvfold.enable(make_tiny_model("gemma3"))
+    tok = _CharTokenizer()
+    compressed = kvfold.prefill(model, tok, "abcdefgh" * 5, use_chat_template=False).compress("streamingllm", 0.25)
+    kinds = [type(layer).__name__ for layer in compressed.cache.layers]
+    assert kinds == ["DynamicSlidingWindowLayer", "FoldedLayer", "DynamicSlidingWindowLayer", "FoldedLayer"]
+    assert all(layer.physical_length == 11 for _, layer in compressed.cache.folded_layers)
+    answer = compressed.generate("ok?", max_new_tokens=5, use_chat_template=False)[0]
+    assert answer.new_tokens >= 1
+
+
+def test_online_streamingllm_never_exceeds_budget():
+    model = kvfold.enable(make_tiny_model("mistral"))
+    tok = _CharTokenizer()
+    prefilled = kvfold.prefill(model, tok, "xyz" * 30, use_chat_template=False)
+    compressed = prefilled.compress("streamingllm", 0.2)
+    limit = compressed.cache.layers[0].physical_length
+    cache = compressed.cache.copy()
+    cache.policy = compressed.policy
+    seen = []
+    for token in range(40):
+        model(torch.tensor([[token % 90 + 1]]), past_key_values=cache)
+        seen.append(max(layer.physical_length for _, layer in cache.folded_layers))
+    assert max(seen) <= limit
+    assert cache.get_seq_length() == prefilled.input_ids.shape[1] + 40
+    first = cache.layers[0].padded()[0]
+    assert torch.equal(first[:, :, :4], prefilled.cache.layers[0].padded()[0][:, :, :4])  # sinks survive
+
+
+@pytest.mark.parametrize("budget", ["0", "-1", "1.5", "abc", "0.0"])
+def test_bad_budgets_are_clear_errors(budget):
+    with pytest.raises(ValueError, match=r"budget must be a fraction in \(0, 1\] or a positive token count"):
+        kvfold.Budget.parse(budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_tokens_after_an_uncompressed_cache_match_one_masked_attention(dtype):
+    """The split path (old entries unmasked, the new block causal, merged by log-sum-exp) equals
+    one masked attention computed in float64, GQA included, on views into a larger capacity."""
+    from kvfold.runtime.attention import _attend_after_cache
+
+    gen = torch.Generator().manual_seed(3)
+    b, h_kv, groups, q_len, n, d = 2, 3, 3, 7, 40, 16
+    capacity_keys = torch.randn(b, h_kv, 64, d, generator=gen)
+    capacity_values = torch.randn(b, h_kv, 64, d, generator=gen)
+    keys, values = capacity_keys[:, :, :n].to(dtype), capacity_values[:, :, :n].to(dtype)
+    query = torch.randn(b, h_kv * groups, q_len, d, generator=gen).to(dtype)
+    ours = _attend_after_cache(query, keys, values, 0.25)
+    allowed = torch.ones(q_len, n, dtype=torch.bool)
+    allowed[:, n - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.double(),
+        keys.double().repeat_interleave(groups, 1),
+        values.double().repeat_interleave(groups, 1),
+        attn_mask=allowed,
+        scale=0.25,
+    )
+    assert ours.shape == ref.shape and ours.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=tol)
