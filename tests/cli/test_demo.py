@@ -8,8 +8,9 @@ import pytest
 
 import kvfold
 import kvfold.cli.demo
-from kvfold.cli.demo import DEFAULT_METHODS, FACTS, demo_specs
+from kvfold.cli.demo import DEFAULT_METHODS, demo_specs
 from kvfold.cli.main import main
+from kvfold.evaluate.data.logbook import FACTS
 from kvfold.methods import RECOMMENDED, available_methods, build_method
 from tests.conftest import CharTokenizer, make_tiny_model
 
@@ -29,7 +30,7 @@ def tiny_demo_model(monkeypatch):
     monkeypatch.setattr(kvfold, "load_model", lambda spec, dtype="auto", device="auto": (model, CharTokenizer()))
     # a short context (the built-in one is ~3K characters, i.e. tokens of the char tokenizer)
     short = " ".join(f"The tide rose on day {i}. {fact}" for i, (fact, _, _) in enumerate(FACTS))
-    monkeypatch.setattr(kvfold.cli.demo, "build_context", lambda tokenizer, target_tokens=3000: short)
+    monkeypatch.setattr(kvfold.cli.demo, "build_logbook", lambda tokenizer, target_tokens=3000: short)
     return model
 
 

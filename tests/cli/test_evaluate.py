@@ -1,4 +1,4 @@
-"""``kvfold eval`` and ``kvfold fidelity``: files, flags, one-line errors (tiny model; one SmolLM2 run)."""
+"""``kvfold eval``, ``fidelity`` and ``report``: files, flags, one-line errors (tiny model; one SmolLM2 run)."""
 
 from __future__ import annotations
 
@@ -185,3 +185,40 @@ def test_a_multi_question_line_is_compressed_once(capsys, loads, tmp_path: Path,
     code, _, err = run(capsys, "eval --dataset", _write_jsonl(tmp_path / "bad.jsonl", [bad]),
                        "--methods full --quiet --out", tmp_path / "b")  # fmt: skip
     assert code == 2 and "one per question" in err
+
+
+def test_report_prints_the_tables_of_one_run_or_of_several_merged(capsys, loads, tmp_path: Path) -> None:
+    data, first, second = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "first", tmp_path / "second"
+    flags = "--budgets 0.5,0.3 --quiet --out"
+    assert run(capsys, "eval --dataset", data, "--methods full,streamingllm", flags, first)[0] == 0
+    assert run(capsys, "eval --dataset", data, "--methods snapkv,full", flags, second)[0] == 0
+    code, markdown, _ = run(capsys, "report", first, "--markdown")
+    report = (first / "report.md").read_text()
+    assert code == 0 and report.startswith(markdown) and report[len(markdown) :].startswith("\n![")  # then plots
+    code, merged, _ = run(capsys, "report", first, second, "--markdown")
+    assert code == 0 and "| method | 0.5 | 0.3 |" in merged
+    averages = merged.split("## Average score by budget")[1].split("##")[0]
+    assert [line.split(" | ")[0] for line in averages.splitlines() if line.startswith("| `")] == [
+        "| `full`", "| `streamingllm`", "| `snapkv`"
+    ]  # fmt: skip
+    code, lines, _ = run(capsys, "report", first, second)
+    methods = [line.split()[0] for line in lines.splitlines()]  # one line per method and budget
+    assert code == 0 and methods == ["full"] + ["streamingllm"] * 2 + ["snapkv"] * 2
+    assert run(capsys, "eval --dataset", data, "--methods snapkv --seed 1", flags, tmp_path / "seed1")[0] == 0
+    code, _, err = run(capsys, "report", first, tmp_path / "seed1")
+    assert code == 2 and "only runs on the same samples can be merged" in err
+    code, _, err = run(capsys, "report", tmp_path)
+    assert code == 2 and "holds no predictions.jsonl" in err
+
+
+def test_report_prints_eval_and_fidelity_tables_together(capsys, loads, tmp_path: Path) -> None:
+    data, scores, errors = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "eval", tmp_path / "fid"
+    flags = "--methods full,streamingllm --budgets 0.5 --quiet --out"
+    assert run(capsys, "eval --dataset", data, flags, scores)[0] == 0
+    assert run(capsys, "fidelity --dataset", data, flags, errors)[0] == 0
+    code, markdown, _ = run(capsys, "report", errors, scores, "--markdown")  # eval first, whatever the order
+    eval_part, fidelity_part = markdown.split("\n# kvfold fidelity\n")
+    assert code == 0 and (scores / "report.md").read_text().startswith(eval_part)
+    assert (errors / "fidelity.md").read_text().startswith("# kvfold fidelity\n" + fidelity_part)
+    code, lines, _ = run(capsys, "report", scores, errors)
+    assert code == 0 and "rel_error" in lines.splitlines()[-1] and "score" in lines.splitlines()[0]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from kvfold.cli.demo import build_context
 from kvfold.cli.main import main
+from kvfold.evaluate.data.logbook import build_logbook
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -22,6 +24,17 @@ def test_methods_json_lists_registered_methods(capsys):
     rows = {r["name"]: r for r in json.loads(out)}
     assert {"full", "streamingllm", "random"} <= set(rows)
     assert all(r["description"] and r["paper"] for r in rows.values())
+
+
+def test_a_closed_stdout_ends_the_command_quietly():
+    """``kvfold methods | head``: the reader leaves before the output is written; no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfold.cli", "methods"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # nobody reads: writing to the pipe fails with EPIPE
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 141 and err == ""
 
 
 @pytest.mark.parametrize(
@@ -59,7 +72,7 @@ def test_generate_over_long_context_is_refused(capsys, smollm2):
 def test_generate_streamingllm_json_reports_memory(capsys, smollm2, tmp_path):
     _, tokenizer = smollm2
     path = tmp_path / "context.txt"
-    path.write_text(build_context(tokenizer, target_tokens=1200))
+    path.write_text(build_logbook(tokenizer, target_tokens=1200))
     code, out, _ = run(
         capsys, "generate", "--method", "streamingllm", "--budget", "0.1", "--context-file", str(path),
         "--question", "What is the special magic number for the cabin?", "--max-new-tokens", "4", "--json",

@@ -8,12 +8,12 @@ import torch.nn.functional as F
 
 import kvfold
 from kvfold.methods.core.base import ComposedMethod
-from kvfold.methods.core.model import attention_modules
 from kvfold.methods.eviction.plumbing import StreamingLLM
 from kvfold.methods.merging.keepkv.online import LayerPolicies
 from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
 from kvfold.pipeline.chunked import prefill_chunked
 from kvfold.pipeline.context import greedy_decode
+from kvfold.runtime.attention import attention_modules
 from kvfold.runtime.cache import FoldedLayer
 from tests.conftest import CharTokenizer, make_tiny_model
 

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvfold
-from kvfold.cli.demo import FACTS, build_context
+from kvfold.evaluate.data.logbook import FACTS, build_logbook
 from kvfold.pipeline.context import build_prompt, encode
 
 pytestmark = pytest.mark.model
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.model
 
 def test_full_equals_stock_greedy_on_smollm2(smollm2):
     model, tokenizer = smollm2
-    context = build_context(tokenizer, target_tokens=300)
+    context = build_logbook(tokenizer, target_tokens=300)
     question = FACTS[0][1]
     prefilled = kvfold.prefill(model, tokenizer, context)
     answer = prefilled.compress("full").generate(question, max_new_tokens=12)[0]
@@ -38,7 +38,7 @@ def test_full_equals_stock_greedy_on_smollm2(smollm2):
 
 def test_one_compressed_context_answers_several_questions(smollm2):
     model, tokenizer = smollm2
-    context = build_context(tokenizer, target_tokens=600)
+    context = build_logbook(tokenizer, target_tokens=600)
     compressed = kvfold.prefill(model, tokenizer, context).compress("streamingllm", 0.1)
     first = compressed.answer(FACTS[0][1], max_new_tokens=5)
     again = compressed.answer(FACTS[0][1], max_new_tokens=5)
@@ -49,7 +49,7 @@ def test_one_compressed_context_answers_several_questions(smollm2):
 
 def test_prefill_ids_equals_prefill_of_the_same_tokens(smollm2):
     model, tokenizer = smollm2
-    context = build_context(tokenizer, target_tokens=120)
+    context = build_logbook(tokenizer, target_tokens=120)
     from_text = kvfold.prefill(model, tokenizer, context, methods="snapkv")
     from_ids = kvfold.pipeline.context.prefill_ids(model, tokenizer, from_text.input_ids, methods="snapkv")
     torch.testing.assert_close(from_ids.last_logits, from_text.last_logits, rtol=0, atol=0)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvfold.runtime.attention import kvfold_attention
-from kvfold.runtime.cache import BLOCK_SIZE, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.paged import BLOCK_SIZE
 
 B, HKV, G, D = 2, 3, 2, 8
 

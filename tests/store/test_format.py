@@ -1,7 +1,8 @@
-"""Saved caches (kvfold.store.format): exact round trips, live entries only, and every bad-file error."""
+"""Saved caches (kvfold.store: format, save, load): exact round trips, live entries only, and every bad-file error."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import struct
 
@@ -17,10 +18,12 @@ from kvfold.store.format import (
     CorruptCacheFileError,
     DtypeDeviceError,
     ModelMismatchError,
-    _checksum,
+    checksum,
+    kvfold_version,
     read_info,
 )
 from kvfold.store.load import load_cache, load_context
+from kvfold.store.save import save_cache, save_context
 from tests.conftest import CharTokenizer, make_tiny_model
 
 TEXT = "The vault code is 4712. Ships sail at dawn; the harbour keeps its lights on all night. " * 3
@@ -72,7 +75,7 @@ def test_save_load_generate_equals_the_original_token_for_token(tmp_path, family
     model = _model(family)
     compressed = _compressed(model, method)
     path = tmp_path / "doc.kvc"
-    compressed.save(path, source_text=TEXT)
+    save_context(compressed, path, source_text=TEXT)
     original = compressed.generate(QUESTION, max_new_tokens=12)[0]
 
     loaded = load_context(path, model, CharTokenizer())
@@ -113,7 +116,8 @@ def test_online_policy_continues_from_the_saved_state(tmp_path):
     cache.policy.export_state(cache)
     policy = cache.policy
     cache.policy = None
-    cache.save(tmp_path / "mid.kvc", model, method="h2o", budget=24, context_tokens=compressed.source.context_tokens)
+    tokens = compressed.source.context_tokens
+    save_cache(cache, tmp_path / "mid.kvc", model, method="h2o", budget=24, context_tokens=tokens)
     cache.policy = policy
     rest = greedy_decode(model, CharTokenizer(), cache, [first.token_ids[-1]], 10, stop_at_eos=False)
 
@@ -129,7 +133,7 @@ def test_file_holds_only_the_live_entries(tmp_path):
     model = _model()
     compressed = _compressed(model, "snapkv", 0.25)
     path = tmp_path / "doc.kvc"
-    size = compressed.save(path)
+    size = save_context(compressed, path)
     info = read_info(path)
     live = 0
     for _, layer in compressed.cache.folded_layers:
@@ -148,13 +152,13 @@ def test_file_holds_only_the_live_entries(tmp_path):
     assert cache.nbytes() > 1.05 * sum(
         int(layer.row_lengths().sum()) * layer.head_dim * 2 * 4 for _, layer in cache.folded_layers
     )
-    decoded_size = cache.save(tmp_path / "decoded.kvc", model)
+    decoded_size = save_cache(cache, tmp_path / "decoded.kvc", model)
     decoded_live = sum(int(layer.row_lengths().sum()) * layer.head_dim * 2 * 4 for _, layer in cache.folded_layers)
     decoded_header = 8 + struct.unpack("<Q", (tmp_path / "decoded.kvc").read_bytes()[:8])[0]
     assert abs(decoded_size - decoded_header - decoded_live) <= 0.01 * decoded_live
     # per-head budgets: the paged layout is stored as Σ row lengths, not rows × the longest row
     paged = _paged_context(model)
-    paged_size = paged.save(tmp_path / "paged.kvc")
+    paged_size = save_context(paged, tmp_path / "paged.kvc")
     paged_live = sum(
         int(layer.row_lengths().sum()) * (layer.head_dim * 2 * 4 + 4) + layer.batch_size * layer.num_heads * 8
         for _, layer in paged.cache.folded_layers
@@ -178,7 +182,7 @@ def _paged_context(model):
 def test_paged_layers_round_trip(tmp_path):
     model = _model()
     compressed = _paged_context(model)
-    compressed.save(tmp_path / "paged.kvc")
+    save_context(compressed, tmp_path / "paged.kvc")
     loaded = load_context(tmp_path / "paged.kvc", model, CharTokenizer())
     for before, after in zip(_physical(compressed.cache), _physical(loaded.cache), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(before[:4], after[:4], strict=True)) and after[5]
@@ -191,10 +195,10 @@ def test_paged_layers_round_trip(tmp_path):
 def test_header_records_the_model_method_budget_and_source(tmp_path):
     model = _model()
     compressed = _compressed(model, "snapkv", 0.25)
-    compressed.save(tmp_path / "doc.kvc", source_text=TEXT)
+    save_context(compressed, tmp_path / "doc.kvc", source_text=TEXT)
     header = read_info(tmp_path / "doc.kvc").header
     assert header["format"] == "kvfold-cache" and header["format_version"] == FORMAT_VERSION
-    assert header["kvfold_version"] == kvfold.__version__
+    assert header["kvfold_version"] == kvfold_version() == importlib.metadata.version("kvfold")
     assert header["method"] == "snapkv" and header["budget"] == 0.25
     assert header["context_tokens"] == [compressed.source.context_tokens]
     assert len(header["source_sha256"]) == 64 and len(header["tokens_sha256"]) == 64
@@ -204,7 +208,7 @@ def test_header_records_the_model_method_budget_and_source(tmp_path):
 
 def test_a_mismatched_model_is_refused(tmp_path):
     model = _model()
-    _compressed(model).save(tmp_path / "doc.kvc")
+    save_context(_compressed(model), tmp_path / "doc.kvc")
     with pytest.raises(ModelMismatchError, match="differs in: weights.*Load the model the cache was made with"):
         load_cache(tmp_path / "doc.kvc", _model(seed=1))
     with pytest.raises(ModelMismatchError, match="architecture .*config"):
@@ -216,7 +220,7 @@ def test_a_mismatched_model_is_refused(tmp_path):
 def test_a_truncated_file_is_refused(tmp_path):
     model = _model()
     path = tmp_path / "doc.kvc"
-    _compressed(model).save(path)
+    save_context(_compressed(model), path)
     raw = path.read_bytes()
     for cut in (len(raw) - 1, len(raw) // 2, 100, 4):
         path.write_bytes(raw[:cut])
@@ -232,13 +236,13 @@ def test_a_truncated_file_is_refused(tmp_path):
 def test_a_tampered_file_fails_its_checksum(tmp_path):
     model = _model()
     path = tmp_path / "doc.kvc"
-    _compressed(model).save(path)
+    save_context(_compressed(model), path)
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0x01  # one bit of the last tensor
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptCacheFileError, match="checksum"):
         load_cache(path, model)
-    _compressed(model).save(path)
+    save_context(_compressed(model), path)
     _rewrite_header(path, lambda meta: meta["layers"][0].update(logical_length=5))  # positions moved
     with pytest.raises(CorruptCacheFileError, match="checksum"):
         load_cache(path, model)
@@ -248,7 +252,7 @@ def test_a_tampered_file_fails_its_checksum(tmp_path):
 def test_an_unknown_format_version_is_refused(tmp_path):
     model = _model()
     path = tmp_path / "doc.kvc"
-    _compressed(model).save(path)
+    save_context(_compressed(model), path)
     _rewrite_header(path, lambda meta: meta.update(format_version=FORMAT_VERSION + 1, kvfold_version="9.0"))
     with pytest.raises(CacheFileVersionError, match="format version 2.*upgrade kvfold"):
         load_cache(path, model)
@@ -258,7 +262,7 @@ def test_a_dtype_or_device_change_needs_an_explicit_conversion(tmp_path):
     model = _model()
     path = tmp_path / "doc.kvc"
     compressed = _compressed(model)
-    compressed.save(path)
+    save_context(compressed, path)
     model64 = kvfold.enable(make_tiny_model("llama").to(torch.float64))
     with pytest.raises(DtypeDeviceError, match="float32 keys and values but the model runs in float64.*dtype="):
         load_cache(path, model64)
@@ -270,7 +274,7 @@ def test_a_dtype_or_device_change_needs_an_explicit_conversion(tmp_path):
     # a file saved on a GPU: written with the device it names, checksum and all
     _rewrite_header(path, lambda meta: meta.update(device="cuda:0"))
     meta = read_info(path).header
-    _rewrite_header(path, lambda m: m["checksum"].update(value=_checksum(meta, _tensors(path).items())))
+    _rewrite_header(path, lambda m: m["checksum"].update(value=checksum(meta, _tensors(path).items())))
     with pytest.raises(DtypeDeviceError, match="saved on cuda:0 but the model is on cpu.*device='cpu'"):
         load_cache(path, model)
     moved = load_cache(path, model, device="cpu")
@@ -287,7 +291,7 @@ def test_errors_are_value_errors_and_nothing_is_half_loaded(tmp_path):
     assert issubclass(CacheFileError, ValueError)
     model = _model()
     path = tmp_path / "doc.kvc"
-    _compressed(model).save(path)
+    save_context(_compressed(model), path)
     _rewrite_header(path, lambda meta: meta["layers"][1].update(layout="sideways"))
     with pytest.raises(CacheFileError):
         load_cache(path, model, verify=False)
@@ -295,15 +299,20 @@ def test_errors_are_value_errors_and_nothing_is_half_loaded(tmp_path):
 
 def test_a_model_without_the_kvfold_attention_is_refused(tmp_path):
     model = _model()
-    _compressed(model).save(tmp_path / "doc.kvc")
+    save_context(_compressed(model), tmp_path / "doc.kvc")
     with pytest.raises(CacheFileError, match="kvfold.enable"):
         load_cache(tmp_path / "doc.kvc", make_tiny_model("llama"))
+
+
+def test_the_package_root_saves_and_loads_with_the_store_functions():
+    assert kvfold.save_context is save_context and kvfold.save_cache is save_cache
+    assert kvfold.load_context is load_context and kvfold.load_cache is load_cache
 
 
 def test_an_empty_cache_is_not_saved(tmp_path):
     model = _model()
     with pytest.raises(CacheFileError, match="empty"):
-        kvfold.FoldedCache(model.config).save(tmp_path / "x.kvc", model)
+        save_cache(kvfold.FoldedCache(model.config), tmp_path / "x.kvc", model)
 
 
 def test_the_weight_sample_stays_inside_large_parameters():
@@ -320,7 +329,7 @@ def test_a_batch_a_query_aware_context_and_sliding_window_layers_round_trip(tmp_
     model = _model()
     texts = [TEXT, "A shorter context about harbour lights and dawn. " * 3]
     batch = kvfold.prefill(model, CharTokenizer(), texts, use_chat_template=False).compress("snapkv", 0.25)
-    batch.save(tmp_path / "batch.kvc")
+    save_context(batch, tmp_path / "batch.kvc")
     loaded = load_context(tmp_path / "batch.kvc", model, CharTokenizer())
     assert [a.token_ids for a in loaded.generate(QUESTION, max_new_tokens=6)] == [
         a.token_ids for a in batch.generate(QUESTION, max_new_tokens=6)
@@ -329,13 +338,13 @@ def test_a_batch_a_query_aware_context_and_sliding_window_layers_round_trip(tmp_
     aware = kvfold.prefill(
         model, CharTokenizer(), TEXT, question=QUESTION, query_aware=True, use_chat_template=False
     ).compress("snapkv", 0.25)
-    aware.save(tmp_path / "aware.kvc")
+    save_context(aware, tmp_path / "aware.kvc")
     again = load_context(tmp_path / "aware.kvc", model, CharTokenizer())
     assert again.generate(max_new_tokens=6)[0].token_ids == aware.generate(max_new_tokens=6)[0].token_ids
 
     gemma = _model("gemma3")
     compressed = kvfold.prefill(gemma, CharTokenizer(), TEXT[:60], use_chat_template=False).compress("snapkv", 0.5)
-    compressed.save(tmp_path / "gemma.kvc")
+    save_context(compressed, tmp_path / "gemma.kvc")
     from_file = load_context(tmp_path / "gemma.kvc", gemma, CharTokenizer())
     assert from_file.generate(QUESTION[:6], max_new_tokens=4)[0].token_ids == (
         compressed.generate(QUESTION[:6], max_new_tokens=4)[0].token_ids

@@ -2,104 +2,11 @@
 
 from __future__ import annotations
 
-import random
 import time
 
+from kvfold.evaluate.data.logbook import FACTS, build_logbook
 from kvfold.methods import RECOMMENDED
 from kvfold.runtime.budget import Budget
-
-FACTS = [
-    (
-        "The special magic number for the lighthouse is 4821.",
-        "What is the special magic number for the lighthouse?",
-        "4821",
-    ),
-    ("The special magic number for Lisbon is 7395.", "What is the special magic number for Lisbon?", "7395"),
-    (
-        "The radio call sign of the expedition is Kestrel.",
-        "What is the radio call sign of the expedition?",
-        "Kestrel",
-    ),
-    (
-        "The special magic number for the cabin is 2618.",
-        "What is the special magic number for the cabin?",
-        "2618",
-    ),
-    (
-        "The special magic word for the red balloon is Biscuit.",
-        "What is the special magic word for the red balloon?",
-        "Biscuit",
-    ),
-]
-
-_SUBJECTS = [
-    "The wind",
-    "The tide",
-    "The old keeper",
-    "A gull",
-    "The fog",
-    "The generator",
-    "The lantern",
-    "The cartographer",
-    "The second mate",
-    "The weather vane",
-    "A fishing trawler",
-    "The radio",
-]
-_VERBS = [
-    "drifted past",
-    "circled",
-    "rattled against",
-    "settled over",
-    "hummed beside",
-    "leaned toward",
-    "flickered near",
-    "waited by",
-    "moved along",
-    "returned to",
-]
-_OBJECTS = [
-    "the northern cliffs",
-    "the harbour wall",
-    "the supply shed",
-    "the rocky shore",
-    "the signal mast",
-    "the kelp beds",
-    "the narrow pier",
-    "the stone stairs",
-    "the east window",
-    "the chart table",
-]
-_TAILS = [
-    "as the afternoon light faded.",
-    "while the crew mended nets.",
-    "long before anyone woke.",
-    "during the grey hours of the morning.",
-    "and nobody paid it much attention.",
-    "under a sky the colour of slate.",
-    "as the kettle began to whistle.",
-    "before the rain returned.",
-]
-
-
-def build_context(tokenizer, target_tokens: int = 3000, seed: int = 7) -> str:
-    """A deterministic logbook of filler sentences with the FACTS spread at fixed depths."""
-    rng = random.Random(seed)
-    sentences: list[str] = []
-    day = 1
-    while True:
-        if len(sentences) % 6 == 0:
-            sentences.append(f"Logbook, day {day}.")
-            day += 1
-        sentences.append(
-            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
-        )
-        if len(sentences) % 40 == 0 and len(tokenizer(" ".join(sentences)).input_ids) > target_tokens * 0.95:
-            break
-    for i, (fact, _, _) in enumerate(FACTS):
-        depth = (i + 0.5) / len(FACTS)
-        sentences.insert(int(depth * len(sentences)), fact)
-    return " ".join(sentences)
 
 
 def demo_specs(methods: str | None = None) -> list[str]:
@@ -133,13 +40,14 @@ def run_demo(
             recommended pipeline; ``"all"``: every method).
         context_tokens: length of the built-in context.
     """
-    from kvfold import load_model, prefill
+    from kvfold.pipeline.context import prefill
+    from kvfold.runtime.models import load_model
 
     parsed_budget = Budget.parse(budget)
     specs = demo_specs(methods)
     print(f"Loading {model_spec} ...", flush=True)
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
-    context = build_context(tokenizer, target_tokens=context_tokens)
+    context = build_logbook(tokenizer, target_tokens=context_tokens)
     start = time.perf_counter()
     prefilled = prefill(model, tokenizer, context, methods=[s for s in specs if s != "full"] or None)
     print(

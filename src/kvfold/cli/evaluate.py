@@ -1,6 +1,6 @@
-"""The ``kvfold eval`` and ``kvfold fidelity`` commands (loaded by :mod:`kvfold.cli.main`).
+"""The ``kvfold eval``, ``kvfold fidelity`` and ``kvfold report`` commands (loaded by :mod:`kvfold.cli.main`).
 
-Both take the same selection flags::
+``eval`` and ``fidelity`` take the same selection flags::
 
     kvfold eval --dataset ruler --length 2048 --samples 3 --methods full,streamingllm \\
         --budgets 0.5,0.2 --out runs/ruler-2k
@@ -10,6 +10,12 @@ Both take the same selection flags::
 ``kvfold eval --ray [ADDRESS]`` and ``kvfold fidelity --ray [ADDRESS]`` run the same sweep on Ray
 workers (:mod:`kvfold.evaluate.running.distributed`).
 
+``kvfold report`` prints the results of finished runs, several of one kind on the same samples
+merged (:mod:`kvfold.evaluate.running.results`); ``--markdown`` prints the tables of ``report.md``
+(retention with 95% intervals, scores, KV-cache size, score by task) and of ``fidelity.md``::
+
+    kvfold report runs/ruler-2k runs/ruler-2k-kvzip runs/fid-1k --markdown > tables.md
+
 Methods and budgets are checked before the model loads, so a typo fails at once.
 """
 
@@ -17,15 +23,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvfold.cli.args import Handler, add_model_args, add_ray_args, ray_options, ray_where
+from kvfold.evaluate.data.jsonl import load_jsonl
+from kvfold.evaluate.data.loaders import load_dataset_spec
+from kvfold.evaluate.data.samples import Sample
+from kvfold.evaluate.reporting import eval_markdown, fidelity_markdown
+from kvfold.evaluate.running.distributed import ModelLoader, require_ray, run_on_ray
+from kvfold.evaluate.running.fidelity import FidelitySweep
+from kvfold.evaluate.running.results import RUN_KINDS, merge_runs, read_run
+from kvfold.evaluate.running.runner import EvalSweep
+from kvfold.evaluate.running.sweep import ItemRunner, local_runner
+from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK
+from kvfold.methods import build_method, split_specs
+from kvfold.runtime import models
+from kvfold.runtime.budget import Budget
 
 DATASET_HELP = (
     "ruler[:TASKS] (synthetic, generated locally), PATH.jsonl (one {context, question, answers, ...} a line), "
     "longbench[:TASKS][@DIR_OR_REPO], xsum[@PATH_OR_REPO], ruler-official[:TASKS]@PATH_OR_REPO"
 )
+
+Runs = Callable[[Callable[[ItemRunner], Any]], Any]
+"""Where a sweep runs: ``runs(sweep.run)`` answers it and returns its result."""
 
 
 def _add_selection_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +81,7 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add the ``eval`` and ``fidelity`` sub-parsers to the ``kvfold`` parser."""
+    """Add the ``eval``, ``fidelity`` and ``report`` sub-parsers to the ``kvfold`` parser."""
     p = sub.add_parser("eval", help="score methods × budgets on a dataset (resumable)")
     _add_selection_args(p)
     p.add_argument("--query-aware", action="store_true", help="compress each context together with its question")
@@ -82,12 +105,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_ray_args(p, "context")
 
+    p = sub.add_parser("report", help="print the results of finished runs (several of one kind merged)")
+    p.add_argument(
+        "runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders written by kvfold eval or fidelity --out"
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the Markdown tables of report.md (retention with 95%% intervals, average score and KV-cache "
+        "size by budget, score by task) and of fidelity.md instead of one line per method and budget",
+    )
+
 
 def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     """Validate methods, budgets and counts before anything slow happens."""
-    from kvfold.methods import build_method, split_specs
-    from kvfold.runtime.budget import Budget
-
     methods = split_specs(args.methods)
     for spec in methods:
         build_method(spec)
@@ -109,8 +140,6 @@ def _is_jsonl(spec: str) -> bool:
 
 def _check_dataset(spec: str) -> None:
     """Fail on a malformed JSONL file or an unknown dataset form before the model loads."""
-    from kvfold.evaluate.data.loaders import load_dataset_spec, load_jsonl
-
     if _is_jsonl(spec):
         if not Path(spec).is_file():
             raise ValueError(f"dataset file not found: {spec}")
@@ -128,8 +157,6 @@ def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
     ``ruler`` ``--samples`` counts contexts: a context with several questions (the multi-query
     task) keeps all of them.
     """
-    from kvfold.evaluate.data.loaders import load_dataset_spec
-
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     spec = args.dataset
     synthetic = spec.strip().lower() == "ruler"
@@ -171,81 +198,65 @@ def describe_samples(samples: list) -> str:
     return f"{len(samples)} samples ({contexts} contexts) in {len(per_task)} tasks: {listing}"
 
 
-def _setup(args: argparse.Namespace):
-    from kvfold.runtime.models import load_model
-
-    methods, budgets = _check_selection(args)
-    _check_dataset(args.dataset)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    samples = load_samples(args, tokenizer)
-    return methods, budgets, model, tokenizer, samples, _run_config(args)
-
-
 def _run_config(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model, "dataset": args.dataset, "length": args.length, "seed": args.seed}
 
 
-def _ray_setup(args: argparse.Namespace) -> tuple[list[str], list[Any], list, Any, dict[str, Any]]:
-    """What ``--ray`` needs before it starts: this process reads the data, the workers load the model.
+def _prepare(args: argparse.Namespace) -> tuple[list[str], list[Any], list[Sample], Runs]:
+    """Check the flags, read the samples, and say where the sweep runs; fails before anything slow.
 
-    Returns ``(methods, budgets, samples, loader, options of run_on_ray)``; fails (Ray missing, a
-    bad flag or dataset) before anything slow.
+    Returns ``(methods, budgets, samples, runs)``: without ``--ray`` the model is loaded here and
+    ``runs`` answers on it; with ``--ray`` this process reads the data only, and ``runs`` answers
+    on Ray workers that each load the model (and logs their counts).
     """
-    from kvfold.evaluate.running.distributed import ModelLoader, require_ray
-    from kvfold.runtime.models import load_tokenizer
-
     methods, budgets = _check_selection(args)
+    if args.ray is None:
+        _check_dataset(args.dataset)
+        model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
+        return methods, budgets, load_samples(args, tokenizer), lambda drive: drive(local_runner(model, tokenizer))
     options = ray_options(args)
     require_ray()
     _check_dataset(args.dataset)
-    samples = load_samples(args, load_tokenizer(args.model))
-    return methods, budgets, samples, ModelLoader(args.model, dtype=args.dtype, device=args.device), options
+    samples = load_samples(args, models.load_tokenizer(args.model))
+    loader = ModelLoader(args.model, dtype=args.dtype, device=args.device)
+
+    def on_ray(drive: Callable[[ItemRunner], Any]) -> Any:
+        result, runner = run_on_ray(loader, drive, **options)
+        print(runner.summary(), file=sys.stderr)
+        return result
+
+    return methods, budgets, samples, on_ray
 
 
-def _eval_on_ray(args: argparse.Namespace) -> Any:
-    """``kvfold eval --ray``: this process reads the data; Ray workers load the model and answer."""
-    from kvfold.evaluate.running.distributed import evaluate_on_ray
-
-    methods, budgets, samples, loader, options = _ray_setup(args)
-    print(f"{describe_samples(samples)} on {ray_where(args)} → {args.out}", file=sys.stderr)
-    result, runner = evaluate_on_ray(
-        loader,
-        samples,
-        methods,
-        budgets,
-        query_aware=args.query_aware,
-        seed=args.seed,
-        out_dir=args.out,
-        progress=not args.quiet,
-        run_config=_run_config(args),
-        **options,
-    )
-    print(runner.summary(), file=sys.stderr)
-    return result
+def _where(args: argparse.Namespace) -> str:
+    """`` on a local Ray instance`` (or the cluster) with ``--ray``, else nothing: for the log."""
+    return "" if args.ray is None else f" on {ray_where(args)}"
 
 
 def run_eval(args: argparse.Namespace) -> int:
     """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
-    from kvfold.evaluate.running.runner import AVERAGE_TASK, HEADLINE_TASK, evaluate
+    methods, budgets, samples, runs = _prepare(args)
+    print(f"{describe_samples(samples)}{_where(args)} → {args.out}", file=sys.stderr)
+    sweep = EvalSweep(
+        samples,
+        methods,
+        budgets,
+        _run_config(args),
+        query_aware=args.query_aware,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.quiet,
+    )
+    _print_summary(runs(sweep.run).records)
+    print(
+        f"wrote {args.out}/results.json, predictions.jsonl, report.md, scores.png, scores_by_task.png", file=sys.stderr
+    )
+    return 0
 
-    if args.ray is not None:
-        result = _eval_on_ray(args)
-    else:
-        methods, budgets, model, tokenizer, samples, config = _setup(args)
-        print(f"{describe_samples(samples)} → {args.out}", file=sys.stderr)
-        result = evaluate(
-            model,
-            tokenizer,
-            samples,
-            methods,
-            budgets,
-            query_aware=args.query_aware,
-            seed=args.seed,
-            out_dir=args.out,
-            progress=not args.quiet,
-            run_config=config,
-        )
-    for record in result.records:
+
+def _print_summary(records: Sequence[Mapping[str, Any]]) -> None:
+    """One line per (method, budget): the average and headline score, retention and KV-cache ratio."""
+    for record in records:
         if record["task"] in (AVERAGE_TASK, HEADLINE_TASK):
             retention = record.get("retention")
             kept = f"  retention {100 * retention:5.1f}%" if retention is not None else ""
@@ -253,43 +264,36 @@ def run_eval(args: argparse.Namespace) -> int:
                 f"{record['method']:<24} budget {record['budget']!s:<6} {record['task']:<8} "
                 f"score {record['score']:6.1f}{kept}  kv {record['kv_ratio']:.3f}  (n={record['n']})"
             )
-    print(
-        f"wrote {args.out}/results.json, predictions.jsonl, report.md, scores.png, scores_by_task.png", file=sys.stderr
-    )
-    return 0
 
 
 def run_fidelity(args: argparse.Namespace) -> int:
     """``kvfold fidelity``: write fidelity.json, fidelity.md and fidelity.png to ``--out``."""
-    from kvfold.evaluate.running.fidelity import fidelity
-
+    methods, budgets, samples, runs = _prepare(args)
     mode = "online" if args.online else "offline"
-    options = {
-        "continuation": args.continuation,
-        "next_tokens": args.next_tokens,
-        "online": args.online,
-        "seed": args.seed,
-        "out_dir": args.out,
-        "progress": not args.quiet,
-    }
-    if args.ray is not None:
-        from kvfold.evaluate.running.distributed import fidelity_on_ray
+    print(
+        f"{describe_samples(samples)}, continuation '{args.continuation}', {mode}{_where(args)} → {args.out}",
+        file=sys.stderr,
+    )
+    sweep = FidelitySweep(
+        samples,
+        methods,
+        budgets,
+        _run_config(args),
+        continuation=args.continuation,
+        next_tokens=args.next_tokens,
+        online=args.online,
+        seed=args.seed,
+        out_dir=args.out,
+        progress=not args.quiet,
+    )
+    _print_fidelity(runs(sweep.run).records)
+    print(f"wrote {args.out}/fidelity.json, fidelity.md, fidelity.png", file=sys.stderr)
+    return 0
 
-        methods, budgets, samples, loader, ray = _ray_setup(args)
-        where = f" on {ray_where(args)}"
-        print(
-            f"{describe_samples(samples)}, continuation '{args.continuation}', {mode}{where} → {args.out}",
-            file=sys.stderr,
-        )
-        result, runner = fidelity_on_ray(
-            loader, samples, methods, budgets, run_config=_run_config(args), **ray, **options
-        )
-        print(runner.summary(), file=sys.stderr)
-    else:
-        methods, budgets, model, tokenizer, samples, config = _setup(args)
-        print(f"{describe_samples(samples)}, continuation '{args.continuation}', {mode} → {args.out}", file=sys.stderr)
-        result = fidelity(model, tokenizer, samples, methods, budgets, run_config=config, **options)
-    for record in result.records:
+
+def _print_fidelity(records: Sequence[Mapping[str, Any]]) -> None:
+    """One line per (method, budget): the attention-output error, NLL increase and KL."""
+    for record in records:
         if "rel_error" not in record:
             print(f"{record['method']:<24} budget {record['budget']!s:<6} no online path (not measured)")
             continue
@@ -297,9 +301,28 @@ def run_fidelity(args: argparse.Namespace) -> int:
             f"{record['method']:<24} budget {record['budget']!s:<6} rel_error {record['rel_error']:.4g}  "
             f"nll_delta {record['nll_delta']:+.4g}  kl {record['kl']:.4g}  (n={record['n']})"
         )
-    print(f"wrote {args.out}/fidelity.json, fidelity.md, fidelity.png", file=sys.stderr)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """``kvfold report RUN_DIR...``: the results of finished runs, those of one kind merged.
+
+    Eval runs give the tables of ``report.md``, fidelity runs those of ``fidelity.md`` (eval first);
+    without ``--markdown``, the lines ``kvfold eval`` and ``kvfold fidelity`` print.
+    """
+    runs = [read_run(run) for run in args.runs]
+    sections = []
+    for kind in RUN_KINDS:
+        chosen = [run for run in runs if run.kind == kind]
+        if not chosen:
+            continue
+        records, config = merge_runs(chosen)
+        if args.markdown:
+            sections.append((eval_markdown if kind.name == "eval" else fidelity_markdown)(records, config))
+        else:
+            (_print_summary if kind.name == "eval" else _print_fidelity)(records)
+    print("\n".join(sections), end="")
     return 0
 
 
-COMMANDS: dict[str, Handler] = {"eval": run_eval, "fidelity": run_fidelity}
+COMMANDS: dict[str, Handler] = {"eval": run_eval, "fidelity": run_fidelity, "report": run_report}
 """The subcommands of this module, gathered by :mod:`kvfold.cli.main`."""

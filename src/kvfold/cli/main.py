@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,8 +21,8 @@ EXTRA_PARSERS: list[Callable[[argparse._SubParsersAction], None]] = []
 
 SUBCOMMAND_MODULES = (
     "kvfold.cli.evaluate",
-    "kvfold.evaluate.bench.speed",
-    "kvfold.evaluate.diagnostics.mergemap",
+    "kvfold.cli.bench",
+    "kvfold.cli.diagnostics",
     "kvfold.cli.saved_caches",
 )
 """Modules that each expose ``add_parsers(sub)`` and ``COMMANDS``; optional (a missing one is skipped)."""
@@ -113,7 +114,10 @@ def run_methods(args: argparse.Namespace) -> int:
 
 @command("generate")
 def run_generate(args: argparse.Namespace) -> int:
-    from kvfold import Budget, build_method, load_model, prefill
+    from kvfold.methods import build_method
+    from kvfold.pipeline.context import prefill
+    from kvfold.runtime.budget import Budget
+    from kvfold.runtime.models import load_model
 
     if args.cache is not None:  # a saved cache: no prefill
         from kvfold.cli.saved_caches import run_generate_cached
@@ -175,14 +179,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from kvfold.cli.demo import run_demo as demo
 
-    return demo(
-        model_spec=args.model,
-        budget=args.budget,
-        methods=args.methods,
-        dtype=args.dtype,
-        device=args.device,
-        context_tokens=args.context_tokens,
-    )
+    return demo(args.model, args.budget, args.methods, args.dtype, args.device, args.context_tokens)
 
 
 def _read_text(path: Path) -> str:
@@ -196,10 +193,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     _load_extra_commands()
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
+        return status
     except (ValueError, SpecError, ModelLoadError, FileNotFoundError, NotImplementedError) as err:
         print(f"kvfold {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left (`kvfold methods | head`): stop quietly, as cat does
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe closed
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the flush at exit does not fail on the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _load_extra_commands() -> None:

@@ -90,7 +90,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    from kvfold import Budget, build_method, load_model, prefill
+    """``kvfold compress``: prefill and compress a context once, write the cache file."""
+    from kvfold.methods import build_method
+    from kvfold.pipeline.context import prefill
+    from kvfold.runtime.budget import Budget
+    from kvfold.runtime.models import load_model
+    from kvfold.store.save import save_context
 
     method = build_method(args.method)
     budget = Budget.parse(args.budget)
@@ -99,7 +104,7 @@ def run_compress(args: argparse.Namespace) -> int:
     prefilled = prefill(model, tokenizer, text, methods=[method])
     compressed = prefilled.compress(method, budget, seed=args.seed)
     start = time.perf_counter()
-    size = compressed.save(args.out, source_text=text, resumable=args.resumable)
+    size = save_context(compressed, args.out, source_text=text, resumable=args.resumable)
     save_seconds = time.perf_counter() - start
     record = {
         "out": str(args.out),
@@ -132,7 +137,7 @@ def run_compress(args: argparse.Namespace) -> int:
 
 def _load_saved(args: argparse.Namespace):
     """Model, tokenizer and the loaded :class:`CompressedContext` of ``args.cache``, with load time."""
-    from kvfold import load_model
+    from kvfold.runtime.models import load_model
     from kvfold.store.load import load_context
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -227,8 +232,9 @@ def run_ask(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     """``kvfold chat``: read lines from stdin; a line is a user turn unless it is a command."""
-    from kvfold import load_model
     from kvfold.pipeline.chat import ChatSession
+    from kvfold.runtime.models import load_model
+    from kvfold.store.chat import load_chat, save_chat
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
@@ -237,7 +243,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}
     if args.cache is not None:
-        session = ChatSession.load(args.cache, model, tokenizer, cap=args.cap, **load_kwargs)
+        session = load_chat(args.cache, model, tokenizer, cap=args.cap, **load_kwargs)
         if args.budget is not None or args.method != "snapkv":
             print("note: --method/--budget are taken from the cache file", file=sys.stderr)
     else:
@@ -268,10 +274,10 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
             if command == "/stats":
                 print(json.dumps(session.stats()), file=stdout, flush=True)
             elif command == "/save" and rest:
-                size = session.save(rest)
+                size = save_chat(session, rest)
                 print(f"saved {rest} ({size} bytes)", file=stdout, flush=True)
             elif command == "/load" and rest:
-                session = ChatSession.load(rest, model, tokenizer, cap=args.cap, **load_kwargs)
+                session = load_chat(rest, model, tokenizer, cap=args.cap, **load_kwargs)
                 session.max_new_tokens = args.max_new_tokens
                 print(f"loaded {rest} ({session.stats()['turns']} turns)", file=stdout, flush=True)
             else:

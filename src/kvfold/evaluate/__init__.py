@@ -1,5 +1,11 @@
 """Evaluation: tasks, dataset loaders, metrics, quality sweeps and fidelity measurements.
 
+By role: :mod:`~kvfold.evaluate.data` (the synthetic RULER suite, dataset loaders, samples),
+:mod:`~kvfold.evaluate.running` (the quality and fidelity sweeps, Ray, finished runs read back),
+:mod:`~kvfold.evaluate.scoring` (metrics, intervals, result records),
+:mod:`~kvfold.evaluate.reporting` (Markdown tables and plots), :mod:`~kvfold.evaluate.diagnostics`
+(what a merge did to the cache) and :mod:`~kvfold.evaluate.bench` (speed and memory).
+
 Example:
     >>> from kvfold import load_model
     >>> from kvfold.evaluate import evaluate, fidelity, load_dataset_spec
@@ -12,10 +18,11 @@ Example:
 from kvfold.evaluate.data.loaders import load_dataset_spec, load_jsonl, load_longbench, load_ruler_official, load_xsum
 from kvfold.evaluate.data.ruler import RULER_TASKS, generate_ruler
 from kvfold.evaluate.data.samples import Sample, group_by_context
-from kvfold.evaluate.reporting.report import write_eval_report, write_fidelity_report
+from kvfold.evaluate.reporting import write_eval_report, write_fidelity_report
 from kvfold.evaluate.running.fidelity import FidelityResult, fidelity
-from kvfold.evaluate.running.runner import EvalResult, aggregate, evaluate
+from kvfold.evaluate.running.runner import EvalResult, evaluate
 from kvfold.evaluate.scoring.metrics import METRICS, score, score_sample, score_sample_metrics
+from kvfold.evaluate.scoring.records import aggregate
 
 __all__ = [
     "METRICS",

@@ -62,7 +62,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from kvfold.methods import ComposedMethod, SpecError, available_methods, build_method
-from kvfold.pipeline.context import CompressedContext, _eos_ids, prefill_ids
+from kvfold.pipeline.context import CompressedContext, eos_ids, prefill_ids
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.models import ModelLoadError, load_model, prepare_model
 
@@ -270,7 +270,7 @@ class KVFoldLM(TemplateLM):
         self.pretrained = pretrained if isinstance(pretrained, str) else type(pretrained).__name__
         config = model.config.get_text_config(decoder=True)
         self._max_length = int(max_length or getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH)
-        self._eos = _eos_ids(model, tokenizer)
+        self._eos = eos_ids(model, tokenizer)
         self.kv_ratios: list[float] = []
         self.compressions = 0
 

@@ -1,5 +1,9 @@
-"""Compression methods: a registry of named, composable methods (see :mod:`kvfold.methods.core.spec`)."""
+"""Compression methods: a registry of named, composable methods (see :mod:`kvfold.methods.core.spec`).
 
+Importing this package registers every built-in method (:mod:`kvfold.methods.builtin`).
+"""
+
+from kvfold.methods import builtin  # noqa: F401 - registers the built-in methods
 from kvfold.methods.core.base import (
     REGISTRY,
     ComposedMethod,

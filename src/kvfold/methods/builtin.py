@@ -1,14 +1,28 @@
-"""Imports every method module of :mod:`kvfold.methods` so that their ``@register`` decorators run.
+"""The built-in methods: importing this module registers every one of them.
 
-The family packages (:mod:`~kvfold.methods.eviction`, :mod:`~kvfold.methods.merging`,
-:mod:`~kvfold.methods.compaction`) are walked whole; modules that define no method (the shared
-mechanisms of :mod:`~kvfold.methods.core`, a method's helpers) register nothing.
+Each module below defines its methods with the ``@register`` decorator of
+:mod:`kvfold.methods.core.base`, so importing it adds them to the registry. The package
+:mod:`kvfold.methods` imports this module, so :func:`~kvfold.methods.core.base.build_method` and
+:func:`~kvfold.methods.core.base.available_methods` always see every method; the registry itself
+(in :mod:`kvfold.methods.core`) imports no method family. A new method module is added here.
 """
 
-import importlib
-import pkgutil
-
-import kvfold.methods as _package
-
-for _module in pkgutil.walk_packages(_package.__path__, prefix=f"{_package.__name__}."):
-    importlib.import_module(_module.name)
+from kvfold.methods.compaction import grkv  # noqa: F401 - registers grkv
+from kvfold.methods.compaction.attention_matching import method as attention_matching  # noqa: F401 - am_*
+from kvfold.methods.eviction import (  # noqa: F401 - registers the eviction methods and wrappers
+    adakv,
+    compactor,
+    criticalkv,
+    expected_attention,
+    global_budget,
+    h2o,
+    knorm,
+    kvzip,
+    leverage,
+    plumbing,
+    snapkv,
+    tova,
+)
+from kvfold.methods.merging import cam, d2o, kvmerger  # noqa: F401 - registers the merging methods
+from kvfold.methods.merging.keepkv import method as keepkv  # noqa: F401 - keepkv, h2o_cosine
+from kvfold.methods.merging.zsmerge import method as zsmerge  # noqa: F401 - zsmerge, zeromerge

@@ -22,12 +22,14 @@ Example:
     >>> chat = ChatSession(model, tokenizer, "snapkv", budget=512, cap=1024)  # doctest: +SKIP
     >>> chat.ask("My name is Ada. Remember it.")  # doctest: +SKIP
     >>> chat.stats()  # doctest: +SKIP
-    >>> chat.save("talk.kvc"); chat = ChatSession.load("talk.kvc", model, tokenizer)  # doctest: +SKIP
+    >>> kvfold.save_chat(chat, "talk.kvc"); chat = kvfold.load_chat("talk.kvc", model, tokenizer)  # doctest: +SKIP
+
+Saving and loading a conversation is :mod:`kvfold.store.chat` (:meth:`ChatSession.checkpoint` and
+:meth:`ChatSession.resume` are what it builds on).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -346,15 +348,7 @@ class ChatSession:
             return
         if self.method.is_identity:
             raise ValueError(f"method 'full' cannot compact: the conversation passes its cap of {self.cap} entries")
-        probe = CompressionContext(
-            model=self.model,
-            cache=self.cache,
-            input_ids=self._ids(),
-            attention_mask=torch.ones_like(self._ids()),
-            budget=Budget(tokens=max(2, self.budget)),
-            tokenizer=self.tokenizer,
-        )
-        online = self.method.online_policy(probe) is not None
+        online = self.method.online_policy(self._context()) is not None
         last = 0 if online or self.context_open else self.cache.get_seq_length() - self.turn_start
         if last and self.budget + last + incoming > self.cap:
             last = 0  # the last turn alone leaves no room: compact it too
@@ -367,7 +361,7 @@ class ChatSession:
         if not self.tokens_known and self.method.selector.name.startswith(READS_TOKENS):
             raise ValueError(
                 f"{self.method.spec} re-reads the conversation's tokens to compact it, and this cache file has none: "
-                "write it with `kvfold compress --resumable` (CompressedContext.save(..., resumable=True)), "
+                "write it with `kvfold compress --resumable` (kvfold.save_context(..., resumable=True)), "
                 "or chat with another --method"
             )
         window = self._turn_queries if keep_last else None
@@ -378,7 +372,7 @@ class ChatSession:
             self.model,
             self.method,
             self.budget,
-            self._ids(),
+            self.token_tensor(),
             keep_last=keep_last,
             window_queries=window,
             tokenizer=self.tokenizer,
@@ -409,11 +403,12 @@ class ChatSession:
                     f"(resumable=True), or give a larger --cap (at least the budget + {width})"
                 )
 
-    def _ids(self) -> torch.Tensor:
+    def token_tensor(self) -> torch.Tensor:
+        """``(1, N)`` every token the cache has seen, on the model's device."""
         return torch.tensor([self.token_ids], dtype=torch.long, device=self.model.device)
 
     def _context(self) -> CompressionContext:
-        ids = self._ids()
+        ids = self.token_tensor()
         return CompressionContext(
             model=self.model,
             cache=self.cache,
@@ -442,23 +437,29 @@ class ChatSession:
             "online": self.online,
         }
 
-    # ------------------------------------------------------------------------- files
-    def save(self, path: str | os.PathLike) -> int:
-        """Write the conversation (cache, policy state, transcript, token ids) to a cache file.
+    # ------------------------------------------------------------------------- saving and resuming
+    def checkpoint(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What a file needs to continue this conversation (:func:`kvfold.store.chat.save_chat` writes it).
+
+        The decode-time policy (online methods) first writes its live per-entry state into the
+        cache's statistics, so the cache carries it.
 
         Returns:
-            The size of the file in bytes.
-        """
-        from kvfold.store.format import save_cache
+            The conversation's state (JSON-serializable: budget, cap, transcript, turn bookkeeping,
+            options; :meth:`resume` reads it) and the query states the next compaction reads as its
+            window (``turn_queries.<layer>``).
 
+        Raises:
+            ValueError: nothing to save yet.
+        """
         if self.cache.get_seq_length() == 0:
             raise ValueError("nothing to save yet: ask something first")
         if self.policy is not None:
             self.policy.export_state(self.cache)
-        extra_tensors = {}
+        tensors = {}
         for index, queries in (self._turn_queries or {}).items():
             if queries is not None:
-                extra_tensors[f"turn_queries.{index}"] = queries
+                tensors[f"turn_queries.{index}"] = queries
         state = {
             "version": CHAT_STATE_VERSION,
             "budget": self.budget,
@@ -475,93 +476,57 @@ class ChatSession:
             "max_new_tokens": self.max_new_tokens,
             "tokens_known": self.tokens_known,
         }
-        token_ids = self._ids() if self.token_ids else None
-        return save_cache(
-            self.cache,
-            path,
-            self.model,
-            self.tokenizer,
-            method=self.method.spec,
-            budget=self.budget,
-            context_tokens=[self.cache.get_seq_length()],
-            token_ids=token_ids,
-            include_tokens=token_ids is not None,
-            queries=True,
-            extra={"chat": state},
-            extra_tensors=extra_tensors,
-        )
+        return state, tensors
 
     @classmethod
-    def load(
+    def resume(
         cls,
-        path: str | os.PathLike,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        method: str | ComposedMethod,
+        cache: FoldedCache,
+        token_ids: list[int] | None,
         *,
+        budget: int | None = None,
+        state: dict[str, Any] | None = None,
+        turn_queries: dict[int, torch.Tensor] | None = None,
         cap: int | None = None,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
     ) -> ChatSession:
-        """Continue a conversation saved by :meth:`save`, or start one on a ``kvfold compress`` file.
+        """Continue a conversation from its cache (what :func:`kvfold.store.chat.load_chat` loaded).
 
-        A compressed context file becomes a chat whose first question completes the context's
-        user turn, with the file's method and its budget in entries. Errors as
-        :func:`kvfold.store.load.load_cache`.
+        Either a saved chat (``state`` and ``turn_queries`` from :meth:`checkpoint`), or a
+        compressed context (no ``state``; ``budget`` in entries): a chat whose first question
+        completes the context's user turn.
+
+        Args:
+            method: the method spec (or built method) that compacted the cache.
+            cache: the conversation's cache, as saved.
+            token_ids: every token the cache has seen; None when unknown (then only methods that
+                do not re-read the tokens can compact it again).
+            budget: without ``state``: entries kept after a compaction.
+            state: a saved chat's state.
+            turn_queries: a saved chat's query window (per layer).
+            cap: overrides the saved cap (default: the saved one, else ``2 × budget``).
+
+        Raises:
+            ValueError: a method that cannot compact a conversation, or a cap not above the budget.
         """
-        from kvfold.store.load import _load
-
-        cache, info, tensors = _load(path, model, tokenizer, dtype, device, True)
-        if info.method is None:
-            raise ValueError(f"{path} records no method; write it with kvfold compress or ChatSession.save")
-        state = info.extra.get("chat")
         session = cls.__new__(cls)
         session.model, session.tokenizer = model, tokenizer
-        session.method = build_method(info.method)
+        session.method = build_method(method) if isinstance(method, str) else method
         check_chat_method(session.method)
         session.cache = cache
-        session.messages = []
-        session.compactions = 0
-        session.last_compaction = None
-        session.pending = []
-        session.system = None
-        session.max_new_tokens = 128
-        session.policy = None
-        session._turn_queries = None
-        token_ids = tensors.get("context.token_ids")
         session.tokens_known = token_ids is not None
         logical = cache.get_seq_length()
         if token_ids is not None:
-            session.token_ids = token_ids[0].tolist()
+            session.token_ids = list(token_ids)
         else:  # unknown tokens: only methods that do not re-read them can compact (see _compact)
             pad = getattr(tokenizer, "pad_token_id", None)
             session.token_ids = [pad if pad is not None else 0] * logical
-        if state is None:  # a compressed context (kvfold compress)
-            lengths = info.context_tokens or [logical]
-            session.budget = Budget.parse(info.budget or "1.0").count(int(lengths[0]))
-            session.use_chat_template = bool(getattr(tokenizer, "chat_template", None))
-            session.context_open = True
-            session.turn_start = logical
-            online = True
-        else:
-            if state.get("version") != CHAT_STATE_VERSION:
-                raise ValueError(f"{path}: chat state version {state.get('version')!r} is not supported")
-            session.budget = int(state["budget"])
-            session.messages = list(state["messages"])
-            session.compactions = int(state["compactions"])
-            session.last_compaction = state.get("last_compaction")
-            session.context_open = bool(state["context_open"])
-            session.turn_start = int(state["turn_start"])
-            session.pending = list(state["pending"])
-            session.system = state.get("system")
-            session.use_chat_template = bool(state["use_chat_template"])
-            session.max_new_tokens = int(state["max_new_tokens"])
-            session.tokens_known = session.tokens_known and bool(state.get("tokens_known", True))
-            online = bool(state["online"])
-            cap = int(state["cap"]) if cap is None else cap
-            turn_queries = {
-                int(name.split(".")[-1]): t for name, t in tensors.items() if name.startswith("extra.turn_queries.")
-            }
-            session._turn_queries = turn_queries or None
+        session._restore(state, turn_queries, budget, logical)
+        online = True if state is None else bool(state["online"])
+        if state is not None and cap is None:
+            cap = int(state["cap"])
         session.cap = 2 * session.budget if cap is None else int(cap)
         if session.cap <= session.budget:
             raise ValueError(f"the cap ({session.cap}) must exceed the budget ({session.budget})")
@@ -571,3 +536,40 @@ class ChatSession:
                 session.policy = session.method.online_policy(session._context())
             cache.policy = session.policy
         return session
+
+    def _restore(
+        self,
+        state: dict[str, Any] | None,
+        turn_queries: dict[int, torch.Tensor] | None,
+        budget: int | None,
+        logical: int,
+    ) -> None:
+        """Set the turn bookkeeping of :meth:`resume`: a saved chat's, or a fresh one after a context."""
+        self.messages = []
+        self.compactions = 0
+        self.last_compaction = None
+        self.pending = []
+        self.system = None
+        self.max_new_tokens = 128
+        self.policy = None
+        self._turn_queries = None
+        if state is None:  # a compressed context (kvfold compress)
+            if budget is None:
+                raise ValueError("resuming a compressed context needs its budget in entries")
+            self.budget = int(budget)
+            self.use_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+            self.context_open = True
+            self.turn_start = logical
+            return
+        self.budget = int(state["budget"])
+        self.messages = list(state["messages"])
+        self.compactions = int(state["compactions"])
+        self.last_compaction = state.get("last_compaction")
+        self.context_open = bool(state["context_open"])
+        self.turn_start = int(state["turn_start"])
+        self.pending = list(state["pending"])
+        self.system = state.get("system")
+        self.use_chat_template = bool(state["use_chat_template"])
+        self.max_new_tokens = int(state["max_new_tokens"])
+        self.tokens_known = self.tokens_known and bool(state.get("tokens_known", True))
+        self._turn_queries = turn_queries or None

@@ -28,6 +28,8 @@ passes the requested budget nothing is compressed).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -86,14 +88,7 @@ def prefill_chunked(
         ValueError: the method cannot compress between chunks (or, for an online one, has no online
             policy: ``h2o[online=false]``, ``snapkv+keepkv``), or bad sizes.
     """
-    composed = build_method(method) if isinstance(method, str) else method
-    if chunk_size < 1:
-        raise ValueError(f"prefill chunk must be ≥ 1 token; got {chunk_size}")
-    if not composed.is_identity and not supports_chunked_prefill(composed):
-        raise ValueError(
-            f"{composed.spec} cannot compress during a chunked prefill; methods that can: "
-            f"{', '.join(chunked_methods())}"
-        )
+    composed = _chunked_method(method, chunk_size)
     batch, length = input_ids.shape
     check_length(model, length)
     parsed = Budget.parse(budget)
@@ -118,13 +113,73 @@ def prefill_chunked(
 
     final_ctx = context(length)
     online = not composed.is_identity and runs_online_between_chunks(composed)
-    policy = composed.online_policy(final_ctx) if online else None
-    if online and policy is None:
+    policy = _policy_between_chunks(composed, final_ctx) if online else None
+    out, prefill_seconds, compress_seconds = _feed_chunks(
+        model, input_ids, cache, composed, keep, chunk_size, context, policy
+    )
+    cache.capture_window = 0
+    cache.policy = None
+    if online:
+        policy.export_state(cache)
+    cache.shrink_to_fit()  # an online policy evicts in place: release the last chunk's capacity
+    source = PrefilledContext(
+        model, tokenizer, cache, input_ids, attention_mask, prefill_seconds, last_logits=out.logits[:, -1]
+    )
+    if not online:
+        policy = None if composed.is_identity else composed.online_policy(final_ctx)
+    return CompressedContext(source, composed, parsed, cache, policy, compress_seconds, report)
+
+
+def _chunked_method(method: str | ComposedMethod, chunk_size: int) -> ComposedMethod:
+    """The built method, refused when it cannot compress between chunks (or the chunk is empty)."""
+    composed = build_method(method) if isinstance(method, str) else method
+    if chunk_size < 1:
+        raise ValueError(f"prefill chunk must be ≥ 1 token; got {chunk_size}")
+    if not composed.is_identity and not supports_chunked_prefill(composed):
+        raise ValueError(
+            f"{composed.spec} cannot compress during a chunked prefill; methods that can: "
+            f"{', '.join(chunked_methods())}"
+        )
+    return composed
+
+
+def _policy_between_chunks(composed: ComposedMethod, ctx: CompressionContext) -> Any:
+    """The online policy that keeps the budget inside every chunk's forward (module docstring).
+
+    Raises:
+        ValueError: the method has none here (``online=false``, or KeepKV after a one-shot selector).
+    """
+    policy = composed.online_policy(ctx)
+    if policy is None:
         raise ValueError(
             f"{composed.spec} keeps its budget between chunks with its online (decode-time) policy, and has "
             "none here: leave online=true, and pair keepkv with a selector that runs online "
             "(h2o, h2o_cosine, streamingllm, tova, knorm)"
         )
+    return policy
+
+
+def _feed_chunks(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: FoldedCache,
+    composed: ComposedMethod,
+    keep: int,
+    chunk_size: int,
+    context: Callable[[int], CompressionContext],
+    policy: Any,
+) -> tuple[Any, float, float]:
+    """Forward the chunks into ``cache``, keeping it at ``keep`` entries (module docstring).
+
+    Without ``policy`` the method compresses one-shot after every forward that leaves a layer over
+    ``keep``; with one, the first chunk is compressed (or adopted by the policy) and the policy
+    then runs inside every later forward.
+
+    Returns:
+        The last forward's output, the seconds of the forwards, and the seconds of the one-shot
+        compressions.
+    """
+    batch, length = input_ids.shape
     prefill_seconds = compress_seconds = 0.0
     out = None
     for start in range(0, length, chunk_size):
@@ -143,35 +198,11 @@ def prefill_chunked(
         if cache.policy is not None:
             continue  # the policy brought every layer back to its budget inside the forward
         t0 = time.perf_counter()
-        if online and hasattr(policy, "adopt"):
+        if policy is not None and hasattr(policy, "adopt"):
             policy.adopt(cache)  # the policy brings the first chunk to its budget (ZSMerge)
         elif not composed.is_identity and any(layer.physical_length > keep for _, layer in cache.folded_layers):
             composed.compress(context(end))
         compress_seconds += time.perf_counter() - t0
-        if online:
+        if policy is not None:
             cache.policy = policy  # from the second chunk on: scores accumulate over every query
-    cache.capture_window = 0
-    cache.policy = None
-    if online:
-        policy.export_state(cache)
-    cache.shrink_to_fit()  # an online policy evicts in place: release the last chunk's capacity
-    source = PrefilledContext(
-        model=model,
-        tokenizer=tokenizer,
-        cache=cache,
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        prefill_seconds=prefill_seconds,
-        last_logits=out.logits[:, -1],
-    )
-    if not online:
-        policy = None if composed.is_identity else composed.online_policy(final_ctx)
-    return CompressedContext(
-        source=source,
-        method=composed,
-        budget=parsed,
-        cache=cache,
-        policy=policy,
-        compress_seconds=compress_seconds,
-        report=report,
-    )
+    return out, prefill_seconds, compress_seconds

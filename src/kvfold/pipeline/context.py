@@ -48,12 +48,6 @@ def check_length(model: PreTrainedModel, total_tokens: int) -> None:
 
 
 @dataclass
-class Timings:
-    prefill_seconds: float = 0.0
-    compress_seconds: float = 0.0
-
-
-@dataclass
 class PrefilledContext:
     """A context prefilled once into a full :class:`FoldedCache`; compress copies of it.
 
@@ -81,6 +75,25 @@ class PrefilledContext:
     def context_tokens(self) -> int:
         return int(self.attention_mask.sum(-1).max())
 
+    def compression_context(self, cache: FoldedCache, budget: Budget, **options: Any) -> CompressionContext:
+        """What a method needs to compress ``cache`` (this context's, or a copy of it) to ``budget``.
+
+        Args:
+            cache: the cache the method compresses in place.
+            budget: the budget.
+            **options: more :class:`~kvfold.methods.core.base.CompressionContext` fields (``seed``,
+                ``shared`` = ``self.shared`` to reuse results across compressions, ``merge_recorder``).
+        """
+        return CompressionContext(
+            model=self.model,
+            cache=cache,
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            budget=budget,
+            tokenizer=self.tokenizer,
+            **options,
+        )
+
     def compress(
         self,
         method: str | ComposedMethod = "full",
@@ -101,29 +114,12 @@ class PrefilledContext:
         composed = build_method(method) if isinstance(method, str) else method
         parsed_budget = Budget.parse(budget)
         cache = self.cache.copy()
-        ctx = CompressionContext(
-            model=self.model,
-            cache=cache,
-            input_ids=self.input_ids,
-            attention_mask=self.attention_mask,
-            budget=parsed_budget,
-            seed=seed,
-            tokenizer=self.tokenizer,
-            shared=self.shared,
-        )
+        ctx = self.compression_context(cache, parsed_budget, seed=seed, shared=self.shared)
         start = time.perf_counter()
         policy = composed.apply(ctx)
         # the time this compression costs alone: shared results it reused count as if computed here
         elapsed = time.perf_counter() - start + ctx.report.get("reused_seconds", 0.0)
-        return CompressedContext(
-            source=self,
-            method=composed,
-            budget=parsed_budget,
-            cache=cache,
-            policy=policy,
-            compress_seconds=elapsed,
-            report=ctx.report,
-        )
+        return CompressedContext(self, composed, parsed_budget, cache, policy, elapsed, ctx.report)
 
 
 @dataclass
@@ -156,35 +152,22 @@ class CompressedContext:
         """Bytes the uncompressed cache of this context holds (keys and values)."""
         return self.cache.full_nbytes()
 
-    def answer(
-        self,
-        question: str = "",
-        *,
-        answer_prefix: str = "",
-        max_new_tokens: int = 32,
-        use_chat_template: bool | None = None,
-    ) -> str | list[str]:
+    def answer(self, question: str = "", **options: Any) -> str | list[str]:
         """Append the question to a copy of the compressed cache and decode greedily.
 
         In query-aware mode the question was given to :func:`prefill` and must not be repeated.
 
+        Args:
+            question: the question.
+            **options: ``answer_prefix``, ``max_new_tokens`` (32) and ``use_chat_template``, as
+                :meth:`generate` takes them.
+
         Returns:
             The answer text (a list for a batch of contexts).
         """
-        answers = self.generate(
-            question,
-            answer_prefix=answer_prefix,
-            max_new_tokens=max_new_tokens,
-            use_chat_template=use_chat_template,
-        )
+        answers = self.generate(question, **options)
         texts = [a.text for a in answers]
         return texts[0] if len(texts) == 1 else texts
-
-    def save(self, path, *, source_text: str | None = None, resumable: bool = False) -> int:
-        """Save this compressed context to a cache file; see :func:`kvfold.store.format.save_context`."""
-        from kvfold.store.format import save_context
-
-        return save_context(self, path, source_text=source_text, resumable=resumable)
 
     def decode_cache(self, row: int = 0) -> FoldedCache:
         """A copy of one batch row of the compressed cache, ready to decode from.
@@ -277,7 +260,7 @@ def greedy_decode(
     left padding of the row), exactly as without compression.
     """
     device = model.device
-    eos = _eos_ids(model, tokenizer)
+    eos = eos_ids(model, tokenizer)
     logical = cache.get_seq_length()
     generated: list[int] = []
     start = time.perf_counter()
@@ -305,7 +288,9 @@ def greedy_decode(
     return Answer(text=text, token_ids=generated, new_tokens=len(generated), decode_seconds=elapsed)
 
 
-def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Token ids that end an answer: the generation config's, the config's and the tokenizer's EOS,
+    and ChatML's ``<|im_end|>`` when the vocabulary has it."""
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -441,13 +426,5 @@ def prefill_ids(
     elapsed = time.perf_counter() - start
     cache.capture_window = 0
     cache.prefill_observers = []
-    return PrefilledContext(
-        model=model,
-        tokenizer=tokenizer,
-        cache=cache,
-        input_ids=input_ids,
-        attention_mask=mask,
-        prefill_seconds=elapsed,
-        suffixes=suffixes,
-        last_logits=out.logits[:, -1],
-    )
+    last_logits = out.logits[:, -1]
+    return PrefilledContext(model, tokenizer, cache, input_ids, mask, elapsed, suffixes, last_logits)

@@ -30,7 +30,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer, PagedRows
+from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.paged import PagedRows
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -41,12 +42,8 @@ class OnlinePolicy(Protocol):
     needs_attention: bool
 
     def after_forward(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        query: torch.Tensor,
-        probs: torch.Tensor | None,
-        logits: torch.Tensor | None = None,
+        self, layer_idx: int, layer: FoldedLayer, query: torch.Tensor,
+        probs: torch.Tensor | None, logits: torch.Tensor | None = None,
     ) -> None:
         """Called after the attention of layer ``layer_idx`` (its cache already holds the new entries).
 
@@ -329,6 +326,32 @@ def _inject_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
     return args, kwargs
 
 
+def is_attention_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a decoder layer's attention: it has ``layer_idx`` and ``o_proj`` (Llama,
+    Mistral, Qwen2, Qwen3 and Gemma3-style decoders)."""
+    return hasattr(module, "layer_idx") and hasattr(module, "o_proj")
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The attention module of every decoder layer by layer index, in layer order (the first module
+    found for an index; see :func:`is_attention_module`). Empty when the model has none."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        if is_attention_module(module):
+            found.setdefault(int(module.layer_idx), module)
+    return dict(sorted(found.items()))
+
+
+def attention_scalings(model: torch.nn.Module) -> dict[int, float | None]:
+    """The logit scale of every attention module by layer index: ``float(module.scaling)``, or None
+    where the module has no ``scaling`` (callers choose the fallback, usually ``head_dim**-0.5``)."""
+    found: dict[int, float | None] = {}
+    for layer_idx, module in attention_modules(model).items():
+        scaling = getattr(module, "scaling", None)
+        found[layer_idx] = None if scaling is None else float(scaling)
+    return found
+
+
 def enable(model: PreTrainedModel) -> PreTrainedModel:
     """Switch ``model`` to the kvfold attention (explicit; nothing happens at import).
 
@@ -343,11 +366,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     hooked = 0
     for module in model.modules():
-        if (
-            hasattr(module, "layer_idx")
-            and hasattr(module, "o_proj")
-            and not getattr(module, "_kvfold_hooked", False)
-        ):
+        if is_attention_module(module) and not getattr(module, "_kvfold_hooked", False):
             module.register_forward_pre_hook(_inject_cache, with_kwargs=True)
             module._kvfold_hooked = True
             hooked += 1

@@ -15,7 +15,7 @@ Storage per layer has two layouts:
 * **paged** — used when rows (batch × KV head) hold different numbers of entries, as with
   per-head budgets (AdaKV, Attention Matching head schedules). Entries live in fixed-size
   blocks owned by rows, so the memory held is Σ row lengths rounded up to a block, not
-  rows × the longest row.
+  rows × the longest row (:class:`kvfold.runtime.paged.PagedRows`).
 
 The layer also keeps a **logical length** (positions seen, including compressed ones) that is
 what ``get_seq_length()`` reports, so RoPE positions of new tokens continue where the
@@ -25,145 +25,34 @@ uncompressed context ended (architecture invariant 4).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-NEG_INF = float("-inf")
-BLOCK_SIZE = 16
-"""Entries per block of the paged layout."""
+from kvfold.runtime.paged import NEG_INF, PagedRows, grow_capacity, paging_saves_memory
 
 
-def _grow(capacity: int, needed: int) -> int:
-    """Geometric growth: amortised O(1) copies per appended token."""
-    return max(needed, capacity + max(16, capacity // 8))
+def _content_view(index: int, name: str) -> property:
+    """``FoldedLayer.keys`` (``index`` 0) or ``FoldedLayer.values`` (1), as transformers reads them.
 
-
-@dataclass
-class PagedRows:
-    """Paged storage for rows of different lengths (one row = one batch element × KV head).
-
-    Attributes:
-        keys: ``(num_blocks_capacity, BLOCK_SIZE, D)``.
-        values: same shape as ``keys``.
-        log_mass: ``(num_blocks_capacity, BLOCK_SIZE)`` float32; −inf in empty slots.
-        block_row: ``(num_blocks_capacity,)`` long, the row that owns each block.
-        num_blocks: number of blocks in use (a prefix of the buffers).
-        row_lengths: ``(R,)`` long, entries per row.
-        row_last_block: ``(R,)`` long, the block that receives the row's next entry.
+    Reading gives the padded rows of a paged layer (:meth:`FoldedLayer.padded`), else the filled
+    part of the dense buffer (None before the first tokens); assigning anything but None is
+    refused: a layer's content changes through :meth:`FoldedLayer.replace`.
     """
+    buffer = f"_{name}"
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    log_mass: torch.Tensor
-    block_row: torch.Tensor
-    num_blocks: int
-    row_lengths: torch.Tensor
-    row_last_block: torch.Tensor
+    def read(layer: FoldedLayer) -> torch.Tensor | None:
+        if layer.paged is not None:
+            return layer.padded()[index]
+        dense = getattr(layer, buffer)
+        return None if dense is None else dense[:, :, : layer._length]
 
-    @classmethod
-    def from_padded(
-        cls, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, lengths: torch.Tensor
-    ) -> PagedRows:
-        """Pack padded rows ``(R, N, D)`` whose first ``lengths[r]`` entries are valid."""
-        rows, _, dim = keys.shape
-        lengths = lengths.to(torch.long).cpu().clone()  # owned: decoding increments it in place
-        blocks_per_row = torch.clamp((lengths + BLOCK_SIZE - 1) // BLOCK_SIZE, min=1)
-        num_blocks = int(blocks_per_row.sum())
-        block_row = torch.repeat_interleave(torch.arange(rows), blocks_per_row)
-        first_block = torch.cumsum(blocks_per_row, 0) - blocks_per_row
-        block_in_row = torch.arange(num_blocks) - first_block[block_row]
-        # Gather each block's entries from its row; slots past the row length stay empty.
-        positions = block_in_row[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)[None, :]
-        filled = positions < lengths[block_row][:, None]
-        src = torch.where(filled, positions, torch.zeros_like(positions))
-        device = keys.device
-        row_idx = block_row.to(device)[:, None].expand(-1, BLOCK_SIZE)
-        src = src.to(device)
-        filled_d = filled.to(device)
-        k = keys[row_idx, src] * filled_d[..., None]
-        v = values[row_idx, src] * filled_d[..., None]
-        lm = torch.where(
-            filled_d, log_mass[row_idx, src].float(), torch.full_like(src, NEG_INF, dtype=torch.float32)
-        )
-        return cls(
-            keys=k.contiguous(),
-            values=v.contiguous(),
-            log_mass=lm.contiguous(),
-            block_row=block_row.to(device),
-            num_blocks=num_blocks,
-            row_lengths=lengths.to(device),
-            row_last_block=(first_block + blocks_per_row - 1).to(device),
-        )
+    def refuse(layer: FoldedLayer, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError(f"assign {name} through FoldedLayer.replace()")
 
-    @property
-    def num_rows(self) -> int:
-        return int(self.row_lengths.shape[0])
-
-    def to_padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Unpack to padded ``(R, N_max, D)`` tensors (β = −inf past each row's length)."""
-        nb = self.num_blocks
-        rows = self.num_rows
-        dim = self.keys.shape[-1]
-        max_len = int(self.row_lengths.max()) if rows else 0
-        width = max(1, math.ceil(max_len / BLOCK_SIZE)) * BLOCK_SIZE
-        block_row = self.block_row[:nb]
-        counts = torch.bincount(block_row, minlength=rows)
-        first = torch.cumsum(counts, 0) - counts
-        block_in_row = torch.arange(nb, device=block_row.device) - first[block_row]
-        k = self.keys.new_zeros(rows, width // BLOCK_SIZE, BLOCK_SIZE, dim)
-        v = self.values.new_zeros(rows, width // BLOCK_SIZE, BLOCK_SIZE, dim)
-        lm = self.log_mass.new_full((rows, width // BLOCK_SIZE, BLOCK_SIZE), NEG_INF)
-        k[block_row, block_in_row] = self.keys[:nb]
-        v[block_row, block_in_row] = self.values[:nb]
-        lm[block_row, block_in_row] = self.log_mass[:nb]
-        k = k.reshape(rows, width, dim)[:, :max_len]
-        v = v.reshape(rows, width, dim)[:, :max_len]
-        lm = lm.reshape(rows, width)[:, :max_len]
-        return k, v, lm, self.row_lengths.clone()
-
-    def append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append one entry to every row in place (decode step). ``keys``: ``(R, D)``."""
-        slot = self.row_lengths % BLOCK_SIZE
-        needs_block = (slot == 0) & (self.row_lengths > 0)
-        new_rows = torch.nonzero(needs_block).flatten()
-        if new_rows.numel():
-            count = int(new_rows.numel())
-            self._ensure_blocks(self.num_blocks + count)
-            ids = torch.arange(self.num_blocks, self.num_blocks + count, device=self.block_row.device)
-            self.block_row[ids] = new_rows
-            self.log_mass[ids] = NEG_INF
-            self.row_last_block[new_rows] = ids
-            self.num_blocks += count
-        target = self.row_last_block
-        self.keys[target, slot] = keys.to(self.keys.dtype)
-        self.values[target, slot] = values.to(self.values.dtype)
-        self.log_mass[target, slot] = 0.0
-        self.row_lengths += 1
-
-    def _ensure_blocks(self, needed: int) -> None:
-        capacity = self.keys.shape[0]
-        if needed <= capacity:
-            return
-        new_cap = _grow(capacity, needed)
-        extra = new_cap - capacity
-        self.keys = torch.cat([self.keys, self.keys.new_zeros(extra, *self.keys.shape[1:])])
-        self.values = torch.cat([self.values, self.values.new_zeros(extra, *self.values.shape[1:])])
-        self.log_mass = torch.cat([self.log_mass, self.log_mass.new_full((extra, BLOCK_SIZE), NEG_INF)])
-        self.block_row = torch.cat([self.block_row, self.block_row.new_full((extra,), -1)])
-
-    def tensors(self) -> Iterator[torch.Tensor]:
-        yield from (
-            self.keys,
-            self.values,
-            self.log_mass,
-            self.block_row,
-            self.row_lengths,
-            self.row_last_block,
-        )
+    return property(read, refuse, doc=f"``(B, H, N, D)`` the layer's {name} (read-only; see :meth:`replace`).")
 
 
 class FoldedLayer(CacheLayerMixin):
@@ -198,27 +87,8 @@ class FoldedLayer(CacheLayerMixin):
         self.head_dim = 0
 
     # ----------------------------------------------------------------- transformers API
-    @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
-        if self.paged is not None:
-            return self.padded()[0]
-        return None if self._keys is None else self._keys[:, :, : self._length]
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("assign keys through FoldedLayer.replace()")
-
-    @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
-        if self.paged is not None:
-            return self.padded()[1]
-        return None if self._values is None else self._values[:, :, : self._length]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if value is not None:
-            raise AttributeError("assign values through FoldedLayer.replace()")
+    keys = _content_view(0, "keys")  # type: ignore[assignment]
+    values = _content_view(1, "values")  # type: ignore[assignment]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -381,7 +251,7 @@ class FoldedLayer(CacheLayerMixin):
         self._check_finite(keys, values, log_mass, slot_valid)
         self.entry_stats = {}  # slots changed: the caller re-aligns the statistics it keeps
         rows_equal = bool((lengths == lengths.flatten()[0]).all())
-        if rows_equal or not _paging_saves_memory(lengths, n):
+        if rows_equal or not paging_saves_memory(lengths, n):
             self.paged = None
             self._store_dense_padded(keys, values, log_mass, lengths)
         else:
@@ -564,7 +434,7 @@ class FoldedLayer(CacheLayerMixin):
         needed = self._length + q
         capacity = self._keys.shape[2]
         if needed > capacity:
-            new_cap = needed if self._length == 0 else _grow(capacity, needed)
+            new_cap = needed if self._length == 0 else grow_capacity(capacity, needed)
             self._resize(new_cap)
         self._keys[:, :, self._length : needed] = key_states
         self._values[:, :, self._length : needed] = value_states
@@ -639,14 +509,6 @@ class FoldedLayer(CacheLayerMixin):
         self.entry_stats = stats
 
 
-def _paging_saves_memory(lengths: torch.Tensor, padded_length: int) -> bool:
-    """Page rows when padding would waste more than an eighth of the dense layout."""
-    rows = lengths.numel()
-    dense = rows * int(lengths.max())
-    paged = int(((lengths + BLOCK_SIZE - 1) // BLOCK_SIZE).clamp(min=1).sum()) * BLOCK_SIZE
-    return paged < dense * 7 / 8 and padded_length > 0
-
-
 class FoldedCache(Cache):
     """A transformers ``Cache`` whose layers are :class:`FoldedLayer` (see the module docstring).
 
@@ -714,23 +576,6 @@ class FoldedCache(Cache):
             else:
                 total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
         return total
-
-    def save(self, path, model, tokenizer=None, **header) -> int:
-        """Write this cache to a kvfold cache file (see :func:`kvfold.store.format.save_cache`).
-
-        Args:
-            path: the file to write (``.kvc`` by convention).
-            model: the model that made the cache (its fingerprint goes into the header).
-            tokenizer: its tokenizer (its vocabulary hash goes into the header), or None.
-            **header: ``method``, ``budget``, ``context_tokens``, ``source_text``, ``token_ids``,
-                ``queries``, ``extra`` as :func:`kvfold.store.format.save_cache` takes them.
-
-        Returns:
-            The size of the file in bytes.
-        """
-        from kvfold.store.format import save_cache
-
-        return save_cache(self, path, model, tokenizer, **header)
 
     def copy(self) -> FoldedCache:
         """A deep copy (policy not copied): prefill once, then compress copies with many methods."""

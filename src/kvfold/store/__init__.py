@@ -1,1 +1,2 @@
-"""Saved caches: the cache-file format, writing and loading."""
+"""Saved caches: the cache-file format (``format``), writing (``save``), loading (``load``) and saved
+conversations (``chat``)."""

@@ -1,5 +1,5 @@
-"""Loading saved caches (:func:`load_cache`, :func:`load_context`): the file format, writing and checks
-live in :mod:`kvfold.store.format`, below the cache and the pipeline; this module builds their objects."""
+"""Loading saved caches (:func:`load_cache`, :func:`load_context`): the file format and its checks live
+in :mod:`kvfold.store.format`, writing in :mod:`kvfold.store.save`; this module builds the objects."""
 
 from __future__ import annotations
 
@@ -9,28 +9,30 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
+from kvfold.methods import CompressionContext, build_method
+from kvfold.pipeline.context import CompressedContext, PrefilledContext
+from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.models import resolve_dtype
 from kvfold.store.format import (
     CacheFileError,
     CacheFileInfo,
     CorruptCacheFileError,
     DtypeDeviceError,
     ModelMismatchError,
-    _check_model,
-    _dtype_name,
-    _read_tensors,
+    check_model,
+    dtype_name,
     read_info,
+    read_tensors,
 )
 
-__all__ = ["load_cache", "load_context"]
+__all__ = ["load_cache", "load_context", "load_file"]
 
 
 def _resolve_target(
     info: CacheFileInfo, model: PreTrainedModel, dtype: torch.dtype | str | None, device: torch.device | str | None
 ) -> tuple[torch.dtype, torch.device]:
     """The dtype and device to load onto: the file's, which must be the model's unless converted explicitly."""
-    from kvfold.runtime.models import resolve_dtype
-
     saved_dtype = getattr(torch, info.header["dtype"])
     saved_device = torch.device(info.header["device"])
     model_dtype, model_device = model.dtype, model.device
@@ -38,10 +40,10 @@ def _resolve_target(
     target_device = saved_device if device is None else torch.device(device)
     if dtype is None and saved_dtype != model_dtype:
         raise DtypeDeviceError(
-            f"{info.path} holds {_dtype_name(saved_dtype)} keys and values but the model runs in "
-            f"{_dtype_name(model_dtype)}: load the model in {_dtype_name(saved_dtype)} (--dtype "
-            f"{_dtype_name(saved_dtype)}), or convert the cache explicitly with dtype={_dtype_name(model_dtype)} "
-            f"(--cache-dtype {_dtype_name(model_dtype)}; answers may differ slightly from the saved cache's)"
+            f"{info.path} holds {dtype_name(saved_dtype)} keys and values but the model runs in "
+            f"{dtype_name(model_dtype)}: load the model in {dtype_name(saved_dtype)} (--dtype "
+            f"{dtype_name(saved_dtype)}), or convert the cache explicitly with dtype={dtype_name(model_dtype)} "
+            f"(--cache-dtype {dtype_name(model_dtype)}; answers may differ slightly from the saved cache's)"
         )
     if device is None and saved_device.type != model_device.type:
         raise DtypeDeviceError(
@@ -51,8 +53,8 @@ def _resolve_target(
         )
     if target_dtype != model_dtype:
         raise DtypeDeviceError(
-            f"dtype={_dtype_name(target_dtype)} was asked but the model runs in {_dtype_name(model_dtype)}; "
-            f"convert the cache to the model's dtype ({_dtype_name(model_dtype)})"
+            f"dtype={dtype_name(target_dtype)} was asked but the model runs in {dtype_name(model_dtype)}; "
+            f"convert the cache to the model's dtype ({dtype_name(model_dtype)})"
         )
     if target_device.type != model_device.type:
         raise DtypeDeviceError(
@@ -125,7 +127,7 @@ def load_cache(
     policy, use :func:`load_context`.
 
     Args:
-        path: a file written by :func:`save_cache` / ``FoldedCache.save`` / ``CompressedContext.save``.
+        path: a file written by :func:`~kvfold.store.save.save_cache` or :func:`~kvfold.store.save.save_context`.
         model: the model the cache was made with (checked against the file's fingerprint).
         tokenizer: its tokenizer; when given, its vocabulary is checked too.
         dtype: convert keys and values to this dtype (must be the model's); by default the file's
@@ -138,19 +140,32 @@ def load_cache(
         CorruptCacheFileError, CacheFileVersionError, ModelMismatchError, DtypeDeviceError: see
         their docstrings; every one is a :class:`CacheFileError` (``ValueError``).
     """
-    return _load(path, model, tokenizer, dtype, device, verify)[0]
+    return load_file(path, model, tokenizer, dtype=dtype, device=device, verify=verify)[0]
 
 
-def _load(path, model, tokenizer, dtype, device, verify) -> tuple[FoldedCache, CacheFileInfo, dict]:
+def load_file(
+    path: str | os.PathLike, model: PreTrainedModel, tokenizer=None, *, verify: bool = True,
+    dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+) -> tuple[FoldedCache, CacheFileInfo, dict[str, torch.Tensor]]:  # fmt: skip
+    """Everything a cache file holds: the cache, the checked header, and the other tensors.
+
+    What :func:`load_cache`, :func:`load_context` and :func:`kvfold.store.chat.load_chat` build on;
+    arguments and errors as :func:`load_cache`.
+
+    Returns:
+        The new :class:`FoldedCache`, the file's :class:`CacheFileInfo`, and its tensors that are
+        not layers (``context.token_ids``, ``context.last_logits``, ``extra.<name>``), on the
+        cache's device.
+    """
     info = read_info(path)
     if getattr(model.config, "_attn_implementation", None) != "kvfold":
         raise CacheFileError(
             "the model does not run the kvfold attention, which a compacted cache needs (its entries carry β): "
             "load it with kvfold.load_model, or call kvfold.enable(model) first"
         )
-    _check_model(info, model, tokenizer)
+    check_model(info, model, tokenizer)
     target_dtype, target_device = _resolve_target(info, model, dtype, device)
-    tensors = _read_tensors(info, verify)
+    tensors = read_tensors(info, verify)
     try:
         cache = _build_cache(info, model, tensors, target_dtype, target_device)
     except CacheFileError:
@@ -171,7 +186,7 @@ def load_context(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     verify: bool = True,
-):
+) -> CompressedContext:
     """Load a saved cache as a :class:`~kvfold.pipeline.context.CompressedContext` that answers questions.
 
     Its method's decode-time policy (online methods) is rebuilt from the method spec in the file,
@@ -182,11 +197,7 @@ def load_context(
         >>> small = kvfold.load_context("doc.kvc", model, tokenizer)  # doctest: +SKIP
         >>> small.answer("Who signed the report?")  # doctest: +SKIP
     """
-    from kvfold.methods import CompressionContext, build_method
-    from kvfold.pipeline.context import CompressedContext, PrefilledContext
-    from kvfold.runtime.budget import Budget
-
-    cache, info, context = _load(path, model, tokenizer, dtype, device, verify)
+    cache, info, context = load_file(path, model, tokenizer, dtype=dtype, device=device, verify=verify)
     lengths = info.context_tokens or [cache.get_seq_length()]
     width = cache.get_seq_length()
     token_ids = context.get("context.token_ids")

@@ -1,18 +1,16 @@
-"""``kvfold bench`` end to end on a tiny local model (one process per configuration)."""
+"""``kvfold bench`` end to end on a tiny local model (one process per configuration); its command line's
+checks: tests/cli/test_bench.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
 from kvfold.cli.main import main
 from kvfold.evaluate.bench.speed import bench
-from tests.conftest import make_tiny_model
-from tests.runtime.test_models import _write_tokenizer
 
 FIELDS = {
     "method",
@@ -29,14 +27,6 @@ FIELDS = {
     "reference_length",
     "reference_tokens_per_s",
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama").save_pretrained(path)
-    _write_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +141,6 @@ def test_bench_on_ray_matches_serial_with_each_length_on_one_worker(tiny_dir, se
     assert "Measured on Ray workers" in (out / "bench.md").read_text()
 
 
-def test_bench_ray_without_ray_says_how_to_install(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    assert main(["bench", "--lengths", "64", "--out", str(tmp_path / "out"), "--ray"]) == 2
-    err = capsys.readouterr().err
-    assert "pip install 'kvfold[ray]'" in err and err.count("\n") == 1
-    assert not (tmp_path / "out").exists()
-
-
 def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path):
     result = bench(
         str(tiny_dir), ["kvzip", "streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
@@ -212,23 +194,6 @@ def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):
     assert record["physical_tokens"] <= 16
 
 
-def test_bench_rejects_a_length_beyond_the_model_positions(tiny_dir, tmp_path, capsys):
-    from transformers import AutoConfig
-
-    limit = AutoConfig.from_pretrained(tiny_dir).max_position_embeddings
-    args = ["bench", "--model", str(tiny_dir), "--lengths", str(limit + 1), "--batch", "1", "--out", str(tmp_path)]
-    code = main(args)
-    assert code == 2
-    assert f"supports {limit} positions" in capsys.readouterr().err
-
-
-def test_bench_cli_rejects_bad_input(capsys, tmp_path):
-    assert main(["bench", "--methods", "nosuch", "--out", str(tmp_path)]) == 2
-    assert "unknown method" in capsys.readouterr().err
-    assert main(["bench", "--lengths", "0", "--out", str(tmp_path)]) == 2
-    assert "--lengths takes comma-separated positive integers" in capsys.readouterr().err
-
-
 def test_mmap_threshold_is_set_where_the_c_library_is_glibc():
     from kvfold.evaluate.bench import process as bench_common
     from kvfold.evaluate.bench import speed as bench_module
@@ -246,23 +211,3 @@ def test_a_chunked_sweep_measures_every_configuration_with_a_fixed_mmap_threshol
     assert all(c.prefill_chunk is None for c in refs)
     runs, refs = plan("m", ["snapkv"], [0.1], [64], [1], 4, prefill_chunk=None)
     assert not any(c.bounded_memory for c in runs + refs)
-
-
-def test_bench_cachefile_mode_reports_file_size_speed_and_chat_memory(tiny_dir, tmp_path, capsys):
-    args = [
-        "bench", "--cachefile", "--model", str(tiny_dir), "--methods", "snapkv", "--budgets", "0.25",
-        "--lengths", "128", "--new-tokens", "4", "--turns", "6", "--chat-budget", "24", "--out", str(tmp_path),
-    ]  # fmt: skip
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "| snapkv | 0.25 |" in out and "RSS growth" in out
-    records = [json.loads(line) for line in (tmp_path / "cachefile.jsonl").read_text().splitlines()]
-    files = [r for r in records if r["kind"] == "file"]
-    chats = [r for r in records if r["kind"] == "chat"]
-    assert len(files) == 1 and len(chats) == 1
-    record = files[0]
-    assert 0.2 < record["file_ratio"] < 0.3 and record["same_answer"] is True
-    assert record["scratch_s"] > 0 and record["from_file_s"] > 0 and record["speedup"] > 0
-    chat = chats[0]
-    assert len(chat["per_turn"]) == 6 and chat["final"]["compactions"] >= 1
-    assert chat["max_entries"] < chat["final"]["logical_tokens"] / 2

@@ -9,19 +9,15 @@ import pytest
 
 from kvfold.evaluate.data.ruler import (
     HEADLINE_TASKS,
-    NOISE_SENTENCES,
     PROMPT_RESERVE_TOKENS,
     RULER_TASKS,
     SUITE_MAX_NEW_TOKENS,
     TASK_HAYSTACKS,
     VT_HOPS,
-    count_tokens,
-    cwe_frequencies,
     generate_ruler,
-    haystack_sentences,
-    load_haystack,
 )
 from kvfold.evaluate.data.samples import Sample
+from kvfold.evaluate.data.text import NOISE_SENTENCES, count_tokens, haystack_sentences, load_haystack
 
 NIAH_TASKS = [t for t in RULER_TASKS if t.startswith("niah")]
 # Tasks whose answers are spelled out in the context (cwe/fwe answers are frequent words instead).
@@ -99,15 +95,6 @@ def test_multiquery_questions_share_one_context(real_suite: list[Sample]) -> Non
     for context in by_context:
         asked = [s for s in samples if s.context == context]
         assert len({s.answers for s in asked}) == 4 and len({s.sample_id for s in asked}) == 4
-
-
-def test_prose_haystack_ships_with_the_package() -> None:
-    text = load_haystack()
-    assert 25_000 <= len(text.encode()) <= 40_000
-    sentences = haystack_sentences()
-    assert len(sentences) > 200
-    assert all(s[0].isupper() and s[-1] in ".!?" for s in sentences)
-    assert "magic" not in text.lower()  # no accidental needle-like phrases
 
 
 # --- answers really are in the context -----------------------------------------------------------
@@ -383,10 +370,3 @@ def test_unknown_task_and_bad_counts(word_tokenizer) -> None:
         generate_ruler(word_tokenizer, 1000, 1, tasks=["niah"])
     with pytest.raises(ValueError, match="samples_per_task"):
         generate_ruler(word_tokenizer, 1000, 0)
-
-
-def test_cwe_frequencies_keep_the_contrast() -> None:
-    assert cwe_frequencies(2000, 1500) == (30, 3)  # RULER's setting
-    assert cwe_frequencies(100, 1500) == (5, 1)  # short lists scale down
-    common, rare = cwe_frequencies(100_000, 1500)  # long lists run out of distinct rare words
-    assert common >= 3 * rare and 10 * common + rare * 1500 >= 100_000

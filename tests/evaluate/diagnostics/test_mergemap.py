@@ -1,55 +1,19 @@
-"""The merge-map diagnostic: carrier-load measures on a constructed map, recording, files and the CLI."""
+"""The merge-map diagnostic: what each method records, the files, and a recorded compression."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import kvfold
-import kvfold.runtime.models
-from kvfold.cli.main import main
-from kvfold.evaluate.diagnostics.mergemap import (
-    carrier_load,
-    gini,
-    lorenz_curve,
-    merge_maps,
-    span_boundaries,
-    top_share,
-)
+from kvfold.evaluate.diagnostics.mergemap import merge_maps
 from tests.conftest import make_tiny_model
 from tests.evaluate.conftest import CharTokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 4
-
-
-def test_load_measures_by_hand():
-    assert gini(np.array([1.0, 1.0, 1.0, 1.0])) == pytest.approx(0.0)
-    assert gini(np.array([0.0, 0.0, 0.0, 4.0])) == pytest.approx(0.75)  # (n − 1) / n: all on one entry
-    assert top_share(np.array([5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), 0.1) == pytest.approx(0.5)
-    assert top_share(np.array([5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), 0.2) == pytest.approx(0.6)
-    curve = lorenz_curve(np.array([3.0, 1.0]), points=3)
-    assert curve.tolist() == pytest.approx([0.0, 0.75, 1.0])
-    assert span_boundaries(np.array([0, 1, 2, 10, 11, 20])).tolist() == [True, False, True, True, True, True]
-
-
-def test_carrier_load_on_a_constructed_map():
-    retained = np.array([0, 1, 2, 10, 11, 20])  # spans [0, 2], [10, 11], [20]
-    carriers = np.array([1, 2, 2, 10, 20, 20])  # loads 0, 1, 2, 1, 0, 2
-    m = carrier_load(retained, carriers, np.ones(6), evicted=12)
-    assert m["absorbed"] == 6 and m["merged_fraction"] == pytest.approx(0.5)
-    assert m["active"] == pytest.approx(4 / 6)
-    assert m["top1_share"] == m["top10_share"] == pytest.approx(2 / 6)  # ⌈0.06⌉ = ⌈0.6⌉ = 1 entry
-    assert m["gini"] == pytest.approx(16 / 36)  # sorted (0, 0, 1, 1, 2, 2): 2·29/36 − 7/6
-    assert m["max_load"] == 2 and m["max_over_mean"] == pytest.approx(2.0)
-    assert m["boundary_share"] == pytest.approx(5 / 6) and m["boundary_fraction"] == pytest.approx(5 / 6)
-    half = carrier_load(retained, np.array([1, 2]), np.array([0.5, 0.5]), evicted=1)  # one token over two carriers
-    assert half["absorbed"] == 1 and half["merged_fraction"] == 1 and half["gini"] == pytest.approx(4 / 6)
-    with pytest.raises(ValueError, match="not among the retained"):
-        carrier_load(retained, np.array([5]), np.ones(1), evicted=1)
 
 
 def test_merge_maps_record_every_method_and_write_the_files(tmp_path: Path):
@@ -110,67 +74,6 @@ def test_zsmerge_merge_map_names_slot_founders_as_carriers(tmp_path: Path):
     _, _, log_mass, _ = layer.padded()
     w = log_mass[0, 0].exp()[torch.isfinite(log_mass[0, 0])]  # α = 1: β = log w, plain tokens w = 1
     assert len(absorbed) == round(float(w.sum()) - w.numel())  # each join adds one to some slot's w
-
-
-@pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    specs: list[str] = []
-
-    def load(spec: str, **kwargs):
-        specs.append(spec)
-        return kvfold.enable(make_tiny_model("llama", max_position_embeddings=2048)), CharTokenizer()
-
-    monkeypatch.setattr(kvfold.runtime.models, "load_model", load)
-    return specs
-
-
-def test_mergemap_cli(capsys, loads, tmp_path: Path):
-    context = tmp_path / "context.txt"
-    context.write_text(TEXT, encoding="utf-8")
-    out = tmp_path / "run"
-    argv = [
-        "mergemap",
-        "--model",
-        "tiny",
-        "--context-file",
-        str(context),
-        "--methods",
-        "snapkv[window=8],snapkv[window=8]+d2o_merge",
-        "--budget",
-        "0.3",
-        "--out",
-        str(out),
-    ]
-    assert main(argv) == 0 and loads == ["tiny"]
-    stdout = capsys.readouterr().out
-    assert "snapkv[window=8]+d2o_merge" in stdout and "gini" in stdout
-    assert {p.name for p in out.iterdir()} == {"mergemap.json", "mergemap.md", "mergemap.png", "carrier_load.png"}
-    data = tmp_path / "one.jsonl"
-    data.write_text(json.dumps({"context": TEXT, "question": "?", "answers": ["fox"]}) + "\n", encoding="utf-8")
-    assert (
-        main(
-            [
-                "mergemap",
-                "--dataset",
-                str(data),
-                "--methods",
-                "snapkv[window=8]+cam",
-                "--budget",
-                "0.3",
-                "--head",
-                "1",
-                "--out",
-                str(tmp_path / "jsonl"),
-            ]
-        )
-        == 0
-    )
-    capsys.readouterr()
-    code = main(["mergemap", "--context-file", str(tmp_path / "nope.txt"), "--methods", "snapkv", "--out", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2 and "context file not found" in err and len(err.strip().splitlines()) == 1
-    code = main(["mergemap", "--context-file", str(context), "--methods", "nosuch", "--out", str(out)])
-    assert code == 2 and "unknown method 'nosuch'" in capsys.readouterr().err
 
 
 def test_a_recorded_compression_reuses_the_repeat_pass_and_equals_compress(monkeypatch):

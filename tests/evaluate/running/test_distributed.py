@@ -18,7 +18,7 @@ import pytest
 
 from kvfold.cli.evaluate import load_samples
 from kvfold.cli.main import main
-from kvfold.evaluate.running.runner import row_key, run_sweep
+from kvfold.evaluate.running.runner import EvalSweep, row_key
 from kvfold.runtime.models import load_tokenizer
 from tests.conftest import make_tiny_model
 
@@ -237,15 +237,8 @@ def test_lost_worker_loses_nothing_and_counts_nothing_twice(ray_cluster, tiny_di
     samples = load_samples(_Args(str(data)), tokenizer)
     config = json.loads((serial / "run.json").read_text())
     counted: list[int] = []
-    result = run_sweep(
-        _counting(runner, counted),
-        samples,
-        METHODS.split(","),
-        BUDGETS.split(","),
-        out_dir=out,
-        progress=False,
-        run_config=config,
-    )
+    sweep = EvalSweep(samples, METHODS.split(","), BUDGETS.split(","), config, out_dir=out, progress=False)
+    result = sweep.run(_counting(runner, counted))
     assert runner.workers_lost == 1 and runner.resubmitted == 1
     # the killed worker (its first answer) and another that finished its context (≥ 4 answers left)
     assert len(runner.answers_by_worker) >= 2
@@ -327,7 +320,7 @@ def test_fidelity_online_resumes_on_the_cluster(ray_cluster, tiny_dir, data, tmp
 @needs_ray
 def test_fidelity_lost_worker_loses_nothing(ray_cluster, tiny_dir, data, serial_fidelity, tmp_path) -> None:
     from kvfold.evaluate.running.distributed import ModelLoader, RayRunner
-    from kvfold.evaluate.running.fidelity import run_fidelity_sweep
+    from kvfold.evaluate.running.fidelity import FidelitySweep
 
     runner = RayRunner(ModelLoader(str(tiny_dir)), workers=2, kill_after=2)  # killed after its 2nd row
     samples = load_samples(_Args(str(data)), load_tokenizer(str(tiny_dir)))
@@ -335,10 +328,8 @@ def test_fidelity_lost_worker_loses_nothing(ray_cluster, tiny_dir, data, serial_
     counted: list[int] = []
     config = {k: config[k] for k in ("model", "dataset", "length", "seed")}  # the mode is added back
     out = tmp_path / "crash"
-    run_fidelity_sweep(
-        _counting(runner, counted), samples, METHODS.split(","), BUDGETS.split(","), out_dir=out, progress=False,
-        run_config=config,
-    )  # fmt: skip
+    sweep = FidelitySweep(samples, METHODS.split(","), BUDGETS.split(","), config, out_dir=out, progress=False)
+    sweep.run(_counting(runner, counted))
     assert runner.workers_lost == 1 and runner.resubmitted == 1
     assert sum(counted) == len(DATASET) * FIDELITY_RUNS  # the killed worker's rows kept, none measured twice
     assert _fidelity_rows(out) == _fidelity_rows(serial_fidelity)

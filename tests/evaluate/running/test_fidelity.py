@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfold.evaluate import Sample, fidelity
-from kvfold.evaluate.running.fidelity import _block_outputs, decode_schedule, reference_answer
+from kvfold.evaluate.running.fidelity_measures import block_outputs, decode_schedule, reference_answer
 
 CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank at dawn. " * 4
 
@@ -78,7 +78,7 @@ def test_block_outputs_read_beta_and_gqa_groups() -> None:
     keys, values = torch.randn(h_kv, 5, d), torch.randn(h_kv, 5, d)
     queries = torch.randn(h_q, q_len, d)
     full = (keys.double(), values.double(), torch.zeros(h_kv, 5, dtype=torch.float64))
-    out = _block_outputs(queries, full, 0.3)
+    out = block_outputs(queries, full, 0.3)
     for head in range(h_q):  # query head h reads KV head h // (h_q / h_kv)
         kv = head // (h_q // h_kv)
         probs = torch.softmax(queries[head].double() @ keys[kv].double().T * 0.3, dim=-1)
@@ -89,10 +89,10 @@ def test_block_outputs_read_beta_and_gqa_groups() -> None:
     folded_beta = torch.zeros(h_kv, 5, dtype=torch.float64)
     folded_beta[:, -1] = math.log(2.0)
     folded = (keys.double(), values.double(), folded_beta)
-    torch.testing.assert_close(_block_outputs(queries, with_dup, 0.3), _block_outputs(queries, folded, 0.3))
+    torch.testing.assert_close(block_outputs(queries, with_dup, 0.3), block_outputs(queries, folded, 0.3))
     empty = torch.full((h_kv, 1), -math.inf, dtype=torch.float64)  # an empty slot changes nothing
     padded = (dup_k[:, :6].double(), dup_v[:, :6].double(), torch.cat([folded_beta, empty], 1))
-    torch.testing.assert_close(_block_outputs(queries, padded, 0.3), _block_outputs(queries, folded, 0.3))
+    torch.testing.assert_close(block_outputs(queries, padded, 0.3), block_outputs(queries, folded, 0.3))
 
 
 def test_decode_schedule_feeds_the_prompt_whole_and_then_one_token_a_forward() -> None:
@@ -121,7 +121,8 @@ def test_online_runs_the_decode_policy_and_equals_offline_at_full_budget(tiny_lm
 
 
 def test_online_cache_stays_at_its_budget(tiny_lm) -> None:
-    from kvfold.evaluate.running.fidelity import _Continuation, _teacher_forced
+    from kvfold.evaluate.running.fidelity import _teacher_forced
+    from kvfold.evaluate.running.fidelity_measures import Continuation
     from kvfold.pipeline.context import prefill
 
     model, tok = tiny_lm
@@ -129,7 +130,7 @@ def test_online_cache_stays_at_its_budget(tiny_lm) -> None:
     compressed = context.compress("streamingllm", 0.3)
     held = [layer.valid_mask().sum(-1).max().item() for _, layer in compressed.cache.folded_layers]
     ids = tok("Answer: the brown fox jumps", add_special_tokens=False).input_ids
-    cont = _Continuation("s", "qa", context, ids, [False] * 2 + [True] * (len(ids) - 2))
+    cont = Continuation("s", "qa", context, ids, [False] * 2 + [True] * (len(ids) - 2))
     for online, grows in ((True, 0), (False, len(ids))):
         cache = compressed.decode_cache() if online else compressed.cache.copy()
         _teacher_forced(model, cache, cont, online=online)

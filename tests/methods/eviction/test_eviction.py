@@ -16,10 +16,10 @@ import torch
 
 import kvfold
 from kvfold.methods import CompressionContext, SpecError, build_method
-from kvfold.methods.core.budgets import pyramid_layer_budgets
 from kvfold.methods.core.model import unrotate
 from kvfold.methods.eviction.h2o import H2OPrefillObserver
 from kvfold.methods.eviction.kvzip import RepeatPrompt
+from kvfold.methods.eviction.snapkv import pyramid_layer_budgets
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from tests.conftest import FAMILIES, CharTokenizer, make_tiny_model

@@ -13,8 +13,8 @@ import torch
 
 from kvfold.methods import SpecError, build_method
 from kvfold.methods.core.model import pre_rope_keys
-from kvfold.methods.core.scoring import leverage_scores, noncausal_chunk_attention, zscore
-from kvfold.methods.eviction.compactor import CompactorAttentionObserver
+from kvfold.methods.eviction.compactor import CompactorAttentionObserver, noncausal_chunk_attention
+from kvfold.methods.eviction.leverage import leverage_scores
 from tests.methods.eviction.test_eviction import (
     compress,
     kept_positions,
@@ -101,15 +101,6 @@ def test_sketched_leverage_approximates_the_exact_one_and_finds_the_outlier():
     torch.testing.assert_close(unridged.sum(-1), torch.full((1, 2), 48.0, dtype=F64))  # Σ ℓ = rank of the sketch
     again = leverage_scores(keys, sketch=48, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(got, again)  # the seed fixes the sketch
-
-
-def test_zscore_standardises_each_row_over_heads_and_valid_entries():
-    scores = torch.tensor([[[1.0, 2.0, 3.0], [4.0, 5.0, float("-inf")]]], dtype=F64)
-    valid = torch.tensor([[[True, True, True], [True, True, False]]])
-    z = zscore(scores, valid)
-    ref = (torch.tensor([1.0, 2, 3, 4, 5], dtype=F64) - 3.0) / torch.tensor(2.0, dtype=F64).sqrt()
-    torch.testing.assert_close(z[0][valid[0]], ref)
-    assert bool(torch.isneginf(z[0, 1, 2]))
 
 
 def test_noncausal_chunk_attention_matches_loops():

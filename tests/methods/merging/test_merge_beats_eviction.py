@@ -22,7 +22,7 @@ from kvfold.methods import CompressionContext
 from kvfold.methods.merging.cam import CaM
 from kvfold.methods.merging.d2o import D2OMerge
 from kvfold.methods.merging.kvmerger import KVMerger
-from kvfold.methods.merging.zsmerge.merge import BudgetSplit, _fold_layers
+from kvfold.methods.merging.zsmerge.merge import BudgetSplit, fold_layers
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedLayer
 
@@ -151,9 +151,9 @@ def test_zsmerge_residual_slots_reproduce_the_full_output_that_its_eviction_lose
     q = queries()
     reference = attend(q, full)
     merged, _, _ = _zs_layer()
-    _fold_layers([merged], [scores], BudgetSplit(*(torch.tensor([x]) for x in (2, 2, 2))), 1.0, "merge")
+    fold_layers([merged], [scores], BudgetSplit(*(torch.tensor([x]) for x in (2, 2, 2))), 1.0, "merge")
     base, _, _ = _zs_layer()
-    _fold_layers([base], [scores], BudgetSplit(*(torch.tensor([x]) for x in (2, 4, 0))), 1.0, "merge")
+    fold_layers([base], [scores], BudgetSplit(*(torch.tensor([x]) for x in (2, 4, 0))), 1.0, "merge")
     keys, new_values, beta, lengths = merged.padded()
     assert lengths.tolist() == [[6]] and base.padded()[3].tolist() == [[6]]
     # the two slots after the kept tokens: group A (positions 0, 4, 6, 8) and B (1, 5, 7, 9)

@@ -1,11 +1,79 @@
-"""What ``kvfold bench`` and ``kvfold bench --cachefile`` share: the measured prose context, the
-C allocator's state between measurements, and flag parsing."""
+"""What ``kvfold bench`` and ``kvfold bench --cachefile`` share: one measurement a process (the
+spawn and the worker's entry), the measured prose context, the process's memory, and the C
+allocator's state between measurements."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import resource
+import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from importlib import resources
+from typing import Any
+
+
+def spawn_worker(
+    module: str,
+    kind: str,
+    config: Mapping[str, Any],
+    *,
+    where: str,
+    what: str,
+    user_errors: tuple[str, ...],
+    timeout: float | None = None,
+    threads: int | None = None,
+) -> dict:
+    """Measure in a fresh Python process (``python -m MODULE --worker KIND CONFIG``); its record.
+
+    A process a measurement keeps its peak resident memory its own. The worker prints its record
+    as JSON on its last line of output (:func:`worker_main`).
+
+    Args:
+        module: the module whose ``__main__`` runs :func:`worker_main`.
+        kind: which of its measurements.
+        config: the measurement's configuration (JSON-serializable).
+        where: the configuration, for messages (``"snapkv @ 2048 tokens x 1"``).
+        what: the kind of worker, for messages (``"bench worker"``).
+        user_errors: exception class names (unqualified) that mean bad input rather than a crash.
+        timeout: seconds before the worker is killed.
+        threads: the worker's ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (a Ray worker's CPU
+            share); None leaves the environment as it is (torch's default: every core).
+
+    Raises:
+        ValueError: the worker failed on one of ``user_errors`` (said plainly, with ``where``).
+        RuntimeError: the worker crashed (with the end of its error output).
+    """
+    cmd = [sys.executable, "-m", module, "--worker", kind, json.dumps(dict(config))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        last = lines[-1] if lines else ""
+        name, _, message = last.partition(": ")
+        if name.rsplit(".", 1)[-1] in user_errors:  # the user's input, not a crash: say it plainly
+            raise ValueError(f"{where}: {message}")
+        tail = "\n".join(lines[-5:])
+        raise RuntimeError(f"{what} failed for {where}:\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker_main(module: str, measures: Mapping[str, Callable[[dict], dict]], argv: list[str] | None = None) -> int:
+    """The entry of a worker process (:func:`spawn_worker`): run one measurement, print its record.
+
+    Args:
+        module: the worker's module (its ``prog`` name).
+        measures: kind → a function of the configuration (a dict) that returns the record.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m {module}")
+    parser.add_argument("--worker", nargs=2, required=True, metavar=("KIND", "CONFIG"))
+    kind, raw = parser.parse_args(argv).worker
+    print(json.dumps(measures[kind](json.loads(raw))))
+    return 0
 
 
 def context_ids(tokenizer, length: int, batch: int):
@@ -91,16 +159,18 @@ def _glibc():
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
-def _rss_mb() -> float:
+def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MB (Linux reports KB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _positive_ints(text: str, flag: str) -> list[int]:
+def current_rss_mb() -> float:
+    """Resident memory of this process now (Linux ``/proc/self/status``), in MB; 0 elsewhere."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} takes comma-separated positive integers; got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{flag} takes comma-separated positive integers; got {text!r}")
-    return values
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0

@@ -21,14 +21,22 @@ Records are appended to ``OUT/cachefile.jsonl``; ``OUT/cachefile.md`` is the tab
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from kvfold.evaluate.bench.process import (
+    context_ids,
+    current_rss_mb,
+    peak_rss_mb,
+    release_freed_memory,
+    spawn_worker,
+    worker_main,
+)
+from kvfold.evaluate.reporting.tables import markdown_table
+from kvfold.methods import build_method
+from kvfold.runtime.models import load_model
 
 QUESTION = "What is this text about? Answer in one sentence."
 CHAT_TURNS = [
@@ -82,28 +90,8 @@ class ChatConfig:
     device: str = "auto"
 
 
-def _current_rss_mb() -> float:
-    """Resident memory of this process now (Linux ``/proc/self/status``), in MB; 0 elsewhere."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def context_text(tokenizer, length: int) -> str:
     """About ``length`` tokens of the shipped prose haystack, as text."""
-    from kvfold.evaluate.bench.process import context_ids
-
     return tokenizer.decode(context_ids(tokenizer, length, 1)[0].tolist())
 
 
@@ -111,22 +99,22 @@ def run_file_config(config: FileConfig) -> dict:
     """Measure one cache file in this process (a worker)."""
     import torch
 
-    import kvfold
-    from kvfold.evaluate.bench.process import release_freed_memory
+    from kvfold.pipeline.context import prefill
     from kvfold.store.load import load_context
+    from kvfold.store.save import save_context
 
-    model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
     text = context_text(tokenizer, config.length)
-    method = kvfold.build_method(config.method)
+    method = build_method(config.method)
     with torch.inference_mode():
         start = time.perf_counter()
-        prefilled = kvfold.prefill(model, tokenizer, text, methods=[method])
+        prefilled = prefill(model, tokenizer, text, methods=[method])
         compressed = prefilled.compress(method, config.budget)
         scratch = compressed.generate(QUESTION, max_new_tokens=config.new_tokens)[0]
         scratch_s = time.perf_counter() - start
     path = Path(config.out)
     start = time.perf_counter()
-    file_bytes = compressed.save(path, source_text=text)
+    file_bytes = save_context(compressed, path, source_text=text)
     save_s = time.perf_counter() - start
     record = {
         **asdict(config),
@@ -163,12 +151,11 @@ def run_file_config(config: FileConfig) -> dict:
 
 def run_chat_config(config: ChatConfig) -> dict:
     """Run a scripted chat in this process (a worker); RSS and entries after every turn."""
-    import kvfold
     from kvfold.pipeline.chat import ChatSession
 
-    model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
     chat = ChatSession(model, tokenizer, config.method, config.chat_budget, max_new_tokens=config.new_tokens)
-    base = _current_rss_mb()
+    base = current_rss_mb()
     per_turn = []
     first_compaction = None
     start = time.perf_counter()
@@ -176,7 +163,7 @@ def run_chat_config(config: ChatConfig) -> dict:
         chat.ask(CHAT_TURNS[turn % len(CHAT_TURNS)])
         stats = chat.stats()
         per_turn.append(
-            {"turn": turn + 1, "rss_mb": _current_rss_mb(), "entries": stats["entries"], "bytes": stats["bytes"]}
+            {"turn": turn + 1, "rss_mb": current_rss_mb(), "entries": stats["entries"], "bytes": stats["bytes"]}
         )
         if first_compaction is None and stats["compactions"]:
             first_compaction = turn
@@ -188,7 +175,7 @@ def run_chat_config(config: ChatConfig) -> dict:
         "chat_cap": chat.cap,
         "chat_seconds": elapsed,
         "base_rss_mb": base,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
         "first_compaction_turn": None if first_compaction is None else first_compaction + 1,
         "rss_after_first_compaction_mb": after[0] if after else None,
         "rss_growth_after_first_compaction_mb": (max(after) - after[0]) if after else None,
@@ -200,18 +187,10 @@ def run_chat_config(config: ChatConfig) -> dict:
 
 
 def _spawn(kind: str, config: FileConfig | ChatConfig, timeout: float | None = None) -> dict:
-    cmd = [sys.executable, "-m", "kvfold.evaluate.bench.saved_caches", "--worker", kind, json.dumps(asdict(config))]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        last = lines[-1] if lines else ""
-        name, _, message = last.partition(": ")
-        if name.rsplit(".", 1)[-1] in USER_ERRORS:  # the user's input, not a crash: say it plainly
-            raise ValueError(f"{config.method}: {message}")
-        raise RuntimeError(f"cache-file bench worker failed for {config.method}:\n" + "\n".join(lines[-5:]))
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Measure one configuration in a worker process (:func:`~kvfold.evaluate.bench.process.spawn_worker`)."""
+    module, what = "kvfold.evaluate.bench.saved_caches", "cache-file bench worker"
+    options = {"where": config.method, "what": what, "user_errors": USER_ERRORS, "timeout": timeout}
+    return spawn_worker(module, kind, asdict(config), **options)
 
 
 def bench_cachefile(
@@ -259,81 +238,49 @@ def _append(out: Path, record: dict) -> None:
         handle.write(json.dumps(record) + "\n")
 
 
+FILE_COLUMNS = (
+    "method", "budget", "context tokens", "file MB", "full KV MB", "file / full", "prefill+compress+answer s",
+    "load+answer s", "speedup", "prefill+compress s", "load s", "speedup", "same answer",
+)  # fmt: skip
+CHAT_COLUMNS = (
+    "method", "turns", "budget", "cap", "compactions", "max entries", "max cache MB", "RSS after 1st compaction MB",
+    "RSS growth after MB", "peak RSS MB", "seconds",
+)  # fmt: skip
+
+
 def report(result: dict) -> str:
-    """The measurements as Markdown tables."""
-    lines = [
-        f"# kvfold bench --cachefile — {result['model']}",
-        "",
-        "| method | budget | context tokens | file MB | full KV MB | file / full | prefill+compress+answer s "
-        "| load+answer s | speedup | prefill+compress s | load s | speedup | same answer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["files"]:
-        lines.append(
-            f"| {r['method']} | {r['budget']} | {r['context_tokens']} | {r['file_bytes'] / 2**20:.2f} | "
-            f"{r['kv_bytes_full'] / 2**20:.2f} | {r['file_ratio']:.3f} | {r['scratch_s']:.2f} | "
-            f"{r['from_file_s']:.2f} | {r['speedup']:.1f}x | {r['prefill_s'] + r['compress_s']:.2f} | "
-            f"{r['load_s']:.3f} | {r['setup_speedup']:.0f}x | {r['same_answer']} |"
-        )
+    """The measurements as Markdown tables: the cache files, then the chats."""
+    lines = [f"# kvfold bench --cachefile — {result['model']}", ""]
+    lines.append(markdown_table(FILE_COLUMNS, map(_file_row, result["files"])))
     if result["chats"]:
-        lines += [
-            "",
-            "| method | turns | budget | cap | compactions | max entries | max cache MB | RSS after 1st compaction MB "
-            "| RSS growth after MB | peak RSS MB | seconds |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in result["chats"]:
-            growth = r["rss_growth_after_first_compaction_mb"]
-            first = r["rss_after_first_compaction_mb"]
-            lines.append(
-                f"| {r['method']} | {r['turns']} | {r['chat_budget']} | {r['chat_cap']} | "
-                f"{r['final']['compactions']} | {r['max_entries']} | {r['max_cache_bytes'] / 2**20:.2f} | "
-                f"{'-' if first is None else f'{first:.0f}'} | {'-' if growth is None else f'{growth:.1f}'} | "
-                f"{r['peak_rss_mb']:.0f} | {r['chat_seconds']:.0f} |"
-            )
+        lines += ["", markdown_table(CHAT_COLUMNS, map(_chat_row, result["chats"]))]
     return "\n".join(lines) + "\n"
 
 
-def run_from_bench_args(args: argparse.Namespace) -> int:
-    """``kvfold bench --cachefile``: the bench command's arguments, this mode's measurements."""
-    from kvfold.evaluate.bench.process import _positive_ints
-    from kvfold.methods import build_method, split_specs
-    from kvfold.runtime.budget import Budget
-
-    methods = split_specs(args.methods)
-    for spec in methods:
-        build_method(spec)
-    budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
-    lengths = _positive_ints(args.lengths, "--lengths")
-    if args.turns < 0:
-        raise ValueError("--turns must be ≥ 0")
-    result = bench_cachefile(
-        args.model,
-        methods,
-        budgets,
-        lengths,
-        args.out,
-        new_tokens=args.new_tokens,
-        turns=args.turns,
-        chat_budget=args.chat_budget,
-        dtype=args.dtype,
-        device=args.device,
-    )
-    print(report(result))
-    return 0
+def _file_row(r: dict) -> list[str]:
+    return [
+        r["method"], str(r["budget"]), str(r["context_tokens"]), f"{r['file_bytes'] / 2**20:.2f}",
+        f"{r['kv_bytes_full'] / 2**20:.2f}", f"{r['file_ratio']:.3f}", f"{r['scratch_s']:.2f}",
+        f"{r['from_file_s']:.2f}", f"{r['speedup']:.1f}x", f"{r['prefill_s'] + r['compress_s']:.2f}",
+        f"{r['load_s']:.3f}", f"{r['setup_speedup']:.0f}x", str(r["same_answer"]),
+    ]  # fmt: skip
 
 
-def _worker_main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfold.evaluate.bench.saved_caches")
-    parser.add_argument("--worker", nargs=2, required=True, metavar=("KIND", "CONFIG"))
-    args = parser.parse_args()
-    kind, raw = args.worker
-    if kind == "file":
-        print(json.dumps(run_file_config(FileConfig(**json.loads(raw)))))
-    else:
-        print(json.dumps(run_chat_config(ChatConfig(**json.loads(raw)))))
-    return 0
+def _chat_row(r: dict) -> list[str]:
+    growth = r["rss_growth_after_first_compaction_mb"]
+    first = r["rss_after_first_compaction_mb"]
+    return [
+        r["method"], str(r["turns"]), str(r["chat_budget"]), str(r["chat_cap"]), str(r["final"]["compactions"]),
+        str(r["max_entries"]), f"{r['max_cache_bytes'] / 2**20:.2f}", "-" if first is None else f"{first:.0f}",
+        "-" if growth is None else f"{growth:.1f}", f"{r['peak_rss_mb']:.0f}", f"{r['chat_seconds']:.0f}",
+    ]  # fmt: skip
 
+
+WORKERS = {
+    "file": lambda raw: run_file_config(FileConfig(**raw)),
+    "chat": lambda raw: run_chat_config(ChatConfig(**raw)),
+}
+"""The measurements a worker process runs (:func:`_spawn`)."""
 
 if __name__ == "__main__":
-    raise SystemExit(_worker_main())
+    raise SystemExit(worker_main("kvfold.evaluate.bench.saved_caches", WORKERS))

@@ -35,11 +35,7 @@ Compression time is reported against two references measured in the method's own
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -49,12 +45,16 @@ from typing import Any
 from kvfold.evaluate.bench.process import (
     DECODE_MMAP_THRESHOLD,
     MEASURED_MMAP_THRESHOLD,
-    _positive_ints,
-    _rss_mb,
     context_ids,
+    peak_rss_mb,
     release_freed_memory,
     set_mmap_threshold,
+    spawn_worker,
+    worker_main,
 )
+from kvfold.evaluate.reporting.tables import markdown_table
+from kvfold.methods import build_method
+from kvfold.runtime.models import load_model
 
 WARMUP_STEPS = 4
 
@@ -86,18 +86,17 @@ def run_config(config: BenchConfig) -> dict:
     """
     import torch
 
-    import kvfold
     from kvfold.pipeline.chunked import prefill_chunked
     from kvfold.pipeline.context import check_length, prefill_ids
     from kvfold.runtime.budget import Budget
 
-    model, tokenizer = kvfold.load_model(config.model, dtype=config.dtype, device=config.device)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
     check_length(model, config.length)  # the context must fit; timed decode steps may run past it (speed only)
-    base_rss = _rss_mb()
+    base_rss = peak_rss_mb()
     if config.bounded_memory:  # what a chunked sweep measures: see set_mmap_threshold
         set_mmap_threshold(MEASURED_MMAP_THRESHOLD)
     ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
-    method = kvfold.build_method(config.method)
+    method = build_method(config.method)
     budget = 1.0 if method.is_identity else config.budget
     repeat_s = None
     with torch.inference_mode():
@@ -112,7 +111,7 @@ def run_config(config: BenchConfig) -> dict:
             compressed = _compress_in_place(source, method, budget)
         kv_bytes = compressed.cache.nbytes()
         kv_bytes_full = compressed.cache.full_nbytes()
-        peak_rss = _rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
+        peak_rss = peak_rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
         if config.bounded_memory:
             set_mmap_threshold(DECODE_MMAP_THRESHOLD)
         release_freed_memory()
@@ -145,18 +144,10 @@ def time_repeat_pass(source) -> float:
     recorded, the default chunk): the one model pass a repeat-pass method cannot avoid."""
     import torch
 
-    from kvfold.methods.core.base import CompressionContext
     from kvfold.methods.core.repeat import repeat_pass
     from kvfold.runtime.budget import Budget
 
-    ctx = CompressionContext(
-        model=source.model,
-        cache=source.cache,
-        input_ids=source.input_ids,
-        attention_mask=source.attention_mask,
-        budget=Budget.parse(1.0),
-        tokenizer=source.tokenizer,
-    )
+    ctx = source.compression_context(source.cache, Budget.parse(1.0))
     start = time.perf_counter()
     with torch.inference_mode():
         repeat_pass(ctx, scores=False, queries=False)
@@ -177,19 +168,11 @@ def _compress_in_place(source, method, budget):
     """Like :meth:`PrefilledContext.compress` but without copying the full cache first."""
     import torch
 
-    from kvfold.methods.core.base import CompressionContext
     from kvfold.pipeline.context import CompressedContext
     from kvfold.runtime.budget import Budget
 
     parsed = Budget.parse(budget)
-    ctx = CompressionContext(
-        model=source.model,
-        cache=source.cache,
-        input_ids=source.input_ids,
-        attention_mask=source.attention_mask,
-        budget=parsed,
-        tokenizer=source.tokenizer,
-    )
+    ctx = source.compression_context(source.cache, parsed)
     start = time.perf_counter()
     with torch.inference_mode():
         if not method.is_identity and not parsed.is_full:
@@ -239,27 +222,19 @@ def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
     return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
 
 
+WORKER_ERRORS = ("ValueError", "NotImplementedError", "ModelLoadError")
+"""What a measuring process fails on when the input is wrong (said plainly, not as a crash)."""
+
+
 def _spawn(config: BenchConfig, timeout: float | None = None, threads: int | None = None) -> dict:
-    """Run one configuration in a fresh Python process and return its record.
+    """Run one configuration in a fresh Python process and return its record (:func:`spawn_worker`).
 
     ``threads`` sets the child's ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` (a Ray worker's CPU
     share); None leaves the environment as it is (torch's default: every core).
     """
-    cmd = [sys.executable, "-m", "kvfold.evaluate.bench.speed", "--worker", json.dumps(asdict(config))]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        where = f"{config.method} @ {config.length} tokens x {config.batch}"
-        last = lines[-1] if lines else ""
-        for kind in ("ValueError", "NotImplementedError", "kvfold.runtime.models.ModelLoadError", "ModelLoadError"):
-            if last.startswith(kind + ": "):  # the user's input, not a crash: say it plainly
-                raise ValueError(f"{where}: {last[len(kind) + 2 :]}")
-        tail = "\n".join(lines[-5:])
-        raise RuntimeError(f"bench worker failed for {where}:\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    where = f"{config.method} @ {config.length} tokens x {config.batch}"
+    options = {"what": "bench worker", "user_errors": WORKER_ERRORS, "timeout": timeout, "threads": threads}
+    return spawn_worker("kvfold.evaluate.bench.speed", "config", asdict(config), where=where, **options)
 
 
 def plan(
@@ -415,6 +390,20 @@ def bench(
         desc="kvfold bench",
         unit="configuration",
     )
+    result: dict[str, Any] = {"model": model, "records": _with_ratios(runs, refs, done)}
+    worker_of = getattr(runner, "worker_of", None)
+    if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
+        result["ray_workers"] = {
+            _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
+        }
+    if out_dir is not None:
+        write_bench_report(result, Path(out_dir))
+    return result
+
+
+def _with_ratios(runs: list[BenchConfig], refs: list[BenchConfig], done: Mapping[str, dict]) -> list[dict]:
+    """The records of a sweep, ``full`` first, with their ratios to ``full`` at the same length and
+    batch (``speedup``, ``limit_speedup``, ``speedup_over_limit``) and :func:`compression_ratios`."""
     measured = {(c.length, c.batch): done[_config_key(c)] for c in refs}
     records = [done[_config_key(c)] for c in runs]
     full_records = [measured[(c.length, c.batch)] for c in refs]
@@ -427,15 +416,7 @@ def bench(
         record.update(speedup=1.0, limit_speedup=1.0, speedup_over_limit=1.0)
     for record in [*full_records, *records]:
         record.update(compression_ratios(record))
-    result: dict[str, Any] = {"model": model, "records": [*full_records, *records]}
-    worker_of = getattr(runner, "worker_of", None)
-    if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
-        result["ray_workers"] = {
-            _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
-        }
-    if out_dir is not None:
-        write_bench_report(result, Path(out_dir))
-    return result
+    return [*full_records, *records]
 
 
 RECORDS_FILE = "records.jsonl"
@@ -489,20 +470,8 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         "process (prefill and compression). `repeat s` is the repeat pass alone (methods that run it); "
         "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass.",
         "",
-        "| method | budget | length | batch | prefill s | compress s | repeat s | c/prefill | c/repeat | "
-        "decode tok/s | speedup | limit | speedup/limit | KV MB | full KV MB | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        markdown_table(BENCH_COLUMNS, map(_bench_row, rows)),
     ]
-    for r in rows:
-        ratios = compression_ratios(r)
-        lines.append(
-            f"| {r['method']} | {r['budget']} | {r['length']} | {r['batch']} | {r['prefill_s']:.2f} | "
-            f"{r['compress_s']:.2f} | {_cell(r.get('repeat_s'))} | {_cell(ratios['compress_over_prefill'])} | "
-            f"{_cell(ratios['compress_over_repeat'])} | {r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-            f"{r['limit_speedup']:.2f} | "
-            f"{r['speedup_over_limit']:.2f} | {r['kv_bytes'] / 2**20:.1f} | {r['kv_bytes_full'] / 2**20:.1f} | "
-            f"{r['peak_rss_mb']:.0f} |"
-        )
     if result.get("ray_workers"):
         lines += [
             "",
@@ -513,6 +482,23 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         ]
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out_dir / "bench.png")
+
+
+BENCH_COLUMNS = (
+    "method", "budget", "length", "batch", "prefill s", "compress s", "repeat s", "c/prefill", "c/repeat",
+    "decode tok/s", "speedup", "limit", "speedup/limit", "KV MB", "full KV MB", "peak RSS MB",
+)  # fmt: skip
+
+
+def _bench_row(r: dict) -> list[str]:
+    ratios = compression_ratios(r)
+    return [
+        r["method"], str(r["budget"]), str(r["length"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
+        f"{r['compress_s']:.2f}", _cell(r.get("repeat_s")), _cell(ratios["compress_over_prefill"]),
+        _cell(ratios["compress_over_repeat"]), f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+        f"{r['limit_speedup']:.2f}", f"{r['speedup_over_limit']:.2f}", f"{r['kv_bytes'] / 2**20:.1f}",
+        f"{r['kv_bytes_full'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}",
+    ]  # fmt: skip
 
 
 def _cell(value: float | None) -> str:
@@ -553,79 +539,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def add_parsers(sub) -> None:
-    """The ``kvfold bench`` sub-parser (gathered by :mod:`kvfold.cli.main`)."""
-    from kvfold.cli.args import add_model_args, add_ray_args
-
-    p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
-    add_model_args(p)
-    p.add_argument("--methods", default="streamingllm", help="comma-separated method specs")
-    p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
-    p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
-    p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=64, help="decode steps measured after warm-up")
-    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks, compressing as it goes")
-    p.add_argument("--out", required=True, type=Path, help="output directory")
-    p.add_argument(
-        "--cachefile",
-        action="store_true",
-        help="cache files and chat memory (kvfold.evaluate.bench.saved_caches)",
-    )
-    p.add_argument("--turns", type=int, default=50, help="--cachefile: turns of the measured chat (0: none)")
-    p.add_argument("--chat-budget", type=int, default=256, help="--cachefile: entries the chat keeps")
-    add_ray_args(p, "length and batch")
-
-
-def run_bench_command(args) -> int:
-    from kvfold.methods import build_method, split_specs
-    from kvfold.runtime.budget import Budget
-
-    if args.cachefile:
-        if args.ray is not None:
-            raise ValueError("--ray does not apply to --cachefile")
-        from kvfold.evaluate.bench.saved_caches import run_from_bench_args
-
-        return run_from_bench_args(args)
-
-    methods = split_specs(args.methods)
-    for spec in methods:
-        build_method(spec)  # fail fast on unknown methods or options
-    budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
-    lengths = _positive_ints(args.lengths, "--lengths")
-    batches = _positive_ints(args.batch, "--batch")
-    if args.new_tokens < 1:
-        raise ValueError("--new-tokens must be ≥ 1")
-    grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
-    if args.ray is None:
-        result = bench(*grid, args.dtype, args.device)
-    else:
-        from kvfold.cli.args import ray_options, ray_where
-        from kvfold.evaluate.running.distributed import require_ray, run_on_ray
-
-        options = ray_options(args)
-        require_ray()
-        threads = max(1, int(args.ray_worker_cpus))
-        print(f"kvfold bench on {ray_where(args)}, {threads} threads a measurement → {args.out}", file=sys.stderr)
-        result, ray_runner = run_on_ray(
-            None, lambda runner: bench(*grid, args.dtype, args.device, runner=runner, threads=threads), **options
-        )
-        print(ray_runner.summary(), file=sys.stderr)
-    print((Path(args.out) / "bench.md").read_text())
-    return 0 if result["records"] else 1
-
-
-COMMANDS = {"bench": run_bench_command}
-"""The subcommand of this module, gathered by :mod:`kvfold.cli.main`."""
-
-
-def _worker_main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvfold.evaluate.bench.speed")
-    parser.add_argument("--worker", required=True, help="a BenchConfig as JSON")
-    args = parser.parse_args()
-    config = BenchConfig(**json.loads(args.worker))
-    print(json.dumps(run_config(config)))
-    return 0
-
+WORKERS = {"config": lambda raw: run_config(BenchConfig(**raw))}
+"""The measurement a worker process runs (:func:`_spawn`)."""
 
 if __name__ == "__main__":
-    raise SystemExit(_worker_main())
+    raise SystemExit(worker_main("kvfold.evaluate.bench.speed", WORKERS))

@@ -1,2 +1,2 @@
 """Evaluation data: the synthetic RULER generator (its word lists and prose as package data),
-dataset loaders, samples."""
+dataset loaders (bring-your-own JSONL, LongBench, XSum, RULER's own files), samples."""

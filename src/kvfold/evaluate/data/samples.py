@@ -8,11 +8,11 @@ Every task generator and dataset loader in :mod:`kvfold.evaluate` returns a list
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Sample", "group_by_context"]
+__all__ = ["Sample", "check_tasks", "group_by_context"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +106,16 @@ def group_by_context(samples: Iterable[Sample]) -> list[tuple[str, list[Sample]]
     for sample in samples:
         groups.setdefault(sample.context, []).append(sample)
     return list(groups.items())
+
+
+def check_tasks(tasks: Sequence[str] | None, valid: Sequence[str], benchmark: str) -> tuple[str, ...]:
+    """The requested task names (all of ``valid`` when ``None``), in the order asked.
+
+    Raises:
+        ValueError: A name not in ``valid``; the message lists the valid ones.
+    """
+    selected = tuple(valid if tasks is None else tasks)
+    unknown = [t for t in selected if t not in valid]
+    if unknown:
+        raise ValueError(f"unknown {benchmark} task(s) {unknown}; valid tasks: {', '.join(valid)}")
+    return selected

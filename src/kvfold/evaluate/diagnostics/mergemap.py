@@ -23,6 +23,9 @@ tensors of slot indices (the layer's slots before compression; ``absorbed < 0`` 
 standalone methods also call ``ctx.record_kept(layer_idx, keep, lengths)``. Without a recorder
 both calls do nothing.
 
+The load measures are in :mod:`~kvfold.evaluate.diagnostics.concentration`, the report and plots in
+:mod:`~kvfold.evaluate.diagnostics.mergemap_report`, the command line in :mod:`kvfold.cli.diagnostics`.
+
 Example:
     >>> from kvfold import load_model, prefill
     >>> model, tokenizer = load_model()
@@ -34,7 +37,6 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,30 +45,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvfold.methods.core.base import CompressionContext, build_method
+from kvfold.evaluate.diagnostics.concentration import carrier_load, lorenz_curve, update_load
+from kvfold.evaluate.diagnostics.mergemap_report import mergemap_markdown, plot_carrier_load, plot_merge_maps
+from kvfold.methods import build_method
 from kvfold.pipeline.context import PrefilledContext
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 
 __all__ = [
-    "MergeRecorder",
     "MergeMapResult",
-    "carrier_load",
+    "MergeRecorder",
     "compress_recorded",
-    "gini",
-    "lorenz_curve",
     "merge_maps",
-    "span_boundaries",
-    "top_share",
 ]
-
-TOP_FRACTIONS = (0.01, 0.1)
-LORENZ_POINTS = 101
-CHANGED_TOL = 1e-6
-"""A retained entry counts as updated when ‖Δ‖ exceeds this fraction of its norm."""
-
-
-# ---------------------------------------------------------------------------- the recorder
 
 
 class MergeRecorder:
@@ -110,120 +101,11 @@ def compress_recorded(
     parsed = Budget.parse(budget)
     cache = prefilled.cache.copy()
     recorder = MergeRecorder()
-    ctx = CompressionContext(
-        model=prefilled.model,
-        cache=cache,
-        input_ids=prefilled.input_ids,
-        attention_mask=prefilled.attention_mask,
-        budget=parsed,
-        seed=seed,
-        tokenizer=prefilled.tokenizer,
-        shared=prefilled.shared,
-        merge_recorder=recorder,
-    )
+    ctx = prefilled.compression_context(cache, parsed, seed=seed, shared=prefilled.shared, merge_recorder=recorder)
     with torch.inference_mode():
         if not composed.is_identity and not parsed.is_full:
             composed.compress(ctx)
     return cache, recorder, ctx.report
-
-
-# ---------------------------------------------------------------------------- load measures
-
-
-def gini(load: np.ndarray) -> float:
-    """Gini coefficient of non-negative loads: 0 = all equal, ``(n−1)/n`` = all on one entry."""
-    x = np.sort(np.asarray(load, dtype=np.float64))
-    n, total = x.size, x.sum()
-    if n == 0 or total <= 0:
-        return 0.0
-    ranks = np.arange(1, n + 1)
-    return float(2.0 * (ranks * x).sum() / (n * total) - (n + 1) / n)
-
-
-def top_share(load: np.ndarray, fraction: float) -> float:
-    """Share of the total load held by the ``⌈fraction · n⌉`` most loaded entries."""
-    x = np.sort(np.asarray(load, dtype=np.float64))[::-1]
-    total = x.sum()
-    if x.size == 0 or total <= 0:
-        return 0.0
-    return float(x[: max(1, math.ceil(fraction * x.size - 1e-9))].sum() / total)
-
-
-def lorenz_curve(load: np.ndarray, points: int = LORENZ_POINTS) -> np.ndarray:
-    """Top-``q`` share of the load at ``q = 0, 1/(points−1), …, 1`` (entries sorted by load, largest first)."""
-    x = np.sort(np.asarray(load, dtype=np.float64))[::-1]
-    grid = np.linspace(0.0, 1.0, points)
-    if x.size == 0 or x.sum() <= 0:
-        return np.full(points, np.nan)
-    cumulative = np.concatenate([[0.0], np.cumsum(x) / x.sum()])
-    return np.interp(grid * x.size, np.arange(x.size + 1), cumulative)
-
-
-def span_boundaries(positions: np.ndarray) -> np.ndarray:
-    """Bool per retained position (sorted ascending): first or last entry of a run of consecutive positions."""
-    p = np.asarray(positions)
-    if p.size == 0:
-        return np.zeros(0, dtype=bool)
-    starts = np.ones(p.size, dtype=bool)
-    starts[1:] = np.diff(p) != 1
-    ends = np.ones(p.size, dtype=bool)
-    ends[:-1] = np.diff(p) != 1
-    return starts | ends
-
-
-def carrier_load(retained: np.ndarray, carriers: np.ndarray, shares: np.ndarray, evicted: int) -> dict[str, float]:
-    """Concentration of the merges of one layer and head on its retained entries.
-
-    Args:
-        retained: ``(c,)`` positions of the retained entries, ascending.
-        carriers: ``(M,)`` carrier position of every recorded pair (each in ``retained``).
-        shares: ``(M,)`` share of the absorbed token given to that carrier.
-        evicted: tokens evicted in this head (``e``).
-
-    Returns:
-        ``absorbed`` (Σ shares), ``merged_fraction`` (absorbed / e), ``active`` (share of retained
-        entries with a load), ``top1_share``, ``top10_share``, ``gini``, ``max_load``,
-        ``max_over_mean`` (largest load / mean load over all retained entries), ``boundary_share``
-        (load on span-boundary entries) and ``boundary_fraction`` (boundary entries / c).
-    """
-    retained = np.asarray(retained)
-    index = np.searchsorted(retained, carriers)
-    if index.size and (index.max() >= retained.size or not np.array_equal(retained[index], carriers)):
-        raise ValueError("a recorded carrier is not among the retained entries")
-    load = np.bincount(index, weights=shares, minlength=retained.size).astype(np.float64)
-    total = float(load.sum())
-    boundary = span_boundaries(retained)
-    mean = total / max(retained.size, 1)
-    return {
-        "absorbed": total,
-        "merged_fraction": total / evicted if evicted else 0.0,
-        "active": float((load > 0).mean()) if load.size else 0.0,
-        "top1_share": top_share(load, 0.01),
-        "top10_share": top_share(load, 0.1),
-        "gini": gini(load),
-        "max_load": float(load.max()) if load.size else 0.0,
-        "max_over_mean": float(load.max() / mean) if mean > 0 else 0.0,
-        "boundary_share": float(load[boundary].sum() / total) if total > 0 else 0.0,
-        "boundary_fraction": float(boundary.mean()) if boundary.size else 0.0,
-    }
-
-
-def _update_load(
-    key_change: np.ndarray, value_change: np.ndarray, key_rel: np.ndarray, value_rel: np.ndarray
-) -> dict[str, float]:
-    """Concentration of the update magnitudes ``‖Δk_i‖``, ``‖Δv_i‖`` over the retained entries."""
-    return {
-        "updated": float(((key_rel > CHANGED_TOL) | (value_rel > CHANGED_TOL)).mean()) if key_rel.size else 0.0,
-        "dk_rel_mean": float(key_rel.mean()) if key_rel.size else 0.0,
-        "dv_rel_mean": float(value_rel.mean()) if value_rel.size else 0.0,
-        "dk_top10_share": top_share(key_change, 0.1),
-        "dv_top10_share": top_share(value_change, 0.1),
-        "dk_gini": gini(key_change),
-        "dv_gini": gini(value_change),
-    }
-
-
-# ---------------------------------------------------------------------------- one method
 
 
 @dataclass
@@ -307,7 +189,7 @@ def _analyse_layer(
                 value_change = (v1 - v0).norm(dim=-1)[order].numpy()
                 key_rel = key_change / k0.norm(dim=-1)[order].clamp_min(1e-30).numpy()
                 value_rel = value_change / v0.norm(dim=-1)[order].clamp_min(1e-30).numpy()
-                metrics.update(_update_load(key_change, value_change, key_rel, value_rel))
+                metrics.update(update_load(key_change, value_change, key_rel, value_rel))
             metrics["evicted"] = float(evicted)
             metrics["retained"] = float(count)
             result.metrics[(layer_idx, b, h)] = metrics
@@ -322,7 +204,6 @@ def _analyse_layer(
             )
 
 
-# ---------------------------------------------------------------------------- several methods
 
 
 @dataclass
@@ -481,261 +362,3 @@ def merge_maps(
         plot_merge_maps(plot, result.out_dir / "mergemap.png")
         plot_carrier_load(records, result.out_dir / "carrier_load.png")
     return result
-
-
-# ---------------------------------------------------------------------------- report and plots
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
-
-
-def mergemap_markdown(records: Sequence[Mapping[str, Any]], plot: Mapping[str, Any], info: Mapping[str, Any]) -> str:
-    """The carrier-load report (one row per method) with the plots below it."""
-    lines = ["# kvfold mergemap", ""]
-    lines += [", ".join(f"{k}: {v}" for k, v in info.items()), ""]
-    lines += [
-        "Per layer and KV head, each retained entry's **load** is the number of evicted tokens it absorbed "
-        "(fractions when a token is spread over several carriers). Pair measures are means over the heads "
-        "that merged anything: `merged` = absorbed / evicted, `active` = retained entries with a load, "
-        "`top 1%` / `top 10%` = share of the load on the most loaded 1% / 10% of retained entries, "
-        "`Gini` of the loads, `max/mean` = largest load over the mean load, `boundary` = share of the load on "
-        "the first/last entry of a retained span (with the share of retained entries that are boundaries). "
-        "Update measures (every method, GRKV included): `‖Δv‖ top 10%` and `‖Δv‖ Gini` over the retained "
-        "entries' value changes, `updated` = retained entries that changed, `‖Δk‖/‖k‖`, `‖Δv‖/‖v‖` means.",
-        "",
-        "| method | kv | evicted/head | merged | active | top 1% | top 10% | Gini | max/mean | boundary "
-        "| updated | ‖Δk‖/‖k‖ | ‖Δv‖/‖v‖ | ‖Δv‖ top 10% | ‖Δv‖ Gini |",
-        "|:---|" + "---:|" * 15,
-    ]
-    for r in records:
-        s = r["summary"]
-        if not r.get("recorded", True):
-            lines.append(f"| `{r['method']}` | {r['kv_ratio']:.3f} | records no merge map" + " | –" * 13 + " |")
-            continue
-        boundary = (
-            "–" if s.get("boundary_share") is None else (f"{s['boundary_share']:.2f} ({s['boundary_fraction']:.2f})")
-        )
-        cells = [
-            f"`{r['method']}`",
-            f"{r['kv_ratio']:.3f}",
-            _fmt(s["evicted"], 4),
-            _fmt(s.get("merged_fraction")),
-            _fmt(s.get("active")),
-            _fmt(s.get("top1_share")),
-            _fmt(s.get("top10_share")),
-            _fmt(s.get("gini")),
-            _fmt(s.get("max_over_mean")),
-            boundary,
-            _fmt(s.get("updated")),
-            _fmt(s.get("dk_rel_mean")),
-            _fmt(s.get("dv_rel_mean")),
-            _fmt(s.get("dv_top10_share")),
-            _fmt(s.get("dv_gini")),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"Merge map: layer {plot['layer']}, KV head {plot['head']} (first context).",
-        "",
-        "![merge maps](mergemap.png)",
-        "",
-        "![carrier load](carrier_load.png)",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _spans(retained: Sequence[int]) -> list[tuple[int, int]]:
-    spans: list[tuple[int, int]] = []
-    for p in retained:
-        if spans and p == spans[-1][1] + 1:
-            spans[-1] = (spans[-1][0], p)
-        else:
-            spans.append((p, p))
-    return spans
-
-
-def plot_merge_maps(plot: Mapping[str, Any], path: str | Path) -> Path:
-    """GRKV Figure 1 per method: x = retained carrier position, y = absorbed (evicted) position,
-    colour = key cosine similarity, black bars = retained spans. Methods with no pairs show their
-    update magnitudes ``‖Δk‖``, ``‖Δv‖`` per retained position instead."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    maps = plot["maps"]
-    names = list(maps)
-    cols = min(3, len(names))
-    rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.6 * rows), squeeze=False)
-    scatter = None
-    for ax, name in zip(axes.flat, names, strict=False):
-        head = maps[name]
-        ax.set_title(f"{name}", fontsize=10)
-        if head is None or head == "unrecorded":
-            text = "nothing evicted in this layer/head" if head is None else "this method records no merge map"
-            ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            continue
-        retained = head["retained"]
-        top = max([*retained, *(p[1] for p in head["pairs"]), 1])
-        if head["pairs"]:
-            pairs = np.asarray(head["pairs"], dtype=np.float64)
-            scatter = ax.scatter(
-                pairs[:, 0], pairs[:, 1], c=pairs[:, 3], s=6, cmap="viridis", vmin=-1, vmax=1, linewidths=0
-            )
-            ax.plot([0, top], [0, top], "--", color="gray", linewidth=0.7)
-            ax.set_ylabel("absorbed (evicted) token position")
-            for lo, hi in _spans(retained):
-                ax.plot([lo, hi + 0.5], [-0.02 * top] * 2, color="black", linewidth=3, solid_capstyle="butt")
-            ax.set_ylim(-0.05 * top, top * 1.02)
-        elif head["value_change"] is not None and sum(head["value_change"]) > 0:
-            ax.vlines(retained, 0, head["value_change"], color="tab:red", linewidth=0.6, label="‖Δv‖")
-            ax.vlines(np.asarray(retained) + 0.3, 0, head["key_change"], color="tab:blue", linewidth=0.6, label="‖Δk‖")
-            ax.legend(fontsize=8, loc="upper left")
-            ax.set_ylabel("update magnitude of the retained entry")
-            ymax = max(max(head["value_change"]), max(head["key_change"]), 1e-12)
-            for lo, hi in _spans(retained):
-                ax.plot([lo, hi + 0.5], [-0.03 * ymax] * 2, color="black", linewidth=3, solid_capstyle="butt")
-        else:
-            for lo, hi in _spans(retained):
-                ax.plot([lo, hi + 0.5], [0, 0], color="black", linewidth=3, solid_capstyle="butt")
-            ax.text(
-                0.5,
-                0.5,
-                "no merge and no update\nin this layer and head",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-            )
-            ax.set_yticks([])
-        ax.set_xlim(-0.01 * top, top * 1.01)
-        ax.set_xlabel("retained (carrier) token position")
-    for ax in list(axes.flat)[len(names) :]:
-        ax.set_visible(False)
-    if scatter is not None:
-        fig.colorbar(scatter, ax=axes.ravel().tolist(), shrink=0.8, label="key cosine similarity")
-    fig.suptitle(f"Merge maps, layer {plot['layer']}, KV head {plot['head']} (black bars: retained spans)")
-    path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-def plot_carrier_load(records: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """Lorenz-style curves: share of the load held by the most loaded fraction of retained entries
-    (solid: merge loads; dashed: ‖Δv‖), mean over layers and heads; the diagonal is an even load."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 5))
-    grid = np.linspace(0.0, 1.0, LORENZ_POINTS)
-    cmap = plt.get_cmap("tab10")
-    for i, r in enumerate(records):
-        color = cmap(i % 10)
-        if r["lorenz"].get("merge") is not None:
-            ax.plot(grid, r["lorenz"]["merge"], color=color, label=f"{r['method']} (merges)")
-        if r["lorenz"].get("value_update") is not None:
-            ax.plot(grid, r["lorenz"]["value_update"], color=color, linestyle="--", label=f"{r['method']} (‖Δv‖)")
-    ax.plot([0, 1], [0, 1], ":", color="gray", label="even load")
-    ax.set_xlabel("fraction of retained entries (most loaded first)")
-    ax.set_ylabel("share of the load")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title("Carrier load concentration")
-    path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def add_parsers(sub: Any) -> None:
-    """The ``kvfold mergemap`` sub-parser."""
-    from kvfold.cli.args import add_model_args
-
-    p = sub.add_parser("mergemap", help="which retained entry absorbed which evicted token, and carrier load")
-    add_model_args(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--context-file", type=Path, help="file with the context text")
-    src.add_argument("--dataset", help="ruler[:TASKS] (synthetic), PATH.jsonl, …: the contexts of its first samples")
-    p.add_argument("--length", type=int, default=2048, help="context length in tokens for --dataset ruler (2048)")
-    p.add_argument(
-        "--samples",
-        type=int,
-        default=1,
-        help="samples per task of --dataset; measures are averaged over their contexts (default 1)",
-    )
-    p.add_argument("--methods", required=True, help="comma-separated specs, e.g. snapkv,snapkv+cam,snapkv+grkv")
-    p.add_argument("--budget", default="0.1", help="fraction in (0, 1] or token count (default 0.1)")
-    p.add_argument("--layer", type=int, default=None, help="layer drawn (default: the middle one)")
-    p.add_argument("--head", type=int, default=0, help="KV head drawn (default 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory")
-
-
-def run(args: Any) -> int:
-    """``kvfold mergemap``: write mergemap.json, mergemap.md, mergemap.png and carrier_load.png."""
-    import sys
-
-    from kvfold.methods import split_specs
-    from kvfold.pipeline.context import prefill
-    from kvfold.runtime.models import load_model
-
-    methods = split_specs(args.methods)
-    for spec in methods:
-        build_method(spec)
-    budget = Budget.parse(args.budget)
-    if args.samples < 1:
-        raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
-    if args.context_file is not None and not args.context_file.is_file():
-        raise ValueError(f"context file not found: {args.context_file}")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.context_file is not None:
-        texts = [(args.context_file.read_text(encoding="utf-8"), None)]
-        source = str(args.context_file)
-    else:
-        from kvfold.evaluate.data.loaders import load_dataset_spec
-
-        samples = load_dataset_spec(args.dataset, tokenizer, length=args.length, samples=args.samples, seed=args.seed)
-        unique = list({s.context: s for s in samples}.values())  # one per context
-        if not unique:
-            raise ValueError(f"--dataset {args.dataset}: no samples")
-        texts = [(s.context, None if s.chat_template else False) for s in unique]
-        source = f"{args.dataset} @ {args.length}"
-    contexts = [
-        prefill(model, tokenizer, text, use_chat_template=template, methods=methods) for text, template in texts
-    ]
-    config = {
-        "model": args.model,
-        "context": source,
-        "contexts": len(contexts),
-        "context_tokens": [c.context_tokens for c in contexts],
-        "seed": args.seed,
-    }
-    result = merge_maps(
-        contexts, methods, budget, layer=args.layer, head=args.head, seed=args.seed, out_dir=args.out, run_config=config
-    )
-    for r in result.records:
-        s = r["summary"]
-        print(
-            f"{r['method']:<28} merged {_fmt(s.get('merged_fraction'))}  top10% {_fmt(s.get('top10_share'))}  "
-            f"gini {_fmt(s.get('gini'))}  boundary {_fmt(s.get('boundary_share'))}  "
-            f"dv-gini {_fmt(s.get('dv_gini'))}"
-        )
-    print(f"wrote {args.out}/mergemap.json, mergemap.md, mergemap.png, carrier_load.png", file=sys.stderr)
-    return 0
-
-
-COMMANDS = {"mergemap": run}
-"""The subcommand of this module, gathered by :mod:`kvfold.cli.main`."""

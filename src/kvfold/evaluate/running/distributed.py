@@ -1,11 +1,11 @@
 """Sweeps on a Ray cluster: ``kvfold eval --ray``, ``kvfold fidelity --ray``, ``kvfold bench --ray``.
 
-A sweep is cut into work items (:class:`~kvfold.evaluate.running.runner.SweepItem`: for ``eval``
+A sweep is cut into work items (:class:`~kvfold.evaluate.running.sweep.SweepItem`: for ``eval``
 :class:`~kvfold.evaluate.running.runner.WorkItem` and for ``fidelity``
 :class:`~kvfold.evaluate.running.fidelity.FidelityItem`, one context with all its methods and budgets, so a
 context is prefilled once; for ``bench`` :class:`kvfold.evaluate.bench.speed.BenchItem`, one length and batch),
 and the items are answered by Ray actors that each load the model once (:class:`SweepWorker`).
-The driver — the process that runs :func:`~kvfold.evaluate.running.runner.collect_rows` — keeps each row
+The driver — the process that runs :func:`~kvfold.evaluate.running.sweep.collect_rows` — keeps each row
 once, appends it to the sweep's file as it arrives, counts it on the progress bar, and at the end
 writes the same rows in the same order, and the same results, as a serial run of the same grid.
 The mechanism is written once (:class:`RayRunner`, :func:`run_on_ray`); what an item does is the
@@ -19,12 +19,15 @@ error raised by the item itself (a bad spec, a bug) is not retried but raised as
 
 Ray is optional (``pip install 'kvfold[ray]'``) and imported only when a sweep runs on it.
 
+A sweep runs on Ray as it runs here, with the runner swapped: :func:`run_on_ray` takes the sweep's
+``run`` (:meth:`~kvfold.evaluate.running.runner.EvalSweep.run`,
+:meth:`~kvfold.evaluate.running.fidelity.FidelitySweep.run`, or any driver of a :class:`RayRunner`).
+
 Example:
-    >>> from kvfold.evaluate.running.distributed import ModelLoader, RayRunner, ray_session
-    >>> from kvfold.evaluate.running.runner import run_sweep
-    >>> runner = RayRunner(ModelLoader("smollm2-135m"), workers=2)
-    >>> with ray_session(None, num_cpus=2):  # a local Ray instance; or ray_session("HOST:6379")
-    ...     result = run_sweep(runner, samples, ["full", "snapkv"], [0.1], out_dir="runs/r", run_config={})
+    >>> from kvfold.evaluate.running.distributed import ModelLoader, run_on_ray
+    >>> from kvfold.evaluate.running.runner import EvalSweep
+    >>> sweep = EvalSweep(samples, ["full", "snapkv"], [0.1], run_config={}, out_dir="runs/r")
+    >>> result, runner = run_on_ray(ModelLoader("smollm2-135m"), sweep.run, workers=2)  # a local Ray
     >>> runner.answers_by_worker  # {"host:pid": answers, ...}
 """
 
@@ -36,18 +39,12 @@ import os
 import socket
 import sys
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from kvfold.evaluate.data.samples import Sample
-from kvfold.evaluate.running.runner import EvalResult, SweepItem, run_sweep
-from kvfold.runtime.budget import Budget
-
-if TYPE_CHECKING:
-    from kvfold.evaluate.running.fidelity import FidelityResult
+from kvfold.evaluate.running.sweep import SweepItem
 
 R = TypeVar("R")
 
@@ -57,8 +54,6 @@ __all__ = [
     "RayRunner",
     "RayUnavailableError",
     "SweepWorker",
-    "evaluate_on_ray",
-    "fidelity_on_ray",
     "ray_session",
     "require_ray",
     "run_on_ray",
@@ -144,11 +139,52 @@ class _Running:
     actor: Any
     name: str
     item: SweepItem
-    delivered: set[Any] = dataclasses.field(default_factory=set)
+    delivered: set[Any] = field(default_factory=set)
+
+
+@dataclass
+class _Pool:
+    """The state of one :class:`RayRunner` call: the actors (loading the model, idle, or running an
+    item), the items still queued, and how often each item lost its worker."""
+
+    actor_class: Any
+    threads: int
+    queue: deque[SweepItem]
+    workers: int
+    starting: dict[Any, Any] = field(default_factory=dict)  # ref of name() → actor, while the model loads
+    idle: list[tuple[Any, str]] = field(default_factory=list)
+    running: dict[Any, _Running] = field(default_factory=dict)  # streaming generator → its item
+    every: list[Any] = field(default_factory=list)
+    attempts: Counter[int] = field(default_factory=Counter)
+    replacements: int = 0
+
+    def dispatch(self, status: Callable[[str], None]) -> None:
+        """Give queued items to idle workers, and say how busy the workers are."""
+        while self.queue and self.idle:
+            actor, name = self.idle.pop()
+            item = self.queue.popleft()
+            self.running[actor.run.options(num_returns="streaming").remote(item)] = _Running(actor, name, item)
+        busy = len(self.running)
+        status(f"{busy}/{busy + len(self.idle) + len(self.starting)} workers busy, {len(self.queue)} items queued")
+        if not self.running and not self.starting:  # pragma: no cover - a new worker always replaces a lost one
+            raise RuntimeError("no Ray worker left to answer the remaining items")
+
+    def loaded(self, ray: ModuleType, ref: Any) -> None:
+        """A starting worker answered ``name()``: its model is loaded, it is idle (or it failed to load)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        actor = self.starting.pop(ref)
+        try:
+            self.idle.append((actor, ray.get(ref)))
+        except (RayActorError, RayTaskError) as err:
+            raise RuntimeError(
+                "a Ray worker could not load the model (is kvfold installed on every node, and the "
+                f"model reachable there?): {err}"
+            ) from err
 
 
 class RayRunner:
-    """An :data:`~kvfold.evaluate.running.runner.ItemRunner` on Ray actors (see the module docstring).
+    """An :data:`~kvfold.evaluate.running.sweep.ItemRunner` on Ray actors (see the module docstring).
 
     Needs a connected Ray (:func:`ray_session`). Workers are started when items are run and
     killed when the last answer is in (or on an error).
@@ -240,90 +276,88 @@ class RayRunner:
             connect, self.connect = self.connect, None
             connect()
         ray = require_ray()
-        from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
-
         actor_class = ray.remote(SweepWorker).options(
             num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker, max_restarts=0, max_task_retries=0
         )
         threads = max(1, int(self.cpus_per_worker))
-        count = self.worker_count(len(items))
-        queue: deque[SweepItem] = deque(items)
-        attempts: Counter[int] = Counter()
-        starting: dict[Any, Any] = {}  # ref of name() → actor, while the model loads
-        idle: list[tuple[Any, str]] = []
-        running: dict[Any, _Running] = {}  # streaming generator → its item
-        every: list[Any] = []
-        replacements = 0
-
-        def start() -> None:
-            actor = actor_class.remote(self.loader, threads)
-            every.append(actor)
-            self.workers_started += 1
-            starting[actor.name.remote()] = actor
-
-        for _ in range(count):
-            start()
+        pool = _Pool(actor_class, threads, deque(items), self.worker_count(len(items)))
+        for _ in range(pool.workers):
+            self._start(pool)
         try:
-            while queue or running:
-                while queue and idle:
-                    actor, name = idle.pop()
-                    item = queue.popleft()
-                    running[actor.run.options(num_returns="streaming").remote(item)] = _Running(actor, name, item)
-                busy = len(running)
-                status(f"{busy}/{busy + len(idle) + len(starting)} workers busy, {len(queue)} items queued")
-                if not running and not starting:  # pragma: no cover - a new worker always replaces a lost one
-                    raise RuntimeError("no Ray worker left to answer the remaining items")
-                ready, _ = ray.wait([*running, *starting], num_returns=1)
+            while pool.queue or pool.running:
+                pool.dispatch(status)
+                ready, _ = ray.wait([*pool.running, *pool.starting], num_returns=1)
                 for ref in ready:
-                    if ref in starting:
-                        actor = starting.pop(ref)
-                        try:
-                            idle.append((actor, ray.get(ref)))
-                        except (RayActorError, RayTaskError) as err:
-                            raise RuntimeError(
-                                "a Ray worker could not load the model (is kvfold installed on every node, and the "
-                                f"model reachable there?): {err}"
-                            ) from err
+                    if ref in pool.starting:
+                        pool.loaded(ray, ref)
                         continue
-                    task = running[ref]
-                    try:
-                        row = ray.get(next(ref))
-                    except StopIteration:
-                        del running[ref]
-                        idle.append((task.actor, task.name))
+                    task = pool.running[ref]
+                    row = self._next_row(ray, pool, ref)
+                    if row is None:
                         continue
-                    except RayTaskError as err:  # the item itself failed: retrying would fail the same way
-                        raise err.as_instanceof_cause() from None
-                    except (RayActorError, ObjectLostError) as err:
-                        del running[ref]
-                        self.workers_lost += 1
-                        replacements += 1
-                        ray.kill(task.actor, no_restart=True)
-                        attempts[task.item.index] += 1
-                        if attempts[task.item.index] >= self.max_attempts or replacements > count * self.max_attempts:
-                            raise RuntimeError(
-                                f"gave up after losing {self.workers_lost} Ray workers (the last on "
-                                f"{task.item.label}); rerun to resume: {err}"
-                            ) from err
-                        print(
-                            f"kvfold: Ray worker {task.name} lost ({type(err).__name__}); the rest of "
-                            f"{task.item.label} goes to another worker ({len(task.delivered)} answers kept)",
-                            file=sys.stderr,
-                        )
-                        queue.appendleft(dataclasses.replace(task.item, skip=task.item.skip | task.delivered))
-                        self.resubmitted += 1
-                        start()
-                        continue
-                    key = task.item.row_key(row)
-                    task.delivered.add(key)
-                    self.worker_of.setdefault(key, task.name)
-                    self.answers_by_worker[task.name] += 1
                     yield row
                     if self.kill_after is not None and self.kill_after == self.answers_by_worker.total():
                         ray.kill(task.actor, no_restart=True)
         finally:
-            for actor in every:
+            for actor in pool.every:
                 ray.kill(actor, no_restart=True)
+
+    def _start(self, pool: _Pool) -> None:
+        """Start one worker; it loads the model and then answers ``name()``."""
+        actor = pool.actor_class.remote(self.loader, pool.threads)
+        pool.every.append(actor)
+        self.workers_started += 1
+        pool.starting[actor.name.remote()] = actor
+
+    def _next_row(self, ray: ModuleType, pool: _Pool, ref: Any) -> dict[str, Any] | None:
+        """The next row a running item streams back, counted for its worker.
+
+        None when the item has ended (its worker goes idle) or its worker was lost (:meth:`_lost`).
+
+        Raises:
+            Exception: what the item itself raised (a bad spec, a bug): retrying would fail the same way.
+        """
+        from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
+
+        task = pool.running[ref]
+        try:
+            row = ray.get(next(ref))
+        except StopIteration:
+            del pool.running[ref]
+            pool.idle.append((task.actor, task.name))
+            return None
+        except RayTaskError as err:  # the item itself failed: retrying would fail the same way
+            raise err.as_instanceof_cause() from None
+        except (RayActorError, ObjectLostError) as err:
+            del pool.running[ref]
+            self._lost(ray, pool, task, err)
+            return None
+        key = task.item.row_key(row)
+        task.delivered.add(key)
+        self.worker_of.setdefault(key, task.name)
+        self.answers_by_worker[task.name] += 1
+        return row
+
+    def _lost(self, ray: ModuleType, pool: _Pool, task: _Running, err: Exception) -> None:
+        """A worker died: its delivered rows are kept, the rest of its item is queued first, a new
+        worker replaces it; after ``max_attempts`` losses of one item the sweep gives up."""
+        self.workers_lost += 1
+        pool.replacements += 1
+        ray.kill(task.actor, no_restart=True)
+        pool.attempts[task.item.index] += 1
+        if pool.attempts[task.item.index] >= self.max_attempts or pool.replacements > pool.workers * self.max_attempts:
+            raise RuntimeError(
+                f"gave up after losing {self.workers_lost} Ray workers (the last on "
+                f"{task.item.label}); rerun to resume: {err}"
+            ) from err
+        print(
+            f"kvfold: Ray worker {task.name} lost ({type(err).__name__}); the rest of "
+            f"{task.item.label} goes to another worker ({len(task.delivered)} answers kept)",
+            file=sys.stderr,
+        )
+        pool.queue.appendleft(dataclasses.replace(task.item, skip=task.item.skip | task.delivered))
+        self.resubmitted += 1
+        self._start(pool)
 
 
 @contextlib.contextmanager
@@ -374,7 +408,8 @@ def run_on_ray(
 
     Args:
         loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`); None: no model.
-        sweep: the driver, e.g. ``lambda runner: run_sweep(runner, ...)``.
+        sweep: the driver, e.g. an :class:`~kvfold.evaluate.running.runner.EvalSweep`'s or a
+            :class:`~kvfold.evaluate.running.fidelity.FidelitySweep`'s ``run``.
         address: as for :func:`ray_session` (None: a local instance).
         workers: actors to start; by default as many as the cluster's CPUs allow (for a local
             instance: this machine's cores, or ``workers × cpus_per_worker`` CPUs if more).
@@ -395,99 +430,3 @@ def run_on_ray(
         runner.connect = lambda: session.enter_context(ray_session(address, num_cpus=local_cpus))
         result = sweep(runner)
     return result, runner
-
-
-def evaluate_on_ray(
-    loader: Callable[[], tuple[Any, Any]],
-    samples: Sequence[Sample],
-    methods: Sequence[str],
-    budgets: Sequence[float | int | str | Budget],
-    *,
-    address: str | None = None,
-    workers: int | None = None,
-    cpus_per_worker: float = 1,
-    gpus_per_worker: float = 0,
-    query_aware: bool = False,
-    seed: int = 0,
-    out_dir: str | Path | None = None,
-    progress: bool = True,
-    run_config: Mapping[str, Any],
-) -> tuple[EvalResult, RayRunner]:
-    """:func:`~kvfold.evaluate.running.runner.evaluate` on a Ray cluster (or a local Ray instance).
-
-    Args:
-        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
-        samples, methods, budgets, query_aware, seed, out_dir, progress, run_config: as for
-            :func:`~kvfold.evaluate.running.runner.run_sweep`.
-        address, workers, cpus_per_worker, gpus_per_worker: as for :func:`run_on_ray`.
-
-    Returns:
-        ``(result, runner)``: the result, identical to a serial run's but for timings, and the
-        runner with its counts (answers by worker, workers lost, items resubmitted).
-
-    Raises:
-        RayUnavailableError: Ray is not installed.
-        ValueError: as :func:`~kvfold.evaluate.running.runner.run_sweep`.
-        RuntimeError: workers could not load the model, or too many were lost.
-    """
-    return run_on_ray(
-        loader,
-        lambda runner: run_sweep(
-            runner,
-            samples,
-            methods,
-            budgets,
-            query_aware=query_aware,
-            seed=seed,
-            out_dir=out_dir,
-            progress=progress,
-            run_config=run_config,
-        ),
-        address=address,
-        workers=workers,
-        cpus_per_worker=cpus_per_worker,
-        gpus_per_worker=gpus_per_worker,
-    )
-
-
-def fidelity_on_ray(
-    loader: Callable[[], tuple[Any, Any]],
-    samples: Sequence[Sample],
-    methods: Sequence[str],
-    budgets: Sequence[float | int | str | Budget],
-    *,
-    address: str | None = None,
-    workers: int | None = None,
-    cpus_per_worker: float = 1,
-    gpus_per_worker: float = 0,
-    run_config: Mapping[str, Any],
-    **options: Any,
-) -> tuple[FidelityResult, RayRunner]:
-    """:func:`~kvfold.evaluate.running.fidelity.fidelity` on a Ray cluster (or a local Ray instance).
-
-    Args:
-        loader: loads ``(model, tokenizer)`` in each worker (:class:`ModelLoader`).
-        samples, methods, budgets, run_config: as for
-            :func:`~kvfold.evaluate.running.fidelity.run_fidelity_sweep`.
-        address, workers, cpus_per_worker, gpus_per_worker: as for :func:`run_on_ray`.
-        options: ``continuation``, ``next_tokens``, ``online``, ``seed``, ``out_dir``,
-            ``progress``, as for :func:`~kvfold.evaluate.running.fidelity.fidelity`.
-
-    Returns:
-        ``(result, runner)``: the result, identical to a serial run's, and the runner's counts.
-
-    Raises:
-        RayUnavailableError: Ray is not installed.
-        ValueError: as :func:`~kvfold.evaluate.running.fidelity.fidelity`.
-        RuntimeError: workers could not load the model, or too many were lost.
-    """
-    from kvfold.evaluate.running.fidelity import run_fidelity_sweep
-
-    return run_on_ray(
-        loader,
-        lambda runner: run_fidelity_sweep(runner, samples, methods, budgets, run_config=run_config, **options),
-        address=address,
-        workers=workers,
-        cpus_per_worker=cpus_per_worker,
-        gpus_per_worker=gpus_per_worker,
-    )

@@ -46,8 +46,9 @@ is missing, and the progress bar shows the time left.
 
 The sweep is cut into :class:`FidelityItem` s, one per context (its continuations, its reference
 passes and its compressions), answered here (:func:`fidelity`) or by Ray workers
-(:func:`kvfold.evaluate.running.distributed.fidelity_on_ray`, ``kvfold fidelity --ray``) through the same
-driver (:func:`run_fidelity_sweep`), with the same rows in the same order.
+(:mod:`kvfold.evaluate.running.distributed`, ``kvfold fidelity --ray``) through the same driver
+(:meth:`FidelitySweep.run`), with the same rows in the same order. The continuations and the
+measures are in :mod:`kvfold.evaluate.running.fidelity_measures`.
 
 Example:
     >>> from kvfold import load_model
@@ -65,36 +66,44 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.evaluate.data.samples import Sample, group_by_context
-from kvfold.evaluate.running.runner import (
-    ItemRunner,
-    check_run_config,
-    collect_rows,
-    local_runner,
-    plan_runs,
-    read_predictions,
-    sample_keys,
+from kvfold.evaluate.reporting.fidelity_report import write_fidelity_report
+from kvfold.evaluate.running.fidelity_measures import (
+    Continuation,
+    block_errors,
+    compare_runs,
+    context_blocks,
+    continuations,
+    decode_schedule,
 )
-from kvfold.methods import ComposedMethod, build_method
+from kvfold.evaluate.running.sweep import collect_rows, local_runner, open_run, plan_runs, sample_keys, write_json
+from kvfold.methods import build_method
 from kvfold.methods.core.model import model_name
-from kvfold.pipeline.context import PrefilledContext, build_prompt, check_length, encode, prefill
+from kvfold.pipeline.context import PrefilledContext
+from kvfold.runtime.attention import attention_modules, attention_scalings
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 
+if TYPE_CHECKING:
+    from kvfold.evaluate.running.sweep import ItemRunner
+
 __all__ = [
+    "FIDELITY_FILE",
+    "SAMPLES_FILE",
     "FidelityItem",
     "FidelityResult",
+    "FidelitySweep",
+    "aggregate_fidelity",
     "fidelity",
     "fidelity_key",
+    "fidelity_row_key",
     "measure_item",
     "plan_fidelity_items",
-    "reference_answer",
-    "run_fidelity_sweep",
 ]
 
 FIDELITY_FILE = "fidelity.json"
@@ -129,159 +138,29 @@ class FidelityResult:
         return {"model": self.model, "continuation": self.continuation, "online": self.online, "records": self.records}
 
 
-@dataclass
-class _Continuation:
-    """One prefilled context and the tokens teacher-forced after it."""
-
-    sample_id: str
-    task: str
-    context: PrefilledContext
-    ids: list[int]
-    scored: list[bool]
-
-
-def reference_answer(sample: Sample) -> str:
-    """The answer text teacher-forced in ``"answer"`` mode (every answer for ``string_match_all``)."""
-    text = ", ".join(sample.answers) if sample.metric == "string_match_all" else sample.answers[0]
-    prefix = sample.answer_prefix
-    return (" " if prefix and not prefix[-1].isspace() else "") + text
-
-
-def _continuations(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    samples: Sequence[Sample],
-    keys: Sequence[str],
-    mode: str,
-    next_tokens: int,
-    methods: list[ComposedMethod],
-    finished: set[str] = frozenset(),
-):
-    """Yield one :class:`_Continuation` per sample (per distinct context in ``"next"`` mode).
-
-    ``keys`` are the samples' ids (:func:`~kvfold.evaluate.running.runner.sample_keys` of the whole sweep);
-    samples whose key is in ``finished`` are passed over before anything is prefilled.
-    """
-    key_of = {id(s): k for s, k in zip(samples, keys, strict=True)}
-    prefilled: dict[tuple[str, bool], PrefilledContext] = {}
-    seen: set[str] = set()
-    for sample in (s for _, group in group_by_context(samples) for s in group):
-        key = key_of[id(sample)]
-        if mode == "next" and sample.context in seen:
-            continue
-        seen.add(sample.context)
-        if key in finished:
-            continue
-        if mode == "answer":
-            template = None if sample.chat_template else False
-            cache_key = (sample.context, sample.chat_template)
-            if cache_key not in prefilled:
-                prefilled.clear()  # keep one prefilled context alive at a time
-                prefilled[cache_key] = prefill(
-                    model, tokenizer, sample.context, use_chat_template=template, methods=methods
-                )
-            context = prefilled[cache_key]
-            suffix = build_prompt(
-                tokenizer, "", sample.question.lstrip(), sample.answer_prefix, use_chat_template=template
-            ).suffix
-            suffix_ids = encode(tokenizer, suffix, special=False)
-            answer_ids = encode(tokenizer, reference_answer(sample), special=False)
-            if not answer_ids:
-                raise ValueError(f"sample {key!r}: the reference answer has no tokens")
-            ids, scored = suffix_ids + answer_ids, [False] * len(suffix_ids) + [True] * len(answer_ids)
-        else:
-            doc = encode(tokenizer, sample.context, special=False)
-            if len(doc) < next_tokens + 16:
-                raise ValueError(
-                    f"sample {key!r}: the context has {len(doc)} tokens, too few to hold out "
-                    f"{next_tokens} (lower next_tokens)"
-                )
-            head = tokenizer.decode(doc[:-next_tokens])
-            context = prefill(model, tokenizer, head, use_chat_template=False, methods=methods)
-            ids, scored = doc[-next_tokens:], [False] + [True] * (next_tokens - 1)
-        check_length(model, context.input_ids.shape[1] + len(ids))
-        yield _Continuation(key, sample.task, context, ids, scored)
-
-
 def _attention_modules(model: PreTrainedModel) -> list[tuple[int, torch.nn.Module]]:
-    modules = [(m.layer_idx, m) for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    """``(layer_idx, module)`` of every attention module in layer order; raises when there is none."""
+    modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`")
-    return sorted(modules, key=lambda p: p[0])
-
-
-def _context_blocks(cache: FoldedCache) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer the cached context as ``(keys, values, β)`` of batch row 0, in float64."""
-    blocks = []
-    for _, layer in cache.folded_layers:
-        keys, values, log_mass, _ = layer.padded()
-        blocks.append((keys[0].double(), values[0].double(), log_mass[0].double()))
-    return blocks
-
-
-def _block_outputs(
-    queries: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scaling: float
-) -> torch.Tensor:
-    """Attention output of ``queries`` ``(H_q, q, D)`` over one context block alone, ``(H_q, q, D_v)``.
-
-    ``logits = q·k · scaling + β`` over the block's entries (empty slots have β = −inf); the G query
-    heads of a GQA group read their KV head.
-    """
-    keys, values, log_mass = block
-    h_q, q_len, d = queries.shape
-    h_kv = keys.shape[0]
-    grouped = queries.double().reshape(h_kv, (h_q // h_kv) * q_len, d)
-    logits = grouped @ keys.mT * scaling + log_mass[:, None, :]
-    out = torch.softmax(logits, dim=-1) @ values
-    return out.reshape(h_q, q_len, values.shape[-1])
-
-
-def _block_errors(
-    queries: list[torch.Tensor],
-    full_blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    scalings: list[float],
-) -> list[float]:
-    """Per layer ``‖o_c − o‖ / ‖o‖`` of the context block's attention outputs (see the module docstring)."""
-    errors = []
-    for q, full, block, scaling in zip(queries, full_blocks, blocks, scalings, strict=True):
-        reference = _block_outputs(q, full, scaling)
-        errors.append(
-            float(
-                torch.linalg.norm(_block_outputs(q, block, scaling) - reference)
-                / torch.linalg.norm(reference).clamp_min(1e-30)
-            )
-        )
-    return errors
+    return list(modules.items())
 
 
 def _scalings(model: PreTrainedModel) -> list[float]:
     """Each attention module's softmax scaling (``module.scaling``, else ``head_dim**-0.5``)."""
+    scalings = attention_scalings(model)
     out = []
-    for _, module in _attention_modules(model):
-        scaling = getattr(module, "scaling", None)
-        out.append(float(scaling) if scaling is not None else float(module.head_dim) ** -0.5)
+    for layer_idx, module in _attention_modules(model):
+        scaling = scalings[layer_idx]
+        out.append(scaling if scaling is not None else float(module.head_dim) ** -0.5)
     return out
-
-
-def decode_schedule(scored: Sequence[bool], online: bool) -> list[int]:
-    """How many continuation tokens each forward takes.
-
-    Offline the whole continuation is one forward. Online, as during generation, the unscored lead
-    (the prompt: question and answer prefix) is one forward and every later token one of its own.
-    """
-    total = len(scored)
-    if not online:
-        return [total]
-    lead = next((i for i, s in enumerate(scored) if s), total)
-    return ([lead] if lead else []) + [1] * (total - lead)
 
 
 @torch.inference_mode()
 def _teacher_forced(
     model: PreTrainedModel,
     cache: FoldedCache,
-    cont: _Continuation,
+    cont: Continuation,
     queries: list[torch.Tensor] | None = None,
     *,
     online: bool = False,
@@ -338,37 +217,13 @@ def _teacher_forced(
     return outputs, torch.log_softmax(predicting.double(), dim=-1)
 
 
-def _compare(
-    reference: tuple[list[torch.Tensor], torch.Tensor],
-    other: tuple[list[torch.Tensor], torch.Tensor],
-    cont: _Continuation,
-) -> dict[str, Any]:
-    ref_out, ref_logp = reference
-    out, logp = other
-    per_layer = [
-        float(torch.linalg.norm(o - r) / torch.linalg.norm(r).clamp_min(1e-30))
-        for o, r in zip(out, ref_out, strict=True)
-    ]
-    targets = torch.tensor(cont.ids, device=logp.device)
-    mask = torch.tensor(cont.scored, device=logp.device)
-    nll_ref = -ref_logp.gather(-1, targets[:, None])[:, 0][mask]
-    nll = -logp.gather(-1, targets[:, None])[:, 0][mask]
-    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)[mask]
-    return {
-        "rel_error": sum(per_layer) / len(per_layer),
-        "nll_delta": float((nll - nll_ref).mean()),
-        "kl": float(kl.mean()),
-        "nll_full": float(nll_ref.mean()),
-        "per_layer": per_layer,
-    }
-
-
 def fidelity_key(sample_id: str, method: str, budget: float | int) -> tuple[str, str, str]:
     """The key of one fidelity row: continuation id, method spec, budget label (as JSON)."""
     return sample_id, method, json.dumps(budget)
 
 
-def _row_key(row: Mapping[str, Any]) -> tuple[str, str, str]:
+def fidelity_row_key(row: Mapping[str, Any]) -> tuple[str, str, str]:
+    """The :func:`fidelity_key` of a row of ``fidelity_samples.jsonl``."""
     return fidelity_key(row["sample_id"], row["method"], row["budget"])
 
 
@@ -382,7 +237,7 @@ class FidelityItem:
     Attributes:
         index: position of the item in the sweep (the serial order of its rows).
         samples: the samples of one context (in ``"next"`` mode its first sample only).
-        sample_ids: their ids (:func:`~kvfold.evaluate.running.runner.sample_keys` of the whole sweep).
+        sample_ids: their ids (:func:`~kvfold.evaluate.running.sweep.sample_keys` of the whole sweep).
         runs: ``(method spec, budget)`` pairs with at least one row to produce.
         skip: :func:`fidelity_key` s already measured (earlier runs, or an earlier attempt).
         continuation, next_tokens, online, seed: as for :func:`fidelity`.
@@ -408,7 +263,7 @@ class FidelityItem:
         keys = [fidelity_key(sid, spec, b.label()) for sid in self.sample_ids for spec, b in self.runs]
         return [k for k in keys if k not in self.skip]
 
-    row_key = staticmethod(_row_key)
+    row_key = staticmethod(fidelity_row_key)
 
     def run(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, status: Callable[[str], None] | None = None
@@ -462,7 +317,7 @@ def measure_item(
     online = item.online
     compressed_runs: dict[tuple[str, Budget], Any] = {}
     compressed_for: PrefilledContext | None = None
-    for cont in _continuations(
+    for cont in continuations(
         model,
         tokenizer,
         item.samples,
@@ -476,7 +331,7 @@ def measure_item(
         reference = _teacher_forced(model, cont.context.cache.copy(), cont, queries)
         if online:  # the full cache fed on the same schedule as the compressed ones
             reference = _teacher_forced(model, cont.context.cache.copy(), cont, online=True)
-        full_blocks = _context_blocks(cont.context.cache)
+        full_blocks = context_blocks(cont.context.cache)
         if cont.context is not compressed_for:  # questions of one context share its compressions
             compressed_runs, compressed_for = {}, cont.context
         for spec, budget in item.runs:
@@ -500,8 +355,8 @@ def measure_item(
                 row["online_path"] = False  # not run offline in its place
             else:
                 cache = compressed.decode_cache() if online else compressed.cache.copy()
-                row.update(_compare(reference, _teacher_forced(model, cache, cont, online=online), cont))
-                block = _block_errors(queries, full_blocks, _context_blocks(compressed.cache), scalings)
+                row.update(compare_runs(reference, _teacher_forced(model, cache, cont, online=online), cont))
+                block = block_errors(queries, full_blocks, context_blocks(compressed.cache), scalings)
                 row.update(block_error=sum(block) / len(block), block_per_layer=block)
                 if online:
                     row["online_path"] = compressed.policy is not None
@@ -550,94 +405,82 @@ def fidelity(
             ``out_dir`` holding a run with another configuration.
     """
     config = dict(run_config or {"model": model_name(model)})
-    return run_fidelity_sweep(
-        local_runner(model, tokenizer),
-        samples,
-        methods,
-        budgets,
-        continuation=continuation,
-        next_tokens=next_tokens,
-        online=online,
-        seed=seed,
-        out_dir=out_dir,
-        progress=progress,
-        run_config=config,
-    )
+    sweep = FidelitySweep(samples, methods, budgets, config, continuation, next_tokens, online, seed, out_dir, progress)
+    return sweep.run(local_runner(model, tokenizer))
 
 
-def run_fidelity_sweep(
-    runner: ItemRunner,
-    samples: Sequence[Sample],
-    methods: Sequence[str],
-    budgets: Sequence[float | int | str | Budget],
-    *,
-    continuation: Literal["answer", "next"] = "answer",
-    next_tokens: int = DEFAULT_NEXT_TOKENS,
-    online: bool = False,
-    seed: int = 0,
-    out_dir: str | Path | None = None,
-    progress: bool = True,
-    run_config: Mapping[str, Any],
-) -> FidelityResult:
-    """:func:`fidelity` with the measuring left to ``runner`` (serial, or Ray workers).
+@dataclass(frozen=True)
+class FidelitySweep:
+    """A fidelity sweep, ready to be measured by any :data:`~kvfold.evaluate.running.sweep.ItemRunner`.
 
-    The sweep is cut into :class:`FidelityItem` s (rows already in ``out_dir`` left out); each row
-    is kept once, appended to ``fidelity_samples.jsonl`` as it arrives and counted by the progress
-    bar, and the file ends in the serial order (:func:`~kvfold.evaluate.running.runner.collect_rows`).
+    :func:`fidelity` runs one here; ``run_on_ray(loader, sweep.run)``
+    (:func:`kvfold.evaluate.running.distributed.run_on_ray`) on Ray workers.
 
-    Args:
-        runner: measures the items (:func:`~kvfold.evaluate.running.runner.local_runner`,
-            :class:`kvfold.evaluate.running.distributed.RayRunner`).
+    Attributes:
         samples, methods, budgets, continuation, next_tokens, online, seed, out_dir, progress: as
             for :func:`fidelity`.
         run_config: what identifies the run (model, dataset, ...); the mode and seed are added.
-
-    Raises:
-        ValueError: as :func:`fidelity`.
-        RuntimeError: the runner ended without producing every row.
     """
-    if continuation not in ("answer", "next"):
-        raise ValueError(f"continuation must be 'answer' or 'next'; got {continuation!r}")
-    if next_tokens < 2:
-        raise ValueError(f"next_tokens must be ≥ 2; got {next_tokens}")
-    if not samples:
-        raise ValueError("no samples to measure")
-    runs = plan_runs(methods, budgets)
-    config = dict(run_config)
-    config.update(continuation=continuation, online=online, seed=seed)
-    if continuation == "next":
-        config["next_tokens"] = next_tokens
-    done: dict[tuple[str, str, str], dict[str, Any]] = {}
-    path = None
-    if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        check_run_config(out_dir, config)
-        path = out_dir / SAMPLES_FILE
-        for row in read_predictions(path):
-            done[_row_key(row)] = row
-    keys = _continuation_keys(samples, continuation)
-    items = plan_fidelity_items(
-        samples, runs, done, continuation=continuation, next_tokens=next_tokens, online=online, seed=seed
-    )
-    collect_rows(
-        runner, items, done, path=path, total=len(keys) * len(runs), progress=progress, desc="fidelity", unit="run"
-    )
-    rows = [done[fidelity_key(k, spec, b.label())] for spec, b in runs for k in keys]
-    result = FidelityResult(
-        records=_aggregate(rows),
-        samples=rows,
-        continuation=continuation,
-        online=online,
-        model=str(config.get("model", "")),
-        out_dir=out_dir,
-    )
-    if result.out_dir is not None:
-        from kvfold.evaluate.reporting.report import write_fidelity_report
 
-        (result.out_dir / FIDELITY_FILE).write_text(json.dumps(result.to_json(), indent=2) + "\n", encoding="utf-8")
-        write_fidelity_report(result.out_dir, result.records, title_info=config)
-    return result
+    samples: Sequence[Sample]
+    methods: Sequence[str]
+    budgets: Sequence[float | int | str | Budget]
+    run_config: Mapping[str, Any]
+    continuation: Literal["answer", "next"] = "answer"
+    next_tokens: int = DEFAULT_NEXT_TOKENS
+    online: bool = False
+    seed: int = 0
+    out_dir: str | Path | None = None
+    progress: bool = True
+
+    def run(self, runner: ItemRunner) -> FidelityResult:
+        """Measure the sweep with ``runner`` (serial, or Ray workers).
+
+        The sweep is cut into :class:`FidelityItem` s (rows already in ``out_dir`` left out); each row
+        is kept once, appended to ``fidelity_samples.jsonl`` as it arrives and counted by the progress
+        bar, and the file ends in the serial order (:func:`~kvfold.evaluate.running.sweep.collect_rows`).
+
+        Raises:
+            ValueError: as :func:`fidelity`.
+            RuntimeError: the runner ended without producing every row.
+        """
+        if self.continuation not in ("answer", "next"):
+            raise ValueError(f"continuation must be 'answer' or 'next'; got {self.continuation!r}")
+        if self.next_tokens < 2:
+            raise ValueError(f"next_tokens must be ≥ 2; got {self.next_tokens}")
+        if not self.samples:
+            raise ValueError("no samples to measure")
+        runs = plan_runs(self.methods, self.budgets)
+        config = dict(self.run_config)
+        config.update(continuation=self.continuation, online=self.online, seed=self.seed)
+        if self.continuation == "next":
+            config["next_tokens"] = self.next_tokens
+        out_dir, path, done = open_run(self.out_dir, config, SAMPLES_FILE, fidelity_row_key)
+        keys = _continuation_keys(self.samples, self.continuation)
+        items = plan_fidelity_items(
+            self.samples,
+            runs,
+            done,
+            continuation=self.continuation,
+            next_tokens=self.next_tokens,
+            online=self.online,
+            seed=self.seed,
+        )
+        total = len(keys) * len(runs)
+        collect_rows(runner, items, done, path=path, total=total, progress=self.progress, desc="fidelity", unit="run")
+        rows = [done[fidelity_key(k, spec, b.label())] for spec, b in runs for k in keys]
+        result = FidelityResult(
+            records=aggregate_fidelity(rows),
+            samples=rows,
+            continuation=self.continuation,
+            online=self.online,
+            model=str(config.get("model", "")),
+            out_dir=out_dir,
+        )
+        if result.out_dir is not None:
+            write_json(result.out_dir / FIDELITY_FILE, result.to_json())
+            write_fidelity_report(result.out_dir, result.records, title_info=config)
+        return result
 
 
 def _continuation_keys(samples: Sequence[Sample], continuation: str) -> list[str]:
@@ -653,7 +496,7 @@ def _continuation_keys(samples: Sequence[Sample], continuation: str) -> list[str
     return keys
 
 
-def _aggregate(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def aggregate_fidelity(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Means over continuations per (method, budget), per-layer errors averaged layer by layer."""
     groups: dict[tuple[str, Any], list[Mapping[str, Any]]] = defaultdict(list)
     for row in rows:

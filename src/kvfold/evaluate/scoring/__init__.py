@@ -1,1 +1,1 @@
-"""Scoring: task metrics and statistics (retention, intervals)."""
+"""Scoring: task metrics, statistics (retention, intervals), and the result records made of them."""

@@ -36,6 +36,7 @@ runs in float32 (float64 for float64 models) whatever the model dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,8 +44,8 @@ import torch
 
 from kvfold.methods.compaction.linalg import max_shifted_exp, ridge_dual, ridge_dual_cg
 from kvfold.methods.core.base import CompressionContext, register
-from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_queries, layer_scaling
-from kvfold.methods.core.model import prefill_again
+from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_queries
+from kvfold.methods.core.model import layer_scaling, prefill_again
 from kvfold.methods.core.scoring import window_attention
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
@@ -298,6 +299,27 @@ def _cap(new: Tensor, ref: Tensor, cap: float) -> Tensor:
     return ref + delta * scale[..., None, None]
 
 
+def _keep_better(
+    candidates: list[tuple[int, Tensor, Tensor]],
+    objective: Callable[[Tensor, Tensor], Tensor],
+    best: tuple[Tensor, Tensor, Tensor, Tensor],
+    safeguard: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The safeguard over one step's candidates ``(code, keys, values)``: per problem, a candidate
+    replaces the best ``(keys, values, objective, choice)`` only where it lowers eq. 4 (NaN never
+    wins); without ``safeguard`` every candidate replaces it, so the last one is kept."""
+    best_k, best_v, best_obj, choice = best
+    for code, cand_k, cand_v in candidates:
+        obj = objective(cand_k, cand_v)
+        better = obj < best_obj if safeguard else torch.ones_like(best_obj, dtype=torch.bool)
+        pick = better[..., None, None]
+        best_k = torch.where(pick, cand_k, best_k)
+        best_v = torch.where(pick, cand_v, best_v)
+        best_obj = torch.where(better, obj, best_obj)
+        choice = torch.where(better, torch.full_like(choice, code), choice)
+    return best_k, best_v, best_obj, choice
+
+
 def grkv_merge(
     queries: Tensor,
     keys0: Tensor,
@@ -349,6 +371,11 @@ def grkv_merge(
     best_k, best_v, best = keys0, values0, objective_base
     choice = torch.full(objective_base.shape, _BASE, dtype=torch.long, device=keys0.device)
     residual = None
+    key_options = {"solver": solver, "cg_iters": cg_iters, "cg_tol": cg_tol}
+
+    def objective(keys: Tensor, values: Tensor) -> Tensor:
+        return window_objective(queries, keys, values, bias, target, scaling)
+
     for _ in range(steps):
         cur_k, cur_v = best_k, best_v
         candidates: list[tuple[int, Tensor, Tensor]] = []
@@ -358,33 +385,12 @@ def grkv_merge(
             new_v = _cap(value_step(probs, target, values0, free, lam_v), values0, cap_v)
             candidates.append((_VALUES, cur_k, new_v))
         if update_keys:
-            new_k, res = key_step(
-                queries,
-                cur_k,
-                keys0,
-                new_v,
-                bias,
-                free,
-                target,
-                scaling,
-                lam_k,
-                solver=solver,
-                cg_iters=cg_iters,
-                cg_tol=cg_tol,
-            )
+            new_k, res = key_step(queries, cur_k, keys0, new_v, bias, free, target, scaling, lam_k, **key_options)
             new_k = _cap(new_k, keys0, cap_k)
             if res is not None:
                 residual = res if residual is None else torch.maximum(residual, res)
             candidates.append((_KEYS_VALUES if update_values else _KEYS, new_k, new_v))
-        for code, cand_k, cand_v in candidates:
-            obj = window_objective(queries, cand_k, cand_v, bias, target, scaling)
-            # safeguard: a candidate replaces the best only where it lowers eq. 4 (NaN never wins)
-            better = obj < best if safeguard else torch.ones_like(best, dtype=torch.bool)
-            pick = better[..., None, None]
-            best_k = torch.where(pick, cand_k, best_k)
-            best_v = torch.where(pick, cand_v, best_v)
-            best = torch.where(better, obj, best)
-            choice = torch.where(better, torch.full_like(choice, code), choice)
+        best_k, best_v, best, choice = _keep_better(candidates, objective, (best_k, best_v, best, choice), safeguard)
         moved = max(float((best_k - cur_k).abs().max()), float((best_v - cur_v).abs().max()))
         if moved <= 1e-9:
             break
@@ -535,21 +541,11 @@ class GRKV(MergingFolder):
 
     def fold_layer(self, site: FoldSite, ctx: CompressionContext) -> None:
         layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
-        keys_full, values_full, log_mass, valid = site.keys, site.values, site.log_mass, site.valid
+        keys_full, values_full, valid = site.keys, site.values, site.valid
         batch, heads, length, dim = keys_full.shape
         dtype = torch.promote_types(keys_full.dtype, torch.float32)
         scaling = layer_scaling(ctx, layer_idx, layer)
-        beta = torch.where(valid, log_mass, torch.zeros_like(log_mass)).to(dtype)
-        if self.queries == "stratified":
-            queries, positions = ctx.memo["grkv_queries"][layer_idx]  # (B, H_q, m, D), (B, m)
-            probs_full = positioned_attention(queries.to(dtype), keys_full.to(dtype), scaling, beta, valid, positions)
-        else:
-            queries = fresh_window_queries(layer, self.m, self.name)  # (B, H_q, w, D)
-            positions = (length - queries.shape[2] + torch.arange(queries.shape[2], device=keep.device)).expand(
-                batch, -1
-            )
-            # eq. 4: Y = A_win^(full) V_full, causal inside the window, from the layer before eviction.
-            probs_full = window_attention(queries.to(dtype), keys_full.to(dtype), scaling, log_mass=beta, valid=valid)
+        queries, positions, probs_full = self._window(site, ctx, dtype, scaling)
         width = queries.shape[2]
         groups = queries.shape[1] // heads
         rows = groups * width  # M = G·m query rows per KV head
@@ -574,11 +570,7 @@ class GRKV(MergingFolder):
             return
 
         lam_k, lam_v = self.lambdas(getattr(ctx.model.config, "model_type", None))
-        solver = self.solver
-        if solver == "auto":
-            out_size = rows * values0.shape[-1]  # dual unknowns M·D_v; J is (M·D_v) × (c·D)
-            small = max(out_size * keep.shape[-1] * dim, out_size * out_size) <= EXACT_MAX_ELEMENTS
-            solver = "exact" if small else "cg"
+        solver = self._key_solver(rows * values0.shape[-1], keep.shape[-1] * dim)
         result = grkv_merge(
             q,
             keys0.to(dtype),
@@ -605,17 +597,33 @@ class GRKV(MergingFolder):
         new_values = torch.where(changed[..., None], result.values.to(values0.dtype), values0)
         layer.replace(new_keys, new_values, beta0, lengths=lengths)
 
-        counts = torch.bincount(result.choice.flatten().cpu(), minlength=len(CHOICES))
-        report[layer_idx] = {
-            "heads": batch * heads,
-            **{name: int(counts[i]) for i, name in enumerate(CHOICES)},
-            "choice": [[CHOICES[c] for c in row] for row in result.choice.cpu().tolist()],
-            "objective_base": float(result.objective_base.sum()),
-            "objective": float(result.objective.sum()),
-            "free_tokens": int(free.sum()),
-            "solver": solver,
-            "cg_residual": None if result.cg_residual is None else float(result.cg_residual.max()),
-        }
+        report[layer_idx] = _layer_report(result, free, solver)
+
+    def _window(
+        self, site: FoldSite, ctx: CompressionContext, dtype: torch.dtype, scaling: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The surrogate window (§3.2): its queries ``(B, H_q, m, D)``, their positions ``(B, m)`` and
+        their attention on the layer before eviction ``(B, H_q, m, N)`` (eq. 4's ``A_win^(full)``)."""
+        keys_full, log_mass, valid, keep = site.keys, site.log_mass, site.valid, site.keep
+        beta = torch.where(valid, log_mass, torch.zeros_like(log_mass)).to(dtype)
+        if self.queries == "stratified":
+            queries, positions = ctx.memo["grkv_queries"][site.layer_idx]  # (B, H_q, m, D), (B, m)
+            probs_full = positioned_attention(queries.to(dtype), keys_full.to(dtype), scaling, beta, valid, positions)
+            return queries, positions, probs_full
+        batch, length = keys_full.shape[0], keys_full.shape[2]
+        queries = fresh_window_queries(site.layer, self.m, self.name)  # (B, H_q, w, D)
+        positions = (length - queries.shape[2] + torch.arange(queries.shape[2], device=keep.device)).expand(batch, -1)
+        # eq. 4: Y = A_win^(full) V_full, causal inside the window, from the layer before eviction.
+        probs_full = window_attention(queries.to(dtype), keys_full.to(dtype), scaling, log_mass=beta, valid=valid)
+        return queries, positions, probs_full
+
+    def _key_solver(self, out_size: int, in_size: int) -> str:
+        """``solver="auto"``: exact when ``J`` (``out_size × in_size``: ``M·D_v × c·D``) and ``J Jᵀ``
+        have at most :data:`EXACT_MAX_ELEMENTS` entries per head, else conjugate gradients."""
+        if self.solver != "auto":
+            return self.solver
+        small = max(out_size * in_size, out_size * out_size) <= EXACT_MAX_ELEMENTS
+        return "exact" if small else "cg"
 
     def _fixed_tokens(self, keep: Tensor, slot: Tensor, valid: Tensor, attention: Tensor, width: int) -> Tensor:
         """Retained tokens that must not change (§3.4 "Fixed tokens", App. D.3), ``(B, H, c)`` bool.
@@ -637,3 +645,18 @@ class GRKV(MergingFolder):
         count = torch.floor(slot.sum(-1).double() * self.fixed).long()  # ⌊β · c⌋ per row
         top = candidates & (position < count[..., None])
         return sink | window | top
+
+
+def _layer_report(result: MergeResult, free: Tensor, solver: str) -> dict:
+    """``ctx.report["grkv"][layer]``: what each KV head kept, the window objectives and the solver."""
+    counts = torch.bincount(result.choice.flatten().cpu(), minlength=len(CHOICES))
+    return {
+        "heads": result.choice.numel(),
+        **{name: int(counts[i]) for i, name in enumerate(CHOICES)},
+        "choice": [[CHOICES[c] for c in row] for row in result.choice.cpu().tolist()],
+        "objective_base": float(result.objective_base.sum()),
+        "objective": float(result.objective.sum()),
+        "free_tokens": int(free.sum()),
+        "solver": solver,
+        "cg_residual": None if result.cg_residual is None else float(result.cg_residual.max()),
+    }

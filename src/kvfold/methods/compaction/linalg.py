@@ -13,12 +13,11 @@ Where each piece comes from:
   conjugate gradients -> :func:`conjugate_gradient`, :func:`ridge_dual_cg`.
 - Attention Matching (``papers/attention-matching.md``): β by nonnegative least squares on the
   attention mass (§3.2, App. C.2 Algorithm 3) -> :func:`nnls`; C_v by least squares (§3.2 eq. 3-4,
-  App. C.2 "Least Squares") -> :func:`lstsq_ridge`; OMP key selection (§3.3 Algorithm 1, App. C.1
-  Algorithm 2) with the β safeguards of App. C.2 "Stabilizing β" -> :func:`omp_select`; max-shifted
-  exponentials (App. A.2 "Stable computation") -> :func:`max_shifted_exp`.
+  App. C.2 "Least Squares") -> :func:`lstsq_ridge`; max-shifted exponentials (App. A.2 "Stable
+  computation") -> :func:`max_shifted_exp`. OMP key selection (§3.3 Algorithm 1, App. C.1
+  Algorithm 2), built on :func:`nnls`, is :mod:`kvfold.methods.compaction.omp`.
 """
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -28,13 +27,11 @@ from torch import Tensor
 
 __all__ = [
     "CGInfo",
-    "OMPResult",
     "conjugate_gradient",
     "lstsq_ridge",
     "max_shifted_exp",
     "nnls",
     "nnls_reference",
-    "omp_select",
     "ridge_dual",
     "ridge_dual_cg",
     "ridge_primal",
@@ -51,7 +48,8 @@ def _default_max_cond(ref: Tensor) -> float:
     return 0.1 / torch.finfo(ref.dtype).eps
 
 
-def _check_matrix(x: Tensor, name: str) -> None:
+def check_matrix(x: Tensor, name: str) -> None:
+    """Raise ValueError unless ``x`` has shape (..., rows, cols); ``name`` names it in the message."""
     if x.ndim < 2:
         raise ValueError(f"{name} must have shape (..., rows, cols); got shape {tuple(x.shape)}")
 
@@ -68,19 +66,14 @@ def _eye(n: int, ref: Tensor) -> Tensor:
     return torch.eye(n, dtype=ref.dtype, device=ref.device)
 
 
-def _matvec(A: Tensor, x: Tensor) -> Tensor:
+def batched_matvec(A: Tensor, x: Tensor) -> Tensor:
     """Batched ``A @ x`` for A (..., m, n) and x (..., n)."""
     return (A @ x.unsqueeze(-1)).squeeze(-1)
 
 
-def _rmatvec(A: Tensor, y: Tensor) -> Tensor:
+def batched_rmatvec(A: Tensor, y: Tensor) -> Tensor:
     """Batched ``Aᵀ @ y`` for A (..., m, n) and y (..., m)."""
     return (y.unsqueeze(-2) @ A).squeeze(-2)
-
-
-def _sq_residual(A: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """‖A w − b‖² per problem."""
-    return (_matvec(A, w) - b).square().sum(-1)
 
 
 def _all_finite(x: Tensor) -> Tensor:
@@ -116,8 +109,8 @@ def spd_solve(M: Tensor, B: Tensor, *, max_cond: float | None = None) -> Tensor:
     Returns:
         X: (..., n, k), finite wherever M and B are.
     """
-    _check_matrix(M, "M")
-    _check_matrix(B, "B")
+    check_matrix(M, "M")
+    check_matrix(B, "B")
     batch = torch.broadcast_shapes(M.shape[:-2], B.shape[:-2])
     M = M.expand(*batch, *M.shape[-2:])
     B = B.expand(*batch, *B.shape[-2:])
@@ -136,7 +129,7 @@ def spd_solve(M: Tensor, B: Tensor, *, max_cond: float | None = None) -> Tensor:
 
 def _check_ridge_shapes(X: Tensor, Y: Tensor, V0: Tensor) -> None:
     for t, name in ((X, "X"), (Y, "Y"), (V0, "V0")):
-        _check_matrix(t, name)
+        check_matrix(t, name)
     m, n = X.shape[-2:]
     if Y.shape[-2] != m or V0.shape[-2] != n or Y.shape[-1] != V0.shape[-1]:
         raise ValueError(
@@ -392,8 +385,8 @@ def lstsq_ridge(
     Raises:
         ValueError: on bad shapes, ``ridge <= 0``, or an unknown driver.
     """
-    _check_matrix(A, "A")
-    _check_matrix(B, "B")
+    check_matrix(A, "A")
+    check_matrix(B, "B")
     if A.shape[-2] != B.shape[-2]:
         raise ValueError(f"A (..., m, n) and B (..., m, k) need the same m; got {A.shape} and {B.shape}")
     if not ridge > 0:
@@ -436,9 +429,9 @@ def _gram_top_eigenvalue(A: Tensor, *, exact_max: int = 64, power_iters: int = 3
     v = A.new_full((*A.shape[:-2], n), 1.0 / math.sqrt(n))
     tiny = torch.finfo(A.dtype).tiny
     for _ in range(power_iters):
-        u = _rmatvec(A, _matvec(A, v))
+        u = batched_rmatvec(A, batched_matvec(A, v))
         v = u / u.norm(dim=-1, keepdim=True).clamp_min(tiny)
-    rayleigh = _matvec(A, v).square().sum(-1)
+    rayleigh = batched_matvec(A, v).square().sum(-1)
     return torch.minimum(1.05 * rayleigh, A.square().sum((-2, -1)))
 
 
@@ -477,7 +470,7 @@ def nnls(
     Raises:
         ValueError: on bad shapes, negative ``iters``, an unknown ``init``, or lower > upper.
     """
-    _check_matrix(A, "A")
+    check_matrix(A, "A")
     if b.ndim < 1 or b.shape[-1] != A.shape[-2]:
         raise ValueError(f"expected A (..., m, n) and b (..., m); got {tuple(A.shape)} and {tuple(b.shape)}")
     if iters < 0:
@@ -502,7 +495,7 @@ def nnls(
     L = _gram_top_eigenvalue(A)  # line 9: L ≈ ‖M‖₂²
     step = torch.where(L > 0, L.reciprocal(), torch.zeros_like(L)).unsqueeze(-1)  # line 10: η = 1/L
     for _ in range(iters):
-        grad = _rmatvec(A, _matvec(A, w) - b)  # line 12: g = Mᵀ(MB − y)
+        grad = batched_rmatvec(A, batched_matvec(A, w) - b)  # line 12: g = Mᵀ(MB − y)
         w = _project(w - step * grad, lower, upper)  # lines 13-17
     return w
 
@@ -561,216 +554,6 @@ def nnls_reference(A: Tensor, b: Tensor, *, tol: float | None = None, max_iter: 
         x = s
         grad = A.T @ (b - A @ x)
     return x
-
-
-# ----------------------------------------------------------------------------------------------
-# OMP key selection (Attention Matching §3.3 Algorithm 1, App. C.1 Algorithm 2)
-
-
-class OMPResult(NamedTuple):
-    """Output of :func:`omp_select`.
-
-    Attributes:
-        indices: (..., t) int64 key indices, valid slots first, in selection order.
-        weights: (..., t) w ≥ 0 from the last NNLS refit; β = log w (AM §3.3). Slots past
-            ``num_selected`` hold index 0 and weight 0 (β = −inf: they receive no attention).
-        residual_norms: (..., steps + 1) ‖m − Φ_S w‖ after each greedy step; entry 0 is ‖m‖.
-            Between refits (Algorithm 2) the residual is unchanged. Problems that finish early
-            repeat their final value.
-        num_selected: (...,) int64 number of valid slots; equals t unless the β_min pruning rule
-            discarded keys and no candidate keys were left to replace them.
-    """
-
-    indices: Tensor
-    weights: Tensor
-    residual_norms: Tensor
-    num_selected: Tensor
-
-
-def _gather_columns(Phi: Tensor, cols: Tensor) -> Tensor:
-    """Phi[..., :, cols] per problem: Phi (..., q, T), cols (..., s) -> (..., q, s)."""
-    return Phi.gather(-1, cols.unsqueeze(-2).expand(*cols.shape[:-1], Phi.shape[-2], cols.shape[-1]))
-
-
-def _omp_refit(
-    Phi: Tensor,
-    target: Tensor,
-    idx: Tensor,
-    w: Tensor,
-    n_sel: Tensor,
-    prune_now: Tensor,
-    *,
-    nnls_iters: int,
-    w_min: float | None,
-    w_max: float | None,
-    ridge: float,
-    monotone: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """NNLS refit on the selected keys (Alg. 1 line 7, Alg. 2 line 9) plus the β_min pruning rule.
-
-    Returns, for every problem, the refitted (indices, weights, selected count, residual) with
-    pruned keys removed where ``prune_now``; the caller keeps only the problems due a refit.
-    """
-    s = int(n_sel.max())
-    slots = torch.arange(s, device=Phi.device)
-    valid = slots < n_sel.unsqueeze(-1)
-    cols = idx[..., :s]
-    Phi_S = _gather_columns(Phi, cols) * valid.unsqueeze(-2)
-    w_new = nnls(Phi_S, target, iters=0, lower=0.0, upper=w_max, ridge=ridge)  # Alg. 3, lstsq + clamp
-    if monotone:
-        # The previous weights (0 on the new keys) are feasible for the enlarged NNLS problem, so
-        # keeping the better of the two makes the residual non-increasing, as exact NNLS would.
-        w_prev = w[..., :s] * valid
-        better = _sq_residual(Phi_S, w_new, target) <= _sq_residual(Phi_S, w_prev, target)
-        w_new = torch.where(better.unsqueeze(-1), w_new, w_prev)
-    if nnls_iters > 0:
-        w_new = nnls(Phi_S, target, iters=nnls_iters, init=w_new, lower=0.0, upper=w_max)
-    keep = valid
-    if w_min is not None:
-        # App. C.2 "Stabilizing β": after greedy selection, discard keys with β < β_min.
-        keep = valid & ~(prune_now.unsqueeze(-1) & (w_new < w_min))
-    w_new = w_new * keep
-    residual = target - _matvec(Phi_S, w_new)
-    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices  # kept slots first
-    n_new = keep.sum(-1)
-    in_use = slots < n_new.unsqueeze(-1)
-    cols = torch.where(in_use, cols.gather(-1, order), 0)
-    w_new = torch.where(in_use, w_new.gather(-1, order), 0.0)
-    return cols, w_new, n_new, residual
-
-
-def omp_select(
-    Phi: Tensor,
-    target: Tensor,
-    t: int,
-    *,
-    k: int = 1,
-    refit_every: int = 1,
-    nnls_iters: int = 0,
-    beta_bounds: tuple[float | None, float | None] = (-7.0, 7.0),
-    ridge: float = 1e-6,
-    monotone: bool = True,
-) -> OMPResult:
-    """Greedy key selection for attention-mass matching, AM-OMP (§3.3 Alg. 1) and AM-OMP-fast (Alg. 2).
-
-    Seeks t columns S of Φ and weights w ≥ 0 minimizing ‖Φ_{:,S} w − m‖². Each greedy step adds
-    the k unselected keys with the largest correlation ``c_j = rᵀ Φ_{:,j}`` with the residual r
-    (raw, unnormalized, as in the paper); every ``refit_every`` (τ) steps, and when the budget is
-    filled, w is refitted by NNLS (:func:`nnls`, Algorithm 3 with ``nnls_iters`` projected-gradient
-    steps; the paper uses 0) and r = m − Φ_S w. k=1, τ=1 is Algorithm 1; the paper's fast variant
-    is k=4, τ=2. Selected keys are masked out, so each key is picked at most once.
-
-    β safeguards (App. C.2): ``w ≤ exp(β_max)`` is enforced inside NNLS; once the budget is filled,
-    keys with ``w < exp(β_min)`` (including w = 0) are discarded for good and selection continues
-    until every kept key has β ≥ β_min (or no candidates remain). Either bound may be None.
-
-    Residual guarantees (with ``monotone=True``, the default): the lstsq+clamp refit is replaced
-    by the previous weights whenever those fit better, so — as with the exact NNLS of Algorithm 1 —
-    ``residual_norms`` never increases, for any k and τ, except at a β_min pruning, which can raise
-    it by at most exp(β_min)·Σ_pruned ‖Φ_{:,j}‖. ``monotone=False`` is Algorithm 3 verbatim, whose
-    clamped least-squares refit can increase the residual.
-
-    The caller builds Φ and m with the per-query max-shift of App. A.2 (see
-    :func:`max_shifted_exp`): ``Φ_ij = exp(q_i·K_j/√d − s_i)``, ``m_i = Σ_j Φ_ij``. The shift s_i
-    rescales query i's row of the least-squares problem by exp(−s_i), exactly as in the paper.
-
-    Args:
-        Phi: (..., n_queries, n_keys) nonnegative mass features (exp-scores, max-shifted per row).
-        target: (..., n_queries) mass vector m.
-        t: number of keys to select, 1 ≤ t ≤ n_keys.
-        k: keys added per greedy step.
-        refit_every: τ, greedy steps between NNLS refits.
-        nnls_iters: projected-gradient steps per refit (Algorithm 3).
-        beta_bounds: (β_min, β_max) safeguards; (None, None) disables both.
-        ridge: relative ridge of the least-squares fallback inside NNLS.
-        monotone: keep the previous weights when the refit would fit worse (see above).
-
-    Returns:
-        An :class:`OMPResult` (indices, weights, residual_norms, num_selected).
-
-    Raises:
-        ValueError: on bad shapes or parameters.
-
-    Example:
-        >>> logits = torch.randn(4, 256, 512)  # (heads, reference queries, keys)
-        >>> Phi, _ = max_shifted_exp(logits)
-        >>> res = omp_select(Phi, Phi.sum(-1), t=64, k=4, refit_every=2)
-        >>> res.indices.shape, res.weights.shape
-        (torch.Size([4, 64]), torch.Size([4, 64]))
-    """
-    _check_matrix(Phi, "Phi")
-    n_q, T = Phi.shape[-2:]
-    if target.ndim < 1 or target.shape[-1] != n_q:
-        raise ValueError(
-            f"expected Phi (..., q, T) and target (..., q); got {tuple(Phi.shape)}, {tuple(target.shape)}"
-        )
-    if not 1 <= t <= T:
-        raise ValueError(f"t must be in [1, n_keys={T}]; got {t}")
-    if k < 1 or refit_every < 1 or nnls_iters < 0:
-        raise ValueError(
-            f"need k >= 1, refit_every >= 1, nnls_iters >= 0; got {k}, {refit_every}, {nnls_iters}"
-        )
-    beta_min, beta_max = beta_bounds
-    w_min = None if beta_min is None else math.exp(beta_min)
-    w_max = None if beta_max is None else math.exp(beta_max)
-    batch = torch.broadcast_shapes(Phi.shape[:-2], target.shape[:-1])
-    Phi = Phi.expand(*batch, n_q, T)
-    target = target.expand(*batch, n_q)
-    dev = Phi.device
-    k_top = min(k, T)
-    ranks = torch.arange(k_top, device=dev)
-    # slots [t, t + k_top) are scratch space for candidates a problem does not take this step
-    idx = torch.zeros((*batch, t + k_top), dtype=torch.long, device=dev)
-    w = Phi.new_zeros((*batch, t + k_top))
-    n_sel = torch.zeros(batch, dtype=torch.long, device=dev)
-    banned = torch.zeros((*batch, T), dtype=torch.bool, device=dev)  # selected or discarded keys
-    pending = torch.zeros(batch, dtype=torch.bool, device=dev)  # keys added since the last refit
-    r = target.clone()  # Alg. 1 line 3: r = m
-    history = [r.norm(dim=-1)]
-    for step in itertools.count(1):
-        need = t - n_sel
-        grow = (need > 0) & (~banned).any(-1)
-        if not bool((grow | pending).any()):
-            break
-        # Alg. 1 line 5 / Alg. 2 lines 5-6: c_j = rᵀΦ_{:,j} for j ∉ S, take the top k.
-        corr = _rmatvec(Phi, r).masked_fill(banned, -math.inf)
-        top = corr.topk(k_top, dim=-1).indices
-        take = (ranks < need.clamp(max=k).unsqueeze(-1)) & grow.unsqueeze(-1) & ~banned.gather(-1, top)
-        slot = torch.where(take, n_sel.unsqueeze(-1) + take.cumsum(-1) - 1, t + ranks)
-        idx.scatter_(-1, slot, top)  # Alg. 2 line 7: S = S ∪ J*
-        banned |= torch.zeros_like(banned).scatter(-1, top, take)
-        n_sel = n_sel + take.sum(-1)
-        pending = pending | take.any(-1)
-        done_selecting = (n_sel == t) | ~(~banned).any(-1)
-        refit = pending & (done_selecting | (step % refit_every == 0))  # Alg. 2 line 8
-        if bool(refit.any()):
-            s = int(n_sel.max())
-            cols, w_new, n_new, r_new = _omp_refit(
-                Phi,
-                target,
-                idx,
-                w,
-                n_sel,
-                refit & done_selecting,
-                nnls_iters=nnls_iters,
-                w_min=w_min,
-                w_max=w_max,
-                ridge=ridge,
-                monotone=monotone,
-            )
-            upd = refit.unsqueeze(-1)
-            idx[..., :s] = torch.where(upd, cols, idx[..., :s])
-            w[..., :s] = torch.where(upd, w_new, w[..., :s])
-            n_sel = torch.where(refit, n_new, n_sel)
-            r = torch.where(upd, r_new, r)  # Alg. 2 line 10: r = m − Φ_S w
-            pending = pending & ~refit
-        history.append(r.norm(dim=-1))
-    return OMPResult(
-        indices=idx[..., :t].clone(),
-        weights=w[..., :t].clone(),
-        residual_norms=torch.stack(history, dim=-1),
-        num_selected=n_sel,
-    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -331,12 +331,7 @@ class Folder(Method):
         queries that fit the selector's protocol); nothing by default."""
 
     def fold(
-        self,
-        layer_idx: int,
-        layer: FoldedLayer,
-        keep: torch.Tensor,
-        lengths: torch.Tensor,
-        scores: torch.Tensor,
+        self, layer_idx: int, layer: FoldedLayer, keep: torch.Tensor, lengths: torch.Tensor, scores: torch.Tensor,
         ctx: CompressionContext,
     ) -> None:
         """Write the layer's new content given kept indices ``keep`` ``(B, H, K)`` and ``lengths``."""
@@ -379,23 +374,21 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def available_methods(role: str | None = None) -> list[type[Method]]:
-    """Registered method classes (optionally of one role), sorted by name."""
-    _load_builtin_methods()
+    """Registered method classes (optionally of one role), sorted by name.
+
+    The built-in methods register when :mod:`kvfold.methods` is imported (its ``__init__`` imports
+    :mod:`kvfold.methods.builtin`), which importing this module already does.
+    """
     return sorted((c for c in REGISTRY.values() if role is None or c.role == role), key=lambda c: c.name)
 
 
 def _lookup(component: Component, roles: tuple[str, ...], where: str) -> Method:
-    _load_builtin_methods()
     cls = REGISTRY.get(component.name)
     if cls is None or cls.role not in roles:
         valid = ", ".join(c.name for c in available_methods() if c.role in roles)
         found = f" ({component.name!r} is a {cls.role})" if cls is not None else ""
         raise SpecError(f"unknown {where} {component.name!r}{found}; valid: {valid}")
     return cls.from_options(component.options)
-
-
-def _load_builtin_methods() -> None:
-    import kvfold.methods.builtin  # noqa: F401 - registers the built-in methods
 
 
 # ------------------------------------------------------------------------- composition
@@ -549,7 +542,6 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
         >>> build_method("adakv:snapkv[window=64]+grkv")  # doctest: +SKIP
     """
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
-    _load_builtin_methods()
     parsed = _expand_bare_folder(parsed)
     selector = _lookup(parsed.selector, ("selector", "standalone"), "method")
     if selector.role == "standalone" and (parsed.wrappers or parsed.folder):

@@ -13,16 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kvfold.methods.core.selection import _as_counts, _priority_order, topk_keep
+from kvfold.methods.core.selection import as_counts, priority_order, topk_keep
 
 Tensor = torch.Tensor
 
 __all__ = [
-    "adakv_head_budgets",
     "apportion",
+    "check_layer_budgets",
     "cosine_layer_budgets",
     "global_head_budgets",
-    "pyramid_layer_budgets",
     "uniform_layer_budgets",
 ]
 
@@ -90,53 +89,6 @@ def uniform_layer_budgets(total_per_layer: int, num_layers: int) -> list[int]:
     return [int(total_per_layer)] * num_layers
 
 
-def pyramid_layer_budgets(
-    avg_budget: int,
-    num_layers: int,
-    beta: float = 20.0,
-    window: int = 32,
-    context_tokens: int | None = None,
-    min_budget: int = 1,
-) -> list[int]:
-    """PyramidKV layer budgets (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on
-    Pyramidal Information Funneling", arXiv:2406.02069): an arithmetic sequence decreasing with depth.
-
-    With ``b = avg_budget − window`` entries per layer outside the window on average, the top layer
-    gets ``b_min = b / β`` and layer 0 gets ``b_max = 2b − b_min`` (so the mean is ``b``), linearly
-    in between; every layer also keeps its ``window``. When ``b_max`` exceeds the context
-    (``context_tokens − window``), layer 0 is capped there and ``b_min = 2b − cap`` (as in the
-    release). Rounded by largest remainder so the total is exactly ``num_layers · avg_budget``.
-
-    Args:
-        avg_budget: mean entries per layer (per KV head), an int (see :meth:`kvfold.runtime.budget.Budget.count`).
-        num_layers: ``L``.
-        beta: ``β`` (20 in the paper).
-        window: the observation window kept in every layer.
-        context_tokens: ``N``; no layer gets more than ``N``. ``avg_budget ≥ N`` keeps everything.
-        min_budget: least entries per layer (≥ 1).
-
-    Returns:
-        ``L`` ints, non-increasing with depth, summing to ``L · min(avg_budget, N)``.
-    """
-    _check_layers(avg_budget, num_layers, min_budget)
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0; got {beta}")
-    cap = context_tokens if context_tokens is not None else None
-    if cap is not None and avg_budget >= cap:
-        return [int(cap)] * num_layers
-    outside = avg_budget - window
-    if num_layers == 1 or outside <= 0:
-        return [int(avg_budget)] * num_layers
-    smallest = outside / beta
-    largest = 2 * outside - smallest
-    if cap is not None and largest > cap - window:
-        largest = cap - window
-        smallest = 2 * outside - largest
-    step = (largest - smallest) / (num_layers - 1)
-    real = [window + largest - layer * step for layer in range(num_layers)]
-    return apportion(real, avg_budget * num_layers, minimum=min(min_budget, avg_budget), maximum=cap)
-
-
 def cosine_layer_budgets(
     avg_budget: int,
     num_layers: int,
@@ -160,7 +112,7 @@ def cosine_layer_budgets(
         context_tokens: ``N`` or None.
         min_budget: least entries per layer (e.g. sinks + recent window).
     """
-    _check_layers(avg_budget, num_layers, min_budget)
+    check_layer_budgets(avg_budget, num_layers, min_budget)
     if not 0.0 < min_ratio <= 1.0:
         raise ValueError(f"min_ratio must be in (0, 1]; got {min_ratio}")
     if context_tokens is not None and avg_budget >= context_tokens:
@@ -176,7 +128,14 @@ def cosine_layer_budgets(
     )
 
 
-def _check_layers(avg_budget: int, num_layers: int, min_budget: int) -> None:
+def check_layer_budgets(avg_budget: int, num_layers: int, min_budget: int) -> None:
+    """Check the arguments every layer schedule takes (cosine here, PyramidKV's in
+    :func:`kvfold.methods.eviction.snapkv.pyramid_layer_budgets`).
+
+    Raises:
+        ValueError: ``avg_budget`` is not a positive int (a token count, see
+            :meth:`kvfold.runtime.budget.Budget.count`), or ``num_layers`` or ``min_budget`` < 1.
+    """
     if isinstance(avg_budget, bool) or not isinstance(avg_budget, numbers.Integral) or avg_budget < 1:
         raise ValueError(
             f"avg_budget must be a positive token count (use Budget.count); got {avg_budget!r}"
@@ -185,70 +144,6 @@ def _check_layers(avg_budget: int, num_layers: int, min_budget: int) -> None:
         raise ValueError(f"num_layers must be ≥ 1; got {num_layers}")
     if min_budget < 1:
         raise ValueError(f"min_budget must be ≥ 1; got {min_budget}")
-
-
-def adakv_head_budgets(
-    scores: Tensor,
-    layer_budget_per_head: int | Tensor,
-    alpha: float = 0.2,
-    protected: Tensor | None = None,
-    valid: Tensor | None = None,
-) -> Tensor:
-    """AdaKV per-head budgets (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive
-    Budget Allocation for Efficient LLM Inference", arXiv:2407.11550, with its α safeguard).
-
-    The layer's ``H · b`` entries are chosen jointly across its heads by score. Safeguard: each
-    head first gets ``floor_h = p_h + ⌊α · (b − p_h)⌋`` entries (its ``p_h`` protected ones plus
-    ``α`` of the rest of its budget, as AdaKV applies ``α`` outside the observation window),
-    at most ``b`` and at most its valid entries; the remaining ``H · b − Σ floor_h`` go to the
-    highest-scored not-yet-chosen entries of the whole layer. A head's count is its floor plus
-    its share of that joint top. Each head's kept set is then exactly ``topk_keep(scores,
-    counts, protected, valid)`` on that head (same order: protected, score, lower position).
-
-    Args:
-        scores: ``(B, H, N)`` scores comparable across the heads of the layer (e.g. SnapKV).
-        layer_budget_per_head: ``b``: an int, ``(B,)`` per batch row, or ``(B, H)`` (then the
-            layer total is ``Σ_h b_h`` and floors use each head's ``b_h``).
-        alpha: safeguard fraction ``α`` in ``[0, 1]`` (0.2 in AdaKV; 1 = uniform budgets).
-        protected: ``(B, H, N)`` bool or None; protected entries count inside the floor.
-        valid: ``(B, H, N)`` bool or None; padding is never counted.
-
-    Returns:
-        ``(B, H)`` long counts, each in ``[floor_h, #valid_h]``, summing per batch row to ``Σ_h b_h``
-        (less only when the layer has fewer valid entries than that).
-
-    Ties in the joint selection go to the lower head, then the lower position.
-    """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1]; got {alpha}")
-    batch, heads, length = scores.shape
-    device = scores.device
-    per_head = _as_counts(layer_budget_per_head, batch, heads, device)
-    valid_b = (
-        torch.ones(batch, heads, length, dtype=torch.bool, device=device) if valid is None else valid.bool()
-    )
-    prot = torch.zeros_like(valid_b) if protected is None else protected.bool() & valid_b
-    n_valid = valid_b.sum(dim=-1)
-    n_prot = prot.sum(dim=-1)
-    # safeguard: floor_h = p_h + ⌊α (b_h − p_h)⌋, capped by b_h and by the head's valid entries
-    rest = (per_head - n_prot).clamp_min(0)
-    floor = torch.minimum(n_prot + torch.floor(rest.double() * alpha).long(), per_head)
-    floor = torch.minimum(floor, n_valid)
-    order = _priority_order(scores, prot, valid_b)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=device).expand_as(order))
-    in_pool = valid_b & (rank >= floor[..., None])  # not taken by the floors
-    # joint top over the layer: flatten heads, same priority rule (protected, score, index)
-    pool_order = _priority_order(
-        scores.reshape(batch, 1, heads * length),
-        prot.reshape(batch, 1, heads * length),
-        in_pool.reshape(batch, 1, heads * length),
-    )
-    pool_rank = torch.empty_like(pool_order).scatter_(
-        -1, pool_order, torch.arange(heads * length, device=device).expand_as(pool_order)
-    )
-    remaining = (per_head.sum(dim=-1) - floor.sum(dim=-1)).clamp_min(0)  # (B,)
-    taken = in_pool.reshape(batch, 1, -1) & (pool_rank < remaining[:, None, None])
-    return floor + taken.reshape(batch, heads, length).sum(dim=-1)
 
 
 def global_head_budgets(
@@ -295,7 +190,7 @@ def global_head_budgets(
         ok = torch.ones_like(s, dtype=torch.bool) if valid is None or valid[j] is None else valid[j].bool()
         prot = torch.zeros_like(ok) if protected is None or protected[j] is None else protected[j].bool() & ok
         if minimum:  # the floor: each head's first `minimum` entries in keep-first order count as protected
-            order = _priority_order(s, prot, ok)[..., :minimum]
+            order = priority_order(s, prot, ok)[..., :minimum]
             floor = torch.zeros_like(ok).scatter_(-1, order, True) & ok
             prot = prot | floor
         flat_scores.append(s.reshape(batch, -1).to(torch.float64))
@@ -304,7 +199,7 @@ def global_head_budgets(
     flat = torch.cat(flat_scores, dim=-1)[:, None]  # (B, 1, Σ H_l·N_l)
     prot = torch.cat(flat_prot, dim=-1)[:, None]
     ok = torch.cat(flat_valid, dim=-1)[:, None]
-    totals_t = _as_counts(totals, batch, 1, device)
+    totals_t = as_counts(totals, batch, 1, device)
     totals_t = torch.maximum(totals_t, prot.sum(-1))  # protected entries (and floors) are always kept
     keep, lengths = topk_keep(flat, totals_t, protected=prot, valid=ok)
     in_row = torch.arange(keep.shape[-1], device=device)[None, :] < lengths  # (B, K)

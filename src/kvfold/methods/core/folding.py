@@ -5,8 +5,8 @@ set-up once — the padded entries before the fold, the kept and evicted masks, 
 gathered, the merge records of ``kvfold mergemap`` — and hands a :class:`FoldSite` to the
 method's :meth:`~MergingFolder.fold_layer`. Pure helpers, vectorized over batch rows and KV heads: the
 window attention each retained or evicted entry receives, the mask of kept slots, seeded uniforms
-that do not depend on the batch a context is in, and a compute dtype (float32, float64 for float64
-models).
+that do not depend on the batch a context is in, and (from :mod:`.scoring`) the compute dtype
+(float32, float64 for float64 models).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import ClassVar
 import torch
 
 from kvfold.methods.core.base import CompressionContext, Folder, gather_entries
-from kvfold.methods.core.scoring import pool_gqa, window_attention
+from kvfold.methods.core.model import layer_scaling
+from kvfold.methods.core.scoring import compute_dtype, pool_gqa, window_attention
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
@@ -28,28 +29,9 @@ __all__ = [
     "compute_dtype",
     "fresh_window_queries",
     "kept_mask",
-    "layer_scaling",
     "row_uniforms",
     "window_scores",
 ]
-
-
-def compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """float64 when any input is float64, else float32 (never half precision for scores)."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def layer_scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> float:
-    """The attention module's logit scale (``module.scaling``; ``1/√D`` when it has none)."""
-    scales = ctx.memo.get("merging_scaling")
-    if scales is None:
-        scales = {}
-        for module in ctx.model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-                scales.setdefault(int(module.layer_idx), getattr(module, "scaling", None))
-        ctx.memo["merging_scaling"] = scales
-    scale = scales.get(layer_idx)
-    return float(scale) if scale is not None else layer.head_dim**-0.5
 
 
 def fresh_window_queries(layer: FoldedLayer, width: int, method: str) -> Tensor:

@@ -1,8 +1,8 @@
 """What methods read from the model: its attention modules, their logit scale, ``W_o``, RoPE, and
 an extra prefill pass of the context.
 
-Found by the rule :func:`kvfold.enable` uses (modules with ``layer_idx`` and ``o_proj``) and cached
-in ``ctx.memo``; RoPE tables come from the model's own rotary module (so its scaling variants hold).
+Found by the rule :func:`kvfold.enable` uses (:func:`kvfold.runtime.attention.attention_modules`) and
+cached in ``ctx.memo``; RoPE tables come from the model's own rotary module (so its scaling variants hold).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvfold.methods.core.base import CompressionContext
+from kvfold.runtime.attention import attention_modules, attention_scalings
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 
 Tensor = torch.Tensor
@@ -27,17 +28,13 @@ def model_name(model: PreTrainedModel) -> str:
     return str(getattr(model.config, "name_or_path", "") or type(model).__name__)
 
 
-def attention_modules(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
-    """The attention module of every decoder layer by layer index (modules with ``layer_idx`` and
-    ``o_proj``: the same rule :func:`kvfold.enable` uses to find them)."""
-    found: dict[int, torch.nn.Module] = {}
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-            found.setdefault(int(module.layer_idx), module)
-    return found
-
-
 def attention_module(ctx: CompressionContext, layer_idx: int) -> torch.nn.Module:
+    """The attention module of layer ``layer_idx`` (:func:`kvfold.runtime.attention.attention_modules`,
+    found once per compression and kept in ``ctx.memo``).
+
+    Raises:
+        ValueError: the model has no attention module for that layer.
+    """
     modules = ctx.memo.get("attention_modules")
     if modules is None:
         modules = ctx.memo["attention_modules"] = attention_modules(ctx.model)
@@ -49,9 +46,26 @@ def attention_module(ctx: CompressionContext, layer_idx: int) -> torch.nn.Module
     return modules[layer_idx]
 
 
-def module_scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> float:
-    """The layer's logit scale (``module.scaling``; ``1/√D`` when the module has none)."""
-    return float(getattr(attention_module(ctx, layer_idx), "scaling", layer.head_dim**-0.5))
+def layer_scaling(
+    ctx: CompressionContext, layer_idx: int, layer: FoldedLayer, require_module: bool = False
+) -> float:
+    """The layer's logit scale: its attention module's ``scaling``, else ``1/√D`` (``D`` the layer's
+    head dim). The scales are read once per compression
+    (:func:`kvfold.runtime.attention.attention_scalings`) and kept in ``ctx.memo``.
+
+    Args:
+        require_module: raise when the model has no attention module for the layer (else ``1/√D``).
+
+    Raises:
+        ValueError: ``require_module`` and no attention module for ``layer_idx``.
+    """
+    if require_module:
+        attention_module(ctx, layer_idx)
+    scales = ctx.memo.get("attention_scalings")
+    if scales is None:
+        scales = ctx.memo["attention_scalings"] = attention_scalings(ctx.model)
+    scale = scales.get(layer_idx)
+    return scale if scale is not None else layer.head_dim**-0.5
 
 
 def o_proj_weight(ctx: CompressionContext, layer_idx: int) -> Tensor:

@@ -54,11 +54,19 @@ def protected_mask(
     return valid & ((rank_from_start <= sinks) | (rank_from_end <= recent))
 
 
-def _priority_order(scores: Tensor, protected: Tensor | None, valid: Tensor | None) -> Tensor:
-    """Per row, all positions in keep-first order.
+def priority_order(scores: Tensor, protected: Tensor | None, valid: Tensor | None) -> Tensor:
+    """Per row, all positions in keep-first order: the rule of :func:`topk_keep`, shared by the
+    allocations that rank entries before choosing them (AdaKV, global budgets, KeepKV).
 
     Order: protected valid entries, most recent first; then other valid entries by score
     (descending, NaN as ``-inf``), ties by lower position; then padding. Two stable sorts.
+
+    Args:
+        scores: ``(B, H, N)``, higher = keep first.
+        protected, valid: ``(B, H, N)`` bool (or broadcastable) or None.
+
+    Returns:
+        ``(B, H, N)`` long: positions, first kept first.
     """
     length = scores.shape[-1]
     key = torch.nan_to_num(scores.to(torch.float64), nan=float("-inf"))
@@ -76,8 +84,12 @@ def _priority_order(scores: Tensor, protected: Tensor | None, valid: Tensor | No
     return order.gather(-1, by_tier)
 
 
-def _as_counts(counts: int | Tensor, batch: int, heads: int, device: torch.device) -> Tensor:
-    """Counts as a ``(B, H)`` long tensor; an int, ``(B,)`` (per batch row) or ``(B|1, H|1)``."""
+def as_counts(counts: int | Tensor, batch: int, heads: int, device: torch.device) -> Tensor:
+    """Counts as a ``(B, H)`` long tensor; an int, ``(B,)`` (per batch row) or ``(B|1, H|1)``.
+
+    Raises:
+        ValueError: non-integer or negative counts, or a 1-D tensor that is not one per batch row.
+    """
     counts_t = torch.as_tensor(counts, device=device)
     if counts_t.is_floating_point() or counts_t.dtype == torch.bool:
         raise ValueError(f"counts must be integers; got dtype {counts_t.dtype}")
@@ -127,11 +139,11 @@ def topk_keep(
     """
     batch, heads, length = scores.shape
     device = scores.device
-    counts_t = _as_counts(counts, batch, heads, device)
+    counts_t = as_counts(counts, batch, heads, device)
     available = valid.to(torch.bool).sum(dim=-1) if valid is not None else torch.full_like(counts_t, length)
     lengths = torch.minimum(counts_t, available.expand(batch, heads))
     width = int(lengths.max()) if lengths.numel() else 0
-    order = _priority_order(scores, protected, valid)[..., :width]
+    order = priority_order(scores, protected, valid)[..., :width]
     slot = torch.arange(width, device=device)
     in_row = slot[None, None, :] < lengths[..., None]
     keep = torch.where(in_row, order, torch.full_like(order, length)).sort(dim=-1).values
@@ -140,33 +152,4 @@ def topk_keep(
     return torch.where(in_row, keep, last), lengths
 
 
-def critical_two_stage_select(
-    attn_scores: Tensor,
-    output_scores: Tensor,
-    counts: int | Tensor,
-    first_stage: float = 0.5,
-    protected: Tensor | None = None,
-    valid: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """CriticalKV's two-stage selection (Feng et al. 2025, arXiv:2502.03805).
-
-    Stage 1 keeps ``⌊first_stage · counts⌋`` entries by attention score (``attn_scores``, with
-    the same protection rules as :func:`topk_keep`); stage 2 fills the rest of ``counts`` with
-    the highest ``output_scores`` (e.g. :func:`critical_reweight`) among the entries not yet
-    kept. Protected entries are kept first in both stages.
-
-    Returns:
-        ``keep_idx``, ``lengths`` as :func:`topk_keep`.
-    """
-    if not 0.0 <= first_stage <= 1.0:
-        raise ValueError(f"first_stage must be in [0, 1]; got {first_stage}")
-    batch, heads, length = attn_scores.shape
-    counts_t = _as_counts(counts, batch, heads, attn_scores.device)
-    first = torch.floor(counts_t.double() * first_stage).long()
-    stage1, stage1_len = topk_keep(attn_scores, first, protected=protected, valid=valid)
-    slot = torch.arange(stage1.shape[-1], device=attn_scores.device)[None, None, :] < stage1_len[..., None]
-    hits = torch.zeros(batch, heads, length, dtype=torch.long, device=attn_scores.device)
-    chosen = hits.scatter_add(-1, stage1, slot.long()) > 0  # padding slots add 0
-    if protected is not None:
-        chosen = chosen | protected.to(torch.bool)
-    return topk_keep(output_scores, counts_t, protected=chosen, valid=valid)
+#END

@@ -50,6 +50,7 @@ def last_valid(valid: Tensor, counts: Tensor) -> Tensor:
 
 
 def first_valid(valid: Tensor, count: int) -> Tensor:
+    """``(B, H, N)`` bool: the first ``count`` valid entries of each row (left padding skipped: the sinks)."""
     return protected_mask(*valid.shape, sinks=count, valid=valid)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import observe_prefill
-from kvfold.methods.core.scoring import noncausal_chunk_attention, pool_tokens, zscore
+from kvfold.methods.core.scoring import compute_dtype, gqa_groups, mask_invalid, pool_tokens, zscore
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import layer_content
@@ -25,10 +25,60 @@ from kvfold.runtime.cache import FoldedLayer
 Tensor = torch.Tensor
 
 
+# ---------------------------------------------------------------------------- scores
+
+
+def noncausal_chunk_attention(
+    queries: Tensor,
+    keys: Tensor,
+    chunk: int = 256,
+    scaling: float = 1.0,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """Compactor's attention score (Chari & Van Durme 2025, arXiv:2507.08143): the attention each
+    key receives from the queries of its own chunk of ``chunk`` tokens, **non-causally** (a query
+    also sees the later keys of its chunk), summed over those queries and averaged over the GQA
+    group. Chunks start at each row's first valid token; the last chunk may be shorter.
+
+    Cost ``O(N · chunk · D)`` per head: the whole prefill's queries, none of the ``N × N`` matrix.
+
+    Args:
+        queries: ``(B, H_q, N, D)`` post-RoPE queries of every context token (a prefill's).
+        keys: ``(B, H_kv, N, D)`` post-RoPE keys of the same tokens.
+        chunk: tokens per chunk (≥ 1).
+        scaling: logit scale (the authors' release uses 1, i.e. unscaled ``q·k``).
+        valid: ``(B, H_kv, N)`` bool or None: padding neither attends nor is attended.
+
+    Returns:
+        ``(B, H_kv, N)`` float32 (float64 for float64 inputs), ``-inf`` on padding.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be ≥ 1; got {chunk}")
+    batch, num_q_heads, length, dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    groups = gqa_groups(num_q_heads, num_kv_heads)
+    if keys.shape[2] != length:
+        raise ValueError(f"need one query per key; got {length} queries and {keys.shape[2]} keys")
+    dtype = compute_dtype(queries, keys)
+    ok = torch.ones(batch, num_kv_heads, length, dtype=torch.bool, device=keys.device) if valid is None else valid
+    out = torch.zeros(batch, num_kv_heads, length, dtype=dtype, device=keys.device)
+    for b in range(batch):
+        start = int(length - ok[b, 0].sum())  # left padding: the row's tokens are its last ones
+        for lo in range(start, length, chunk):
+            hi = min(lo + chunk, length)
+            q = queries[b, :, lo:hi].to(dtype).reshape(num_kv_heads, groups * (hi - lo), dim)
+            logits = torch.matmul(q * scaling, keys[b, :, lo:hi].to(dtype).transpose(-1, -2))
+            logits = logits.masked_fill(~ok[b, :, None, lo:hi], float("-inf"))
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # (H_kv, G·c, c)
+            out[b, :, lo:hi] = probs.sum(dim=1) / groups  # Σ over the chunk's queries, mean over G
+    return mask_invalid(out, valid)
+
+
+
 class CompactorAttentionObserver:
     """Prefill observer: writes ``layer.entry_stats[key]`` ``(B, H_kv, N)``, the non-causal
     attention each entry receives from the queries of its chunk
-    (:func:`kvfold.methods.core.scoring.noncausal_chunk_attention`)."""
+    (:func:`noncausal_chunk_attention`)."""
 
     def __init__(self, chunk: int, scaled: bool) -> None:
         self.chunk = chunk

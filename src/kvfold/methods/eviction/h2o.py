@@ -12,19 +12,92 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.model import observe_prefill
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
-from kvfold.methods.core.scoring import (
-    h2o_scores,
-    pool_gqa,
-)
+from kvfold.methods.core.scoring import GqaReduce, causal_probs, compute_dtype, mask_invalid, pool_gqa
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, last_valid, layer_content, online_limits
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------- scores
+
+
+def h2o_scores(
+    queries_all: Tensor,
+    keys: Tensor,
+    scaling: float,
+    chunk: int = 256,
+    gqa_reduce: GqaReduce = "sum",
+    log_mass: Tensor | None = None,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """H2O accumulated attention (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient
+    Generative Inference of Large Language Models", arXiv:2306.14048).
+
+    Score of key ``j`` = Σ over the (causal) prefill queries ``i ≥ j`` of ``softmax_i(j)``: the
+    total attention it received. Queries are processed ``chunk`` at a time, so at most
+    ``(B, H_q, chunk, N)`` probabilities exist at once.
+
+    Args:
+        queries_all: ``(B, H_q, Q, D)`` post-RoPE queries of the last ``Q ≤ N`` tokens (usually all
+            ``N`` prefill tokens); query ``i`` sits at key position ``N − Q + i``.
+        keys: ``(B, H_kv, N, D)``.
+        scaling: logit scale.
+        chunk: queries per chunk (memory bound; the result does not depend on it).
+        gqa_reduce: combination of the ``G`` query heads (``"sum"``: total attention received).
+        log_mass, valid: see :mod:`kvfold.methods.core.scoring`.
+
+    Returns:
+        ``(B, H_kv, N)`` accumulated attention, ``-inf`` on padding. Continue it during decoding
+        with :func:`h2o_update`.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be ≥ 1; got {chunk}")
+    num_queries, length = queries_all.shape[2], keys.shape[2]
+    start = length - num_queries
+    dtype = compute_dtype(queries_all, keys, log_mass)
+    total = torch.zeros(queries_all.shape[0], queries_all.shape[1], length, dtype=dtype, device=keys.device)
+    for lo in range(0, num_queries, chunk):  # loop over query chunks only, for memory
+        hi = min(lo + chunk, num_queries)
+        end = start + hi  # causal: this chunk sees keys [0, end) only
+        probs = causal_probs(
+            queries_all[:, :, lo:hi],
+            keys[:, :, :end],
+            scaling,
+            start + lo,
+            None if log_mass is None else log_mass[..., :end],
+            None if valid is None else valid[..., :end],
+        )
+        total[..., :end] += probs.sum(dim=2)
+    return mask_invalid(pool_gqa(total, keys.shape[1], gqa_reduce), valid)
+
+
+def h2o_update(acc_scores: Tensor, probs_step: Tensor, gqa_reduce: GqaReduce = "sum") -> Tensor:
+    """One online H2O step (Zhang et al. 2023): add this step's attention.
+
+    Args:
+        acc_scores: ``(B, H_kv, N_prev)`` accumulated scores, ``N_prev ≤ N``; entries appended since
+            (positions ``N_prev … N − 1``) start from 0. ``-inf`` (padding) stays ``-inf``.
+        probs_step: ``(B, H_q, q, N)`` attention probabilities of the step's ``q`` queries.
+        gqa_reduce: must match the one used by :func:`h2o_scores`.
+
+    Returns:
+        A new ``(B, H_kv, N)`` tensor ``acc + Σ_queries pool_gqa(probs)``.
+    """
+    length = probs_step.shape[-1]
+    if acc_scores.shape[-1] > length:
+        raise ValueError(f"accumulator has {acc_scores.shape[-1]} entries but the step attends {length}")
+    added = pool_gqa(probs_step.sum(dim=2), acc_scores.shape[1], gqa_reduce)
+    dtype = torch.promote_types(acc_scores.dtype, compute_dtype(probs_step))
+    acc = F.pad(acc_scores.to(dtype), (0, length - acc_scores.shape[-1]), value=0.0)
+    return acc + added.to(dtype)
+
 
 
 # ---------------------------------------------------------------------------- H2O
@@ -34,7 +107,7 @@ class H2OPrefillObserver:
     """Accumulates H2O's attention during the prefill (attention calls it once per layer).
 
     Writes ``layer.entry_stats["h2o"]`` ``(B, H_kv, N)``: the attention each entry received from
-    all prefill queries, summed over the GQA group (:func:`kvfold.methods.core.scoring.h2o_scores`,
+    all prefill queries, summed over the GQA group (:func:`h2o_scores`,
     computed ``chunk`` queries at a time so at most ``(B, H_q, chunk, N)`` probabilities exist).
     """
 
@@ -52,7 +125,7 @@ class H2OPrefillObserver:
 
 class H2OOnline(OnlineEviction):
     """Online H2O: each step adds the step's attention to every entry's accumulated score
-    (:func:`kvfold.methods.core.scoring.h2o_update`); the ``recent`` newest tokens and the sinks are
+    (:func:`h2o_update`); the ``recent`` newest tokens and the sinks are
     never evicted; otherwise the entry with the least accumulated attention goes."""
 
     def __init__(self, limits: dict[int, int], recent: int, sinks: int) -> None:

@@ -12,14 +12,26 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
-from kvfold.methods.core.scoring import (
-    knorm_scores,
-)
+from kvfold.methods.core.scoring import compute_dtype, mask_invalid
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, layer_content, online_limits
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------- scores
+
+
+def knorm_scores(keys: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Key-norm scores (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for
+    KV Cache Compression", arXiv:2406.11430): low ‖k‖₂ correlates with high attention, so ``score = −‖k‖₂``.
+
+    Returns:
+        ``(B, H_kv, N)``.
+    """
+    return mask_invalid(-torch.linalg.vector_norm(keys.to(compute_dtype(keys)), dim=-1), valid)
+
 
 
 # ---------------------------------------------------------------------------- K-norm

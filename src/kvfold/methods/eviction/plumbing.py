@@ -10,13 +10,8 @@ import torch
 from kvfold.methods.core.base import CompressionContext, Selector, Standalone, register
 from kvfold.methods.core.online import RecencyEviction
 from kvfold.methods.core.spec import SpecError
+from kvfold.methods.eviction.common import first_valid
 from kvfold.runtime.cache import FoldedLayer
-
-
-def first_valid_mask(valid: torch.Tensor, count: int) -> torch.Tensor:
-    """``(B, H, N)`` bool: the first ``count`` valid entries of each row (left-padding aware)."""
-    rank = torch.cumsum(valid.long(), dim=-1) - 1
-    return valid & (rank < count)
 
 
 @register
@@ -60,7 +55,7 @@ class StreamingLLM(Selector):
         return torch.arange(n, dtype=torch.float32, device=valid.device).expand(valid.shape).clone()
 
     def protected(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> torch.Tensor:
-        return first_valid_mask(layer.valid_mask(), self.sinks)
+        return first_valid(layer.valid_mask(), self.sinks)
 
     def online_policy(self, ctx: CompressionContext) -> RecencyEviction | None:
         if not self.online:

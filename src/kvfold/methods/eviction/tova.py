@@ -11,17 +11,40 @@ from typing import ClassVar
 import torch
 
 from kvfold.methods.core.base import CompressionContext, Selector, register
-from kvfold.methods.core.model import module_scaling
+from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.online import OnlineEviction
-from kvfold.methods.core.scoring import (
-    tova_scores,
-    window_attention,
-)
+from kvfold.methods.core.scoring import compute_dtype, gqa_groups, mask_invalid, window_attention
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.eviction.common import captured_window, layer_content, online_limits
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------- scores
+
+
+def tova_scores(probs_last: Tensor, num_kv_heads: int, valid: Tensor | None = None) -> Tensor:
+    """TOVA scores (Oren et al. 2024, "Transformers are Multi-State RNNs",
+    arXiv:2401.06104).
+
+    The attention of the **last** query, averaged over all query heads of the layer: one score
+    per token for the layer, so every KV head keeps the same set (the result is that score
+    repeated for each KV head).
+
+    Args:
+        probs_last: ``(B, H_q, q, N)`` attention probabilities; the last of the ``q`` rows is used.
+        num_kv_heads: ``H_kv`` of the returned scores.
+        valid: ``(B, H_kv, N)`` bool or None.
+
+    Returns:
+        ``(B, H_kv, N)``.
+    """
+    last = probs_last[:, :, -1, :].to(compute_dtype(probs_last))
+    gqa_groups(last.shape[1], num_kv_heads)
+    layer_score = last.mean(dim=1, keepdim=True)  # (B, 1, N): head-averaged
+    return mask_invalid(layer_score.expand(-1, num_kv_heads, -1).contiguous(), valid)
+
 
 
 # ---------------------------------------------------------------------------- TOVA
@@ -71,7 +94,8 @@ class TOVA(Selector):
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
         keys, _, beta, valid = layer_content(layer)
         last = captured_window(layer, 1, self.name)
-        probs = window_attention(last, keys, module_scaling(ctx, layer_idx, layer), log_mass=beta, valid=valid)
+        scaling = layer_scaling(ctx, layer_idx, layer, require_module=True)
+        probs = window_attention(last, keys, scaling, log_mass=beta, valid=valid)
         return tova_scores(probs, layer.num_heads, valid)
 
     def protected(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 import kvfold
 from kvfold.methods import REGISTRY, CompressionContext, SpecError, build_method
 from kvfold.methods.compaction.attention_matching.compact import compact_layers
+from kvfold.methods.compaction.attention_matching.features import Group
 from kvfold.methods.compaction.attention_matching.queries import QueryOptions, extract_reference_queries
 from kvfold.methods.compaction.attention_matching.schedule import (
     HeadSchedule,
@@ -24,7 +25,8 @@ from kvfold.methods.compaction.attention_matching.schedule import (
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, _fit_group, fit_problems
 from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys
-from kvfold.methods.compaction.linalg import nnls, nnls_reference, omp_select
+from kvfold.methods.compaction.linalg import nnls, nnls_reference
+from kvfold.methods.compaction.omp import omp_select
 from kvfold.methods.core.repeat import RepeatPrompt
 from kvfold.pipeline.chunked import prefill_chunked
 from kvfold.runtime.budget import Budget
@@ -89,16 +91,9 @@ def test_full_count_reproduces_the_block_exactly(keys_kind):
     counts = torch.isfinite(beta0).sum(-1)
     s = keys.shape[-1] ** -0.5
     config = FitConfig(keys=keys_kind)
-    res = _fit_group(
-        keys,
-        values,
-        beta0,
-        queries,
-        torch.ones(queries.shape[:2], dtype=torch.bool),
-        counts,
-        torch.full((3,), s, dtype=F64),
-        config,
-    )
+    valid = torch.ones(queries.shape[:2], dtype=torch.bool)
+    group = Group.prepare(keys, values, beta0, queries, valid, torch.full((3,), s, dtype=F64))
+    res = _fit_group(group, counts, config)
     assert res.lengths.tolist() == counts.tolist()
     c_k, c_v, beta = compacted_block(res, keys, values)
     probe = torch.randn(3, 40, keys.shape[-1], generator=torch.Generator().manual_seed(5), dtype=F64) * 2

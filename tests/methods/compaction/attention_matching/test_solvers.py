@@ -47,23 +47,6 @@ def test_a_wide_fit_by_blocks_equals_the_fit_with_plain_products(monkeypatch, dt
         torch.testing.assert_close(blocked.log_mass, plain.log_mass, rtol=1e-9, atol=1e-10)
 
 
-def test_block_statistics_a_few_problems_at_a_time_equal_all_at_once(monkeypatch):
-    """Highest-attention selection's statistics (§3.3, App. F.1) bit for bit whatever the number of
-    problems whose features are held at once."""
-    torch.manual_seed(1)
-    keys, values = torch.randn(7, 40, 8), torch.randn(7, 40, 8)
-    beta0 = torch.zeros(7, 40)
-    beta0[:, :3] = float("-inf")
-    queries, valid = torch.randn(7, 300, 8), torch.rand(7, 300) > 0.1
-    scaling = torch.full((7,), 8**-0.5)
-    monkeypatch.setattr(solve, "STATISTICS_BYTES", 1 << 40)
-    together = solve._block_statistics(keys, values, beta0, queries, valid, scaling, block=64)
-    monkeypatch.setattr(solve, "STATISTICS_BYTES", 2 * 64 * 40 * 4)  # two problems at a time
-    apart = solve._block_statistics(keys, values, beta0, queries, valid, scaling, block=64)
-    for a, b in zip(together, apart, strict=True):
-        assert torch.equal(a, b)
-
-
 def test_problems_are_grouped_widest_first_within_the_width_slack_and_memory():
     """A global budget gives the heads of one layer widths from a few entries to most of them:
     a group pads to its widest problem, so groups keep widths within ``WIDTH_SLACK``."""

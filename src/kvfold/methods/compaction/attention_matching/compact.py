@@ -38,24 +38,6 @@ def parse_span(text: str, owner: str = "am") -> tuple[int | None, int | None]:
         raise SpecError(f"{owner}: span bounds must be integers; got {text!r}") from None
 
 
-def layer_scalings(model) -> dict[int, float]:
-    """Logit scale of every attention module (``module.scaling``), by layer index."""
-    found: dict[int, float] = {}
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-            scale = getattr(module, "scaling", None)
-            if scale is not None:
-                found.setdefault(int(module.layer_idx), float(scale))
-    return found
-
-
-def _scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -> float:
-    scales = ctx.memo.get("am_scaling")
-    if scales is None:
-        scales = ctx.memo["am_scaling"] = layer_scalings(ctx.model)
-    return scales.get(layer_idx, layer.head_dim**-0.5)
-
-
 def verbatim_prefix(ctx: CompressionContext, template: bool, sinks: int) -> Tensor:
     """Context tokens per row ``(B,)`` kept verbatim, outside the compacted span: the chat template
     before the context text (when the row was prefilled with it and ``template``), at least the
@@ -210,6 +192,52 @@ def _write_layer(layer: FoldedLayer, plan: _LayerPlan, result: Compacted) -> Non
     layer.replace(out_k[:, :, :width], out_v[:, :, :width], out_lm[:, :, :width], lengths=total)
 
 
+def _stack_problems(
+    plans: dict[int, _LayerPlan], queries: dict[int, ReferenceQueries], scalings: dict[int, float]
+) -> dict[str, Tensor]:
+    """Every layer's blocks (rows × KV heads × chunks) as one stack of problems: keys, values and β⁰
+    padded to the widest block, each block with its row's and head's reference queries (padded to
+    the most queries, invalid), its budget and its layer's logit scale."""
+    width = max(p.keys.shape[3] for p in plans.values())
+    n = max(queries[i].queries.shape[2] for i in plans)
+    stack: dict[str, list[Tensor]] = {name: [] for name in ("k", "v", "lm", "q", "qv", "counts", "scale")}
+    for i, plan in plans.items():
+        b, h, c, t, d = plan.keys.shape
+        pad = width - t
+        stack["k"].append(torch.nn.functional.pad(plan.keys, (0, 0, 0, pad)))
+        stack["v"].append(torch.nn.functional.pad(plan.values, (0, 0, 0, pad)))
+        stack["lm"].append(torch.nn.functional.pad(plan.log_mass, (0, pad), value=NEG_INF))
+        ref = queries[i]
+        qn = ref.queries.shape[2]
+        q = torch.nn.functional.pad(ref.queries, (0, 0, 0, n - qn))[:, :, None].expand(-1, -1, c, -1, -1)
+        qv = torch.nn.functional.pad(ref.valid, (0, n - qn), value=False)[:, :, None].expand(-1, -1, c, -1)
+        stack["q"].append(q)
+        stack["qv"].append(qv)
+        stack["counts"].append(plan.counts)
+        stack["scale"].append(torch.full(plan.counts.shape, scalings[i], dtype=torch.float64))
+    return {name: torch.cat([t.reshape(-1, *t.shape[3:]) for t in tensors]) for name, tensors in stack.items()}
+
+
+def _write_layers(targets: list[tuple[int, FoldedLayer]], plans: dict[int, _LayerPlan], result: Compacted) -> None:
+    """Each layer's share of the stacked ``result`` (in :func:`_stack_problems`' order) written back."""
+    offset = 0
+    for i, layer in targets:
+        plan = plans[i]
+        b, h, c = plan.counts.shape
+        rows = slice(offset, offset + b * h * c)
+        offset += b * h * c
+        t = plan.keys.shape[3]
+        part = Compacted(
+            index=result.index[rows].clamp_max(t - 1).reshape(b, h, c, -1),
+            log_mass=result.log_mass[rows].reshape(b, h, c, -1),
+            values=result.values[rows].reshape(b, h, c, *result.values.shape[-2:]),
+            lengths=result.lengths[rows].reshape(b, h, c),
+            mass_error=result.mass_error[rows],
+            output_error=result.output_error[rows],
+        )
+        _write_layer(layer, plan, part)
+
+
 def compact_layers(
     targets: list[tuple[int, FoldedLayer]],
     queries: dict[int, ReferenceQueries],
@@ -245,24 +273,7 @@ def compact_layers(
     plans = {i: _plan_layer(layer, totals[i], span, chunks, verbatim) for i, layer in targets}
     if not plans:
         return {}
-    width = max(p.keys.shape[3] for p in plans.values())
-    n = max(queries[i].queries.shape[2] for i in plans)
-    stack: dict[str, list[Tensor]] = {name: [] for name in ("k", "v", "lm", "q", "qv", "counts", "scale")}
-    for i, plan in plans.items():
-        b, h, c, t, d = plan.keys.shape
-        pad = width - t
-        stack["k"].append(torch.nn.functional.pad(plan.keys, (0, 0, 0, pad)))
-        stack["v"].append(torch.nn.functional.pad(plan.values, (0, 0, 0, pad)))
-        stack["lm"].append(torch.nn.functional.pad(plan.log_mass, (0, pad), value=NEG_INF))
-        ref = queries[i]
-        qn = ref.queries.shape[2]
-        q = torch.nn.functional.pad(ref.queries, (0, 0, 0, n - qn))[:, :, None].expand(-1, -1, c, -1, -1)
-        qv = torch.nn.functional.pad(ref.valid, (0, n - qn), value=False)[:, :, None].expand(-1, -1, c, -1)
-        stack["q"].append(q)
-        stack["qv"].append(qv)
-        stack["counts"].append(plan.counts)
-        stack["scale"].append(torch.full(plan.counts.shape, scalings[i], dtype=torch.float64))
-    cat = {name: torch.cat([t.reshape(-1, *t.shape[3:]) for t in tensors]) for name, tensors in stack.items()}
+    cat = _stack_problems(plans, queries, scalings)
     device = cat["k"].device
     result = fit_problems(
         cat["k"],
@@ -274,22 +285,7 @@ def compact_layers(
         cat["scale"].reshape(-1).to(device),
         config,
     )
-    offset = 0
-    for i, layer in targets:
-        plan = plans[i]
-        b, h, c = plan.counts.shape
-        rows = slice(offset, offset + b * h * c)
-        offset += b * h * c
-        t = plan.keys.shape[3]
-        part = Compacted(
-            index=result.index[rows].clamp_max(t - 1).reshape(b, h, c, -1),
-            log_mass=result.log_mass[rows].reshape(b, h, c, -1),
-            values=result.values[rows].reshape(b, h, c, *result.values.shape[-2:]),
-            lengths=result.lengths[rows].reshape(b, h, c),
-            mass_error=result.mass_error[rows],
-            output_error=result.output_error[rows],
-        )
-        _write_layer(layer, plan, part)
+    _write_layers(targets, plans, result)
     fitted = cat["counts"].reshape(-1) < torch.isfinite(cat["lm"]).sum(-1)
     if not bool(fitted.any()):
         return {"mass_error": 0.0, "output_error": 0.0, "blocks": 0}
@@ -300,7 +296,7 @@ def compact_layers(
     }
 
 
-def _trim_captured(cache: FoldedCache) -> None:
+def trim_captured(cache: FoldedCache) -> None:
     """Drop all but the last few prefill queries kept for context reference queries (memory)."""
     for _, layer in cache.folded_layers:
         q = layer.captured_queries

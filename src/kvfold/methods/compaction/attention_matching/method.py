@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kvfold.methods.compaction.attention_matching.compact import (
-    _scaling,
-    _trim_captured,
     compact_layers,
     parse_span,
+    trim_captured,
     verbatim_prefix,
 )
 from kvfold.methods.compaction.attention_matching.queries import (
@@ -29,6 +28,7 @@ from kvfold.methods.compaction.attention_matching.queries import (
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
+from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.cache import FoldedLayer
 
@@ -56,6 +56,7 @@ def _check_fit_options(name: str, mass_weight: str, value_ridge: float | None) -
 # ---------------------------------------------------------------------------- online (App. F.3)
 
 
+@dataclass(eq=False)
 class AttentionMatchingOnline:
     """Online compaction (App. F.3): whenever a layer's physical cache exceeds ``limit`` entries,
     everything but the ``recent`` newest entries is compacted to ``factor`` of its size.
@@ -76,28 +77,22 @@ class AttentionMatchingOnline:
         verbatim: ``(B,)`` leading entries never compacted (template, sinks).
     """
 
-    needs_attention = False
+    needs_attention: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        limits: dict[int, int],
-        scalings: dict[int, float],
-        config: FitConfig,
-        recent: int = 20,
-        factor: float = 0.5,
-        max_queries: int = 1024,
-        initial: dict[int, ReferenceQueries] | None = None,
-        verbatim: Tensor | None = None,
-    ) -> None:
-        self.verbatim = verbatim
-        self.limits = limits
-        self.scalings = scalings
-        self.config = config
-        self.recent = recent
-        self.factor = factor
-        self.max_queries = max_queries
-        self.buffers: dict[int, ReferenceQueries] = dict(initial or {})
-        self.compactions: dict[int, int] = {i: 0 for i in limits}
+    limits: dict[int, int]
+    scalings: dict[int, float]
+    config: FitConfig
+    recent: int = 20
+    factor: float = 0.5
+    max_queries: int = 1024
+    initial: InitVar[dict[int, ReferenceQueries] | None] = None
+    verbatim: Tensor | None = None
+    buffers: dict[int, ReferenceQueries] = field(init=False)
+    compactions: dict[int, int] = field(init=False)
+
+    def __post_init__(self, initial: dict[int, ReferenceQueries] | None) -> None:
+        self.buffers = dict(initial or {})
+        self.compactions = {i: 0 for i in self.limits}
 
     def after_forward(
         self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None
@@ -261,7 +256,7 @@ class _AttentionMatching(Standalone):
         start = time.perf_counter()
         layers = ctx.cache.folded_layers
         totals = self.totals(ctx)
-        scalings = {i: _scaling(ctx, i, layer) for i, layer in layers}
+        scalings = {i: layer_scaling(ctx, i, layer) for i, layer in layers}
         config = self.fit_config()
         span = parse_span(self.span, self.name)
         verbatim = verbatim_prefix(ctx, self.template, self.sinks)
@@ -272,7 +267,7 @@ class _AttentionMatching(Standalone):
             stats = compact_text_chunks(self, ctx, totals, scalings, config)
             report.update(stats)
             report["seconds"] = time.perf_counter() - start
-            _trim_captured(ctx.cache)
+            trim_captured(ctx.cache)
             return
         sources = parse_sources(self.queries, self.name)
         passes = tuple(s for s in sources if s in ("repeat", "selfstudy"))
@@ -299,7 +294,7 @@ class _AttentionMatching(Standalone):
             report["queries_per_head"] = float(torch.stack([q.counts.float().mean() for q in queries.values()]).mean())
             report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks, verbatim))
         report["seconds"] = time.perf_counter() - start
-        _trim_captured(ctx.cache)
+        trim_captured(ctx.cache)
 
     def online_policy(self, ctx: CompressionContext) -> AttentionMatchingOnline | None:
         if not self.online:
@@ -314,7 +309,7 @@ class _AttentionMatching(Standalone):
         }
         return AttentionMatchingOnline(
             {i: limit for i, _ in layers},
-            {i: _scaling(ctx, i, layer) for i, layer in layers},
+            {i: layer_scaling(ctx, i, layer) for i, layer in layers},
             self.fit_config(),
             recent=self.recent,
             factor=self.factor,
@@ -358,7 +353,7 @@ class AMOmp(_AttentionMatching):
         k: keys added per greedy step (1).
         tau: greedy steps between NNLS refits (1).
         refills: times selection resumes after dropping keys with β < −7 (8; the paper has no
-            limit — see :func:`kvfold.methods.compaction.attention_matching.solve.omp_keys`).
+            limit — see :func:`kvfold.methods.compaction.attention_matching.solvers.omp_keys`).
     """
 
     name: ClassVar[str] = "am_omp"
@@ -525,7 +520,7 @@ class AMFit(Folder):
             queries.queries,
             queries.valid,
             lengths,
-            _scaling(ctx, layer_idx, layer),
+            layer_scaling(ctx, layer_idx, layer),
             self.fit_config(),
             given=given,
         )

@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -117,6 +117,7 @@ class _StopForward(Exception):
     """Raised by :class:`QueryRecorder` once the last needed layer has been recorded."""
 
 
+@dataclass(eq=False)
 class QueryRecorder:
     """An online-policy hook (see :class:`kvfold.runtime.attention.OnlinePolicy`) that records queries.
 
@@ -132,23 +133,15 @@ class QueryRecorder:
         dtype: storage dtype.
     """
 
-    needs_attention = False
+    needs_attention: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        layers: set[int],
-        cap: int,
-        generator: torch.Generator,
-        stop_after: int | None = None,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        self.layers = layers
-        self.cap = cap
-        self.generator = generator
-        self.stop_after = stop_after
-        self.dtype = dtype
-        self._queries: dict[int, Tensor] = {}
-        self._keys: dict[int, Tensor] = {}
+    layers: set[int]
+    cap: int
+    generator: torch.Generator
+    stop_after: int | None = None
+    dtype: torch.dtype = torch.float32
+    _queries: dict[int, Tensor] = field(init=False, default_factory=dict, repr=False)
+    _keys: dict[int, Tensor] = field(init=False, default_factory=dict, repr=False)
 
     def after_forward(
         self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None, logits: Tensor | None = None

@@ -24,10 +24,12 @@ the prior has no effect; where they do not (fewer queries than kept entries, col
 the entry keeps its own mass and value rather than a minimum-norm guess. In particular ``t = T``
 reproduces the block exactly for any number of queries. OMP keeps ``Φᵀ Φ_S`` incrementally, so a
 refit is a ``t × t`` solve and correlations ``Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w`` cost no pass over Φ.
-``solver="exact"`` runs the reference solvers of :mod:`kvfold.methods.compaction.linalg` instead.
+``solver="exact"`` runs the reference solvers of :mod:`kvfold.methods.compaction.linalg` and
+:mod:`kvfold.methods.compaction.omp` instead.
 
 All work is in float32 (float64 for float64 inputs), vectorised over problems; problems are
-processed in groups whose ``(n, T)`` feature matrices fit a memory budget.
+processed in groups whose ``(n, T)`` feature matrices fit a memory budget. A group's features and
+statistics are computed by :mod:`kvfold.methods.compaction.attention_matching.features`.
 """
 
 from __future__ import annotations
@@ -39,22 +41,22 @@ from typing import Literal
 
 import torch
 
-from kvfold.methods.compaction.attention_matching.solvers import (
-    _gather_cols,
-    box_nnls,
-    omp_keys,
-    ridge_solve,
-    symmetric_product,
+from kvfold.methods.compaction.attention_matching.features import (
+    Group,
+    block_statistics,
+    fused_statistics,
+    max_shifted_features,
+    selected_features,
 )
-from kvfold.methods.compaction.linalg import lstsq_ridge, nnls, omp_select
+from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys, ridge_solve, symmetric_product
+from kvfold.methods.compaction.linalg import lstsq_ridge, nnls
+from kvfold.methods.compaction.omp import gather_columns, omp_select
 from kvfold.runtime.attention import FLASH_WITH_LSE
 
 Tensor = torch.Tensor
 
 DEFAULT_GROUP_BYTES = 192 << 20
 """Bytes of ``(n, T)`` feature matrices processed at once (several such temporaries exist)."""
-STATISTICS_BYTES = 4 << 20
-"""Bytes of one ``(problems, query block, T)`` feature block of :func:`_block_statistics`."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,8 @@ class FitConfig:
             entries' own values (``C_v = V_S`` when the queries say nothing); None = ``ridge``.
         query_block: reference queries per block while the fit's statistics are accumulated
             (memory follows the block, not the number of queries).
-        solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.methods.compaction.linalg`).
+        solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.methods.compaction.linalg`,
+            :mod:`kvfold.methods.compaction.omp`).
         group_bytes: memory budget for the feature matrices of one group of problems.
     """
 
@@ -129,65 +132,8 @@ class Compacted:
 # ---------------------------------------------------------------------------- one group
 
 
-def _logits(keys: Tensor, beta0: Tensor, queries: Tensor, scaling: Tensor) -> Tensor:
-    """``ℓ = s·Q Kᵀ + β⁰`` ``(P, n, T)`` (β⁰ = −inf on empty slots)."""
-    return torch.bmm(queries, keys.mT).mul_(scaling[:, None, None]).add_(beta0[:, None, :])
-
-
-def _features(
-    keys: Tensor, beta0: Tensor, queries: Tensor, query_valid: Tensor, scaling: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``Φ = exp(ℓ − shift)`` with the per-query max-shift (App. A.2; invalid queries → zero rows),
-    the mass ``m = Φ·1`` and the shift ``(P, n)``."""
-    phi = _logits(keys, beta0, queries, scaling)
-    shift = phi.amax(dim=-1)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    phi.sub_(shift[..., None]).exp_()  # App. A.2: exp(ℓ − max ℓ), in place
-    if not bool(query_valid.all()):
-        phi.mul_(query_valid[..., None].to(phi.dtype))
-    return phi, phi.sum(-1), shift
-
-
-def _block_statistics(
-    keys: Tensor,
-    values: Tensor,
-    beta0: Tensor,
-    queries: Tensor,
-    query_valid: Tensor,
-    scaling: Tensor,
-    block: int = 256,
-    squares: bool = True,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What highest-attention selection needs, one block of queries at a time (cache friendly):
-    the shift ``(P, n)``, the mass ``m`` ``(P, n)``, the target ``Y = Φ V / m`` ``(P, n, D)`` and
-    ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i`` (the mean squared attention weight; zeros
-    unless ``squares``: given keys need no selection score)."""
-    P, n, _ = queries.shape
-    shift = queries.new_zeros(P, n)
-    mass = queries.new_zeros(P, n)
-    target = queries.new_zeros(P, n, values.shape[-1])
-    square = queries.new_zeros(P, keys.shape[1])
-    n_valid = query_valid.sum(-1).clamp_min(1).to(queries.dtype)
-    # A few problems at a time: the (problems, block, T) features stay in cache through their
-    # ten or so passes. Every operation is per problem, so the result is the same bit for bit.
-    step = max(1, STATISTICS_BYTES // max(1, block * keys.shape[1] * queries.element_size()))
-    for p0 in range(0, P, step):
-        p1 = min(P, p0 + step)
-        k, v, b0, sc = keys[p0:p1], values[p0:p1], beta0[p0:p1], scaling[p0:p1]
-        for lo in range(0, n, block):
-            hi = min(n, lo + block)
-            phi, m, s = _features(k, b0, queries[p0:p1, lo:hi], query_valid[p0:p1, lo:hi], sc)
-            safe = torch.where(m > 0, m, torch.ones_like(m))
-            shift[p0:p1, lo:hi], mass[p0:p1, lo:hi] = s, m
-            target[p0:p1, lo:hi] = torch.bmm(phi, v) / safe[..., None]  # eq. 1: exp(ℓ) V / Mass
-            if squares:
-                weights = (safe.pow(-2) / n_valid[p0:p1, None])[:, None, :]
-                square[p0:p1] += torch.bmm(weights, phi.square_())[:, 0]
-    return shift, mass, target, square
-
-
 def _fused_statistics_apply(keys: Tensor, queries: Tensor, scaling: Tensor, config: FitConfig) -> bool:
-    """True when :func:`_fused_statistics` may replace :func:`_block_statistics`: float32 on CPU,
+    """True when :func:`fused_statistics` may replace :func:`block_statistics`: float32 on CPU,
     one logit scale, and a fit whose answer does not depend on the per-query shift (relative
     mass weighting: every quantity of the fit is a ratio to ``m_i``)."""
     return (
@@ -201,125 +147,129 @@ def _fused_statistics_apply(keys: Tensor, queries: Tensor, scaling: Tensor, conf
     )
 
 
-def _fused_statistics(
-    keys: Tensor, values: Tensor, beta0: Tensor, queries: Tensor, query_valid: Tensor, scaling: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The shift, mass and target of :func:`_block_statistics` (no selection score) from the fused
-    attention kernel: ``Y = softmax(s·Q Kᵀ + β⁰) V`` and each query's log-sum-exp ``lse_i``, taken
-    as the shift, so ``Φ_ij = exp(ℓ_ij − lse_i)`` are the attention weights and ``m_i = 1``.
-    With relative mass weighting (``Σ_i ((Φ_S w)_i / m_i − 1)²``) and the value fit on
-    ``X = Φ_S w / (Φ_S w)·1`` the fit is the same as with App. A.2's max-shift, at half the time
-    of the blocks of :func:`_block_statistics` (no ``(n, T)`` features in memory either)."""
-    P, n, _ = queries.shape
-    mask = beta0[None, :, None, :].expand(1, P, n, beta0.shape[-1])
-    target, lse = FLASH_WITH_LSE(
-        queries[None], keys[None], values[None], 0.0, False, attn_mask=mask, scale=float(scaling[0])
-    )
-    valid = query_valid.to(queries.dtype)
-    return lse[0].to(queries.dtype), valid, target[0] * valid[..., None]
+@dataclass
+class _Selection:
+    """Kept keys of a group and their mass fit: positions ``idx`` ``(P, t)`` (ascending, unused slots
+    last), ``ok`` the used slots, their features ``Φ_S`` ``(P, n, t)`` and weights ``w``, with the
+    mass ``m`` and target output ``Y`` of the block."""
+
+    idx: Tensor
+    ok: Tensor
+    lengths: Tensor
+    phi_s: Tensor
+    w: Tensor
+    mass: Tensor
+    target: Tensor
+    history: Tensor | None = None
 
 
-def _selected_features(
-    keys: Tensor,
-    beta0: Tensor,
-    queries: Tensor,
-    query_valid: Tensor,
-    scaling: Tensor,
-    shift: Tensor,
-    idx: Tensor,
-    ok: Tensor,
-) -> Tensor:
-    """``Φ_S = exp(ℓ_S − shift)`` ``(P, n, t)`` for the kept keys only (zero on unused slots)."""
-    k_s = keys.gather(1, idx[..., None].expand(-1, -1, keys.shape[-1]))
-    b_s = beta0.gather(1, idx).masked_fill(~ok, -math.inf)
-    phi_s = _logits(k_s, b_s, queries, scaling).sub_(shift[..., None]).exp_()
-    return phi_s.mul_(query_valid[..., None].to(phi_s.dtype))
-
-
-def _fit_group(
-    keys: Tensor,
-    values: Tensor,
-    log_mass: Tensor,
-    queries: Tensor,
-    query_valid: Tensor,
-    counts: Tensor,
-    scaling: Tensor,
-    config: FitConfig,
-    given: Tensor | None = None,
-) -> Compacted:
-    """Compact ``P`` problems at once (see the module docstring); ``given`` ``(P, t)`` fixes the
-    kept positions (−1 = unused slot) and only β and the values are fitted."""
-    P, T, _ = keys.shape
-    dt = torch.float64 if keys.dtype == torch.float64 or queries.dtype == torch.float64 else torch.float32
-    K, V, Q = keys.to(dt), values.to(dt), queries.to(dt)
-    beta0 = torch.where(torch.isfinite(log_mass), log_mass, torch.full_like(log_mass, -math.inf)).to(dt)
-    entry_valid = torch.isfinite(beta0)
-    qv = query_valid.to(torch.bool)
-    scale = scaling.to(dt)
-    t_max = int(counts.max()) if P else 0
-    history = None
+def _fit_group(group: Group, counts: Tensor, config: FitConfig, given: Tensor | None = None) -> Compacted:
+    """Compact the ``P`` problems of ``group`` at once to ``counts`` ``(P,)`` entries (see the module
+    docstring); ``given`` ``(P, t)`` fixes the kept positions (−1 = unused slot) and only β and the
+    values are fitted."""
+    t_max = int(counts.max()) if group.keys.shape[0] else 0
     if given is not None or config.keys == "highest":
-        if given is not None and _fused_statistics_apply(K, Q, scale, config):
-            shift, mass, target = _fused_statistics(K, V, beta0, Q, qv, scale)
-        else:
-            shift, mass, target, square = _block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
-        if given is not None:
-            ok = (given >= 0) & entry_valid.gather(1, given.clamp_min(0))
-            idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values[:, :t_max]  # used first
-        else:
-            # §3.3 / App. F.1: keep the t keys with the largest s_j = sqrt(mean_i a_ij²)
-            score = square.masked_fill(~entry_valid, -math.inf)
-            top = score.topk(t_max, dim=-1).indices
-            ok = (torch.arange(t_max, device=K.device)[None, :] < counts[:, None]) & entry_valid.gather(1, top)
-            idx = torch.where(ok, top, torch.full_like(top, T)).sort(dim=-1).values  # ascending positions
-        ok = idx < T
-        idx = torch.where(ok, idx, idx[:, :1].clamp_max(max(T - 1, 0)))
-        lengths = ok.sum(-1)
-        if config.solver != "exact":
-            return _streamed_fit(K, V, beta0, Q, qv, scale, shift, mass, target, idx, ok, lengths, config)
-        phi_s = _selected_features(K, beta0, Q, qv, scale, shift, idx, ok)
-        if config.fit_beta:
-            # §3.2: w = argmin_{w ≥ 0} ‖Φ_S w − m‖ (box [e^β_min, e^β_max] for highest attention)
-            lower, upper = _weight_box(config)
-            root = _mass_weights(mass, qv, config.mass_weight).sqrt()[..., None]
-            rows, target_mass = phi_s * root, mass * root[..., 0]
-            w = nnls(rows, target_mass, iters=config.nnls_iters, lower=lower, upper=upper, ridge=config.ridge) * ok
-        else:
-            w = ok.to(dt)
+        selection = _select_by_score(group, counts, t_max, config, given)
+        if isinstance(selection, Compacted):
+            return selection
     else:
-        phi, mass, _ = _features(K, beta0, Q, qv, scale)
-        safe_mass = torch.where(mass > 0, mass, torch.ones_like(mass))
-        target = torch.bmm(phi, V) / safe_mass[..., None]  # eq. 1: exp(ℓ) V / Mass
-        if config.solver == "exact":
-            idx, w, lengths, history = _omp_exact(phi, mass, counts, entry_valid, config)
-        else:
-            idx, w, lengths, history = omp_keys(
-                phi,
-                mass,
-                counts,
-                entry_valid,
-                k=config.k,
-                tau=config.tau,
-                nnls_iters=config.nnls_iters,
-                beta_min=config.beta_min,
-                beta_max=config.beta_max,
-                ridge=config.ridge,
-                refills=config.refills,
-            )
-        ok = (torch.arange(idx.shape[-1], device=K.device)[None, :] < lengths[:, None]) & (w > 0)
-        # ascending positions, unused slots last
-        order = torch.where(ok, idx, torch.full_like(idx, T)).sort(dim=-1)
-        ok = order.values < T
-        idx = torch.where(ok, order.values, idx[:, :1])
-        w = w.gather(1, order.indices) * ok
-        lengths = ok.sum(-1)
-        phi_s = _gather_cols(phi, idx) * ok[:, None, :].to(dt)
-        del phi
-    fitted_mass = torch.bmm(phi_s, w[..., None])[..., 0]
-    mass_norm = mass.norm(dim=-1)
-    mass_error = (fitted_mass - mass).norm(dim=-1) / torch.where(mass_norm > 0, mass_norm, torch.ones_like(mass_norm))
+        selection = _select_by_omp(group, counts, config)
+    return _fit_values(group, selection, t_max, config)
+
+
+def _kept_positions(
+    square: Tensor | None, entry_valid: Tensor, counts: Tensor, t_max: int, given: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(idx, ok, lengths)``: the ``given`` positions, or the ``t`` keys with the largest mean
+    squared attention weight ``square``; ascending, unused slots last (repeating a valid index)."""
+    T = entry_valid.shape[-1]
+    if given is not None:
+        ok = (given >= 0) & entry_valid.gather(1, given.clamp_min(0))
+        idx = torch.where(ok, given, torch.full_like(given, T)).sort(dim=-1).values[:, :t_max]  # used first
+    else:
+        # §3.3 / App. F.1: keep the t keys with the largest s_j = sqrt(mean_i a_ij²)
+        score = square.masked_fill(~entry_valid, -math.inf)
+        top = score.topk(t_max, dim=-1).indices
+        ok = (torch.arange(t_max, device=square.device)[None, :] < counts[:, None]) & entry_valid.gather(1, top)
+        idx = torch.where(ok, top, torch.full_like(top, T)).sort(dim=-1).values  # ascending positions
+    ok = idx < T
+    idx = torch.where(ok, idx, idx[:, :1].clamp_max(max(T - 1, 0)))
+    return idx, ok, ok.sum(-1)
+
+
+def _select_by_score(
+    group: Group, counts: Tensor, t_max: int, config: FitConfig, given: Tensor | None
+) -> Compacted | _Selection:
+    """Highest-attention keys (§3.3, App. F.1) or ``given`` ones, and β by (box-)NNLS (§3.2); the
+    ``"gram"`` solver fits β and the values in one go (:func:`_streamed_fit`)."""
+    K, V, beta0 = group.keys, group.values, group.beta0
+    Q, qv, scale = group.queries, group.query_valid, group.scaling
+    square = None
+    if given is not None and _fused_statistics_apply(K, Q, scale, config):
+        shift, mass, target = fused_statistics(K, V, beta0, Q, qv, scale)
+    else:
+        shift, mass, target, square = block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
+    idx, ok, lengths = _kept_positions(square, torch.isfinite(beta0), counts, t_max, given)
+    if config.solver != "exact":
+        return _streamed_fit(group, shift, mass, target, idx, ok, lengths, config)
+    phi_s = group.selected_features(shift, idx, ok)
+    if config.fit_beta:
+        # §3.2: w = argmin_{w ≥ 0} ‖Φ_S w − m‖ (box [e^β_min, e^β_max] for highest attention)
+        lower, upper = _weight_box(config)
+        root = _mass_weights(mass, qv, config.mass_weight).sqrt()[..., None]
+        rows, target_mass = phi_s * root, mass * root[..., 0]
+        w = nnls(rows, target_mass, iters=config.nnls_iters, lower=lower, upper=upper, ridge=config.ridge) * ok
+    else:
+        w = ok.to(K.dtype)
+    return _Selection(idx, ok, lengths, phi_s, w, mass, target)
+
+
+def _select_by_omp(group: Group, counts: Tensor, config: FitConfig) -> _Selection:
+    """OMP keys and their weights (§3.3 Algorithm 1; App. C.1 Algorithm 2), kept keys sorted."""
+    K, T = group.keys, group.keys.shape[1]
+    entry_valid = torch.isfinite(group.beta0)
+    phi, mass, _ = max_shifted_features(K, group.beta0, group.queries, group.query_valid, group.scaling)
+    safe_mass = torch.where(mass > 0, mass, torch.ones_like(mass))
+    target = torch.bmm(phi, group.values) / safe_mass[..., None]  # eq. 1: exp(ℓ) V / Mass
+    if config.solver == "exact":
+        idx, w, lengths, history = _omp_exact(phi, mass, counts, entry_valid, config)
+    else:
+        idx, w, lengths, history = omp_keys(
+            phi,
+            mass,
+            counts,
+            entry_valid,
+            k=config.k,
+            tau=config.tau,
+            nnls_iters=config.nnls_iters,
+            beta_min=config.beta_min,
+            beta_max=config.beta_max,
+            ridge=config.ridge,
+            refills=config.refills,
+        )
+    ok = (torch.arange(idx.shape[-1], device=K.device)[None, :] < lengths[:, None]) & (w > 0)
+    # ascending positions, unused slots last
+    order = torch.where(ok, idx, torch.full_like(idx, T)).sort(dim=-1)
+    ok = order.values < T
+    idx = torch.where(ok, order.values, idx[:, :1])
+    w = w.gather(1, order.indices) * ok
+    phi_s = gather_columns(phi, idx) * ok[:, None, :].to(K.dtype)
+    return _Selection(idx, ok, ok.sum(-1), phi_s, w, mass, target, history)
+
+
+def _over_norm(value: Tensor, norm: Tensor) -> Tensor:
+    """``value / norm`` per problem, with a zero norm counting as 1 (relative residuals)."""
+    return value / torch.where(norm > 0, norm, torch.ones_like(norm))
+
+
+def _fit_values(group: Group, selection: _Selection, t_max: int, config: FitConfig) -> Compacted:
+    """The values ``C_v`` by least squares on the selected keys (eq. 3–4), β, and the residuals."""
+    V, dt = group.values, group.keys.dtype
+    idx, ok, w, mass, target = selection.idx, selection.ok, selection.w, selection.mass, selection.target
+    fitted_mass = torch.bmm(selection.phi_s, w[..., None])[..., 0]
+    mass_error = _over_norm((fitted_mass - mass).norm(dim=-1), mass.norm(dim=-1))
     # eq. 3-4: X = softmax(s·Q C_kᵀ + β) = Φ_S w / (Φ_S w)·1, C_v = argmin ‖X C_v − Y‖
-    x = phi_s.mul_(w[:, None, :])
+    x = selection.phi_s.mul_(w[:, None, :])
     x.div_(torch.where(fitted_mass > 0, fitted_mass, torch.ones_like(fitted_mass))[..., None])
     v_s = V.gather(1, idx[..., None].expand(-1, -1, V.shape[-1]))
     if config.fit_values and t_max > 0:
@@ -331,20 +281,23 @@ def _fit_group(
         c_v = v_s + fit * ok[..., None].to(dt)
     else:
         c_v = v_s
-    y_norm = target.flatten(1).norm(dim=-1)
-    out_err = (x @ c_v - target).flatten(1).norm(dim=-1) / torch.where(y_norm > 0, y_norm, torch.ones_like(y_norm))
-    beta0_s = beta0.gather(1, idx)
-    log_w = torch.log(torch.where(ok, w, torch.ones_like(w)))
-    beta = torch.where(ok, beta0_s + log_w, torch.full_like(beta0_s, -math.inf))
+    out_err = _over_norm((x @ c_v - target).flatten(1).norm(dim=-1), target.flatten(1).norm(dim=-1))
     return Compacted(
         index=idx,
-        log_mass=beta,
+        log_mass=_log_mass(group.beta0, idx, ok, w),
         values=c_v,
-        lengths=lengths,
+        lengths=selection.lengths,
         mass_error=mass_error,
         output_error=out_err,
-        residual_history=history,
+        residual_history=selection.history,
     )
+
+
+def _log_mass(beta0: Tensor, idx: Tensor, ok: Tensor, w: Tensor) -> Tensor:
+    """``β = β⁰_S + log w`` on the used slots, −inf on the others."""
+    beta0_s = beta0.gather(1, idx)
+    log_w = torch.log(torch.where(ok, w, torch.ones_like(w)))
+    return torch.where(ok, beta0_s + log_w, torch.full_like(beta0_s, -math.inf))
 
 
 def _weight_box(config: FitConfig) -> tuple[float, float | None]:
@@ -369,13 +322,34 @@ def _mass_weights(mass: Tensor, query_valid: Tensor, kind: str) -> Tensor:
     return valid * safe.pow(-2)  # relative error: ((Φ_S w)_i − m_i) / m_i
 
 
+def _streamed_weights(
+    group: Group,
+    phi_s: Callable[[int, int], Tensor],
+    blocks: list[tuple[int, int]],
+    mass: Tensor,
+    ok: Tensor,
+    config: FitConfig,
+) -> Tensor:
+    """Pass 1 of :func:`_streamed_fit`: ``G = Φ_Sᵀ R Φ_S`` and ``c = Φ_Sᵀ R m`` (``R`` the query
+    weights) accumulated block by block, then the box-NNLS (§3.2, Algorithm 3)."""
+    if not config.fit_beta:
+        return ok.to(group.keys.dtype)
+    P, t = ok.shape
+    weight = _mass_weights(mass, group.query_valid, config.mass_weight)
+    gram = group.keys.new_zeros(P, t, t)
+    corr = group.keys.new_zeros(P, t)
+    for lo, hi in blocks:
+        f = phi_s(lo, hi)
+        weighted = f * weight[:, lo:hi, None]
+        gram += symmetric_product(weighted, f)
+        corr += (weighted.mT @ mass[:, lo:hi, None])[..., 0]
+    gram = 0.5 * (gram + gram.mT)
+    lower, upper = _weight_box(config)
+    return box_nnls(gram, corr, ok, lower=lower, upper=upper, iters=config.nnls_iters, ridge=config.ridge)
+
+
 def _streamed_fit(
-    keys: Tensor,
-    values: Tensor,
-    beta0: Tensor,
-    queries: Tensor,
-    query_valid: Tensor,
-    scaling: Tensor,
+    group: Group,
     shift: Tensor,
     mass: Tensor,
     target: Tensor,
@@ -392,30 +366,18 @@ def _streamed_fit(
     the box-NNLS (§3.2, Algorithm 3); pass 2 accumulates ``XᵀX`` and ``Xᵀ(Y − X V_S)`` with
     ``X = Φ_S w / (Φ_S w)·1`` (eq. 3–4) and the residual norms, then solves the values.
     """
-    P, n, _ = queries.shape
+    keys, values = group.keys, group.values
+    P, n, _ = group.queries.shape
     t, dim = idx.shape[-1], values.shape[-1]
     dt = keys.dtype
     block = max(1, config.query_block)
     blocks = [(lo, min(n, lo + block)) for lo in range(0, n, block)]
 
     def phi_s(lo: int, hi: int) -> Tensor:
-        q, qv = queries[:, lo:hi], query_valid[:, lo:hi]
-        return _selected_features(keys, beta0, q, qv, scaling, shift[:, lo:hi], idx, ok)
+        q, qv = group.queries[:, lo:hi], group.query_valid[:, lo:hi]
+        return selected_features(keys, group.beta0, q, qv, group.scaling, shift[:, lo:hi], idx, ok)
 
-    if config.fit_beta:
-        weight = _mass_weights(mass, query_valid, config.mass_weight)
-        gram = keys.new_zeros(P, t, t)
-        corr = keys.new_zeros(P, t)
-        for lo, hi in blocks:
-            f = phi_s(lo, hi)
-            weighted = f * weight[:, lo:hi, None]
-            gram += symmetric_product(weighted, f)
-            corr += (weighted.mT @ mass[:, lo:hi, None])[..., 0]
-        gram = 0.5 * (gram + gram.mT)
-        lower, upper = _weight_box(config)
-        w = box_nnls(gram, corr, ok, lower=lower, upper=upper, iters=config.nnls_iters, ridge=config.ridge)
-    else:
-        w = ok.to(dt)
+    w = _streamed_weights(group, phi_s, blocks, mass, ok, config)
     v_s = values.gather(1, idx[..., None].expand(-1, -1, dim))
     xtx = keys.new_zeros(P, t, t)
     xtr = keys.new_zeros(P, t, dim)
@@ -436,24 +398,20 @@ def _streamed_fit(
         c_v = v_s + fit
     else:
         out_sq, c_v = res_sq, v_s
-    mass_norm = mass.norm(dim=-1)
-    y_norm = target.flatten(1).norm(dim=-1)
-    beta0_s = beta0.gather(1, idx)
-    log_w = torch.log(torch.where(ok, w, torch.ones_like(w)))
     return Compacted(
         index=idx,
-        log_mass=torch.where(ok, beta0_s + log_w, torch.full_like(beta0_s, -math.inf)),
+        log_mass=_log_mass(group.beta0, idx, ok, w),
         values=c_v,
         lengths=lengths,
-        mass_error=mass_sq.sqrt() / torch.where(mass_norm > 0, mass_norm, torch.ones_like(mass_norm)),
-        output_error=out_sq.clamp_min(0).sqrt() / torch.where(y_norm > 0, y_norm, torch.ones_like(y_norm)),
+        mass_error=_over_norm(mass_sq.sqrt(), mass.norm(dim=-1)),
+        output_error=_over_norm(out_sq.clamp_min(0).sqrt(), target.flatten(1).norm(dim=-1)),
     )
 
 
 def _omp_exact(
     phi: Tensor, mass: Tensor, counts: Tensor, entry_valid: Tensor, config: FitConfig
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """OMP by :func:`kvfold.methods.compaction.linalg.omp_select` (reference path; one budget per call)."""
+    """OMP by :func:`kvfold.methods.compaction.omp.omp_select` (reference path; one budget per call)."""
     P = phi.shape[0]
     t_max = int(counts.max())
     idx = torch.zeros(P, t_max, dtype=torch.long, device=phi.device)
@@ -479,11 +437,17 @@ def _omp_exact(
         w[rows, :t] = res.weights
         lengths[rows] = res.num_selected
         histories.append((rows, res.residual_norms))
+    return idx, w, lengths, _padded_histories(histories, P, phi)
+
+
+def _padded_histories(histories: list[tuple[Tensor, Tensor]], P: int, like: Tensor) -> Tensor:
+    """``(P, steps)`` residual histories of groups of problems ``(rows, (len(rows), s))``, each
+    padded with its last value to the longest (zeros for problems in no group)."""
     steps = max((h.shape[-1] for _, h in histories), default=1)
-    history = phi.new_zeros(P, steps)
+    history = like.new_zeros(P, steps)
     for rows, h in histories:
         history[rows] = torch.cat([h, h[:, -1:].expand(-1, steps - h.shape[-1])], dim=-1)
-    return idx, w, lengths, history
+    return history
 
 
 # ---------------------------------------------------------------------------- all problems
@@ -513,6 +477,56 @@ def _groups_by_width(todo: Tensor, counts: Tensor, per_problem: Callable[[int], 
         groups.append(todo[start:stop])
         start = stop
     return groups
+
+
+def _empty_result(P: int, t_max: int, dim: int, dt: torch.dtype, device: torch.device) -> Compacted:
+    """Flat ``(P, …)`` buffers of :func:`fit_problems`: no entry kept, β = −inf."""
+    return Compacted(
+        index=torch.zeros(P, t_max, dtype=torch.long, device=device),
+        log_mass=torch.full((P, t_max), -math.inf, dtype=torch.float32 if dt == torch.float32 else dt, device=device),
+        values=torch.zeros(P, t_max, dim, dtype=dt, device=device),
+        lengths=torch.zeros(P, dtype=torch.long, device=device),
+        mass_error=torch.zeros(P, dtype=dt, device=device),
+        output_error=torch.zeros(P, dtype=dt, device=device),
+    )
+
+
+def _copy_identity(out: Compacted, ids: Tensor, log_mass: Tensor, values: Tensor, key_dim: int) -> None:
+    """Blocks ``ids`` that keep everything: their valid entries, unchanged."""
+    t_max = out.index.shape[-1]
+    T = log_mass.shape[-1]
+    ok = torch.isfinite(log_mass[ids])
+    order = torch.where(ok, torch.arange(T, device=log_mass.device), T).sort(dim=-1).values[:, :t_max]
+    in_use = order < T
+    order = torch.where(in_use, order, 0)
+    out.index[ids] = order
+    out.log_mass[ids] = torch.where(in_use, log_mass[ids].gather(1, order), -math.inf).to(out.log_mass.dtype)
+    out.values[ids] = values[ids].gather(1, order[..., None].expand(-1, -1, key_dim)).to(out.values.dtype)
+    out.lengths[ids] = in_use.sum(-1)
+
+
+def _write_rows(out: Compacted, rows: Tensor, res: Compacted) -> None:
+    """A group's result into the flat buffers (its width ``t`` may be narrower than theirs)."""
+    t = res.index.shape[-1]
+    out.index[rows, :t] = res.index
+    out.log_mass[rows, :t] = res.log_mass.to(out.log_mass.dtype)
+    out.values[rows, :t] = res.values
+    out.lengths[rows] = res.lengths
+    out.mass_error[rows] = res.mass_error
+    out.output_error[rows] = res.output_error
+
+
+def _bytes_per_problem(config: FitConfig, scored: bool, T: int, n: int, D: int, size: int) -> Callable[[int], int]:
+    """Bytes one problem of width ``t`` holds while its group is fitted (``scored``: highest
+    attention or given keys, else OMP)."""
+
+    def per_problem(t: int) -> int:
+        if scored:  # a block of queries × T, then blocks × t
+            rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
+            return size * (256 * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
+        return size * (n * T + T * t + n * D)  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
+
+    return per_problem
 
 
 def fit_problems(
@@ -547,87 +561,50 @@ def fit_problems(
     T, D = keys.shape[-2:]
     n = queries.shape[-2]
     P = math.prod(batch)
-    flat = {
-        "keys": keys.reshape(P, T, D),
-        "values": values.reshape(P, T, values.shape[-1]),
-        "log_mass": log_mass.reshape(P, T).float() if log_mass.dtype != torch.float64 else log_mass.reshape(P, T),
-        "queries": queries.reshape(P, n, queries.shape[-1]),
-        "query_valid": query_valid.reshape(P, n),
-    }
+    flat_keys, flat_values = keys.reshape(P, T, D), values.reshape(P, T, values.shape[-1])
+    flat_lm = log_mass.reshape(P, T).float() if log_mass.dtype != torch.float64 else log_mass.reshape(P, T)
+    flat_q, flat_qv = queries.reshape(P, n, queries.shape[-1]), query_valid.reshape(P, n)
     scale = torch.as_tensor(scaling, dtype=torch.float64, device=keys.device).expand(batch).reshape(P)
-    valid_entries = torch.isfinite(flat["log_mass"]).sum(-1)
+    valid_entries = torch.isfinite(flat_lm).sum(-1)
     given_flat = None
     if given is not None:
         given_flat = given.reshape(P, given.shape[-1]).to(keys.device).long()
-        counts = ((given_flat >= 0) & torch.isfinite(flat["log_mass"]).gather(1, given_flat.clamp_min(0))).sum(-1)
+        counts = ((given_flat >= 0) & torch.isfinite(flat_lm).gather(1, given_flat.clamp_min(0))).sum(-1)
     counts = torch.minimum(counts.reshape(P).to(keys.device).long(), valid_entries)
     identity = counts >= valid_entries
     t_max = int(counts.max()) if P else 0
     dt = torch.float64 if keys.dtype == torch.float64 or queries.dtype == torch.float64 else torch.float32
-    index = torch.zeros(P, t_max, dtype=torch.long, device=keys.device)
-    beta = torch.full((P, t_max), -math.inf, dtype=torch.float32 if dt == torch.float32 else dt, device=keys.device)
-    out_values = torch.zeros(P, t_max, values.shape[-1], dtype=dt, device=keys.device)
-    lengths = torch.zeros(P, dtype=torch.long, device=keys.device)
-    mass_error = torch.zeros(P, dtype=dt, device=keys.device)
-    output_error = torch.zeros(P, dtype=dt, device=keys.device)
-    histories: list[tuple[Tensor, Tensor]] = []
-
-    # Blocks that keep everything: the valid entries, unchanged.
+    out = _empty_result(P, t_max, values.shape[-1], dt, keys.device)
     ids = identity.nonzero(as_tuple=True)[0]
     if ids.numel() and t_max > 0:
-        ok = torch.isfinite(flat["log_mass"][ids])
-        order = torch.where(ok, torch.arange(T, device=keys.device), T).sort(dim=-1).values[:, :t_max]
-        in_use = order < T
-        order = torch.where(in_use, order, 0)
-        index[ids] = order
-        beta[ids] = torch.where(in_use, flat["log_mass"][ids].gather(1, order), -math.inf).to(beta.dtype)
-        out_values[ids] = flat["values"][ids].gather(1, order[..., None].expand(-1, -1, D)).to(dt)
-        lengths[ids] = in_use.sum(-1)
-
+        _copy_identity(out, ids, flat_lm, flat_values, D)
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
-    size = 8 if dt == torch.float64 else 4
-
-    def per_problem(t: int) -> int:
-        """Bytes one problem of width ``t`` holds while its group is fitted."""
-        if given is not None or config.keys == "highest":  # a block of queries × T, then blocks × t
-            rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
-            return size * (256 * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
-        return size * (n * T + T * t + n * D)  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
-
+    scored = given is not None or config.keys == "highest"
+    per_problem = _bytes_per_problem(config, scored, T, n, D, 8 if dt == torch.float64 else 4)
+    histories: list[tuple[Tensor, Tensor]] = []
     for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes):
-        res = _fit_group(
-            flat["keys"][rows],
-            flat["values"][rows],
-            flat["log_mass"][rows],
-            flat["queries"][rows],
-            flat["query_valid"][rows],
-            counts[rows],
-            scale[rows],
-            config,
-            None if given_flat is None else given_flat[rows],
+        group = Group.prepare(
+            flat_keys[rows], flat_values[rows], flat_lm[rows], flat_q[rows], flat_qv[rows], scale[rows]
         )
-        t = res.index.shape[-1]
-        index[rows, :t] = res.index
-        beta[rows, :t] = res.log_mass.to(beta.dtype)
-        out_values[rows, :t] = res.values
-        lengths[rows] = res.lengths
-        mass_error[rows] = res.mass_error
-        output_error[rows] = res.output_error
+        res = _fit_group(group, counts[rows], config, None if given_flat is None else given_flat[rows])
+        _write_rows(out, rows, res)
         if res.residual_history is not None:
             histories.append((rows, res.residual_history))
-    history = None
     if histories:
-        steps = max(h.shape[-1] for _, h in histories)
-        history = torch.zeros(P, steps, dtype=dt, device=keys.device)
-        for rows, h in histories:
-            history[rows] = torch.cat([h, h[:, -1:].expand(-1, steps - h.shape[-1])], dim=-1)
-        history = history.reshape(*batch, steps)
+        out.residual_history = _padded_histories(histories, P, out.mass_error)
+    return _unflatten(out, batch)
+
+
+def _unflatten(out: Compacted, batch: torch.Size) -> Compacted:
+    """The flat ``(P, …)`` result of :func:`fit_problems` with the problems' leading dims."""
+    t_max = out.index.shape[-1]
+    history = out.residual_history
     return Compacted(
-        index=index.reshape(*batch, t_max),
-        log_mass=beta.reshape(*batch, t_max),
-        values=out_values.reshape(*batch, t_max, values.shape[-1]),
-        lengths=lengths.reshape(batch),
-        mass_error=mass_error.reshape(batch),
-        output_error=output_error.reshape(batch),
-        residual_history=history,
+        index=out.index.reshape(*batch, t_max),
+        log_mass=out.log_mass.reshape(*batch, t_max),
+        values=out.values.reshape(*batch, t_max, out.values.shape[-1]),
+        lengths=out.lengths.reshape(batch),
+        mass_error=out.mass_error.reshape(batch),
+        output_error=out.output_error.reshape(batch),
+        residual_history=None if history is None else history.reshape(*batch, history.shape[-1]),
     )

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from kvfold.methods.compaction.omp import gather_columns, omp_greedy, omp_width
+
 Tensor = torch.Tensor
 
 
@@ -151,15 +153,34 @@ def box_nnls(
     return w * okf
 
 
-def _gather_cols(phi: Tensor, idx: Tensor) -> Tensor:
-    """``phi[..., :, idx]`` per problem: ``(P, n, T)``, ``(P, s)`` → ``(P, n, s)``."""
-    return phi.gather(-1, idx[:, None, :].expand(-1, phi.shape[1], -1))
-
-
 def _sq_residual(mm: Tensor, corr: Tensor, gram: Tensor, w: Tensor) -> Tensor:
     """``‖m − Φ_S w‖² = mᵀm − 2 wᵀc + wᵀ G w`` (clamped at 0 against rounding)."""
     quad = (w * (gram @ w[..., None])[..., 0]).sum(-1)
     return (mm - 2 * (w * corr).sum(-1) + quad).clamp_min(0)
+
+
+def _refine_candidates(
+    gram: Tensor,
+    g: Tensor,
+    corr: Tensor,
+    ok: Tensor,
+    w_new: Tensor,
+    w_prev: Tensor,
+    w_max: float | None,
+    ridge: float,
+) -> list[Tensor]:
+    """``refine``: the refit re-solved on its positive support (an active-set step) and a few
+    projected-gradient steps from the previous weights (``g``: the masked Gram), beside those weights."""
+    support = ok & (w_new > 0)
+    for _ in range(2):  # re-solve on the positive support (an active-set step)
+        w_new = box_nnls(gram, corr, support, lower=0.0, upper=w_max, iters=0, ridge=ridge)
+        support = support & (w_new > 0)
+    lipschitz = g.abs().sum(-1).amax(-1)  # Gershgorin: ≥ λ_max(G), so 1/L is a safe step
+    step = torch.where(lipschitz > 0, lipschitz.reciprocal(), torch.zeros_like(lipschitz))[..., None]
+    w_pg = w_prev
+    for _ in range(3):  # projected gradient from the previous weights: never increases the residual
+        w_pg = ((w_pg - step * ((g @ w_pg[..., None])[..., 0] - corr)).clamp(min=0.0, max=w_max)) * ok
+    return [w_new, w_pg, w_prev]
 
 
 def _omp_refit(
@@ -181,16 +202,7 @@ def _omp_refit(
     g = _masked_gram(gram, ok)
     candidates = [w_new, w_prev]
     if refine:
-        support = ok & (w_new > 0)
-        for _ in range(2):  # re-solve on the positive support (an active-set step)
-            w_new = box_nnls(gram, corr, support, lower=0.0, upper=w_max, iters=0, ridge=ridge)
-            support = support & (w_new > 0)
-        lipschitz = g.abs().sum(-1).amax(-1)  # Gershgorin: ≥ λ_max(G), so 1/L is a safe step
-        step = torch.where(lipschitz > 0, lipschitz.reciprocal(), torch.zeros_like(lipschitz))[..., None]
-        w_pg = w_prev
-        for _ in range(3):  # projected gradient from the previous weights: never increases the residual
-            w_pg = ((w_pg - step * ((g @ w_pg[..., None])[..., 0] - corr)).clamp(min=0.0, max=w_max)) * ok
-        candidates = [w_new, w_pg, w_prev]
+        candidates = _refine_candidates(gram, g, corr, ok, w_new, w_prev, w_max, ridge)
     best = candidates[0]
     best_res = _sq_residual(mm, corr, g, best)
     tol = 64 * torch.finfo(g.dtype).eps * mm  # the Gram form of the residual is exact to about this
@@ -200,6 +212,71 @@ def _omp_refit(
         best = torch.where(better[:, None], cand, best)
         best_res = torch.where(better, res, best_res)
     return best
+
+
+class GramRefit:
+    """OMP's refit on the normal equations (an :class:`kvfold.methods.compaction.omp.OMPRefit`).
+
+    ``Φᵀ Φ_S`` is kept one column per slot, filled for the keys added since the last refit in one
+    pass over Φ, so a refit is a ``t × t`` solve (:func:`box_nnls`, see :func:`omp_keys` for
+    ``refine``) and the correlations ``Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w`` cost no pass over Φ.
+    """
+
+    zero_unused = False
+
+    def __init__(
+        self, phi: Tensor, mass: Tensor, width: int, *, w_max: float | None, nnls_iters: int, ridge: float, refine: bool
+    ) -> None:
+        P, _, T = phi.shape
+        self.phi = phi
+        self.dtype = phi.dtype
+        self.w_max, self.nnls_iters, self.ridge, self.refine = w_max, nnls_iters, ridge, refine
+        self.cross = torch.zeros(P, T, width, dtype=phi.dtype, device=phi.device)  # Φᵀ Φ_S, one column per slot
+        self.c0 = torch.bmm(mass[:, None, :], phi)[:, 0]  # Φᵀ m
+        self.mm = mass.square().sum(-1)
+        self.corr = self.c0.clone()  # Alg. 1 line 3: r = m, so c = Φᵀ m
+        self.first_new = torch.zeros(P, dtype=torch.long, device=phi.device)  # first slot without its column
+
+    def start_norm(self) -> Tensor:
+        return self.mm.sqrt()
+
+    def correlations(self) -> Tensor:
+        return self.corr
+
+    def weights(self, cols: Tensor, ok: Tensor, w: Tensor, refit: Tensor, count: Tensor) -> Tensor:
+        # Φᵀ Φ_S for the keys added since the last refit, in one pass over Φ
+        lo, hi = int(self.first_new.min()), cols.shape[-1]
+        self.cross[:, :, lo:hi] = torch.bmm(gather_columns(self.phi, cols[:, lo:hi]).mT, self.phi).mT
+        self.first_new = torch.where(refit, count, self.first_new)
+        s = cols.shape[-1]
+        gram = self.cross[:, :, :s].gather(1, cols[:, :, None].expand(-1, -1, s))  # Φ_Sᵀ Φ_S
+        gram = 0.5 * (gram + gram.mT)
+        cs = self.c0.gather(1, cols) * ok
+        return _omp_refit(
+            gram,
+            cs,
+            ok,
+            w * ok,
+            self.mm,
+            w_max=self.w_max,
+            nnls_iters=self.nnls_iters,
+            ridge=self.ridge,
+            refine=self.refine,
+        )
+
+    def reorder(self, moved: Tensor, order: Tensor) -> None:
+        s = order.shape[-1]
+        rows = moved.nonzero(as_tuple=True)[0]
+        T = self.cross.shape[1]
+        self.cross[rows, :, :s] = self.cross[rows, :, :s].gather(2, order[rows, None, :].expand(-1, T, -1))
+
+    def update(self, w_fit: Tensor, cols: Tensor, w: Tensor, ok: Tensor, refit: Tensor) -> Tensor:
+        s = cols.shape[-1]
+        # Alg. 2 line 10: r = m − Φ_S w, so Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w
+        self.corr = self.c0 - torch.bmm(self.cross[:, :, :s], w[..., None])[..., 0]
+        gram = self.cross[:, :, :s].gather(1, cols[..., None].expand(-1, -1, s))
+        res = _sq_residual(self.mm, self.c0.gather(1, cols) * ok, _masked_gram(0.5 * (gram + gram.mT), ok), w)
+        return res.sqrt()
 
 
 def omp_keys(
@@ -234,7 +311,8 @@ def omp_keys(
     kept key satisfies the bound and notes that OMP rarely goes below it; on small models it
     often does, one or two keys per round, and an unbounded loop ran ~1,900 greedy steps for a
     budget of 205 keys. ``refine=False`` is Algorithms 1–3 verbatim (plus the never-worse rule),
-    as :func:`kvfold.methods.compaction.linalg.omp_select`.
+    as :func:`kvfold.methods.compaction.omp.omp_select`. The loop is
+    :func:`kvfold.methods.compaction.omp.omp_greedy`, the refit :class:`GramRefit`.
 
     Args:
         phi: ``(P, n, T)`` mass features; mass: ``(P, n)`` target.
@@ -246,90 +324,11 @@ def omp_keys(
         ``(index (P, t), weights (P, t), lengths (P,), residual_history (P, steps + 1))`` with
         ``t = max(counts)``; selected slots first, in selection order.
     """
-    P, n, T = phi.shape
-    dev, dt = phi.device, phi.dtype
+    P, _, T = phi.shape
     t_max = int(counts.max()) if P else 0
-    k_top = max(1, min(k, T))
     w_min = None if beta_min is None else math.exp(beta_min)
     w_max = None if beta_max is None else math.exp(beta_max)
-    width = t_max + max(k_top, t_max)  # slots past t_max are scratch for candidates a problem does not take
-    sel = torch.zeros(P, width, dtype=torch.long, device=dev)
-    w = torch.zeros(P, width, dtype=dt, device=dev)
-    cross = torch.zeros(P, T, width, dtype=dt, device=dev)  # Φᵀ Φ_S, one column per slot
-    c0 = torch.bmm(mass[:, None, :], phi)[:, 0]  # Φᵀ m
-    mm = mass.square().sum(-1)
-    n_sel = torch.zeros(P, dtype=torch.long, device=dev)
+    width = omp_width(t_max, k, T)
+    fit = GramRefit(phi, mass, width, w_max=w_max, nnls_iters=nnls_iters, ridge=ridge, refine=refine)
     banned = ~entry_valid.clone()
-    pending = torch.zeros(P, dtype=torch.bool, device=dev)
-    history = [mm.sqrt()]
-    step = 0
-    corr = c0.clone()  # Alg. 1 line 3: r = m, so c = Φᵀ m
-    first_new = n_sel.clone()
-    filled = torch.zeros(P, dtype=torch.bool, device=dev)  # the budget was reached once
-    rounds = torch.zeros(P, dtype=torch.long, device=dev)  # β_min prunings so far
-    stopped = torch.zeros(P, dtype=torch.bool, device=dev)  # pruned with no refill left
-    while True:
-        step += 1
-        need = counts - n_sel
-        grow = (need > 0) & (~banned).any(-1) & ~stopped
-        if not bool((grow | pending).any()):
-            break
-        # Alg. 1 line 5 / Alg. 2 lines 5-6: c_j = rᵀΦ_{:,j} for j ∉ S, take the top k. Refilling
-        # after a β_min pruning takes all missing keys in one step.
-        per_step = torch.where(filled, need, need.clamp(max=k))
-        width_now = max(1, min(int(per_step.max()), T))
-        top = corr.masked_fill(banned, -math.inf).topk(width_now, dim=-1).indices
-        ranks = torch.arange(width_now, device=dev)
-        take = (ranks < per_step[:, None]) & grow[:, None] & ~banned.gather(-1, top)
-        slot = torch.where(take, n_sel[:, None] + take.cumsum(-1) - 1, t_max + ranks)
-        sel.scatter_(-1, slot, top)  # Alg. 2 line 7: S = S ∪ J*
-        banned |= torch.zeros_like(banned).scatter(-1, top, take)
-        n_sel = n_sel + take.sum(-1)
-        pending |= take.any(-1)
-        done = (n_sel >= counts) | ~(~banned).any(-1)
-        filled |= done
-        refit = pending & (done | (step % tau == 0))  # Alg. 2 line 8
-        if bool(refit.any()):
-            # Φᵀ Φ_S for the keys added since the last refit, in one pass over Φ
-            lo, hi = int(first_new.min()), int(n_sel.max())
-            new_cols = sel[:, lo:hi]
-            cross[:, :, lo:hi] = torch.bmm(_gather_cols(phi, new_cols).mT, phi).mT
-            first_new = torch.where(refit, n_sel, first_new)
-            s = int(n_sel.max())
-            ok = torch.arange(s, device=dev)[None, :] < n_sel[:, None]
-            idx = sel[:, :s]
-            gram = cross[:, :, :s].gather(1, idx[:, :, None].expand(-1, -1, s))  # Φ_Sᵀ Φ_S
-            gram = 0.5 * (gram + gram.mT)
-            cs = c0.gather(1, idx) * ok
-            w_prev = w[:, :s] * ok
-            w_new = _omp_refit(gram, cs, ok, w_prev, mm, w_max=w_max, nnls_iters=nnls_iters, ridge=ridge, refine=refine)
-            keep = ok
-            if w_min is not None:  # discard keys with β < β_min once the budget is filled
-                keep = ok & ~((refit & done)[:, None] & (w_new < w_min))
-            w_new = w_new * keep
-            upd = refit[:, None]
-            w[:, :s] = torch.where(upd, w_new, w[:, :s])
-            pruned = refit & (keep != ok).any(-1)
-            stopped |= pruned & (rounds >= refills)
-            rounds += pruned.long()
-            if bool(pruned.any()):  # move the kept slots first (selection order kept)
-                order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices
-                moved = pruned[:, None]
-                sel[:, :s] = torch.where(moved, idx.gather(1, order), sel[:, :s])
-                w[:, :s] = torch.where(moved, w[:, :s].gather(1, order), w[:, :s])
-                rows = pruned.nonzero(as_tuple=True)[0]
-                cross[rows, :, :s] = cross[rows, :, :s].gather(2, order[rows, None, :].expand(-1, T, -1))
-            n_sel = torch.where(refit, keep.sum(-1), n_sel)
-            pending &= ~refit
-            s_ok = torch.arange(s, device=dev)[None, :] < n_sel[:, None]
-            w[:, :s] = w[:, :s] * s_ok
-            # Alg. 2 line 10: r = m − Φ_S w, so Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w
-            corr = c0 - torch.bmm(cross[:, :, :s], w[:, :s, None])[..., 0]
-            gram2 = cross[:, :, :s].gather(1, sel[:, :s, None].expand(-1, -1, s))
-            res = _sq_residual(
-                mm, c0.gather(1, sel[:, :s]) * s_ok, _masked_gram(0.5 * (gram2 + gram2.mT), s_ok), w[:, :s]
-            )
-            history.append(res.sqrt())
-        else:
-            history.append(history[-1])
-    return sel[:, :t_max].clone(), w[:, :t_max].clone(), n_sel, torch.stack(history, dim=-1)
+    return omp_greedy(fit, counts, banned, t_max, k=k, tau=tau, w_min=w_min, refills=refills, refill_at_once=True)

@@ -69,5 +69,3 @@ as ``h2o_cosine[split=authors_code]`` (the default; Appendix B's sentence reads 
 padding, per-layer budgets, float32 β (the merged key absorbs β's rounding, so a merge stays exact
 as stored).
 """
-
-PAPER = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfold.methods.core.selection import _priority_order, topk_keep
-from kvfold.methods.merging.keepkv.scores import _dtype
+from kvfold.methods.core.folding import kept_mask
+from kvfold.methods.core.scoring import compute_dtype
+from kvfold.methods.core.selection import priority_order, topk_keep
 from kvfold.runtime.cache import NEG_INF
 
 Tensor = torch.Tensor
@@ -85,7 +86,7 @@ def zip_merge(
     Returns:
         A :class:`ZipMerge`.
     """
-    dtype = _dtype(keys, log_scores)
+    dtype = compute_dtype(keys, log_scores)
     dtype = torch.promote_types(dtype, torch.float32)
     k, v = keys.to(dtype), values.to(dtype)
     log_p, log_s = log_votes.to(dtype), log_scores.to(dtype)
@@ -153,7 +154,7 @@ def zip_merge_pair(
         ``log p_r (B, H, 1)``, ``log ŝ_r (B, H, 1)`` and ``exact (B, H, 1)`` (False: the key is the
         convex fallback), as :func:`zip_merge` writes them at the carrier's slot.
     """
-    dtype = torch.promote_types(_dtype(keys, log_scores), torch.float32)
+    dtype = torch.promote_types(compute_dtype(keys, log_scores), torch.float32)
     k = keys if keys.dtype == dtype else keys.to(dtype)
     v = values if values.dtype == dtype else values.to(dtype)
     log_p = log_votes if log_votes.dtype == dtype else log_votes.to(dtype)
@@ -262,8 +263,8 @@ def merge_first_keep(
         ``swapped`` = kept entries replaced per row.
     """
     batch, heads, length = valid.shape
-    kept = _kept_mask(keep, lengths, length)
-    order = _priority_order(scores, protected, valid)
+    kept = kept_mask(keep, lengths, length)
+    order = priority_order(scores, protected, valid)
     tier = (~kept).long().gather(2, order)  # kept entries before the others, order kept within
     order = order.gather(2, torch.sort(tier, dim=2, stable=True).indices)  # slots by priority
     unit = _unit(torch.gather(keys, 2, order[..., None].expand(-1, -1, -1, keys.shape[-1])))
@@ -283,19 +284,19 @@ def merge_first_keep(
     rank = torch.arange(length, device=keys.device).expand(batch, heads, length)
     key = torch.empty_like(order).scatter_(2, order, rank + length * mergeable.long())
     new_keep, new_lengths = topk_keep(-key.double(), lengths, valid=valid)
-    swapped = (kept & ~_kept_mask(new_keep, new_lengths, length)).sum(-1)
+    swapped = (kept & ~kept_mask(new_keep, new_lengths, length)).sum(-1)
     return new_keep, new_lengths, swapped
 
 
-def _kept_mask(keep: Tensor, lengths: Tensor, length: int) -> Tensor:
-    """``(B, H, N)`` bool of the kept slots (slots past a row's length repeat an index: ignored)."""
-    in_row = torch.arange(keep.shape[-1], device=keep.device) < lengths[..., None]
-    mask = torch.zeros(*keep.shape[:2], length + 1, dtype=torch.bool, device=keep.device)
-    return mask.scatter_(2, torch.where(in_row, keep, length), True)[..., :length]
+def merged_weight(weight: Tensor, targets: Tensor, merge: Tensor, receivers: Tensor) -> Tensor:
+    """The EMA weight ``Σω`` (eq. 8's bias correction) of each carrier after a ZIP-merge: the largest
+    of its group's (the carrier and the entries it absorbed); other slots keep theirs.
 
-
-def _merged_weight(weight: Tensor, targets: Tensor, merge: Tensor, receivers: Tensor) -> Tensor:
-    """EMA weight (observations) of merged entries: the largest of the group's."""
+    Args:
+        weight: ``(B, H, N)`` ``Σω`` of every slot.
+        targets, merge: as given to :func:`zip_merge`.
+        receivers: :attr:`ZipMerge.receivers`.
+    """
     slots = torch.arange(weight.shape[2], device=weight.device).expand_as(merge)
     group = torch.where(merge, targets, slots)
     top = weight.clone().scatter_reduce_(2, group, torch.where(merge, weight, torch.zeros_like(weight)), "amax")

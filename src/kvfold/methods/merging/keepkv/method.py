@@ -12,18 +12,26 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext, register
 from kvfold.methods.core.budgets import cosine_layer_budgets
-from kvfold.methods.core.folding import FoldSite, MergingFolder
+from kvfold.methods.core.folding import FoldSite, MergingFolder, kept_mask
 from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, last_valid
 from kvfold.methods.eviction.h2o import H2O, H2OOnline
-from kvfold.methods.merging.keepkv import PAPER
-from kvfold.methods.merging.keepkv.merge import _kept_mask, _merged_weight, best_match, merge_first_keep, zip_merge
+from kvfold.methods.merging.keepkv.merge import best_match, merge_first_keep, merged_weight, zip_merge
 from kvfold.methods.merging.keepkv.online import KeepKVOnline, LayerPolicies
-from kvfold.methods.merging.keepkv.scores import STAT_LOG_SCORE, STAT_WEIGHT, _count, _scalings, window_log_scores
+from kvfold.methods.merging.keepkv.scores import STAT_LOG_SCORE, STAT_WEIGHT, folded_scalings, window_log_scores
 from kvfold.runtime.cache import FoldedLayer
 
+PAPER = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"
+
 Tensor = torch.Tensor
+
+
+def _count(report: dict, key: str, value: float) -> None:
+    """Add ``value`` to the one-shot fold's counter ``key`` in ``report["keepkv"]``."""
+    stats = report.setdefault("keepkv", {"merged": 0, "evicted": 0, "votes_dropped": 0.0, "fallbacks": 0,
+                                         "receivers": 0, "swapped": 0})  # fmt: skip
+    stats[key] += value
 
 
 # ---------------------------------------------------------------------------- the folder
@@ -105,9 +113,9 @@ class KeepKV(MergingFolder):
         layer_idx, layer, keep, lengths = site.layer_idx, site.layer, site.keep, site.lengths
         keys, values, log_mass, valid = site.keys, site.values, site.log_mass, site.valid
         length = keys.shape[2]
-        log_score, weight = self.window_scores(layer_idx, layer, _scalings(ctx)[layer_idx])
+        log_score, weight = self.window_scores(layer_idx, layer, folded_scalings(ctx)[layer_idx])
         in_row = torch.arange(keep.shape[-1], device=keep.device) < lengths[..., None]
-        kept = _kept_mask(keep, lengths, length)
+        kept = kept_mask(keep, lengths, length)
         evicted = valid & ~kept
         carrier_keys = torch.gather(keys, 2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
         sim, choice = best_match(keys, carrier_keys, in_row)  # Algorithm 1, lines 4–5
@@ -115,7 +123,7 @@ class KeepKV(MergingFolder):
         targets = torch.gather(keep, 2, choice)
         beta = torch.where(valid, log_mass, torch.zeros_like(log_mass))
         merged = zip_merge(keys, values, beta, log_score, targets, merge, self.eps, self.max_scale, self.eq7_scaling)
-        weight = _merged_weight(weight, targets, merge, merged.receivers)
+        weight = merged_weight(weight, targets, merge, merged.receivers)
         idx = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
         layer.replace(
             torch.gather(merged.keys, 2, idx),
@@ -144,7 +152,7 @@ class KeepKV(MergingFolder):
         inner = list(policy.policies.values()) if isinstance(policy, LayerPolicies) else [policy]
         if not all(isinstance(p, OnlineEviction) for p in inner):
             return None
-        state = KeepKVOnline(self, _scalings(ctx))
+        state = KeepKVOnline(self, folded_scalings(ctx))
         for p in inner:
             p.folder = state
             p.needs_attention = True

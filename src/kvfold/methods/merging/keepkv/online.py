@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 
 from kvfold.methods.core.online import OnlineEviction, StepView
-from kvfold.methods.merging.keepkv.merge import _merged_weight, best_match, zip_merge, zip_merge_pair
+from kvfold.methods.merging.keepkv.merge import best_match, merged_weight, zip_merge, zip_merge_pair
 from kvfold.methods.merging.keepkv.scores import (
     STAT_LOG_SCORE,
     STAT_WEIGHT,
@@ -237,7 +237,7 @@ class KeepKVOnline:
             keys, values, beta, log_score, target_map, merge, self.folder.eps, self.folder.max_scale,
             self.folder.eq7_scaling,
         )  # fmt: skip
-        new_weight = _merged_weight(weight, target_map, merge, merged.receivers)
+        new_weight = merged_weight(weight, target_map, merge, merged.receivers)
         at = merged.receivers
         for buffer, new in (
             (keys, merged.keys),
@@ -311,7 +311,8 @@ class LayerPolicies:
     With ``batched`` (a :class:`~kvfold.methods.merging.keepkv.decode.LayerBatchedDecode`, which KeepKV
     sets on H2O's per-layer policies), a decode forward's layers are held until its last layer
     and stepped at once; whenever that cannot be done (a longer forward, a layer not yet at its
-    limit) each layer's policy steps as it would have, in layer order.
+    limit) each layer's policy steps as it would have, in layer order
+    (:class:`~kvfold.methods.core.batched_decode.LayerBatch`).
     """
 
     def __init__(self, policies: dict[int, OnlineEviction]) -> None:
@@ -319,8 +320,6 @@ class LayerPolicies:
         self.needs_attention = any(p.needs_attention for p in policies.values())
         self.folder = None
         self.batched = None
-        self._last = max(policies) if policies else -1
-        self._held: list[tuple] = []  # this forward's decode steps, until its last layer
 
     @property
     def steps(self) -> int:
@@ -332,25 +331,16 @@ class LayerPolicies:
         policy = self.policies.get(layer_idx)
         if policy is None:
             return
-        if self._held and layer_idx <= self._held[-1][0]:  # a new forward: the last one stopped early
-            self._step_held()
+        if self.batched is not None:
+            self.batched.new_forward(layer_idx)  # a held forward that stopped early steps first
         if self.batched is None or query.shape[2] != 1:
             policy.after_forward(layer_idx, layer, query, probs, logits)
             return
-        self._held.append((layer_idx, layer, query, probs, logits))
-        if layer_idx == self._last:
-            self._step_held()
-
-    def _step_held(self) -> None:
-        held, self._held = self._held, []
-        if not self.batched.step(held):
-            for item in held:
-                self.policies[item[0]].after_forward(*item)
-            self.batched.adopt()
+        self.batched.hold((layer_idx, layer, query, probs, logits))
 
     def export_state(self, cache: FoldedCache) -> None:
         """Every layer's policy writes its state into the cache (see :meth:`OnlineEviction.export_state`)."""
-        if self._held:
-            self._step_held()
+        if self.batched is not None:
+            self.batched.run_held()
         for policy in self.policies.values():
             policy.export_state(cache)

@@ -9,17 +9,14 @@ import math
 import torch
 
 from kvfold.methods.core.base import CompressionContext
-from kvfold.methods.core.model import attention_modules
+from kvfold.methods.core.model import layer_scaling
+from kvfold.methods.core.scoring import compute_dtype
 from kvfold.runtime.cache import NEG_INF
 
 Tensor = torch.Tensor
 
 
 # ---------------------------------------------------------------------------- scores (eq. 8)
-
-
-def _dtype(*tensors: Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def ema_log_weights(count: int, alpha: float, dtype: torch.dtype, device: torch.device | None = None) -> Tensor:
@@ -52,7 +49,7 @@ def window_log_scores(
     batch, num_q, width, dim = queries.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = num_q // heads
-    dtype = _dtype(queries, keys)
+    dtype = compute_dtype(queries, keys)
     q = queries.to(dtype).reshape(batch, heads, groups, width, dim)
     logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.to(dtype)) * scaling  # ln s (votes excluded)
     query_pos = torch.arange(length - width, length, device=keys.device)
@@ -89,7 +86,7 @@ def step_log_scores(
     batch, num_q, q_len, dim = query.shape
     heads, length = keys.shape[1], keys.shape[2]
     groups = num_q // heads
-    dtype = torch.promote_types(_dtype(query, keys), torch.float32)
+    dtype = torch.promote_types(compute_dtype(query, keys), torch.float32)
     if valid is None:
         valid = torch.isfinite(log_mass)
     if logits is not None:
@@ -159,14 +156,26 @@ def ema_step_one_(log_sum: Tensor, weight: Tensor, log_s: Tensor, alpha: float) 
     if q_len != 1:
         raise ValueError(f"ema_step_one_ folds one query; got {q_len} (use ema_step)")
     heads = log_sum.shape[1]
-    groups = num_q // heads
+    ema_fold_group_(log_sum, weight, log_s.reshape(batch, heads, num_q // heads, length), alpha)
+
+
+def ema_fold_group_(log_sum: Tensor, weight: Tensor, log_s: Tensor, alpha: float) -> None:
+    """The update of :func:`ema_step_one_` with the query heads of each GQA group on dim −2:
+    ``S ← α S + (1 − α) s̄`` with ``s̄`` the mean of ``s`` over the group, and ``Σω ← α Σω + (1 − α)``
+    (eq. 8), in place. Any leading dims: one layer ``(B, H_kv, G, N)``, or every layer of a
+    batched decode step ``(L, B, H_kv, G, C)``.
+
+    Args:
+        log_sum, weight: ``log_s``'s shape without dim −2, updated in place (views are fine).
+        log_s: ``ln s`` of one query per query head, the group's heads on dim −2.
+        alpha: ``α``.
+    """
     log_w, w = _one_query_weight(alpha, log_sum.dtype)
-    x = log_s.reshape(batch, heads, groups, length)
-    if x.dtype != log_sum.dtype:
-        x = x.to(log_sum.dtype)
-    added = x[:, :, 0]
-    for head in range(1, groups):
-        added = torch.logaddexp(added, x[:, :, head])
+    x = log_s if log_s.dtype == log_sum.dtype else log_s.to(log_sum.dtype)
+    groups = x.shape[-2]
+    added = x.select(-2, 0)
+    for head in range(1, groups):  # the group's mean: a chain of logaddexp (no max-shift pass)
+        added = torch.logaddexp(added, x.select(-2, head))
     added = added + (log_w - math.log(groups))
     log_sum.copy_(torch.logaddexp(log_sum + math.log(alpha), added))
     weight.mul_(alpha).add_(w)
@@ -194,19 +203,11 @@ STAT_LOG_SCORE = "keepkv_log_score"
 STAT_WEIGHT = "keepkv_weight"
 
 
-def _count(report: dict, key: str, value: float) -> None:
-    stats = report.setdefault("keepkv", {"merged": 0, "evicted": 0, "votes_dropped": 0.0, "fallbacks": 0,
-                                         "receivers": 0, "swapped": 0})  # fmt: skip
-    stats[key] += value
-
-
-def _scalings(ctx: CompressionContext) -> dict[int, float]:
+def folded_scalings(ctx: CompressionContext) -> dict[int, float]:
+    """The logit scale of every folded layer (:func:`kvfold.methods.core.model.layer_scaling`: the
+    module's scale, else ``1/√D``), kept in ``ctx.memo["keepkv_scalings"]`` (tests set it there)."""
     cached = ctx.memo.get("keepkv_scalings")
     if cached is None:
-        modules = attention_modules(ctx.model)
-        cached = {}
-        for i, layer in ctx.cache.folded_layers:  # the module's scale, else 1/√D (only then read from the layer)
-            scaling = getattr(modules.get(i), "scaling", None)
-            cached[i] = float(scaling) if scaling is not None else layer.head_dim**-0.5
+        cached = {i: layer_scaling(ctx, i, layer) for i, layer in ctx.cache.folded_layers}
         ctx.memo["keepkv_scalings"] = cached
     return cached

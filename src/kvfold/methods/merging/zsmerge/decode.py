@@ -4,14 +4,12 @@ Once a layer's cache is full and its residual slots are all open, every decode s
 Algorithm 1 (Liu, Liu and Tang 2025, §3) is the same: decay the scores and add the step's
 attention (eq. 5), evict the context token of least score, merge it into the residual slot of
 largest ``k_r·k_t`` (eqs. 6–7), write that slot's mean with β = α·log w (eq. 8), and move the
-newest entry into the emptied slot. That is some sixty small tensor operations per layer, which
-on a CPU cost more than their arithmetic. A layer's step touches only that layer and every
-layer holds the same budget, so :class:`~kvfold.methods.merging.zsmerge.online.ZSMergeOnline` holds a decode
-forward's layers until its last one and :class:`ZSMergeLayerBatch` runs the step once for all
-of them: the per-slot state and the residual slots of every layer live in stacked tensors
-(``(L, B, H, C)``, ``(L, B, H, S, D)``) of which each layer's state keeps views, and only the
-reads and writes of a layer's keys and values run layer by layer. The result is the per-layer
-step's (tests compare them).
+newest entry into the emptied slot. That is some sixty small tensor operations per layer.
+Every layer holds the same budget, so :class:`ZSMergeLayerBatch` runs the step once for all the
+layers of a decode forward (the mechanism: :mod:`kvfold.methods.core.batched_decode`): the
+per-slot state and the residual slots of every layer live in stacked tensors (``(L, B, H, C)``,
+``(L, B, H, S, D)``) of which each layer's state keeps views. The result is the per-layer step's
+(tests compare them).
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from typing import Any
 
 import torch
 
-from kvfold.methods.merging.zsmerge.merge import slot_affinity
+from kvfold.methods.core.batched_decode import Buffers, LayerBatch, StepInput, gather_slots, move_newest, write_slots
+from kvfold.methods.merging.zsmerge.merge import join_nearest_slot
 from kvfold.runtime.cache import NEG_INF
 
 Tensor = torch.Tensor
@@ -29,22 +28,31 @@ RESIDUAL = -1  # kvfold.methods.merging.zsmerge.merge.RESIDUAL: the position of 
 _FIELDS = ("score", "position", "slot_id", "res_k", "res_v", "res_w")
 
 
-class ZSMergeLayerBatch:
+class ZSMergeLayerBatch(LayerBatch):
     """The steady decode step of a :class:`~kvfold.methods.merging.zsmerge.online.ZSMergeOnline`, batched over layers.
 
     :meth:`step` runs when every layer has its state stacked, is one entry over the budget after
     the append, evicts in every row and has all its residual slots open; otherwise it changes
-    nothing and the policy steps layer by layer, then calls :meth:`adopt`.
+    nothing and the policy steps layer by layer, then :meth:`adopt` stacks the state again.
     """
 
     def __init__(self, policy: Any) -> None:
         """``policy``: the :class:`~kvfold.methods.merging.zsmerge.online.ZSMergeOnline` whose layers this
         batch steps (not imported here: that module imports this one)."""
+        super().__init__(sorted(policy.layers))
         self.policy = policy
-        self.order = sorted(policy.layers)
-        self._stack: dict[str, Tensor] | None = None
         self._closed_key: tuple | None = None
         self._closed: Tensor | None = None
+
+    # -- state ----------------------------------------------------------------------
+    def layer_state(self, layer_idx: int) -> dict[str, Tensor] | None:
+        state = self.policy._state.get(layer_idx)
+        return None if state is None else {name: getattr(state, name) for name in _FIELDS}
+
+    def set_layer_state(self, layer_idx: int, views: dict[str, Tensor]) -> None:
+        state = self.policy._state[layer_idx]
+        for name in _FIELDS:
+            setattr(state, name, views[name])
 
     def adopt(self) -> bool:
         """Stack every layer's state and give each layer's state views of the stacks.
@@ -64,22 +72,7 @@ class ZSMergeLayerBatch:
             if any(part.shape != parts[0].shape or part.dtype != parts[0].dtype for part in parts):
                 return False
             stack[name] = torch.stack(parts)
-        for j, state in enumerate(states):
-            for name in _FIELDS:
-                setattr(state, name, stack[name][j])
-        self._stack = stack
-        return True
-
-    def _is_stacked(self) -> bool:
-        if self._stack is None:
-            return False
-        for j, layer_idx in enumerate(self.order):
-            state = self.policy._state.get(layer_idx)
-            if state is None:
-                return False
-            for name in _FIELDS:
-                if getattr(state, name).data_ptr() != self._stack[name][j].data_ptr():
-                    return False  # grown or replaced (a longer forward): stack again
+        self.install(stack)
         return True
 
     def _closed_slots(self, states: list) -> Tensor | None:
@@ -94,19 +87,16 @@ class ZSMergeLayerBatch:
             self._closed_key = key
         return self._closed
 
-    def _ready(self, items: list[tuple]) -> bool:
+    def _ready(self, items: list[StepInput]) -> bool:
         policy = self.policy
-        if not self._is_stacked() or [item[0] for item in items] != self.order:
+        if not self.can_step(items):
             return False
         n = items[0][1].physical_length
         logical = items[0][1].logical_length
         if n != policy.limit + 1 or n > self._stack["score"].shape[-1]:
             return False
-        for _, layer, query, probs, _ in items:
-            if query.shape[2] != 1 or probs is None or layer.paged is not None:
-                return False
-            if layer.physical_length != n or layer.logical_length != logical:
-                return False
+        if any(layer.physical_length != n for _, layer, _, _, _ in items):
+            return False
         b_p, b_c, b_r = policy._split_on(self._stack["score"].device)
         if not all(policy._is_steady(policy._state[i], b_r) for i in self.order):
             return False
@@ -118,8 +108,13 @@ class ZSMergeLayerBatch:
         arriving = (b_p <= 0).long()  # (B, 1)
         return bool(((context.sum(-1) + arriving) > b_c).all())
 
+    def step_layer(self, item: StepInput) -> None:
+        layer_idx, layer, query, probs, _ = item
+        self.policy._step_layer(layer_idx, layer, query, probs)
+
+    # -- the step ---------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, items: list[tuple]) -> bool:
+    def step(self, items: list[StepInput]) -> bool:
         """One steady decode step of every layer (Algorithm 1, lines 4–15, with the compaction).
 
         Args:
@@ -131,81 +126,64 @@ class ZSMergeLayerBatch:
         """
         if not self._ready(items):
             return False
-        policy, st = self.policy, self._stack
+        st = self._stack
         layers = [item[1] for item in items]
-        states = [policy._state[i] for i in self.order]
-        count = len(items)
-        batch, heads = st["score"].shape[1:3]
         n = layers[0].physical_length
         old, now = n - 1, layers[0].logical_length - 1
         buffers = [layer.dense_buffers() for layer in layers]
-        dim, dim_v = buffers[0][0].shape[-1], buffers[0][1].shape[-1]
-        acc = st["res_k"].dtype
-        device = st["score"].device
-        b_p, _, _ = policy._split_on(device)
-
-        # lines 4–5: the new token's slot, then s ← λ·s + a (eq. 5), a GQA-pooled (mean)
         score, position, slot_id = (st[name].narrow(3, 0, n) for name in ("score", "position", "slot_id"))
+        self._decay_scores(items, score, position, slot_id, now)
+        victim = self._victims(score, position, now)
+        target, k_new, v_new, w_new = self._merge_victims(buffers, victim)
+        # line 15: the slot holding r̂ gets its mean and β = α·log w (eq. 8); the victim's slot empties
+        where = (slot_id == target).to(torch.uint8).argmax(-1, keepdim=True)
+        position.scatter_(3, victim, RESIDUAL)
+        write_slots(buffers, where, k_new, v_new, self.policy.alpha * torch.log(w_new))
+        free = []
+        for j, (_, _, log_mass) in enumerate(buffers):
+            log_mass.scatter_(2, victim[j], NEG_INF)
+            free.append(log_mass.argmin(-1, keepdim=True))  # β = −inf is the minimum: the first empty slot
+        # the compaction: the newest slot moves into the emptied one; every layer is back at budget
+        free_all = torch.stack(free)
+        move_newest(buffers, layers, free_all, [n] * len(layers))
+        for tensor in (score, position, slot_id):
+            tensor.scatter_(3, free_all, tensor.narrow(3, old, 1).clone())
+        self.policy.steps += 1
+        return True
+
+    def _decay_scores(self, items: list[StepInput], score: Tensor, position: Tensor, slot_id: Tensor, now: int) -> None:
+        """Lines 4–5 in place: the new token's slot, then ``s ← λ·s + a`` (eq. 5), ``a`` the step's
+        attention pooled over each GQA group (mean)."""
+        count, batch, heads, n = score.shape
+        old = n - 1
         score.select(3, old).fill_(0.0)
         slot_id.select(3, old).fill_(-1)
         position.select(3, old).fill_(now)
         groups = items[0][3].shape[1] // heads
-        probs = torch.empty((count, batch, heads, groups, n), dtype=score.dtype, device=device)
+        probs = torch.empty((count, batch, heads, groups, n), dtype=score.dtype, device=score.device)
         for j, item in enumerate(items):
             probs[j] = item[3].select(2, 0).reshape(batch, heads, groups, n)
-        score.mul_(policy.decay).add_(probs.mean(dim=3))
+        score.mul_(self.policy.decay).add_(probs.mean(dim=3))
 
-        # lines 7–11: the context set and its least-scored token (the oldest of ties)
+    def _victims(self, score: Tensor, position: Tensor, now: int) -> Tensor:
+        """Lines 7–11: the context set (plain tokens outside the ``B_p`` newest) and its least-scored
+        token, the newest of ties: ``(L, B, H, 1)`` slots."""
+        b_p, _, _ = self.policy._split_on(score.device)
         context = (position >= 0) & (position <= now - b_p.unsqueeze(-1))
         masked = torch.where(context, score, float("inf"))
         lowest = masked.amin(-1, keepdim=True)
-        victim = torch.where(context & (masked == lowest), position, -1).argmax(-1, keepdim=True)  # (L, B, H, 1)
+        return torch.where(context & (masked == lowest), position, -1).argmax(-1, keepdim=True)
 
-        # lines 12–14: merge the victim into r̂ = argmax_r k_r·k_t (eq. 6) by the mean of eq. 7
-        k_t = torch.empty((count, batch, heads, 1, dim), dtype=buffers[0][0].dtype, device=device)
-        v_t = torch.empty((count, batch, heads, 1, dim_v), dtype=buffers[0][1].dtype, device=device)
-        for j, (keys, values, _) in enumerate(buffers):
-            torch.gather(keys, 2, victim[j].unsqueeze(-1).expand(-1, -1, 1, dim), out=k_t[j])
-            torch.gather(values, 2, victim[j].unsqueeze(-1).expand(-1, -1, 1, dim_v), out=v_t[j])
+    def _merge_victims(self, buffers: list[Buffers], victim: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Lines 12–14: every victim joins ``r̂ = argmax_r k_r·k_t`` (eq. 6) by the incremental mean of
+        eq. 7, ``w_r̂ ← w_r̂ + 1``, in the stacked residual slots.
+
+        Returns:
+            ``(r̂ (L, B, H, 1), k_r̂ and v_r̂ (L, B, H, 1, D), w_r̂ (L, B, H, 1))`` after the merge.
+        """
+        st = self._stack
+        acc = st["res_k"].dtype
+        k_t, v_t = gather_slots(buffers, victim)
         k_t, v_t = k_t.squeeze(3).to(acc), v_t.squeeze(3).to(acc)
-        res_k, res_v, res_w = st["res_k"], st["res_v"], st["res_w"]
-        dots = torch.matmul(res_k, k_t.unsqueeze(-1)).squeeze(-1)  # (L, B, H, S)
-        dots = slot_affinity(dots, res_k, policy.slot_metric)
-        closed = self._closed_slots(states)
-        if closed is not None:
-            dots = dots.masked_fill(closed, float("-inf"))
-        target = dots.argmax(-1, keepdim=True)
-        w = res_w.gather(-1, target)
-        k_old = res_k.gather(-2, target.unsqueeze(-1).expand(-1, -1, -1, 1, dim)).squeeze(3)
-        v_old = res_v.gather(-2, target.unsqueeze(-1).expand(-1, -1, -1, 1, dim_v)).squeeze(3)
-        w_new = w + 1.0
-        k_new = ((w * k_old + k_t) / w_new).unsqueeze(3)
-        v_new = ((w * v_old + v_t) / w_new).unsqueeze(3)
-        res_k.scatter_(-2, target.unsqueeze(-1).expand(-1, -1, -1, 1, dim), k_new)
-        res_v.scatter_(-2, target.unsqueeze(-1).expand(-1, -1, -1, 1, dim_v), v_new)
-        res_w.scatter_(-1, target, w_new)
-
-        # line 15: the slot holding r̂ gets its mean and β = α·log w (eq. 8); the victim's slot empties
-        where = (slot_id == target).to(torch.uint8).argmax(-1, keepdim=True)
-        beta_new = policy.alpha * torch.log(w_new)
-        position.scatter_(3, victim, RESIDUAL)
-        free = []
-        for j, (keys, values, log_mass) in enumerate(buffers):
-            keys.scatter_(2, where[j].unsqueeze(-1).expand(-1, -1, 1, dim), k_new[j].to(keys.dtype))
-            values.scatter_(2, where[j].unsqueeze(-1).expand(-1, -1, 1, dim_v), v_new[j].to(values.dtype))
-            log_mass.scatter_(2, where[j], beta_new[j].to(log_mass.dtype))
-            log_mass.scatter_(2, victim[j], NEG_INF)
-            free.append(log_mass.argmin(-1, keepdim=True))  # β = −inf is the minimum: the first empty slot
-
-        # the compaction: the newest slot moves into the emptied one; every layer is back at budget
-        for j, ((keys, values, log_mass), layer) in enumerate(zip(buffers, layers, strict=True)):
-            index = free[j].unsqueeze(-1)
-            keys.scatter_(2, index.expand(-1, -1, 1, dim), keys.narrow(2, old, 1).clone())
-            values.scatter_(2, index.expand(-1, -1, 1, dim_v), values.narrow(2, old, 1).clone())
-            log_mass.scatter_(2, free[j], log_mass.narrow(2, old, 1).clone())
-            layer.truncate(old)
-        free_all = torch.stack(free)
-        for tensor in (score, position, slot_id):
-            tensor.scatter_(3, free_all, tensor.narrow(3, old, 1).clone())
-        policy.steps += 1
-        return True
+        closed = self._closed_slots([self.policy._state[i] for i in self.order])
+        return join_nearest_slot(st["res_k"], st["res_v"], st["res_w"], k_t, v_t, closed, self.policy.slot_metric)

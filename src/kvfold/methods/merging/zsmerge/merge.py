@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfold.methods.core.scoring import pool_gqa, pool_tokens, window_attention
+from kvfold.methods.core.scoring import compute_dtype, pool_gqa, pool_tokens, window_attention
 from kvfold.methods.core.selection import topk_keep
 from kvfold.runtime.cache import NEG_INF, FoldedLayer
 
@@ -26,11 +26,6 @@ contribution score s (float32), merge count w (1 for plain tokens) and token pos
 RESIDUAL = -1
 STACK_ELEMENTS = 1 << 27
 """At most this many key elements are stacked into one stream (layers are grouped below it)."""
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Score / slot arithmetic dtype: float32, or float64 for float64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------- budget split (§3.2)
@@ -228,7 +223,7 @@ def residual_stream(
         raise ValueError(f"mode must be 'merge' or 'pool'; got {mode!r}")
     rows, n, dim = keys.shape
     device = keys.device
-    acc = _acc(keys.dtype)
+    acc = compute_dtype(keys)  # score / slot arithmetic: float32, or float64 for float64 inputs
     b_p, b_c, b_r = (t.to(device) for t in (split.proximity, split.context, split.residual))
     valid = valid.bool()
     proximity = _last_valid(valid, b_p)
@@ -242,6 +237,52 @@ def residual_stream(
         context = _top_context(key, stream, b_c)
         _pool_evicted(keys, values, stream & ~context, b_r, res_k, res_v, res_w)
         return Residuals(kept=proximity | context, keys=res_k, values=res_v, counts=res_w)
+    context, founders, merged, merged_slot = _merge_stream(
+        keys, values, key, stream, b_c, b_r, res_k, res_v, res_w, slot_metric
+    )
+    return Residuals(
+        kept=proximity | (context & stream),
+        keys=res_k,
+        values=res_v,
+        counts=res_w,
+        founders=founders,
+        merged=merged,
+        merged_slot=merged_slot,
+    )
+
+
+def _merge_stream(
+    keys: Tensor,
+    values: Tensor,
+    key: Tensor,
+    stream: Tensor,
+    b_c: Tensor,
+    b_r: Tensor,
+    res_k: Tensor,
+    res_v: Tensor,
+    res_w: Tensor,
+    slot_metric: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Algorithm 1, lines 9–15, over the stream tokens of every row (:func:`residual_stream`'s
+    ``merge`` mode): one loop over stream steps, each vectorized over the rows. The residual slots
+    ``res_k``, ``res_v``, ``res_w`` ``(R, S[, D])`` are filled in place.
+
+    Args:
+        keys, values: ``(R, N, D)``.
+        key: ``(R, N)`` float64 scores of the stream tokens (``-inf`` elsewhere).
+        stream: ``(R, N)`` bool, the tokens that pass through the context set.
+        b_c, b_r: ``(R,)`` ``B_c`` and ``B_r``.
+        res_k, res_v, res_w: the zeroed residual slots (their dtype is the arithmetic's).
+        slot_metric: ``"dot"`` or ``"l2"``.
+
+    Returns:
+        ``(context, founders, merged, merged_slot)``: the context set left at the end ``(R, N)``
+        bool, and the bookkeeping of :class:`Residuals`.
+    """
+    rows, n, dim = keys.shape
+    device = keys.device
+    acc = res_k.dtype
+    slots = res_k.shape[1]
     # Stream order: positions of the stream tokens, ascending, packed to the left.
     order = torch.sort((~stream).to(torch.uint8), dim=-1, stable=True).indices
     stream_len = stream.sum(-1)
@@ -277,25 +318,16 @@ def residual_stream(
             v_t = flat_values.index_select(0, flat).to(acc)
             joins = evict & (b_r > 0)
             opens = joins & (fill < b_r)
-            target = _merge_into(res_k, res_v, res_w, fill, k_t, v_t, joins, b_r, slot_ids, slot_metric)
+            target = merge_into_slots(res_k, res_v, res_w, fill, k_t, v_t, joins, b_r, slot_ids, slot_metric)
             founders[row_ids, target] = torch.where(opens, victim, founders[row_ids, target])
             merged[:, i] = torch.where(joins & ~opens, victim, -1)
             merged_slot[:, i] = torch.where(joins & ~opens, target, -1)
     context = torch.zeros(rows, n + 1, dtype=torch.bool, device=device)
     context.scatter_(1, torch.where(member >= 0, member, n), True)  # empty cells land in a dropped column
-    context = context[:, :n]
-    return Residuals(
-        kept=proximity | (context & stream),
-        keys=res_k,
-        values=res_v,
-        counts=res_w,
-        founders=founders,
-        merged=merged,
-        merged_slot=merged_slot,
-    )
+    return context[:, :n], founders, merged, merged_slot
 
 
-def _merge_into(
+def merge_into_slots(
     res_k: Tensor,
     res_v: Tensor,
     res_w: Tensor,
@@ -312,6 +344,15 @@ def _merge_into(
     Rows with ``act`` add ``(k_t, v_t)``: into a new slot while ``fill < B_r`` (eq. 7 with w = 0 is
     the token itself), else into ``r̂ = argmax_{r < fill} k_r·k_t`` (eq. 6) by the incremental mean
     of eq. 7; ``w_r̂ += 1``.
+
+    Args:
+        res_k, res_v: ``(..., S, D)`` residual slot means; res_w: ``(..., S)`` their counts ``w``.
+        fill: ``(...)`` slots opened so far (incremented where a slot opens).
+        k_t, v_t: ``(..., D)`` each row's victim, in the slots' dtype.
+        act: ``(...)`` bool, the rows that merge a victim.
+        b_r: ``B_r``, broadcastable to ``fill``.
+        slot_ids: ``arange(S)``.
+        slot_metric: ``"dot"`` or ``"l2"`` (:func:`slot_affinity`).
     """
     slots = res_k.shape[-2]
     opened = slot_ids[None, :] < fill[..., None]  # (..., S)
@@ -330,6 +371,48 @@ def _merge_into(
     res_w.scatter_(-1, idx, w + a.to(w.dtype))  # step 3: w_r̂ ← w_r̂ + 1
     fill += (act & (fill < b_r)).long()
     return target
+
+
+def join_nearest_slot(
+    res_k: Tensor,
+    res_v: Tensor,
+    res_w: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    closed: Tensor | None = None,
+    slot_metric: str = "dot",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Algorithm 1 lines 12–14 once every residual slot is open (a steady decode step), in place and
+    with no masked writes: each row's victim ``(k_t, v_t)`` joins ``r̂ = argmax_r k_r·k_t`` (eq. 6)
+    by the incremental mean of eq. 7, ``w_r̂ ← w_r̂ + 1``. Any leading dims: one layer ``(B, H)``,
+    or every layer of a batched step ``(L, B, H)``.
+
+    Args:
+        res_k, res_v: ``(..., S, D)`` residual slot means; res_w: ``(..., S)`` their counts ``w``.
+        k_t, v_t: ``(..., D)`` the victims, in the slots' dtype.
+        closed: ``(..., S)`` bool, slots a row cannot use (past its ``B_r``), or None.
+        slot_metric: ``"dot"`` or ``"l2"`` (:func:`slot_affinity`).
+
+    Returns:
+        ``(r̂ (..., 1), k_r̂ (..., 1, D), v_r̂ (..., 1, D), w_r̂ (..., 1))`` after the merge.
+    """
+    dots = torch.matmul(res_k, k_t.unsqueeze(-1)).squeeze(-1)  # eq. 6: k_r·k_t
+    dots = slot_affinity(dots, res_k, slot_metric)
+    if closed is not None:
+        dots = dots.masked_fill(closed, float("-inf"))
+    target = dots.argmax(-1, keepdim=True)  # (..., 1)
+    index_k = target.unsqueeze(-1).expand(*target.shape, k_t.shape[-1])
+    index_v = target.unsqueeze(-1).expand(*target.shape, v_t.shape[-1])
+    w = res_w.gather(-1, target)
+    k_old = res_k.gather(-2, index_k).squeeze(-2)
+    v_old = res_v.gather(-2, index_v).squeeze(-2)
+    w_new = w + 1.0  # w_r̂ ← w_r̂ + 1
+    k_new = ((w * k_old + k_t) / w_new).unsqueeze(-2)  # eq. 7
+    v_new = ((w * v_old + v_t) / w_new).unsqueeze(-2)
+    res_k.scatter_(-2, index_k, k_new)
+    res_v.scatter_(-2, index_v, v_new)
+    res_w.scatter_(-1, target, w_new)
+    return target, k_new, v_new, w_new
 
 
 def _top_context(key: Tensor, stream: Tensor, b_c: Tensor) -> Tensor:
@@ -363,7 +446,7 @@ def _pool_evicted(
 # ---------------------------------------------------------------------------- one-shot on cache layers
 
 
-def _fold_layers(
+def fold_layers(
     layers: list[FoldedLayer],
     scores: list[Tensor],
     split: BudgetSplit,
@@ -439,7 +522,7 @@ def _write_layer(
     that opened it, −1 in ``pool`` mode) and the lengths ``(B, H)``.
     """
     n = keys.shape[2]
-    acc = _acc(layer.dtype)
+    acc = compute_dtype(keys)  # the layer's dtype: float32, or float64 for a float64 cache
     n_kept = res.kept.sum(-1)  # (B, H)
     fill = (res.counts > 0).sum(-1)
     lengths = n_kept + fill
@@ -469,13 +552,3 @@ def _write_layer(
     founders = F.pad(founders, (0, 1), value=-1)
     source = torch.where(is_kept, order, torch.where(is_res, founders.gather(2, res_slot), -1))
     return source, lengths
-
-
-def _attention_scalings(model: torch.nn.Module) -> dict[int, float | None]:
-    """Each attention module's logit scale (modules with ``layer_idx`` and ``o_proj``)."""
-    found: dict[int, float | None] = {}
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj"):
-            scaling = getattr(module, "scaling", None)
-            found.setdefault(int(module.layer_idx), None if scaling is None else float(scaling))
-    return found

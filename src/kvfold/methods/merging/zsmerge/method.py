@@ -18,12 +18,12 @@ from kvfold.methods.merging.zsmerge.merge import (
     SLOT_METRICS,
     BudgetSplit,
     Residuals,
-    _attention_scalings,
-    _fold_layers,
+    fold_layers,
     prefill_scores,
     split_budget,
 )
 from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
+from kvfold.runtime.attention import attention_scalings
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
@@ -101,7 +101,7 @@ class ZSMerge(Standalone):
 
     def compress(self, ctx: CompressionContext) -> None:
         layers = ctx.cache.folded_layers
-        scalings = ctx.memo.setdefault("zsmerge_scalings", _attention_scalings(ctx.model))
+        scalings = ctx.memo.setdefault("zsmerge_scalings", attention_scalings(ctx.model))
         scores = []
         for layer_idx, layer in layers:
             scores.append(self._scores(layer, scalings.get(layer_idx)))
@@ -118,7 +118,7 @@ class ZSMerge(Standalone):
             ctx.record_merges(indices[i], torch.where(res.merged >= 0, carrier, -1), res.merged)
 
         recorder = record if ctx.merge_recorder is not None else None
-        _fold_layers(
+        fold_layers(
             [layer for _, layer in layers], scores, split, self.alpha, self.prefill, record=recorder,
             slot_metric=self.slot_metric,
         )  # fmt: skip
@@ -127,7 +127,7 @@ class ZSMerge(Standalone):
         if not self.online:
             return None
         budgets = ctx.row_budgets
-        scalings = _attention_scalings(ctx.model)
+        scalings = attention_scalings(ctx.model)
         layers = {i: scalings.get(i) for i, _ in ctx.cache.folded_layers}
         return ZSMergeOnline(
             budgets, self.split(budgets), layers, self.alpha, self.decay, self.window, self.kernel, self.prefill,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfold.methods.core.scoring import pool_gqa
+from kvfold.methods.core.scoring import compute_dtype, pool_gqa
 from kvfold.methods.merging.zsmerge.decode import ZSMergeLayerBatch
 from kvfold.methods.merging.zsmerge.merge import (
     COUNT,
@@ -17,12 +17,11 @@ from kvfold.methods.merging.zsmerge.merge import (
     RESIDUAL,
     SCORE,
     BudgetSplit,
-    _acc,
-    _fold_layers,
-    _merge_into,
     decayed_scores,
+    fold_layers,
+    join_nearest_slot,
+    merge_into_slots,
     prefill_scores,
-    slot_affinity,
 )
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 
@@ -102,9 +101,7 @@ class ZSMergeOnline:
         self.steps = 0
         self._state: dict[int, _LayerState] = {}
         self._split_cache: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
-        self._batch = ZSMergeLayerBatch(self)
-        self._last = max(layers) if layers else -1
-        self._held: list[tuple] = []  # this decode forward's layers, until its last one
+        self._batch = ZSMergeLayerBatch(self)  # holds a decode forward's layers until its last one
 
     def _split_on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """``B_p``, ``B_c``, ``B_r`` as ``(B, 1)`` tensors on ``device`` (made once)."""
@@ -124,23 +121,11 @@ class ZSMergeOnline:
         that cannot be done, each in layer order."""
         if layer_idx not in self.layers:
             return
-        if self._held and layer_idx <= self._held[-1][0]:  # a new forward: the last one stopped early
-            self._step_held()
+        self._batch.new_forward(layer_idx)  # a held forward that stopped early steps first
         if query.shape[2] == 1 and probs is not None and layer_idx in self._state:
-            self._held.append((layer_idx, layer, query, probs, logits))
-            if layer_idx == self._last:
-                self._step_held()
+            self._batch.hold((layer_idx, layer, query, probs, logits))
             return
         self._step_layer(layer_idx, layer, query, probs)
-
-    def _step_held(self) -> None:
-        held, self._held = self._held, []
-        if self._batch.step(held):
-            return
-        for layer_idx, layer, query, probs, _ in held:
-            self._step_layer(layer_idx, layer, query, probs)
-        if not self._batch._is_stacked():
-            self._batch.adopt()
 
     def _step_layer(self, layer_idx: int, layer: FoldedLayer, query: Tensor, probs: Tensor | None) -> None:
         """Algorithm 1 on one layer's new tokens (one decode step or a chunk)."""
@@ -208,8 +193,7 @@ class ZSMergeOnline:
         """Write each layer's state as the one-shot compression writes it (``SCORE``, ``COUNT``,
         ``POSITION`` in ``layer.entry_stats``), so that a fresh policy continues from it: the
         residual slots keep their merge counts (their means are the cache's keys and values)."""
-        if self._held:
-            self._step_held()
+        self._batch.run_held()
         for layer_idx, layer in cache.folded_layers:
             if layer_idx not in self._state:
                 continue
@@ -232,7 +216,7 @@ class ZSMergeOnline:
 
     def _init_state(self, layer: FoldedLayer, count: int) -> _LayerState:
         keys, values, log_mass = layer.dense_buffers()
-        acc = _acc(layer.dtype)
+        acc = compute_dtype(keys)  # the layer's dtype: float32, or float64 for a float64 cache
         b, h = layer.batch_size, layer.num_heads
         slots = int(self.split.residual.max())
         valid = torch.isfinite(log_mass[:, :, :count])
@@ -270,7 +254,7 @@ class ZSMergeOnline:
             empty = torch.zeros(keys.shape[:2] + (0,), dtype=torch.float32, device=keys.device)
             scores = decayed_scores(empty, probs, self.decay).masked_fill(~valid, float("-inf"))
         offset = layer.logical_length - layer.physical_length
-        _fold_layers([layer], [scores], self.split, self.alpha, self.mode, [offset], slot_metric=self.slot_metric)
+        fold_layers([layer], [scores], self.split, self.alpha, self.mode, [offset], slot_metric=self.slot_metric)
         if layer.paged is None:
             self._state[layer_idx] = self._init_state(layer, layer.physical_length)
 
@@ -293,7 +277,7 @@ class ZSMergeOnline:
                 )
             scores.append(self._window_scores(layer_idx, layer, layer.captured_queries))
         offsets = [layer.logical_length - layer.physical_length for _, layer in layers]
-        _fold_layers(
+        fold_layers(
             [layer for _, layer in layers], scores, self.split, self.alpha, self.mode, offsets,
             slot_metric=self.slot_metric,
         )  # fmt: skip
@@ -346,7 +330,7 @@ class ZSMergeOnline:
             opens = evict & (state.fill < b_r)
             merges = evict & ~opens & (b_r > 0)
             fill_before = state.fill.clone()
-            target = _merge_into(
+            target = merge_into_slots(
                 state.res_k,
                 state.res_v,
                 state.res_w,
@@ -405,20 +389,9 @@ class ZSMergeOnline:
         dim, dim_v = keys.shape[-1], values.shape[-1]
         k_t = keys.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim)).squeeze(2).to(acc)
         v_t = values.gather(2, victim.unsqueeze(-1).expand(-1, -1, 1, dim_v)).squeeze(2).to(acc)
-        dots = torch.matmul(state.res_k, k_t.unsqueeze(-1)).squeeze(-1)  # eq. 6: k_r·k_t
-        dots = slot_affinity(dots, state.res_k, self.slot_metric)
-        if state.closed is not None:
-            dots = dots.masked_fill(state.closed, float("-inf"))
-        target = dots.argmax(-1, keepdim=True)  # (B, H, 1)
-        w = state.res_w.gather(-1, target)
-        k_old = state.res_k.gather(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim)).squeeze(2)
-        v_old = state.res_v.gather(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim_v)).squeeze(2)
-        w_new = w + 1.0  # w_r̂ ← w_r̂ + 1
-        k_new = ((w * k_old + k_t) / w_new).unsqueeze(2)  # eq. 7
-        v_new = ((w * v_old + v_t) / w_new).unsqueeze(2)
-        state.res_k.scatter_(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim), k_new)
-        state.res_v.scatter_(-2, target.unsqueeze(-1).expand(-1, -1, 1, dim_v), v_new)
-        state.res_w.scatter_(-1, target, w_new)
+        target, k_new, v_new, w_new = join_nearest_slot(
+            state.res_k, state.res_v, state.res_w, k_t, v_t, state.closed, self.slot_metric
+        )  # (B, H, 1), (B, H, 1, D), (B, H, 1, D), (B, H, 1)
         # line 15: the cache slot holding r̂ gets its mean, β = α·log w (eq. 8)
         slot_id = state.slot_id.narrow(2, 0, n)
         where = (slot_id == target).to(torch.uint8).argmax(-1, keepdim=True)
@@ -446,48 +419,71 @@ class ZSMergeOnline:
         """Algorithm 1 for the ``q_len`` tokens ``start …`` of one forward: the result of one
         :meth:`_arrive` per token with the scores of eq. 5 updated by each token's query, in three passes.
 
-        1. **Victims** (lines 4–11). The scores of every step come in blocks of
-           :data:`STEP_BLOCK` steps, ``s_{i0+k} = λ^{k+1} s_{i0−1} + Σ_{j≤k} λ^{k−j} a_{i0+j}``, one
-           matrix product per block; when the context set exceeds ``B_c`` is known in closed form
-           (one token joins it per step, one leaves per eviction); each step is then a single
-           masked minimum over the slots, sorted newest first so that ties evict the newest.
-        2. **Merges** (lines 12–15): the victims join the residual slots in eviction order, one
-           step at a time on the small slot tensors (slot sums and counts: eq. 7's incremental
-           mean is their ratio; eq. 6 compares ``k_t`` with the means).
-        3. **Cache edits**, once: victims leave the plain tokens (a new residual slot, or an
-           emptied slot), merged slots get their means and β = α·log w (eq. 8).
+        1. **Victims** (lines 4–11, :meth:`_eviction_schedule` and :meth:`_victims_many`). The scores
+           of every step come in blocks of :data:`STEP_BLOCK` steps,
+           ``s_{i0+k} = λ^{k+1} s_{i0−1} + Σ_{j≤k} λ^{k−j} a_{i0+j}``, one matrix product per block;
+           when the context set exceeds ``B_c`` is known in closed form (one token joins it per
+           step, one leaves per eviction); each step is then a single masked minimum over the
+           slots, sorted newest first so that ties evict the newest.
+        2. **Merges** (lines 12–15, :meth:`_merge_many`): the victims join the residual slots in
+           eviction order, one step at a time on the small slot tensors (slot sums and counts:
+           eq. 7's incremental mean is their ratio; eq. 6 compares ``k_t`` with the means).
+        3. **Cache edits**, once (:meth:`_edit_cache_many`): victims leave the plain tokens (a new
+           residual slot, or an emptied slot), merged slots get their means and β = α·log w (eq. 8).
         """
         keys, values, log_mass = layer.dense_buffers()
-        n, dev, acc = keys.shape[2], keys.device, state.score.dtype
-        b_p, b_c, b_r = (t[..., None] for t in self._split_on(dev))  # (B, 1, 1)
-        position = state.position[:, :, :n]
+        b_p, b_c, b_r = (t[..., None] for t in self._split_on(keys.device))  # (B, 1, 1)
+        position = state.position[:, :, : keys.shape[2]]
+        joins, evict = self._eviction_schedule(position, b_p, b_c, start, q_len)
+        victims = self._victims_many(state, probs, position, joins, evict, layer.num_heads)
+        opens, fill_before = self._merge_many(keys, values, state, victims, evict, b_r)
+        self._edit_cache_many(keys, values, log_mass, state, position, victims, evict, opens, fill_before)
+
+    @staticmethod
+    def _eviction_schedule(position: Tensor, b_p: Tensor, b_c: Tensor, start: int, q_len: int) -> tuple[Tensor, Tensor]:
+        """When each plain token joins the context set (lines 7–9) and which steps evict (line 10),
+        in closed form: one eviction per step while the set holds more than ``B_c``, so after step
+        ``i`` ``X_i = min((|C_i| − B_c)⁺, i + 1)`` tokens have left it.
+
+        Args:
+            position: ``(B, H, N)`` the slots' token positions (``RESIDUAL`` for non-plain slots).
+            b_p, b_c: ``(B, 1, 1)`` ``B_p`` and ``B_c``.
+            start, q_len: the forward's first token position and its token count.
+
+        Returns:
+            ``(joins (B, H, N), evict (B, H, q))``: the step at which each slot's token joins the
+            context set (−1: already in it; ``q_len``: never), and whether each step evicts.
+        """
+        dev = position.device
         plain = position >= 0
-        # the step at which each plain token joins the context set (lines 7–9): -1 = already in it
         joins = torch.where(plain, position + b_p - start, q_len).clamp(-1, q_len)
         joined = torch.zeros(*joins.shape[:2], q_len + 2, dtype=torch.long, device=dev)
         joined = joined.scatter_add_(-1, joins + 1, torch.ones_like(joins)).cumsum(-1)[..., 1 : q_len + 1]
-        # evictions (line 10): one per step while the set holds more than B_c → X_i = min((|C_i| − B_c)⁺, i + 1)
         steps = torch.arange(1, q_len + 1, device=dev)
         evicted_by = torch.minimum((joined - b_c).clamp_min(0), steps)
         evict = torch.diff(evicted_by, dim=-1, prepend=torch.zeros_like(evicted_by[..., :1])) > 0  # (B, H, q)
-        # 1. victims (line 11), over the slots sorted newest first (argmin's first minimum = the newest)
-        order = torch.argsort(torch.where(plain, position, RESIDUAL - 1), dim=-1, descending=True)
+        return joins, evict
+
+    def _victims_many(
+        self, state: _LayerState, probs: Tensor | None, position: Tensor, joins: Tensor, evict: Tensor, heads: int
+    ) -> Tensor:
+        """Pass 1 of :meth:`_arrive_many` (line 11): each step's victim, the least-scored member of the
+        context set with the scores of eq. 5 after that step's query; ``state.score`` ends updated.
+
+        Returns:
+            ``(B, H, q)`` the victims' slots (``N``: the step evicts nothing).
+        """
+        n, q_len = position.shape[-1], evict.shape[-1]
+        dev, acc = position.device, state.score.dtype
+        # the slots sorted newest first (argmin's first minimum = the newest)
+        order = torch.argsort(torch.where(position >= 0, position, RESIDUAL - 1), dim=-1, descending=True)
         joins = joins.gather(-1, order)
         s = state.score[:, :, :n].gather(-1, order)
         gone = torch.zeros(*joins.shape[:2], n + 1, dtype=torch.bool, device=dev)  # column n: "no victim"
         chosen = []  # per block, (B, H, k) columns of the sorted slots
         for i0 in range(0, q_len, STEP_BLOCK):
             k = min(q_len, i0 + STEP_BLOCK) - i0
-            if probs is not None:  # eq. 5 over the block: s_k = λ^{k+1} s + Σ_{j≤k} λ^{k−j} a_j
-                a = pool_gqa(probs[:, :, i0 : i0 + k].to(acc), layer.num_heads, "mean")
-                a = a.gather(-1, order[:, :, None, :].expand(-1, -1, k, -1))
-                lag = torch.arange(k, device=dev, dtype=acc)
-                lag = lag[:, None] - lag[None, :]
-                decay = torch.where(lag >= 0, torch.pow(self.decay, lag.clamp_min(0)), 0.0)
-                block = torch.pow(self.decay, torch.arange(1, k + 1, device=dev, dtype=acc))[:, None] * s[:, :, None]
-                block = block + decay @ a
-            else:  # no attention: the scores stay as they are
-                block = s[:, :, None].expand(-1, -1, k, -1)
+            block = self._block_scores(s, probs, order, i0, k, heads, acc)
             s = block[:, :, -1]
             member = joins[:, :, None, :] <= torch.arange(i0, i0 + k, device=dev)[:, None]
             masked = block.masked_fill(~member | gone[:, :, None, :n], float("inf"))
@@ -506,37 +502,82 @@ class ZSMergeOnline:
             chosen.append(torch.stack(picked, dim=-1).clamp(max=n))  # a spare column: n, no victim
             gone.scatter_(-1, chosen[-1], True)
         state.score[:, :, :n] = torch.empty_like(s).scatter_(-1, order, s)
-        victims = F.pad(order, (0, 1), value=n).gather(-1, torch.cat(chosen, dim=-1))  # slots, (B, H, q); n: none
-        # 2. merges into the residual slots, in eviction order (lines 12–15: eq. 6, eq. 7)
+        return F.pad(order, (0, 1), value=n).gather(-1, torch.cat(chosen, dim=-1))  # slots, (B, H, q); n: none
+
+    def _block_scores(
+        self, s: Tensor, probs: Tensor | None, order: Tensor, i0: int, k: int, heads: int, acc: torch.dtype
+    ) -> Tensor:
+        """Eq. 5 after each of the ``k`` steps ``i0 …`` from the scores ``s`` ``(B, H, N)`` before
+        them (slots in ``order``): ``s_k = λ^{k+1} s + Σ_{j≤k} λ^{k−j} a_j``, ``(B, H, k, N)``;
+        without attention the scores stay as they are."""
+        if probs is None:
+            return s[:, :, None].expand(-1, -1, k, -1)
+        dev = s.device
+        a = pool_gqa(probs[:, :, i0 : i0 + k].to(acc), heads, "mean")
+        a = a.gather(-1, order[:, :, None, :].expand(-1, -1, k, -1))
+        lag = torch.arange(k, device=dev, dtype=acc)
+        lag = lag[:, None] - lag[None, :]
+        decay = torch.where(lag >= 0, torch.pow(self.decay, lag.clamp_min(0)), 0.0)
+        block = torch.pow(self.decay, torch.arange(1, k + 1, device=dev, dtype=acc))[:, None] * s[:, :, None]
+        return block + decay @ a
+
+    def _merge_many(
+        self, keys: Tensor, values: Tensor, state: _LayerState, victims: Tensor, evict: Tensor, b_r: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Pass 2 of :meth:`_arrive_many`: the victims join the residual slots in eviction order
+        (lines 12–15: eq. 6, eq. 7), on slot sums and counts (each step one scatter-add per tensor).
+
+        Returns:
+            ``(opens, fill_before)`` ``(B, H, q)``: whether a step's victim opens a new slot (line 13)
+            and the slots open before each step.
+        """
+        n, dev, acc = keys.shape[2], keys.device, state.score.dtype
         slots = state.res_k.shape[-2]
         merging = evict & (b_r > 0)
         fill_before = state.fill[..., None] + merging.long().cumsum(-1) - merging.long()
         opens = merging & (fill_before < b_r)  # line 13: the victim itself becomes a new slot
-        if slots:  # sums instead of means: each step is one scatter-add per tensor
-            at = victims.clamp(max=n - 1)
-            k_t = keys.gather(2, at[..., None].expand(-1, -1, -1, keys.shape[-1])).to(acc) * merging[..., None]
-            v_t = values.gather(2, at[..., None].expand(-1, -1, -1, values.shape[-1])).to(acc) * merging[..., None]
-            added = merging.to(acc)
-            key_sum = state.res_k * state.res_w[..., None]
-            value_sum = state.res_v * state.res_w[..., None]
-            weight = state.res_w.clone()
-            closed = torch.arange(slots, device=dev) >= fill_before[..., None]  # (B, H, q, S): not opened yet
-            new_slot = fill_before.clamp(max=slots - 1)
-            for i in torch.nonzero(merging.flatten(0, 1).any(0)).flatten().tolist():
-                dots = (key_sum @ k_t[:, :, i, :, None])[..., 0] / weight.clamp_min(1)  # eq. 6: k_r·k_t, k_r the mean
-                if self.slot_metric == "l2":  # 2 k_r·k_t − ‖k_r‖²
-                    dots = 2.0 * dots - key_sum.square().sum(-1) / weight.clamp_min(1).square()
-                nearest = dots.masked_fill(closed[:, :, i], float("-inf")).argmax(-1)  # ties: the first slot
-                target = torch.where(opens[:, :, i], new_slot[:, :, i], nearest)[..., None]  # line 13 or line 15
-                key_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, key_sum.shape[-1]), k_t[:, :, i, None])
-                value_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, value_sum.shape[-1]), v_t[:, :, i, None])
-                weight.scatter_add_(2, target, added[:, :, i, None])  # eq. 7: w_r̂ ← w_r̂ + 1
-            state.res_k = key_sum / weight.clamp_min(1)[..., None]  # eq. 7: the means
-            state.res_v = value_sum / weight.clamp_min(1)[..., None]
-            state.res_w = weight
-            state.fill += opens.sum(-1)
-        # 3. the cache: victims leave the plain tokens; new slots are numbered; emptied slots go
-        # (a spare column n takes the writes of the steps without a victim)
+        if not slots:
+            return opens, fill_before
+        at = victims.clamp(max=n - 1)
+        k_t = keys.gather(2, at[..., None].expand(-1, -1, -1, keys.shape[-1])).to(acc) * merging[..., None]
+        v_t = values.gather(2, at[..., None].expand(-1, -1, -1, values.shape[-1])).to(acc) * merging[..., None]
+        added = merging.to(acc)
+        key_sum = state.res_k * state.res_w[..., None]
+        value_sum = state.res_v * state.res_w[..., None]
+        weight = state.res_w.clone()
+        closed = torch.arange(slots, device=dev) >= fill_before[..., None]  # (B, H, q, S): not opened yet
+        new_slot = fill_before.clamp(max=slots - 1)
+        for i in torch.nonzero(merging.flatten(0, 1).any(0)).flatten().tolist():
+            dots = (key_sum @ k_t[:, :, i, :, None])[..., 0] / weight.clamp_min(1)  # eq. 6: k_r·k_t, k_r the mean
+            if self.slot_metric == "l2":  # 2 k_r·k_t − ‖k_r‖²
+                dots = 2.0 * dots - key_sum.square().sum(-1) / weight.clamp_min(1).square()
+            nearest = dots.masked_fill(closed[:, :, i], float("-inf")).argmax(-1)  # ties: the first slot
+            target = torch.where(opens[:, :, i], new_slot[:, :, i], nearest)[..., None]  # line 13 or line 15
+            key_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, key_sum.shape[-1]), k_t[:, :, i, None])
+            value_sum.scatter_add_(2, target[..., None].expand(-1, -1, 1, value_sum.shape[-1]), v_t[:, :, i, None])
+            weight.scatter_add_(2, target, added[:, :, i, None])  # eq. 7: w_r̂ ← w_r̂ + 1
+        state.res_k = key_sum / weight.clamp_min(1)[..., None]  # eq. 7: the means
+        state.res_v = value_sum / weight.clamp_min(1)[..., None]
+        state.res_w = weight
+        state.fill += opens.sum(-1)
+        return opens, fill_before
+
+    def _edit_cache_many(
+        self,
+        keys: Tensor,
+        values: Tensor,
+        log_mass: Tensor,
+        state: _LayerState,
+        position: Tensor,
+        victims: Tensor,
+        evict: Tensor,
+        opens: Tensor,
+        fill_before: Tensor,
+    ) -> None:
+        """Pass 3 of :meth:`_arrive_many`, the cache: victims leave the plain tokens, new slots are
+        numbered, emptied slots go (a spare column ``N`` takes the writes of the steps without a
+        victim); then every residual slot holds its mean with β = α·log w (line 15, eq. 8)."""
+        n = keys.shape[2]
         padded = F.pad(state.slot_id[:, :, :n], (0, 1), value=-1)
         padded.scatter_(-1, torch.where(opens, victims, n), fill_before)
         state.slot_id[:, :, :n] = padded[..., :n]
@@ -544,7 +585,7 @@ class ZSMergeOnline:
         state.position[:, :, :n] = padded[..., :n]
         padded = F.pad(log_mass, (0, 1)).scatter_(-1, torch.where(evict & ~opens, victims, n), NEG_INF)
         log_mass.copy_(padded[..., :n])
-        if slots:  # line 15: every residual slot holds its mean, β = α·log w (eq. 8)
+        if state.res_k.shape[-2]:
             slot_id = state.slot_id[:, :, :n]
             is_slot = (slot_id >= 0) & torch.isfinite(log_mass)
             at = slot_id.clamp_min(0)
