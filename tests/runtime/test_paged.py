@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvfold
 from kvfold.runtime.paged import BLOCK_SIZE, NEG_INF, PagedRows, grow_capacity, paging_saves_memory
+from tests.conftest import CharTokenizer, make_tiny_model
 
 D = 4
 
@@ -64,18 +66,48 @@ def test_append_one_within_blocks_reads_back_padded():
         assert (lm[r, n : n + 2] == 0).all()
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason="to_padded assumes each row's blocks are contiguous")
-def test_to_padded_after_append_one_opened_a_block():
-    """Known bug (found while splitting runtime/cache.py): a block opened by a decode step lands at
-    the end of the buffers, and ``to_padded`` numbers a row's blocks as if they were contiguous."""
-    lengths = [BLOCK_SIZE, 3, BLOCK_SIZE]
-    keys, values, log_mass, lens = _padded_rows(lengths, BLOCK_SIZE)
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [BLOCK_SIZE, 3, BLOCK_SIZE],  # the old contiguous numbering raised IndexError
+        [3 * BLOCK_SIZE - 1, BLOCK_SIZE, 2],  # ... and here silently read the wrong blocks
+    ],
+)
+def test_to_padded_after_append_one_opened_a_block(lengths):
+    """A block opened by a decode step lands after every block in use, not next to its row's
+    blocks: ``to_padded`` follows each row's blocks in order instead of assuming contiguity."""
+    keys, values, log_mass, lens = _padded_rows(lengths, max(lengths))
     pages = PagedRows.from_padded(keys, values, log_mass, lens)
-    new_k = torch.randn(3, D)
-    pages.append_one(new_k, new_k.clone())
-    k, _, _, _ = pages.to_padded()
+    new_k, new_v = torch.randn(len(lengths), D), torch.randn(len(lengths), D)
+    pages.append_one(new_k, new_v)
+    assert pages.block_row[: pages.num_blocks].tolist() != sorted(pages.block_row[: pages.num_blocks].tolist())
+    k, v, lm, back = pages.to_padded()
+    assert back.tolist() == [n + 1 for n in lengths]
     for r, n in enumerate(lengths):
-        assert torch.equal(k[r, :n], keys[r, :n]) and torch.equal(k[r, n], new_k[r])
+        assert torch.equal(k[r, :n], keys[r, :n]) and torch.equal(v[r, :n], values[r, :n])
+        assert torch.equal(lm[r, :n], log_mass[r, :n])
+        assert torch.equal(k[r, n], new_k[r]) and torch.equal(v[r, n], new_v[r]) and lm[r, n] == 0
+        assert (lm[r, n + 1 :] == NEG_INF).all()
+
+
+def test_to_padded_follows_rows_across_many_decode_steps():
+    """Against a list-of-entries model of every row, after each of many decode steps."""
+    lengths = [0, 1, 5, BLOCK_SIZE - 1, BLOCK_SIZE, 2 * BLOCK_SIZE + 3]
+    keys, values, log_mass, lens = _padded_rows(lengths, max(lengths))
+    pages = PagedRows.from_padded(keys, values, log_mass, lens)
+    expected = [[(keys[r, i], values[r, i], float(log_mass[r, i])) for i in range(n)] for r, n in enumerate(lengths)]
+    for step in range(3 * BLOCK_SIZE + 2):
+        new_k, new_v = torch.randn(len(lengths), D), torch.randn(len(lengths), D)
+        pages.append_one(new_k, new_v)
+        for r, row in enumerate(expected):
+            row.append((new_k[r], new_v[r], 0.0))
+        k, v, lm, back = pages.to_padded()
+        assert back.tolist() == [len(row) for row in expected]
+        for r, row in enumerate(expected):
+            assert torch.equal(k[r, : len(row)], torch.stack([e[0] for e in row])), f"step {step} row {r}"
+            assert torch.equal(v[r, : len(row)], torch.stack([e[1] for e in row])), f"step {step} row {r}"
+            assert lm[r, : len(row)].tolist() == [e[2] for e in row], f"step {step} row {r}"
+            assert (lm[r, len(row) :] == NEG_INF).all()
 
 
 def test_capacity_grows_geometrically():
@@ -88,3 +120,78 @@ def test_paging_only_when_padding_wastes_memory():
     assert not paging_saves_memory(torch.tensor([64, 64, 60]), 64)
     assert paging_saves_memory(torch.tensor([2, 128, 2]), 128)
     assert not paging_saves_memory(torch.tensor([0, 0]), 0)
+
+
+def _stored_entries(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's entries row after row, in slot order (slots with β = −inf skipped)."""
+    keys, values, log_mass, _ = layer.padded()
+    held = torch.isfinite(log_mass)
+    return keys[held], values[held], log_mass[held]
+
+
+def _assert_same_entries(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """Equal up to float32 rounding: keys decoded after the first layer saw the two attention paths."""
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _masked_reference(cache: kvfold.FoldedCache) -> kvfold.FoldedCache:
+    """The same cache unpacked into the dense layout, each row's tail masked with β = −inf."""
+    reference = cache.copy()
+    for _, layer in reference.folded_layers:
+        keys, values, log_mass, _ = layer.padded()
+        layer.replace(keys, values, log_mass)
+        assert layer.paged is None
+    return reference
+
+
+def _step(model, cache, ids: list[int]) -> torch.Tensor:
+    logical = cache.get_seq_length()
+    pos = torch.arange(logical, logical + len(ids))[None]
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), past_key_values=cache, position_ids=pos, use_cache=True)
+    return out.logits[0, -1]
+
+
+def test_a_paged_cache_decoded_past_a_block_boundary_reads_saves_and_takes_another_turn(tmp_path):
+    """End to end on a tiny model: per-head lengths (paged), decode until every row opened a block,
+    then read ``layer.keys``, save and load, edit the batch and prefill a next turn — each compared
+    with the same cache unpacked into the masked dense layout before decoding."""
+    model = kvfold.enable(make_tiny_model("llama", num_key_value_heads=3, num_attention_heads=6))
+    tokenizer = CharTokenizer()
+    text = "the quick brown fox jumps over the lazy dog; " * 3
+    context = kvfold.prefill(model, tokenizer, text, use_chat_template=False)
+    cache = context.compress("global:knorm[online=false]", 0.2).cache
+    assert all(layer.paged is not None for _, layer in cache.folded_layers)
+    reference = _masked_reference(cache)
+    logits = context.last_logits[0]
+    for _ in range(BLOCK_SIZE + 2):  # every row crosses a block boundary
+        token = int(logits.argmax())
+        logits = _step(model, cache, [token])
+        torch.testing.assert_close(logits, _step(model, reference, [token]), rtol=1e-5, atol=1e-5)
+    for _, layer in cache.folded_layers:
+        assert layer.paged is not None
+        assert layer.paged.block_row[: layer.paged.num_blocks].diff().lt(0).any()  # rows' blocks interleave
+    paged_layers = dict(cache.folded_layers)
+    for i, ref_layer in reference.folded_layers:
+        layer = paged_layers[i]
+        got = _stored_entries(layer)
+        _assert_same_entries(got, _stored_entries(ref_layer))
+        slot = torch.arange(layer.physical_length)[None, None, :] < layer.row_lengths()[..., None]
+        assert torch.equal(layer.keys[slot], got[0]) and torch.equal(layer.values[slot], got[1])
+
+    kvfold.save_cache(cache, tmp_path / "paged.kvc", model)
+    loaded = kvfold.load_cache(tmp_path / "paged.kvc", model)
+    edited = cache.copy()
+    edited.batch_repeat_interleave(2)
+    edited.batch_select_indices(torch.tensor([1]))
+    for i, layer in paged_layers.items():
+        want = _stored_entries(layer)
+        for other in (loaded, edited):
+            for a, b in zip(_stored_entries(other.layers[i]), want, strict=True):
+                assert torch.equal(a, b)
+
+    turn = tokenizer("and then what happened?").input_ids
+    want = _step(model, reference, turn)
+    for other in (cache, loaded, edited):
+        torch.testing.assert_close(_step(model, other, turn), want, rtol=1e-5, atol=1e-5)

@@ -32,7 +32,8 @@ class PagedRows:
         keys: ``(num_blocks_capacity, BLOCK_SIZE, D)``.
         values: same shape as ``keys``.
         log_mass: ``(num_blocks_capacity, BLOCK_SIZE)`` float32; −inf in empty slots.
-        block_row: ``(num_blocks_capacity,)`` long, the row that owns each block.
+        block_row: ``(num_blocks_capacity,)`` long, the row that owns each block. A row's blocks are
+            in buffer order but not contiguous: :meth:`append_one` opens new blocks after all others.
         num_blocks: number of blocks in use (a prefix of the buffers).
         row_lengths: ``(R,)`` long, entries per row.
         row_last_block: ``(R,)`` long, the block that receives the row's next entry.
@@ -93,9 +94,7 @@ class PagedRows:
         max_len = int(self.row_lengths.max()) if rows else 0
         width = max(1, math.ceil(max_len / BLOCK_SIZE)) * BLOCK_SIZE
         block_row = self.block_row[:nb]
-        counts = torch.bincount(block_row, minlength=rows)
-        first = torch.cumsum(counts, 0) - counts
-        block_in_row = torch.arange(nb, device=block_row.device) - first[block_row]
+        block_in_row = self._block_in_row()
         k = self.keys.new_zeros(rows, width // BLOCK_SIZE, BLOCK_SIZE, dim)
         v = self.values.new_zeros(rows, width // BLOCK_SIZE, BLOCK_SIZE, dim)
         lm = self.log_mass.new_full((rows, width // BLOCK_SIZE, BLOCK_SIZE), NEG_INF)
@@ -106,6 +105,22 @@ class PagedRows:
         v = v.reshape(rows, width, dim)[:, :max_len]
         lm = lm.reshape(rows, width)[:, :max_len]
         return k, v, lm, self.row_lengths.clone()
+
+    def _block_in_row(self) -> torch.Tensor:
+        """``(num_blocks,)`` each block's index within its row's page list.
+
+        A row's blocks are not contiguous in the buffers: a block opened by :meth:`append_one`
+        lands after every block in use. They are in order, though (a row's later block has a
+        larger id), so a block's index is its rank among its row's blocks in buffer order.
+        """
+        nb = self.num_blocks
+        block_row = self.block_row[:nb]
+        counts = torch.bincount(block_row, minlength=self.num_rows)
+        first = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(block_row, stable=True)  # blocks row after row, each row's in order
+        block_in_row = torch.empty_like(block_row)
+        block_in_row[order] = torch.arange(nb, device=block_row.device) - first[block_row[order]]
+        return block_in_row
 
     def append_one(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append one entry to every row in place (decode step). ``keys``: ``(R, D)``."""

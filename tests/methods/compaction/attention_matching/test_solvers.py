@@ -3,11 +3,14 @@ of the normal equations (Zweiger et al. 2026 §3.2, eq. 4) computed by blocks eq
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from kvfold.methods.compaction.attention_matching import solve, solvers
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
+from kvfold.methods.compaction.omp import FeatureRefit, omp_greedy, omp_width
 
 F64 = torch.float64
 
@@ -130,3 +133,47 @@ def test_fused_statistics_give_the_fit_of_the_max_shifted_blocks(monkeypatch):
     torch.testing.assert_close(fused.values, blocks.values, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(fused.output_error, blocks.output_error, rtol=1e-3, atol=1e-5)
     assert not solve._fused_statistics_apply(keys, queries, torch.full((3,), 0.25), FitConfig(mass_weight="none"))
+
+
+def _pruned_omp_problem() -> tuple[torch.Tensor, torch.Tensor]:
+    """Peaked exp-scores (a few keys carry the mass): OMP's refits put weights below e^0.5 on
+    some of 20 keys, so App. C.2's β_min pruning discards them and selection refills the slots."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 80, 50, generator=g, dtype=F64) * 5
+    phi = torch.exp(logits - logits.amax(-1, keepdim=True))
+    return phi, phi.sum(-1)
+
+
+@pytest.mark.parametrize("refine", [True, False])
+@pytest.mark.parametrize(("k", "tau"), [(1, 1), (4, 2)])
+def test_omp_keys_reports_the_residual_of_the_keys_it_returns_after_a_beta_min_pruning(k, tau, refine):
+    """Keys refilled into the slots freed by a pruning get their own ``Φᵀ Φ_S`` columns: the last
+    reported residual is ‖m − Φ_S w‖ of the returned keys and weights (recomputed in float64)."""
+    phi, mass = _pruned_omp_problem()
+    idx, w, lengths, history = solvers.omp_keys(
+        phi, mass, torch.full((4,), 20), torch.ones(4, 50, dtype=torch.bool), k=k, tau=tau, beta_min=0.5, refine=refine
+    )
+    assert bool((lengths < 20).all())  # every problem pruned keys below e^β_min
+    kept = torch.arange(20)[None, :] < lengths[:, None]
+    assert bool((w[kept] >= math.exp(0.5)).all()) and bool((w[~kept] == 0).all())
+    residual = (mass - (phi.gather(2, idx[:, None, :].expand(-1, 80, -1)) * w[:, None, :]).sum(-1)).norm(dim=-1)
+    torch.testing.assert_close(history[:, -1], residual, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("k", "tau"), [(1, 1), (4, 2)])
+def test_gram_refit_selects_what_the_feature_refit_selects_through_beta_min_prunings(k, tau):
+    """The same greedy loop (β_min pruning, refills) with Algorithm 3 on the normal equations
+    (``GramRefit``, ``refine=False``) and on the explicit features (``FeatureRefit``, the reference)."""
+    phi, mass = _pruned_omp_problem()
+    counts, w_min, w_max = torch.full((4,), 20), math.exp(0.5), math.exp(7.0)
+    loop = dict(k=k, tau=tau, w_min=w_min, refills=8, refill_at_once=True)
+    gram = solvers.GramRefit(phi, mass, omp_width(20, k, 50), w_max=w_max, nnls_iters=0, ridge=1e-12, refine=False)
+    idx, w, count, history = omp_greedy(gram, counts, torch.zeros(4, 50, dtype=torch.bool), 20, **loop)
+    feature = FeatureRefit(phi, mass, nnls_iters=0, w_max=w_max, ridge=1e-12, monotone=True)
+    ref = omp_greedy(feature, counts, torch.zeros(4, 50, dtype=torch.bool), 20, **loop)
+    ref_idx, ref_w, ref_count, ref_history = ref
+    assert torch.equal(count, ref_count) and bool((count < 20).all())
+    used = torch.arange(20)[None, :] < count[:, None]
+    assert torch.equal(torch.where(used, idx, 0), ref_idx)  # the reference zeroes unused slots
+    torch.testing.assert_close(w, ref_w, rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(history, ref_history, rtol=1e-9, atol=1e-10)

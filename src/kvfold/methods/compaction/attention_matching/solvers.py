@@ -271,6 +271,8 @@ class GramRefit:
         self.cross[rows, :, :s] = self.cross[rows, :, :s].gather(2, order[rows, None, :].expand(-1, T, -1))
 
     def update(self, w_fit: Tensor, cols: Tensor, w: Tensor, ok: Tensor, refit: Tensor) -> Tensor:
+        # a β_min pruning compacted the slots: the keys refilled into the freed ones need their columns
+        self.first_new = torch.minimum(self.first_new, ok.sum(-1))
         s = cols.shape[-1]
         # Alg. 2 line 10: r = m − Φ_S w, so Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w
         self.corr = self.c0 - torch.bmm(self.cross[:, :, :s], w[..., None])[..., 0]
