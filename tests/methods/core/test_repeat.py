@@ -122,3 +122,32 @@ def test_the_fused_repeat_pass_scores_equal_the_eager_ones(monkeypatch):
         torch.testing.assert_close(fused.scores[i].to(F64), exact.scores[i], rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(fused.queries[i], eager.queries[i], rtol=1e-5, atol=1e-6)
         assert torch.equal(fused.query_valid[i], eager.query_valid[i])
+
+
+def test_each_repeat_query_knows_its_chunk_and_each_token_the_chunk_that_repeats_it():
+    """Fits by repeat chunk (issue 33) pair a chunk's context entries with the queries recorded while
+    that chunk was repeated: the queries' chunks follow the repeat inputs (G query heads per KV head,
+    head-major), and the tokens :func:`token_chunks` gives chunk ``c`` are the ones its input repeats."""
+    tok = CharTokenizer()
+    model = model64("llama")
+    pre = kvfold.prefill(model, tok, [TEXT, TEXT[:40]], use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    found = repeat.repeat_pass(ctx, chunk=24, scores=False)
+    owner = repeat.token_chunks(ctx, 24)
+    prompt = repeat.RepeatPrompt.build(tok)
+    width = pre.input_ids.shape[1]
+    for b in range(2):
+        length = int(pre.attention_mask[b].sum())
+        row = pre.input_ids[b, width - length :].tolist()
+        inputs = prompt.chunk_inputs(row, 24)
+        expected = [c for c, ids in enumerate(inputs) for _ in ids] * 3  # G = 3
+        for chunks in found.query_chunks.values():
+            assert chunks[b, 0, : len(expected)].tolist() == expected
+            assert bool((chunks[b, :, len(expected) :] == -1).all())
+        assert bool((owner[b, : width - length] == -1).all())
+        mine = owner[b, width - length :]
+        start = prompt.text_start(row)
+        assert bool((mine[:start] == 0).all()) and mine.tolist() == sorted(mine.tolist())
+        for c, ids in enumerate(inputs):
+            repeated = [t for t, o in zip(row[start:], mine[start:].tolist(), strict=True) if o == c]
+            assert ids[-len(repeated) :] == repeated and len(repeated) <= 24

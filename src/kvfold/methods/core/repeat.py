@@ -14,7 +14,7 @@ probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,10 +61,16 @@ class RepeatPrompt:
             prefix=encode(tokenizer, head, special=True),
         )
 
-    def chunk_inputs(self, row_ids: list[int], chunk: int, overlap: int = 8) -> list[list[int]]:
-        """The repeat inputs of one context row, chunk by chunk."""
+    def text_start(self, row_ids: list[int]) -> int:
+        """Where the repeated text starts in a context row: after the template ``prefix`` when the
+        row begins with it (and holds more than it), else at 0."""
         start = len(self.prefix) if self.prefix and row_ids[: len(self.prefix)] == self.prefix else 0
-        text = row_ids[start:] or row_ids
+        return start if row_ids[start:] else 0
+
+    def chunk_inputs(self, row_ids: list[int], chunk: int, overlap: int = 8) -> list[list[int]]:
+        """The repeat inputs of one context row, chunk by chunk: chunk ``i`` repeats the row's
+        tokens ``text_start + i·chunk`` to ``text_start + (i + 1)·chunk``."""
+        text = row_ids[self.text_start(row_ids) :]
         pieces = [text[lo : lo + chunk] for lo in range(0, len(text), chunk)]
         inputs = []
         for i, piece in enumerate(pieces):
@@ -84,11 +90,15 @@ class RepeatPass:
             of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), float32
             (float64 for float64 models); rows of a batch padded to the longest.
         query_valid: ``(B, H_kv, n)`` bool.
+        query_chunks: ``(B, H_kv, n)`` long, the repeat chunk each query was recorded in (its
+            input repeats the context span :func:`token_chunks` assigns to that chunk; −1 on
+            padding), when queries were recorded.
     """
 
     scores: dict[int, Tensor]
     queries: dict[int, Tensor]
     query_valid: dict[int, Tensor]
+    query_chunks: dict[int, Tensor] = field(default_factory=dict)
 
 
 class RepeatRecorder:
@@ -211,6 +221,7 @@ def repeat_pass(
     slots = {i: layer.physical_length for i, layer in cache.folded_layers}
     logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
     recorders: list[RepeatRecorder] = []
+    chunk_of_token: list[Tensor] = []  # per row: the repeat chunk of each repeat-input token
     for b in range(batch):  # rows differ in length: their repeat inputs differ
         row_cache = cache
         if batch > 1:
@@ -219,7 +230,9 @@ def repeat_pass(
         row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
         recorder = RepeatRecorder(slots, scores=scores, queries=queries)
         start = logical - (width - lengths[b])  # the row's positions continue where its context ended
-        for ids in prompt.chunk_inputs(row_ids, chunk):
+        inputs = prompt.chunk_inputs(row_ids, chunk)
+        chunk_of_token.append(torch.tensor([c for c, ids in enumerate(inputs) for _ in ids], dtype=torch.long))
+        for ids in inputs:
             work = row_cache.copy()
             work.capture_window = 0
             work.policy = recorder
@@ -238,6 +251,7 @@ def repeat_pass(
     out_scores: dict[int, Tensor] = {}
     out_queries: dict[int, Tensor] = {}
     out_valid: dict[int, Tensor] = {}
+    out_chunks: dict[int, Tensor] = {}
     for layer_idx, layer in cache.folded_layers:
         if scores:
             stacked = torch.cat([r.scores[layer_idx] for r in recorders])
@@ -248,11 +262,30 @@ def repeat_pass(
             first = rows[0]
             q = first.new_zeros(batch, first.shape[1], n, first.shape[3])
             valid = torch.zeros(batch, first.shape[1], n, dtype=torch.bool, device=first.device)
+            chunks = torch.full((batch, first.shape[1], n), -1, dtype=torch.long, device=first.device)
             for b, row in enumerate(rows):
                 q[b, :, : row.shape[2]] = row[0]
                 valid[b, :, : row.shape[2]] = True
-            out_queries[layer_idx], out_valid[layer_idx] = q, valid
-    return RepeatPass(out_scores, out_queries, out_valid)
+                groups = row.shape[2] // max(1, chunk_of_token[b].numel())  # query g·tokens + i: token i
+                chunks[b, :, : row.shape[2]] = chunk_of_token[b].repeat(groups).to(first.device)
+            out_queries[layer_idx], out_valid[layer_idx], out_chunks[layer_idx] = q, valid, chunks
+    return RepeatPass(out_scores, out_queries, out_valid, out_chunks)
+
+
+def token_chunks(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> Tensor:
+    """``(B, W)`` long: for each column of ``ctx.input_ids``, the repeat chunk of :func:`repeat_pass`
+    whose input repeats that token (``chunk`` tokens per chunk from the row's text start); the
+    template before the text counts in chunk 0, left padding is −1."""
+    prompt = RepeatPrompt.build(ctx.tokenizer)
+    batch, width = ctx.input_ids.shape
+    out = torch.full((batch, width), -1, dtype=torch.long)
+    for b, length in enumerate(ctx.context_lengths.tolist()):
+        row_ids = ctx.input_ids[b, width - length :].tolist()
+        start = prompt.text_start(row_ids)
+        last = max(0, -(-(length - start) // chunk) - 1)
+        position = torch.arange(length) - start
+        out[b, width - length :] = position.clamp_min(0).div(chunk, rounding_mode="floor").clamp_max(last)
+    return out
 
 
 def shared_repeat_pass(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> RepeatPass:

@@ -10,8 +10,9 @@ later. Keys are a subset of the span's own keys (§3.3), so their RoPE phases an
 logical length are unchanged: appended tokens get the positions they would have had.
 
 Modules: reference queries (:mod:`.queries`), the batched fits (:mod:`.solve`), nonuniform head
-budgets (:mod:`.schedule`), a layer's spans and chunks compacted (:mod:`.compact`), text chunks
-compacted on their own (:mod:`.text_chunks`), and the registered variants (§4 "Compared Variants"),
+budgets (:mod:`.schedule`), a layer's spans and chunks compacted (:mod:`.compact`), fits by repeat
+chunk that grow linearly with the context (:mod:`.fit_chunks`), text chunks compacted on their own
+(:mod:`.text_chunks`), and the registered variants (§4 "Compared Variants"),
 online compaction (App. F.3) and the β-and-value refit after any selector (``snapkv+am_fit``) in
 :mod:`.method`.
 

@@ -112,9 +112,12 @@ def _plan_layer(
     span: tuple[int | None, int | None],
     chunks: int,
     verbatim: Tensor | None = None,
+    chunk_of: Tensor | None = None,
 ) -> _LayerPlan:
     """Cut a layer's span into ``chunks`` contiguous blocks per row, with their budgets; the first
-    ``verbatim`` ``(B,)`` valid entries of each row stay outside the span."""
+    ``verbatim`` ``(B,)`` valid entries of each row stay outside the span. ``chunk_of`` ``(B, N)``
+    (the repeat chunk of every slot) replaces the equal blocks: block ``c`` is the span's entries
+    of repeat chunk ``c``, and ``chunks`` is their number."""
     keys, values, log_mass, _ = layer.padded()
     valid = torch.isfinite(log_mass)
     batch, heads, length, dim = keys.shape
@@ -129,8 +132,11 @@ def _plan_layer(
     fixed = n_valid - span_len
     budget = torch.maximum(total.to(keys.device) - fixed, torch.minimum(span_len, torch.ones_like(span_len)))
     budget = torch.minimum(budget, span_len)
-    chunks = max(1, min(chunks, int(span_len.max()) if span_len.numel() else 1))
-    chunk_id = ((rank - start[..., None]).clamp_min(0) * chunks) // span_len.clamp_min(1)[..., None]
+    if chunk_of is not None:
+        chunk_id = chunk_of.to(keys.device)[:, None, :].expand(batch, heads, length)
+    else:
+        chunks = max(1, min(chunks, int(span_len.max()) if span_len.numel() else 1))
+        chunk_id = ((rank - start[..., None]).clamp_min(0) * chunks) // span_len.clamp_min(1)[..., None]
     chunk_id = torch.where(member, chunk_id, torch.full_like(chunk_id, chunks))
     sizes = torch.stack([(chunk_id == c).sum(-1) for c in range(chunks)], dim=-1)  # (B, H, C)
     counts = _split_budget(budget, sizes)
@@ -192,14 +198,27 @@ def _write_layer(layer: FoldedLayer, plan: _LayerPlan, result: Compacted) -> Non
     layer.replace(out_k[:, :, :width], out_v[:, :, :width], out_lm[:, :, :width], lengths=total)
 
 
+def _block_queries(ref: ReferenceQueries, chunks: int, by_chunk: bool) -> tuple[Tensor, Tensor]:
+    """``(B, H, C, n, D)`` queries of each block and their validity: every query for every block, or
+    (``by_chunk``) each repeat chunk's own queries (:meth:`ReferenceQueries.by_chunk`)."""
+    if by_chunk:
+        return ref.by_chunk(chunks)
+    return ref.queries[:, :, None].expand(-1, -1, chunks, -1, -1), ref.valid[:, :, None].expand(-1, -1, chunks, -1)
+
+
 def _stack_problems(
-    plans: dict[int, _LayerPlan], queries: dict[int, ReferenceQueries], scalings: dict[int, float]
+    plans: dict[int, _LayerPlan],
+    queries: dict[int, ReferenceQueries],
+    scalings: dict[int, float],
+    by_chunk: bool = False,
 ) -> dict[str, Tensor]:
     """Every layer's blocks (rows × KV heads × chunks) as one stack of problems: keys, values and β⁰
     padded to the widest block, each block with its row's and head's reference queries (padded to
-    the most queries, invalid), its budget and its layer's logit scale."""
+    the most queries, invalid; with ``by_chunk`` each block's repeat chunk's queries), its budget
+    and its layer's logit scale."""
     width = max(p.keys.shape[3] for p in plans.values())
-    n = max(queries[i].queries.shape[2] for i in plans)
+    blocks = {i: _block_queries(queries[i], plan.keys.shape[2], by_chunk) for i, plan in plans.items()}
+    n = max(q.shape[3] for q, _ in blocks.values())
     stack: dict[str, list[Tensor]] = {name: [] for name in ("k", "v", "lm", "q", "qv", "counts", "scale")}
     for i, plan in plans.items():
         b, h, c, t, d = plan.keys.shape
@@ -207,12 +226,10 @@ def _stack_problems(
         stack["k"].append(torch.nn.functional.pad(plan.keys, (0, 0, 0, pad)))
         stack["v"].append(torch.nn.functional.pad(plan.values, (0, 0, 0, pad)))
         stack["lm"].append(torch.nn.functional.pad(plan.log_mass, (0, pad), value=NEG_INF))
-        ref = queries[i]
-        qn = ref.queries.shape[2]
-        q = torch.nn.functional.pad(ref.queries, (0, 0, 0, n - qn))[:, :, None].expand(-1, -1, c, -1, -1)
-        qv = torch.nn.functional.pad(ref.valid, (0, n - qn), value=False)[:, :, None].expand(-1, -1, c, -1)
-        stack["q"].append(q)
-        stack["qv"].append(qv)
+        q, qv = blocks[i]
+        qn = q.shape[3]
+        stack["q"].append(torch.nn.functional.pad(q, (0, 0, 0, n - qn)))
+        stack["qv"].append(torch.nn.functional.pad(qv, (0, n - qn), value=False))
         stack["counts"].append(plan.counts)
         stack["scale"].append(torch.full(plan.counts.shape, scalings[i], dtype=torch.float64))
     return {name: torch.cat([t.reshape(-1, *t.shape[3:]) for t in tensors]) for name, tensors in stack.items()}
@@ -247,6 +264,7 @@ def compact_layers(
     span: tuple[int | None, int | None] = (None, None),
     chunks: int = 1,
     verbatim: Tensor | None = None,
+    chunk_of: Tensor | None = None,
 ) -> dict[str, float]:
     """Compact the span of every row of several layers at once (KV-based chunks, §3.5, App. C.3).
 
@@ -266,14 +284,19 @@ def compact_layers(
         chunks: contiguous blocks the span is split into.
         verbatim: ``(B,)`` leading valid entries of each row kept as they are (template, sinks):
             the span starts after them at the latest.
+        chunk_of: ``(B, N)`` the repeat chunk of every slot (:func:`.fit_chunks.layer_chunks`):
+            the span's entries of each repeat chunk are one block fitted on the queries recorded
+            while that chunk was repeated (``chunks`` is then ignored; see :mod:`.fit_chunks`).
 
     Returns:
         Mean relative mass and output residuals on the reference queries over fitted blocks.
     """
-    plans = {i: _plan_layer(layer, totals[i], span, chunks, verbatim) for i, layer in targets}
+    if chunk_of is not None:
+        chunks = int(chunk_of.max()) + 1
+    plans = {i: _plan_layer(layer, totals[i], span, chunks, verbatim, chunk_of) for i, layer in targets}
     if not plans:
         return {}
-    cat = _stack_problems(plans, queries, scalings)
+    cat = _stack_problems(plans, queries, scalings, by_chunk=chunk_of is not None)
     device = cat["k"].device
     result = fit_problems(
         cat["k"],

@@ -18,6 +18,12 @@ from kvfold.methods.compaction.attention_matching.compact import (
     trim_captured,
     verbatim_prefix,
 )
+from kvfold.methods.compaction.attention_matching.fit_chunks import (
+    fit_chunk_tokens,
+    fit_given_by_chunk,
+    layer_chunks,
+    parse_fit_chunk,
+)
 from kvfold.methods.compaction.attention_matching.queries import (
     QueryOptions,
     ReferenceQueries,
@@ -29,6 +35,7 @@ from kvfold.methods.compaction.attention_matching.queries import (
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
 from kvfold.methods.core.model import layer_scaling
+from kvfold.methods.core.repeat import REPEAT_CHUNK
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.cache import FoldedLayer
 
@@ -148,7 +155,12 @@ class _AttentionMatching(Standalone):
         template, sinks: the chat template before the context text (``template=true``) and at
             least the first ``sinks`` tokens stay verbatim, outside the span (still counted in the
             budget), as in the authors' code; ``template=false,sinks=0`` compacts them too.
-        chunks: contiguous chunks compacted independently (§3.5).
+        chunks: contiguous chunks compacted independently (§3.5), each on every reference query.
+        fit_chunk: ``auto`` (default), ``none`` or a number of tokens: the span's entries of each
+            repeat chunk compacted on the queries recorded while that chunk was repeated, so the
+            fit grows linearly with the context; ``auto`` does so from 4,096 context tokens on
+            with repeat queries and ``chunks=1`` (see
+            :mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
         chunking: ``kv`` (slice the prefilled cache, the paper's default) or ``text`` (prefill
             and compact each chunk alone, then shift its keys' RoPE phase to the global offset).
         schedule: a head-budget schedule JSON file (§3.4, Appendix E; see
@@ -178,6 +190,7 @@ class _AttentionMatching(Standalone):
     template: bool = True
     sinks: int = 4
     chunks: int = 1
+    fit_chunk: str = "auto"
     chunking: str = "kv"
     schedule: str | None = None
     online: bool = False
@@ -213,6 +226,10 @@ class _AttentionMatching(Standalone):
             raise SpecError(f"{self.name}: beta_min must be ≤ beta_max")
         if self.chunking not in ("kv", "text") or self.solver not in ("gram", "exact"):
             raise SpecError(f"{self.name}: chunking must be kv or text and solver gram or exact")
+        if parse_fit_chunk(self.fit_chunk, self.name) not in (None, "auto") and (
+            self.chunks > 1 or self.chunking == "text"
+        ):
+            raise SpecError(f"{self.name}: fit_chunk=N chunks by repeat chunk: it cannot go with chunks>1 or text")
 
     def fit_config(self) -> FitConfig:
         return FitConfig(
@@ -229,10 +246,11 @@ class _AttentionMatching(Standalone):
             solver=self.solver,  # type: ignore[arg-type]
         )
 
-    def query_options(self, sources: tuple[str, ...] | None = None) -> QueryOptions:
+    def query_options(self, sources: tuple[str, ...] | None = None, repeat_span: int = REPEAT_CHUNK) -> QueryOptions:
         return QueryOptions(
             sources=sources or parse_sources(self.queries, self.name),
             max_queries=query_cap(self.max_queries),
+            repeat_span=repeat_span,
             context_window=self.context_window,
             selfstudy_tokens=self.selfstudy_tokens,
             random_queries=self.max_queries or RANDOM_QUERIES,
@@ -270,29 +288,39 @@ class _AttentionMatching(Standalone):
             trim_captured(ctx.cache)
             return
         sources = parse_sources(self.queries, self.name)
+        tokens = fit_chunk_tokens(self.fit_chunk, self.name, ctx, sources) if self.chunks == 1 else 0
+        span_tokens = tokens or REPEAT_CHUNK
+        report["fit_chunk"] = tokens
         passes = tuple(s for s in sources if s in ("repeat", "selfstudy"))
         if self.on_policy and passes:
             static = tuple(s for s in sources if s not in passes)
-            fixed = extract_reference_queries(ctx, self.query_options(static)) if static else {}
+            fixed = extract_reference_queries(ctx, self.query_options(static, span_tokens)) if static else {}
             query_seconds = time.perf_counter() - start
             stats = []
             for i, layer in layers:  # §3.1: layer ℓ's queries with layers < ℓ already compacted
                 t0 = time.perf_counter()
-                q = extract_reference_queries(ctx, self.query_options(passes), layers=[i], shared=False)[i]
+                options = self.query_options(passes, span_tokens)
+                q = extract_reference_queries(ctx, options, layers=[i], shared=False)[i]
                 if i in fixed:
                     generator = torch.Generator().manual_seed(ctx.seed + i)
                     q = q.cat(fixed[i]).subsample(query_cap(self.max_queries), generator)
                 query_seconds += time.perf_counter() - t0
-                part = compact_layers([(i, layer)], {i: q}, totals, scalings, config, span, self.chunks, verbatim)
+                chunk_of = layer_chunks(ctx, layer, tokens) if tokens else None
+                part = compact_layers(
+                    [(i, layer)], {i: q}, totals, scalings, config, span, self.chunks, verbatim, chunk_of
+                )
                 stats.append(part)
             report["query_seconds"] = query_seconds
             report["mass_error"] = sum(s.get("mass_error", 0.0) for s in stats) / max(1, len(stats))
             report["output_error"] = sum(s.get("output_error", 0.0) for s in stats) / max(1, len(stats))
         else:
-            queries = extract_reference_queries(ctx, self.query_options())
+            queries = extract_reference_queries(ctx, self.query_options(None, span_tokens))
             report["query_seconds"] = time.perf_counter() - start
             report["queries_per_head"] = float(torch.stack([q.counts.float().mean() for q in queries.values()]).mean())
-            report.update(compact_layers(layers, queries, totals, scalings, config, span, self.chunks, verbatim))
+            chunk_of = layer_chunks(ctx, layers[0][1], tokens) if tokens and layers else None
+            report.update(
+                compact_layers(layers, queries, totals, scalings, config, span, self.chunks, verbatim, chunk_of)
+            )
         report["seconds"] = time.perf_counter() - start
         trim_captured(ctx.cache)
 
@@ -414,6 +442,12 @@ class AMFit(Folder):
             after KVzip").
         selfstudy_tokens, context_window: as for the AM variants.
         solver: ``gram`` or ``exact``.
+        fit_chunk: ``auto`` (default), ``none`` or a number of tokens: the kept entries of each
+            repeat chunk are fitted to that chunk's entries on the queries recorded while it was
+            repeated, so the fit grows linearly with the context (§3.5 chunked compaction on the
+            repeat pass's chunks); ``auto`` does so from 4,096 context tokens on with repeat
+            queries and fits shorter contexts in one piece, exactly as ``none`` (see
+            :mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
     """
 
     name: ClassVar[str] = "am_fit"
@@ -433,6 +467,7 @@ class AMFit(Folder):
     selfstudy_tokens: int = 64
     context_window: int = 8192
     solver: str = "gram"
+    fit_chunk: str = "auto"
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -470,6 +505,7 @@ class AMFit(Folder):
             )
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
+        parse_fit_chunk(self.fit_chunk, self.name)
 
     def fit_config(self) -> FitConfig:
         return FitConfig(
@@ -484,18 +520,22 @@ class AMFit(Folder):
         )
 
     def prepare(self, ctx: CompressionContext) -> None:
+        tokens = fit_chunk_tokens(self.fit_chunk, self.name, ctx, self.sources)
         options = QueryOptions(
             sources=self.sources,
             max_queries=query_cap(self.max_queries),
+            repeat_span=tokens or REPEAT_CHUNK,
             context_window=self.context_window,
             selfstudy_tokens=self.selfstudy_tokens,
             random_queries=self.max_queries or RANDOM_QUERIES,
         )
         start = time.perf_counter()
         ctx.memo["am_fit_queries"] = extract_reference_queries(ctx, options)
+        ctx.memo["am_fit_chunk"] = tokens
         report = ctx.report.setdefault("am_fit", {})
         report["query_seconds"] = time.perf_counter() - start
         report["queries"] = "+".join(self.sources)
+        report["fit_chunk"] = tokens
 
     def fold(
         self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, scores: Tensor, ctx: CompressionContext
@@ -513,17 +553,16 @@ class AMFit(Folder):
         kept_fixed = torch.zeros_like(valid).scatter(2, keep, fixed)
         span_mass = log_mass.masked_fill(kept_fixed, float("-inf"))
         given = torch.where(slot & ~fixed, keep, torch.full_like(keep, -1))
-        result = fit_problems(
-            keys,
-            values,
-            span_mass,
-            queries.queries,
-            queries.valid,
-            lengths,
-            layer_scaling(ctx, layer_idx, layer),
-            self.fit_config(),
-            given=given,
-        )
+        scaling = layer_scaling(ctx, layer_idx, layer)
+        tokens = ctx.memo.get("am_fit_chunk", 0)
+        chunk_of = layer_chunks(ctx, layer, tokens) if tokens else None
+        if chunk_of is not None:  # §3.5: each repeat chunk's kept entries on that chunk's queries
+            result = fit_given_by_chunk(keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config())
+        else:
+            config = self.fit_config()
+            result = fit_problems(
+                keys, values, span_mass, queries.queries, queries.valid, lengths, scaling, config, given=given
+            )
         # entries: [verbatim kept entries] + [fitted entries], both ascending, so positions ascend
         j = torch.arange(keep.shape[-1], device=keep.device)[None, None, :]
         fitted_slot = (j - n_fixed[..., None]).clamp(0, max(result.index.shape[-1] - 1, 0))

@@ -53,6 +53,7 @@ __all__ = [
     "captured_reference_queries",
     "ReferenceQueries",
     "extract_reference_queries",
+    "group_by_chunk",
     "parse_sources",
     "pool_gqa_queries",
 ]
@@ -74,20 +75,32 @@ class ReferenceQueries:
     Attributes:
         queries: ``(B, H_kv, n, D)`` post-RoPE queries (float32, float64 for float64 models).
         valid: ``(B, H_kv, n)`` bool; rows of a batch may hold different numbers of queries.
+        chunk: ``(B, H_kv, n)`` long, the repeat chunk a repeat-prefill query was recorded in
+            (:attr:`kvfold.methods.core.repeat.RepeatPass.query_chunks`), −1 for the queries of
+            other sources, which read the whole context; None: no query has a chunk.
     """
 
     queries: Tensor
     valid: Tensor
+    chunk: Tensor | None = None
 
     @property
     def counts(self) -> Tensor:
         """Valid queries per ``(B, H_kv)``."""
         return self.valid.sum(-1)
 
+    def chunks_or_none(self) -> Tensor:
+        """:attr:`chunk`, −1 everywhere when None."""
+        return self.chunk if self.chunk is not None else torch.full_like(self.valid, -1, dtype=torch.long)
+
     def cat(self, other: ReferenceQueries) -> ReferenceQueries:
+        chunk = None
+        if self.chunk is not None or other.chunk is not None:
+            chunk = torch.cat([self.chunks_or_none(), other.chunks_or_none().to(self.valid.device)], dim=2)
         return ReferenceQueries(
             torch.cat([self.queries, other.queries.to(self.queries)], dim=2),
             torch.cat([self.valid, other.valid], dim=2),
+            chunk,
         )
 
     def subsample(self, cap: int, generator: torch.Generator) -> ReferenceQueries:
@@ -98,7 +111,44 @@ class ReferenceQueries:
         rand = rand.masked_fill(~self.valid, math.inf)
         keep = rand.topk(cap, dim=-1, largest=False).indices.sort(dim=-1).values
         queries = self.queries.gather(2, keep[..., None].expand(-1, -1, -1, self.queries.shape[-1]))
-        return ReferenceQueries(queries, self.valid.gather(2, keep))
+        chunk = None if self.chunk is None else self.chunk.gather(2, keep)
+        return ReferenceQueries(queries, self.valid.gather(2, keep), chunk)
+
+    def by_chunk(self, chunks: int) -> tuple[Tensor, Tensor]:
+        """The reference queries of each of ``chunks`` repeat chunks: ``(B, H_kv, C, n_c, D)`` and
+        their validity ``(B, H_kv, C, n_c)``; chunk ``c`` holds the queries recorded while its span
+        was repeated (in their order), then the queries of no chunk (other sources), which every
+        chunk shares. Cost and memory follow the queries, not the chunks times the queries."""
+        own, own_ok = group_by_chunk(self.chunks_or_none(), self.valid, chunks)
+        shared = self.valid & (self.chunks_or_none() < 0)
+        common, common_ok = group_by_chunk(torch.zeros_like(shared, dtype=torch.long), shared, 1)
+        if common.shape[-1]:
+            own = torch.cat([own, common.expand(-1, -1, chunks, -1)], dim=-1)
+            own_ok = torch.cat([own_ok, common_ok.expand(-1, -1, chunks, -1)], dim=-1)
+        batch, heads, _, dim = self.queries.shape
+        flat = own.flatten(2)
+        queries = self.queries.gather(2, flat[..., None].expand(-1, -1, -1, dim))
+        return queries.reshape(batch, heads, chunks, -1, dim), own_ok
+
+
+def group_by_chunk(ids: Tensor, valid: Tensor, chunks: int) -> tuple[Tensor, Tensor]:
+    """Positions along the last axis grouped by chunk: for ``ids`` ``(..., n)`` in ``[0, chunks)``
+    (others, and invalid positions, belong to no chunk), ``(index (..., C, w), ok (..., C, w))``
+    with chunk ``c``'s positions first, ascending, then unused slots (index 0, ok False); ``w`` is
+    the most positions of one chunk."""
+    member = valid & (ids >= 0) & (ids < chunks)
+    key = torch.where(member, ids, torch.full_like(ids, chunks))
+    order = torch.sort(key, dim=-1, stable=True).indices
+    counts = torch.zeros(*key.shape[:-1], chunks + 1, dtype=torch.long, device=key.device)
+    counts.scatter_add_(-1, key, torch.ones_like(key))
+    counts = counts[..., :chunks]
+    width = int(counts.max()) if counts.numel() else 0
+    offsets = counts.cumsum(-1) - counts
+    j = torch.arange(width, device=key.device)
+    ok = j < counts[..., None]
+    at = torch.where(ok, offsets[..., None] + j, torch.zeros_like(ok, dtype=torch.long))
+    index = order.gather(-1, at.flatten(-2)).view_as(at)
+    return torch.where(ok, index, torch.zeros_like(index)), ok
 
 
 def pool_gqa_queries(query: Tensor, num_kv_heads: int) -> Tensor:
@@ -174,6 +224,7 @@ class QueryOptions:
         sources: a subset of :data:`SOURCES`.
         max_queries: cap of reference queries per KV head (per layer), uniform random subset
             (``sys.maxsize``: all).
+        repeat_span: context tokens repeated per chunk of the repeat pass (KVzip's 2K).
         context_window: context-prefill: the last this-many context tokens' queries.
         repeat_chunk: tokens per forward of the self-study passes.
         selfstudy_tokens: tokens sampled per self-study answer.
@@ -183,6 +234,7 @@ class QueryOptions:
 
     sources: tuple[str, ...] = ("repeat",)
     max_queries: int = sys.maxsize
+    repeat_span: int = REPEAT_CHUNK
     context_window: int = 8192
     repeat_chunk: int = 1024
     selfstudy_tokens: int = 64
@@ -396,17 +448,18 @@ def _random_queries(ctx: CompressionContext, layers: list[int], count: int) -> d
 
 
 def _repeat_queries(
-    ctx: CompressionContext, cache: FoldedCache, layers: list[int], shared: bool
+    ctx: CompressionContext, cache: FoldedCache, layers: list[int], shared: bool, span: int = REPEAT_CHUNK
 ) -> dict[int, ReferenceQueries]:
-    """Repeat-prefill queries from the repeat pass: the shared one over the prefilled cache, or a
-    pass of their own over another cache (on-policy extraction)."""
+    """Repeat-prefill queries from the repeat pass (``span`` context tokens per chunk), each with
+    its repeat chunk: the shared pass over the prefilled cache, or a pass of their own over another
+    cache (on-policy extraction)."""
     if shared:
-        if ("repeat_pass", REPEAT_CHUNK) in ctx.shared:
+        if ("repeat_pass", span) in ctx.shared:
             ctx.report.setdefault("am", {})["queries_reused"] = True
-        found = shared_repeat_pass(ctx)
+        found = shared_repeat_pass(ctx, span)
     else:
-        found = repeat_pass(ctx, cache=cache, scores=False)
-    return {i: ReferenceQueries(found.queries[i], found.query_valid[i]) for i in layers}
+        found = repeat_pass(ctx, chunk=span, cache=cache, scores=False)
+    return {i: ReferenceQueries(found.queries[i], found.query_valid[i], found.query_chunks[i]) for i in layers}
 
 
 def extract_reference_queries(
@@ -448,7 +501,7 @@ def extract_reference_queries(
         elif source == "random":
             part = _random_queries(ctx, layers, options.random_queries)
         elif source == "repeat":
-            part = _repeat_queries(ctx, cache, layers, shared)
+            part = _repeat_queries(ctx, cache, layers, shared, options.repeat_span)
         elif shared:  # self-study: sampled once per context, seed and options
             every = [i for i, _ in cache.folded_layers]
             run = functools.partial(_model_pass_queries, ctx, cache, every, options, source, None)

@@ -59,6 +59,27 @@ DEFAULT_GROUP_BYTES = 192 << 20
 """Bytes of ``(n, T)`` feature matrices processed at once (several such temporaries exist)."""
 
 
+@dataclass
+class ProductCount:
+    """Multiply-adds of the fits' products, counted as the groups run: a cost measure that does not
+    depend on the machine (issue 33: a fit whose cost grows linearly with the context).
+
+    Per group of ``P`` problems padded to ``n`` queries, ``T`` entries of key width ``d`` and value
+    width ``D``, keeping ``t``: the statistics ``P·n·T·(d + D)`` (logits, ``Φ V``), the normal
+    equations of β and the values ``P·n·t·(2t + 2d + 2D)`` (``Φ_S`` twice, ``Φ_Sᵀ Φ_S``, ``XᵀX``,
+    ``X V_S``, ``Xᵀ R``), and for OMP its correlations ``P·n·T·t``.
+    """
+
+    products: int = 0
+
+    def add(self, problems: int, n: int, T: int, t: int, d: int, D: int, omp: bool) -> None:
+        self.products += problems * n * (T * (d + D) + t * (2 * t + 2 * d + 2 * D) + (T * t if omp else 0))
+
+
+FIT_PRODUCTS = ProductCount()
+"""The running count of :class:`ProductCount` (read it before and after a fit)."""
+
+
 @dataclass(frozen=True)
 class FitConfig:
     """How a block is compacted.
@@ -168,6 +189,9 @@ def _fit_group(group: Group, counts: Tensor, config: FitConfig, given: Tensor | 
     docstring); ``given`` ``(P, t)`` fixes the kept positions (−1 = unused slot) and only β and the
     values are fitted."""
     t_max = int(counts.max()) if group.keys.shape[0] else 0
+    (P, T, d), n = group.keys.shape, group.queries.shape[1]
+    omp = given is None and config.keys == "omp"
+    FIT_PRODUCTS.add(P, n, T, t_max, d, group.values.shape[-1], omp)
     if given is not None or config.keys == "highest":
         selection = _select_by_score(group, counts, t_max, config, given)
         if isinstance(selection, Compacted):

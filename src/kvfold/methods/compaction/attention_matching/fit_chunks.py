@@ -1,0 +1,172 @@
+"""Fits that grow linearly with the context: each repeat chunk's entries fitted on its own queries.
+
+Zweiger et al. 2026 (``papers/attention-matching.md``) compact long contexts in contiguous chunks
+(§3.5, App. C.3): each chunk ``i`` is one block ``(C_k, β, C_v)`` fitted to match, on reference
+queries, the attention mass and output of *that chunk's* entries (§2: compacting a span matches
+the span's contribution), and the compacted chunks are concatenated. A fit on every reference query
+costs ``n·t²`` per head with ``n`` (queries) and ``t`` (kept entries) both proportional to the
+context, cubic in its length; fitted chunk by chunk on the chunk's own queries it costs
+``Σ_i n_i·t_i²``, linear.
+
+kvfold's chunks are the repeat pass's (:mod:`kvfold.methods.core.repeat`, KVzip's 2,048-token
+chunks): chunk ``i`` holds the context entries whose positions fall in the span that repeat chunk
+``i`` repeats (the template before the text counts in chunk 0), and its reference queries are the
+repeat-prefill queries recorded while that chunk was repeated; queries of other sources
+(self-study, context, random) read the whole context and are shared by every chunk. The
+departures from the paper: its KV-based chunking takes 4,096-token chunks and draws each chunk's
+queries from a pass over ⟨prefix⟩⟨chunk i⟩⟨suffix⟩ (the other chunks' entries removed); kvfold
+reuses the one repeat pass over the whole cache, so a chunk's queries also saw the other chunks
+(their attention to them is not part of the chunk's target: each block's target is its own mass
+and output, §2).
+
+The option ``fit_chunk`` (``am_fit`` and the ``am_*`` variants) chooses: ``auto`` (default) fits
+contexts under :data:`AUTO_FROM` tokens in one piece — exactly the unchunked fit — and longer ones
+by repeat chunk when the reference queries include the repeat pass; ``none`` never chunks; ``N``
+fits chunks of ``N`` context tokens on a repeat pass in ``N``-token chunks (a pass of its own
+unless ``N`` is KVzip's 2,048). Chunking needs each cache slot's position: a cache already
+compressed (chunked prefill, a conversation) is fitted in one piece.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvfold.methods.compaction.attention_matching.queries import ReferenceQueries, group_by_chunk
+from kvfold.methods.compaction.attention_matching.solve import Compacted, FitConfig, fit_problems
+from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.repeat import REPEAT_CHUNK, token_chunks
+from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.cache import FoldedLayer
+
+Tensor = torch.Tensor
+
+AUTO_FROM = 4096
+"""``fit_chunk=auto`` fits contexts of at least this many tokens chunk by chunk (fewer: one piece)."""
+
+
+def parse_fit_chunk(text: str, owner: str) -> int | str | None:
+    """``auto`` → ``"auto"``, ``none`` → None, a positive integer → itself; else a ``SpecError``."""
+    value = text.strip().lower()
+    if value in ("auto", "none"):
+        return None if value == "none" else "auto"
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise SpecError(f"{owner}: fit_chunk must be auto, none or a number of tokens ≥ 1; got {text!r}")
+    return number
+
+
+def fit_chunk_tokens(text: str, owner: str, ctx: CompressionContext, sources: tuple[str, ...]) -> int:
+    """Context tokens per fit chunk for this context (see the module docstring); 0 = one piece."""
+    value = parse_fit_chunk(text, owner)
+    if value is None:
+        return 0
+    if value == "auto":
+        long = int(ctx.context_lengths.max()) >= AUTO_FROM if ctx.context_lengths.numel() else False
+        return REPEAT_CHUNK if long and "repeat" in sources else 0
+    return int(value)
+
+
+def layer_chunks(ctx: CompressionContext, layer: FoldedLayer, tokens: int) -> Tensor | None:
+    """``(B, N)`` the repeat chunk of every slot of a freshly prefilled layer (−1 on left padding),
+    or None when the layer's slots are not the context's positions (a compressed cache)."""
+    width = ctx.input_ids.shape[1]
+    if layer.physical_length != width or layer.logical_length != width:
+        return None
+    key = ("fit_chunks", tokens)
+    if key not in ctx.memo:
+        ctx.memo[key] = token_chunks(ctx, tokens)
+    return ctx.memo[key].to(layer.device)
+
+
+def _gather_blocks(keys: Tensor, values: Tensor, log_mass: Tensor, chunk_of: Tensor, chunks: int):
+    """Each chunk's slots ``(B, H, C, W)`` (ascending, unused last), their keys, values and β⁰
+    (−inf on unused slots), and every slot's position in its block ``(B, H, N)``."""
+    batch, heads, length, dim = keys.shape
+    ids = chunk_of[:, None, :].expand(batch, heads, length)
+    slot, in_block = group_by_chunk(ids, torch.ones_like(ids, dtype=torch.bool), chunks)
+    width = slot.shape[-1]
+    flat = slot.flatten(2)
+    k = keys.gather(2, flat[..., None].expand(-1, -1, -1, dim)).reshape(batch, heads, chunks, width, dim)
+    v = values.gather(2, flat[..., None].expand(-1, -1, -1, values.shape[-1]))
+    v = v.reshape(batch, heads, chunks, width, values.shape[-1])
+    lm = log_mass.gather(2, flat).reshape(slot.shape).masked_fill(~in_block, -math.inf)
+    dest = torch.where(in_block, slot, torch.full_like(slot, length)).flatten(2)
+    local = torch.arange(width, device=keys.device).expand(slot.shape).flatten(2)
+    where = torch.full((batch, heads, length + 1), -1, dtype=torch.long, device=keys.device)
+    where.scatter_(2, dest, local)
+    return slot, k, v, lm, where[..., :length]
+
+
+def fit_given_by_chunk(
+    keys: Tensor,
+    values: Tensor,
+    log_mass: Tensor,
+    queries: ReferenceQueries,
+    chunk_of: Tensor,
+    given: Tensor,
+    scaling: float,
+    config: FitConfig,
+) -> Compacted:
+    """:func:`~.solve.fit_problems` with ``given`` kept positions (the ``am_fit`` folder), one block per
+    repeat chunk: chunk ``c``'s kept entries are fitted to the mass and output of chunk ``c``'s
+    entries on the queries recorded while chunk ``c`` was repeated.
+
+    Args:
+        keys, values: ``(B, H, N, D)`` the layer; log_mass: ``(B, H, N)`` β⁰ of the entries the fit
+            matches (−inf elsewhere, e.g. kept entries left verbatim).
+        queries: the layer's reference queries with their repeat chunks.
+        chunk_of: ``(B, N)`` the repeat chunk of every slot (:func:`layer_chunks`).
+        given: ``(B, H, K)`` kept slots fitted (ascending, −1 = unused slot).
+        scaling: the logit scale.
+        config: the fit.
+
+    Returns:
+        A :class:`~.solve.Compacted` ``(B, H, K)`` laid out as :func:`~.solve.fit_problems` lays out
+        a fit with ``given``: slot ``m`` is the ``m``-th used given slot (ascending); the residuals
+        are the mean over the chunks that keep entries.
+    """
+    chunks = max(1, int(chunk_of.max()) + 1)
+    batch, heads, length, _ = keys.shape
+    slot, k, v, lm, where = _gather_blocks(keys, values, log_mass, chunk_of, chunks)
+    used = given >= 0
+    kept_slot = given.clamp_min(0)
+    kept_chunk = chunk_of[:, None, :].expand(batch, heads, length).gather(2, kept_slot)
+    pick, picked = group_by_chunk(kept_chunk, used, chunks)  # (B, H, C, K_c) along the given axis
+    block_pos = where.gather(2, kept_slot.gather(2, pick.flatten(2))).view_as(pick)
+    block_given = torch.where(picked, block_pos, torch.full_like(block_pos, -1))
+    q, qv = queries.by_chunk(chunks)
+    res = fit_problems(k, v, lm, q, qv, None, scaling, config, given=block_given)
+    return _concatenate_chunks(res, slot, given.shape[-1])
+
+
+def _concatenate_chunks(res: Compacted, slot: Tensor, width: int) -> Compacted:
+    """Chunk results ``(B, H, C, t)`` → ``(B, H, width)``: chunk after chunk, each chunk's entries in
+    order (positions ascend: chunks are contiguous spans in position order)."""
+    batch, heads, chunks, t = res.index.shape
+    lens = res.lengths
+    offsets = lens.cumsum(-1) - lens
+    j = torch.arange(t, device=lens.device)
+    in_use = j < lens[..., None]
+    dest = torch.where(in_use, offsets[..., None] + j, torch.full_like(in_use, width, dtype=torch.long)).flatten(2)
+    dim = res.values.shape[-1]
+    index = torch.zeros(batch, heads, width + 1, dtype=torch.long, device=lens.device)
+    log_mass = torch.full((batch, heads, width + 1), -math.inf, dtype=res.log_mass.dtype, device=lens.device)
+    values = res.values.new_zeros(batch, heads, width + 1, dim)
+    index.scatter_(2, dest, slot.gather(3, res.index.clamp_max(max(slot.shape[-1] - 1, 0))).flatten(2))
+    log_mass.scatter_(2, dest, res.log_mass.flatten(2))
+    values.scatter_(2, dest[..., None].expand(-1, -1, -1, dim), res.values.flatten(2, 3))
+    fitted = (lens > 0).to(res.mass_error.dtype)
+    count = fitted.sum(-1).clamp_min(1)
+    return Compacted(
+        index=index[..., :width],
+        log_mass=log_mass[..., :width],
+        values=values[:, :, :width],
+        lengths=lens.sum(-1),
+        mass_error=(res.mass_error * fitted).sum(-1) / count,
+        output_error=(res.output_error * fitted).sum(-1) / count,
+    )

@@ -1,0 +1,181 @@
+"""Fits that grow linearly (issue 33; Zweiger et al. 2026 §3.5, App. C.3): each repeat chunk's kept
+entries fitted on the queries recorded while that chunk was repeated
+(:mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
+
+Cost is counted in operations (:data:`~kvfold.methods.compaction.attention_matching.solve.FIT_PRODUCTS`),
+not seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvfold
+from kvfold.methods import SpecError, build_method
+from kvfold.methods.compaction.attention_matching.fit_chunks import fit_given_by_chunk
+from kvfold.methods.compaction.attention_matching.queries import ReferenceQueries
+from kvfold.methods.compaction.attention_matching.solve import FIT_PRODUCTS, FitConfig, fit_problems
+from tests.conftest import CharTokenizer, make_tiny_model
+
+F64 = torch.float64
+TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps "
+CHUNK = 64
+PROMPT = 8
+"""Repeat-prompt tokens before each chunk's text (their queries belong to the chunk)."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def model64(family: str = "llama"):
+    return kvfold.enable(make_tiny_model(family).to(F64))
+
+
+def synthetic(length: int, keep_every: int = 2, groups: int = 2, dim: int = 8, seed: int = 0):
+    """One KV head of a context of ``length`` entries in repeat chunks of :data:`CHUNK`: keys,
+    values, β⁰ = 0, the chunk of every slot, the repeat queries (``groups`` per repeat-input token,
+    :data:`PROMPT` + :data:`CHUNK` tokens per chunk; each query reads its chunk's keys most) and
+    every ``keep_every``-th entry kept (a fixed budget fraction)."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 1, length, dim, generator=g, dtype=F64)
+    values = torch.randn(1, 1, length, dim, generator=g, dtype=F64)
+    chunk_of = (torch.arange(length) // CHUNK)[None]
+    chunks = int(chunk_of.max()) + 1
+    per_chunk = groups * (PROMPT + CHUNK)
+    query_chunk = torch.arange(chunks).repeat_interleave(per_chunk)
+    own = keys[0, 0].reshape(chunks, CHUNK, dim).mean(1).repeat_interleave(per_chunk, 0)
+    queries = (own * 2 + torch.randn(chunks * per_chunk, dim, generator=g, dtype=F64))[None, None]
+    ref = ReferenceQueries(queries, torch.ones(1, 1, queries.shape[2], dtype=torch.bool), query_chunk[None, None])
+    given = torch.arange(0, length, keep_every)[None, None]
+    return keys, values, torch.zeros(1, 1, length, dtype=F64), ref, chunk_of, given
+
+
+def products(fit) -> int:
+    before = FIT_PRODUCTS.products
+    fit()
+    return FIT_PRODUCTS.products - before
+
+
+CONFIG = FitConfig(beta_min=0.0, beta_max=3.0, mass_weight="relative")  # am_fit's fit
+
+
+def chunked(case):
+    keys, values, beta0, ref, chunk_of, given = case
+    return fit_given_by_chunk(keys, values, beta0, ref, chunk_of, given, 0.5, CONFIG)
+
+
+def unchunked(case):
+    keys, values, beta0, ref, _, given = case
+    return fit_problems(keys, values, beta0, ref.queries, ref.valid, None, 0.5, CONFIG, given=given)
+
+
+def same(a, b) -> bool:
+    n = int(a.lengths.max())
+    return (
+        torch.equal(a.lengths, b.lengths)
+        and torch.equal(a.log_mass[..., :n], b.log_mass[..., :n])
+        and torch.equal(a.values[..., :n, :], b.values[..., :n, :])
+    )
+
+
+# ---------------------------------------------------------------------------- (1) one chunk: the unchunked fit
+
+
+def test_a_chunked_fit_of_one_chunk_is_the_unchunked_fit():
+    case = synthetic(CHUNK, keep_every=3)
+    assert same(chunked(case), unchunked(case))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["kvzip+am_fit[fit_chunk={}]", "knorm[online=false]+am_fit[fit_chunk={}]", "am_highest_fast[fit_chunk={}]"],
+)
+def test_a_context_of_one_chunk_compacts_as_without_chunks(spec):
+    """The chunked path over a context of one repeat chunk gives today's cache bit for bit; ``auto``
+    below 4,096 tokens takes the unchunked path itself."""
+    pre = kvfold.prefill(model64(), CharTokenizer(), TEXT * 2, use_chat_template=False)
+    plain = pre.compress(spec.format("none"), 0.3)
+    one = pre.compress(spec.format(100000), 0.3)
+    auto = pre.compress(spec.replace("[fit_chunk={}]", ""), 0.3)
+    layers = zip(plain.cache.folded_layers, one.cache.folded_layers, auto.cache.folded_layers, strict=True)
+    for (_, a), (_, b), (_, c) in layers:
+        assert all(torch.equal(x, y) for x, y in zip(a.padded(), b.padded(), strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(a.padded(), c.padded(), strict=True))
+
+
+# ---------------------------------------------------------------------------- (2) cost in operations
+
+
+def test_doubling_the_context_at_most_doubles_the_chunked_fit_products():
+    """At a fixed budget fraction, the chunked fit's products grow like the length (×2 for ×2); the
+    fit on every query grows like n·t² (×~8, at least ×6 here)."""
+    short, long = synthetic(8 * CHUNK), synthetic(16 * CHUNK)
+    by_chunk = products(lambda: chunked(long)) / products(lambda: chunked(short))
+    whole = products(lambda: unchunked(long)) / products(lambda: unchunked(short))
+    assert by_chunk <= 2.0
+    assert whole >= 6.0
+
+
+# ---------------------------------------------------------------------------- (3) two chunks
+
+
+def test_each_chunk_is_fitted_to_its_own_entries():
+    """On two chunks the chunked fit differs from the fit on every query, and a chunk that keeps all
+    its entries (t = T) is reproduced exactly — its block is the chunk, not the whole context — while
+    the unchunked fit refits those entries to stand in for the other chunk's evicted ones."""
+    keys, values, beta0, ref, chunk_of, _ = synthetic(2 * CHUNK)
+    given = torch.cat([torch.arange(CHUNK), torch.arange(CHUNK, 2 * CHUNK, 4)])[None, None]
+    case = (keys, values, beta0, ref, chunk_of, given)
+    res, whole = chunked(case), unchunked(case)
+    assert int(res.lengths) == given.shape[-1] and torch.equal(res.index, given)
+    assert torch.equal(res.log_mass[..., :CHUNK], beta0[..., :CHUNK])  # t = T: β = β⁰ ...
+    assert torch.equal(res.values[..., :CHUNK, :], values[..., :CHUNK, :])  # ... and C_v = V
+    assert not torch.allclose(whole.values[..., :CHUNK, :], values[..., :CHUNK, :], atol=1e-3)
+    assert not torch.allclose(res.values[..., CHUNK:, :], whole.values[..., CHUNK:, :], atol=1e-3)
+
+
+def test_the_second_chunk_fits_its_own_block_on_its_own_queries():
+    """Chunk 1 alone (its entries, its queries) fitted unchunked is the chunked fit's chunk 1."""
+    keys, values, beta0, ref, chunk_of, given = synthetic(2 * CHUNK)
+    res = chunked((keys, values, beta0, ref, chunk_of, given))
+    mine = ref.chunk[0, 0] == 1
+    alone = (
+        keys[:, :, CHUNK:],
+        values[:, :, CHUNK:],
+        beta0[:, :, CHUNK:],
+        ReferenceQueries(ref.queries[:, :, mine], ref.valid[:, :, mine]),
+        chunk_of[:, CHUNK:] * 0,
+        given[given >= CHUNK][None, None] - CHUNK,
+    )
+    second = unchunked(alone)
+    n = int(second.lengths)
+    start = int(res.lengths) - n
+    torch.testing.assert_close(res.log_mass[..., start:], second.log_mass[..., :n], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.values[..., start:, :], second.values[..., :n, :], rtol=1e-10, atol=1e-10)
+
+
+def test_two_repeat_chunks_of_a_model_fit_apart():
+    """On a tiny model, chunks of 40 tokens: each chunk's repeat queries, and a result that differs
+    from the unchunked fit; both keep the same entries."""
+    pre = kvfold.prefill(model64(), CharTokenizer(), TEXT * 2, use_chat_template=False)
+    plain = pre.compress("kvzip+am_fit[fit_chunk=none]", 0.3)
+    split = pre.compress("kvzip+am_fit[fit_chunk=40]", 0.3)
+    assert split.report["am_fit"]["fit_chunk"] == 40 and plain.report["am_fit"]["fit_chunk"] == 0
+    for (_, a), (_, b) in zip(plain.cache.folded_layers, split.cache.folded_layers, strict=True):
+        ka, va, _, la = a.padded()
+        kb, vb, _, lb = b.padded()
+        assert torch.equal(ka, kb) and torch.equal(la, lb)
+        assert not torch.allclose(va, vb, atol=1e-6)
+
+
+def test_fit_chunk_options_are_checked():
+    assert build_method("kvzip+am_fit").folder.fit_chunk == "auto"
+    for spec in ("kvzip+am_fit[fit_chunk=0]", "am_highest_fast[fit_chunk=big]", "am_highest[fit_chunk=64,chunks=2]"):
+        with pytest.raises(SpecError):
+            build_method(spec)
