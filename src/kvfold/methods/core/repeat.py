@@ -14,12 +14,14 @@ probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.kvzip_plus import HiddenNorms, weighted_received
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.prompts import encode, template_parts
 
@@ -85,7 +87,8 @@ class RepeatPass:
 
     Attributes:
         scores: ``(B, H_kv, N)`` KVzip's importance: the maximum attention each context slot
-            received from the repeat input's queries, max over the GQA group (−inf on padding).
+            received from the repeat input's queries, max over the GQA group (−inf on padding); empty when
+            the pass recorded only KVzip+'s scores.
         queries: ``(B, H_kv, n, D)`` the repeat input's post-RoPE queries, the ``G`` query heads
             of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), float32
             (float64 for float64 models); rows of a batch padded to the longest.
@@ -93,12 +96,16 @@ class RepeatPass:
         query_chunks: ``(B, H_kv, n)`` long, the repeat chunk each query was recorded in (its
             input repeats the context span :func:`token_chunks` assigns to that chunk; −1 on
             padding), when queries were recorded.
+        plus_scores: ``(B, H_kv, N)`` KVzip+'s scores (:mod:`kvfold.methods.core.kvzip_plus`: each
+            attention row divided by ``‖x_t‖``, each column multiplied by ``‖W_Oʰ v‖``, then the
+            max), when the pass recorded them; empty otherwise.
     """
 
     scores: dict[int, Tensor]
     queries: dict[int, Tensor]
     query_valid: dict[int, Tensor]
     query_chunks: dict[int, Tensor] = field(default_factory=dict)
+    plus_scores: dict[int, Tensor] = field(default_factory=dict)
 
 
 class RepeatRecorder:
@@ -111,18 +118,26 @@ class RepeatRecorder:
     computed from it, ``exp(q·k·s − lse)`` (:func:`max_received`), instead of the attention
     materialising every probability with an additive mask: the same scores up to rounding
     (KVzip's max attention received, Kim et al. 2025 §3.2), at a fraction of the cost.
+
+    With ``plus`` (the hidden-state norms the pass records) it also records KVzip+'s scores in
+    ``plus_scores`` (:mod:`kvfold.methods.core.kvzip_plus`), on either path.
     """
 
     needs_attention = True
     accepts_log_sum_exp = True
 
-    def __init__(self, context_slots: dict[int, int], scores: bool = True, queries: bool = True) -> None:
+    def __init__(
+        self, context_slots: dict[int, int], scores: bool = True, queries: bool = True, plus: HiddenNorms | None = None
+    ) -> None:
         self.context_slots = context_slots
         self.record_scores = scores
         self.record_queries = queries
         self.scores: dict[int, Tensor] = {}
         self.queries: dict[int, list[Tensor]] = {}
-        self.needs_attention = scores
+        self.needs_attention = scores or plus is not None
+        self.plus = plus
+        self.plus_scores: dict[int, Tensor] = {}
+        self.value_norms: dict[int, Tensor] = {}  # ‖W_Oʰ v‖ of the row's context entries, per layer
 
     def after_forward(
         self,
@@ -146,12 +161,37 @@ class RepeatRecorder:
                 received = received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, n).amax(dim=2)
             previous = self.scores.get(layer_idx)
             self.scores[layer_idx] = received if previous is None else torch.maximum(previous, received)
+        if self.plus is not None:
+            received = self.plus_received(layer_idx, layer, query, probs, log_sum_exp, scaling)
+            previous = self.plus_scores.get(layer_idx)
+            self.plus_scores[layer_idx] = received if previous is None else torch.maximum(previous, received)
         if self.record_queries:
             dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
             batch, heads_q, length, dim = query.shape
             groups = heads_q // layer.num_heads
             grouped = query.detach().to(dtype).reshape(batch, layer.num_heads, groups, length, dim)
             self.queries.setdefault(layer_idx, []).append(grouped)  # (B, H_kv, G, q, D)
+
+    def plus_received(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        query: Tensor,
+        probs: Tensor | None,
+        log_sum_exp: Tensor | None,
+        scaling: float | None,
+    ) -> Tensor:
+        """KVzip+'s score of this forward, ``(B, H_kv, N)``: max over its queries and the GQA group of
+        ``a / ‖x_t‖ · ‖W_Oʰ v‖`` (the row normalization before the max)."""
+        slots = self.context_slots[layer_idx]
+        if layer_idx not in self.value_norms:  # the context entries are the same in every chunk's copy
+            self.value_norms[layer_idx] = self.plus.output_value_norms(layer_idx, layer.values[:, :, :slots])
+        rows, columns = self.plus.norms[layer_idx], self.value_norms[layer_idx]
+        if log_sum_exp is not None and scaling is not None:
+            return max_received(query, layer.keys[:, :, :slots], log_sum_exp, scaling, rows, columns)
+        if probs is None:
+            raise RuntimeError("the repeat pass needs attention probabilities from a filled dense cache")
+        return weighted_received(probs[..., :slots], rows, columns, layer.num_heads)
 
 
 BLOCK_ELEMENTS = 1 << 18
@@ -160,7 +200,14 @@ query rows at 2K context entries, 32 at 8K; at 8K the scores took 77 ms per laye
 with 32 rows against 88 ms with 128)."""
 
 
-def max_received(query: Tensor, keys: Tensor, log_sum_exp: Tensor, scaling: float) -> Tensor:
+def max_received(
+    query: Tensor,
+    keys: Tensor,
+    log_sum_exp: Tensor,
+    scaling: float,
+    row_norms: Tensor | None = None,
+    column_weights: Tensor | None = None,
+) -> Tensor:
     """The largest attention probability each key receives from ``query``, max over the queries
     and the GQA group (KVzip's score, Kim et al. 2025 §3.2), from each query's log-sum-exp over
     the whole cache: ``max_q exp(s·q·k − lse_q)``.
@@ -169,11 +216,18 @@ def max_received(query: Tensor, keys: Tensor, log_sum_exp: Tensor, scaling: floa
     float64 queries), the max runs over the block, and the exponential is taken once per key
     after the max (``exp`` is monotone): no probability matrix is materialised.
 
+    With ``row_norms`` and ``column_weights`` it gives KVzip+'s score instead
+    (:mod:`kvfold.methods.core.kvzip_plus`): ``max_h max_q exp(s·q·k − lse_q − log ‖x_q‖) · w_{h,i}``,
+    each row divided by its norm inside the exponent (before the max over the queries), the
+    column weight applied per query head before the max over the group.
+
     Args:
         query: ``(B, H_q, q, D)`` this forward's queries.
         keys: ``(B, H_kv, N, D)`` the keys scored (the context entries).
         log_sum_exp: ``(B, H_q, q)`` each query's log-sum-exp over every entry it attends.
         scaling: the logit scale.
+        row_norms: ``(B, q)`` ``‖x_q‖`` of each query token (KVzip+), or None.
+        column_weights: ``(B, H_q, N)`` ``‖W_Oʰ v_i‖`` (KVzip+), with ``row_norms``.
 
     Returns:
         ``(B, H_kv, N)`` float32 (float64 for float64 queries).
@@ -184,14 +238,36 @@ def max_received(query: Tensor, keys: Tensor, log_sum_exp: Tensor, scaling: floa
     rows = (h_q // h_kv) * q_len  # the G query heads of a KV head on one axis
     folded = query.to(acc).reshape(b * h_kv, rows, d)
     key_t = keys.to(acc).reshape(b * h_kv, n, d).transpose(-1, -2)
-    shift = log_sum_exp.to(acc).reshape(b * h_kv, rows, 1).neg()
-    best = torch.full((b * h_kv, n), float("-inf"), dtype=acc, device=query.device)
+    lse = log_sum_exp.to(acc)
+    if row_norms is not None:  # a / ‖x_q‖ = exp(s·q·k − lse_q − log ‖x_q‖)
+        lse = lse + row_norms.to(acc).log()[:, None, :]
+    shift = lse.reshape(b * h_kv, rows, 1).neg()
     block = min(128, max(16, BLOCK_ELEMENTS // max(1, n)))
+    if column_weights is not None:
+        best = _max_per_head(folded, key_t, shift, scaling, q_len, block)  # (B·H_kv, G, N)
+        weighted = best.exp_().reshape(b, h_kv, h_q // h_kv, n) * column_weights.to(acc).reshape(b, h_kv, -1, n)
+        return weighted.amax(dim=2)
+    best = torch.full((b * h_kv, n), float("-inf"), dtype=acc, device=query.device)
     for lo in range(0, rows, block):
         hi = lo + block
         logits = torch.baddbmm(shift[:, lo:hi], folded[:, lo:hi], key_t, alpha=scaling)  # s·q·k − lse
         best = torch.maximum(best, logits.amax(dim=1))
     return best.exp_().reshape(b, h_kv, n)
+
+
+def _max_per_head(folded: Tensor, key_t: Tensor, shift: Tensor, scaling: float, q_len: int, block: int) -> Tensor:
+    """``max_q (s·q·k + shift_q)`` for each query head of the folded rows (``G`` heads of ``q_len``
+    rows each), ``(B·H_kv, G, N)``: blocks never straddle two heads."""
+    groups = folded.shape[1] // q_len
+    best = torch.full(
+        (folded.shape[0], groups, key_t.shape[2]), float("-inf"), dtype=folded.dtype, device=folded.device
+    )
+    for g in range(groups):
+        for lo in range(g * q_len, (g + 1) * q_len, block):
+            hi = min(lo + block, (g + 1) * q_len)
+            logits = torch.baddbmm(shift[:, lo:hi], folded[:, lo:hi], key_t, alpha=scaling)
+            best[:, g] = torch.maximum(best[:, g], logits.amax(dim=1))
+    return best
 
 
 def repeat_pass(
@@ -201,6 +277,7 @@ def repeat_pass(
     scores: bool = True,
     queries: bool = True,
     forward_chunk: int = FORWARD_CHUNK,
+    plus: bool = False,
 ) -> RepeatPass:
     """Run the repeat pass over copies of ``cache`` (default ``ctx.cache``, never modified), one
     batch row and one context chunk at a time (each chunk on a fresh copy, as KVzip does).
@@ -212,6 +289,8 @@ def repeat_pass(
         scores: record KVzip's scores (needs the attention probabilities).
         queries: record the repeat input's queries.
         forward_chunk: repeat-input tokens per forward.
+        plus: record KVzip+'s scores (``plus_scores``; the attention inputs' norms are read by
+            forward pre-hooks on the attention modules while the pass runs).
     """
     cache = ctx.cache if cache is None else cache
     prompt = RepeatPrompt.build(ctx.tokenizer)
@@ -222,54 +301,79 @@ def repeat_pass(
     logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
     recorders: list[RepeatRecorder] = []
     chunk_of_token: list[Tensor] = []  # per row: the repeat chunk of each repeat-input token
-    for b in range(batch):  # rows differ in length: their repeat inputs differ
-        row_cache = cache
-        if batch > 1:
-            row_cache = cache.copy()
-            row_cache.batch_select_indices(torch.tensor([b], device=device))
-        row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
-        recorder = RepeatRecorder(slots, scores=scores, queries=queries)
-        start = logical - (width - lengths[b])  # the row's positions continue where its context ended
-        inputs = prompt.chunk_inputs(row_ids, chunk)
-        chunk_of_token.append(torch.tensor([c for c, ids in enumerate(inputs) for _ in ids], dtype=torch.long))
-        for ids in inputs:
-            work = row_cache.copy()
-            work.capture_window = 0
-            work.policy = recorder
-            for lo in range(0, len(ids), forward_chunk):  # causal: the same as one forward
-                piece = ids[lo : lo + forward_chunk]
-                positions = torch.arange(start + lo, start + lo + len(piece), device=device)
-                with torch.no_grad():
-                    ctx.model(
-                        input_ids=torch.tensor([piece], device=device),
-                        past_key_values=work,
-                        position_ids=positions[None],
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-        recorders.append(recorder)
-    out_scores: dict[int, Tensor] = {}
-    out_queries: dict[int, Tensor] = {}
-    out_valid: dict[int, Tensor] = {}
-    out_chunks: dict[int, Tensor] = {}
+    norms = HiddenNorms(ctx) if plus else None
+    with nullcontext() if norms is None else norms:
+        for b in range(batch):  # rows differ in length: their repeat inputs differ
+            row_cache = cache
+            if batch > 1:
+                row_cache = cache.copy()
+                row_cache.batch_select_indices(torch.tensor([b], device=device))
+            row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
+            recorder = RepeatRecorder(slots, scores=scores, queries=queries, plus=norms)
+            start = logical - (width - lengths[b])  # the row's positions continue where its context ended
+            inputs = prompt.chunk_inputs(row_ids, chunk)
+            chunk_of_token.append(torch.tensor([c for c, ids in enumerate(inputs) for _ in ids], dtype=torch.long))
+            for ids in inputs:
+                work = row_cache.copy()
+                work.capture_window = 0
+                work.policy = recorder
+                _repeat_forwards(ctx, work, ids, start, forward_chunk)
+            recorders.append(recorder)
+    return _collect(cache, recorders, chunk_of_token, scores, queries)
+
+
+def _repeat_forwards(
+    ctx: CompressionContext, work: FoldedCache, ids: list[int], start: int, forward_chunk: int
+) -> None:
+    """One chunk's repeat input through the model over ``work``, ``forward_chunk`` tokens per forward
+    (causal: the same as one forward), positions from ``start``."""
+    device = ctx.input_ids.device
+    for lo in range(0, len(ids), forward_chunk):
+        piece = ids[lo : lo + forward_chunk]
+        positions = torch.arange(start + lo, start + lo + len(piece), device=device)
+        with torch.no_grad():
+            ctx.model(
+                input_ids=torch.tensor([piece], device=device),
+                past_key_values=work,
+                position_ids=positions[None],
+                use_cache=True,
+                logits_to_keep=1,
+            )
+
+
+def _collect(
+    cache: FoldedCache, recorders: list[RepeatRecorder], chunk_of_token: list[Tensor], scores: bool, queries: bool
+) -> RepeatPass:
+    """The rows' recordings as one :class:`RepeatPass` (scores −inf on padding, queries padded)."""
+    out = RepeatPass({}, {}, {}, {})
     for layer_idx, layer in cache.folded_layers:
         if scores:
             stacked = torch.cat([r.scores[layer_idx] for r in recorders])
-            out_scores[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
+            out.scores[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
+        if recorders[0].plus is not None:
+            stacked = torch.cat([r.plus_scores[layer_idx] for r in recorders])
+            out.plus_scores[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
         if queries:
-            rows = [torch.cat(r.queries[layer_idx], dim=3).flatten(2, 3) for r in recorders]  # as one forward
-            n = max(row.shape[2] for row in rows)
-            first = rows[0]
-            q = first.new_zeros(batch, first.shape[1], n, first.shape[3])
-            valid = torch.zeros(batch, first.shape[1], n, dtype=torch.bool, device=first.device)
-            chunks = torch.full((batch, first.shape[1], n), -1, dtype=torch.long, device=first.device)
-            for b, row in enumerate(rows):
-                q[b, :, : row.shape[2]] = row[0]
-                valid[b, :, : row.shape[2]] = True
-                groups = row.shape[2] // max(1, chunk_of_token[b].numel())  # query g·tokens + i: token i
-                chunks[b, :, : row.shape[2]] = chunk_of_token[b].repeat(groups).to(first.device)
-            out_queries[layer_idx], out_valid[layer_idx], out_chunks[layer_idx] = q, valid, chunks
-    return RepeatPass(out_scores, out_queries, out_valid, out_chunks)
+            found = _padded_queries([r.queries[layer_idx] for r in recorders], chunk_of_token)
+            out.queries[layer_idx], out.query_valid[layer_idx], out.query_chunks[layer_idx] = found
+    return out
+
+
+def _padded_queries(recorded: list[list[Tensor]], chunk_of_token: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer's queries of every row ``(B, H_kv, n, D)``, their validity and their repeat chunks."""
+    batch = len(recorded)
+    rows = [torch.cat(parts, dim=3).flatten(2, 3) for parts in recorded]  # as one forward
+    n = max(row.shape[2] for row in rows)
+    first = rows[0]
+    q = first.new_zeros(batch, first.shape[1], n, first.shape[3])
+    valid = torch.zeros(batch, first.shape[1], n, dtype=torch.bool, device=first.device)
+    chunks = torch.full((batch, first.shape[1], n), -1, dtype=torch.long, device=first.device)
+    for b, row in enumerate(rows):
+        q[b, :, : row.shape[2]] = row[0]
+        valid[b, :, : row.shape[2]] = True
+        groups = row.shape[2] // max(1, chunk_of_token[b].numel())  # query g·tokens + i: token i
+        chunks[b, :, : row.shape[2]] = chunk_of_token[b].repeat(groups).to(first.device)
+    return q, valid, chunks
 
 
 def token_chunks(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> Tensor:
@@ -288,7 +392,19 @@ def token_chunks(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> Tensor:
     return out
 
 
-def shared_repeat_pass(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> RepeatPass:
+def shared_repeat_pass(ctx: CompressionContext, chunk: int = REPEAT_CHUNK, plus: bool = False) -> RepeatPass:
     """The repeat pass of ``ctx``'s prefilled context, scores and queries, computed once per
-    prefilled context (every method and budget compressed from it reuses it)."""
-    return ctx.shared_result(("repeat_pass", chunk), lambda: repeat_pass(ctx, chunk))
+    prefilled context (every method and budget compressed from it reuses it).
+
+    With ``plus`` the pass also records KVzip+'s scores (``plus_scores``): the first pass of a
+    context records them with KVzip's scores and the queries (so ``kvzip[plus=true]+am_fit`` pays
+    for one pass); when the context's pass was recorded without them, a pass that records only
+    them runs once (shared too).
+    """
+    key = ("repeat_pass", chunk)
+    cached = ctx.shared.get(key)
+    if plus and cached is not None and not cached[0].plus_scores:
+        return ctx.shared_result(
+            (*key, "plus"), lambda: repeat_pass(ctx, chunk, scores=False, queries=False, plus=True)
+        )
+    return ctx.shared_result(key, lambda: repeat_pass(ctx, chunk, plus=plus))

@@ -9,8 +9,10 @@ layers and heads at once (:func:`kvfold.methods.core.budgets.global_head_budgets
 
 from __future__ import annotations
 
+import unicodedata
+from collections import Counter
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,7 +29,7 @@ Tensor = torch.Tensor
 
 # ---------------------------------------------------------------------------- KVzip
 
-__all__ = ["KVzip", "RepeatPrompt"]
+__all__ = ["KVzip", "RepeatPrompt", "is_structure_text", "structure_mask", "structure_tokens"]
 
 
 @register
@@ -47,6 +49,22 @@ class KVzip(Selector):
     many neighbouring tokens before ranking (SnapKV's clustering, Li et al. 2024 §4.3; not in
     KVzip): a multi-token fact is then kept or dropped as a whole.
 
+    Two successors' options (both off by default):
+
+    * ``plus=true``: KVzip+ (Jégou & Jeblick 2026, *KVzap*, arXiv:2601.07891; kvpress
+      ``KVzipPress(kvzip_plus_normalization=True)``): each attention row of the repeat pass is
+      divided by ``‖x_t‖``, the norm of the hidden state entering the layer's attention (after the
+      input layernorm), and each column multiplied by ``‖W_Oʰ v_i‖``, the entry's value through
+      query head ``h``'s columns of ``o_proj``; the max then runs over the queries and the GQA
+      group (:mod:`kvfold.methods.core.kvzip_plus`). Same pass, same global ranking.
+    * ``demote=f`` < 1: structure demotion (kvpress PR #288, open): the final score of every
+      *structure* token is multiplied by ``f``. A token is structure when its decoded text is made
+      only of whitespace, punctuation and symbols (:func:`is_structure_text`), its id occurs at
+      least ``demote_repeats`` times in the repeated text, and it is not glued between two
+      alphanumeric characters (the ``-`` of a UUID, the ``.`` of 3.14; :func:`structure_tokens`).
+      Applied after ``pool``; needs the tokenizer and the cache of a fresh prefill (one slot per
+      context token).
+
     Differences from the release: the scores use the attention over the whole context (the
     release restricts the softmax to the chunk's own entries and the sinks, for speed), and a
     chunk's queries score every entry (max over chunks). Cost: about two extra prefills.
@@ -56,6 +74,9 @@ class KVzip(Selector):
         sinks: first tokens always kept (4).
         layerwise: same budget in every layer instead of one ranking over all layers.
         pool: odd max-pooling kernel over neighbouring tokens' scores (1 = none, the paper).
+        plus: KVzip+'s normalized scores instead of KVzip's.
+        demote: factor in [0, 1] on the scores of structure tokens (1 = none, the paper; PR #288 uses 0.25).
+        demote_repeats: occurrences of a token id in the context that make it structure (PR #288's 4).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -68,18 +89,28 @@ class KVzip(Selector):
     sinks: int = 4
     layerwise: bool = False
     pool: int = 1
+    plus: bool = False
+    demote: float = 1.0
+    demote_repeats: int = 4
 
     def validate(self) -> None:
         if self.chunk < 1 or self.sinks < 0:
             raise SpecError(f"kvzip: chunk must be ≥ 1 and sinks ≥ 0; got chunk={self.chunk}, sinks={self.sinks}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise SpecError(f"kvzip: pool must be an odd kernel ≥ 1 (1 = no pooling); got {self.pool}")
+        if not 0.0 <= self.demote <= 1.0 or self.demote_repeats < 1:
+            raise SpecError(
+                f"kvzip: demote must be in [0, 1] and demote_repeats ≥ 1; got {self.demote}, {self.demote_repeats}"
+            )
 
     def prepare(self, ctx: CompressionContext) -> None:
         # one repeat pass per prefilled context, whatever the method and budget (copies: later steps
         # edit scores); the same pass gives Attention Matching its reference queries
-        shared = shared_repeat_pass(ctx, self.chunk).scores
+        found = shared_repeat_pass(ctx, self.chunk, plus=self.plus)
+        shared = found.plus_scores if self.plus else found.scores
         scores = {layer_idx: pool_tokens(s, self.pool).clone() for layer_idx, s in shared.items()}
+        if self.demote != 1.0:
+            self.demote_structure(scores, ctx)
         ctx.memo["kvzip_scores"] = scores
         if not self.layerwise:
             layers = dict(ctx.cache.folded_layers)
@@ -92,6 +123,20 @@ class KVzip(Selector):
                 valid=[layers[i].valid_mask() for i in order],
             )
             ctx.memo["kvzip_counts"] = dict(zip(order, counts, strict=True))
+
+    def demote_structure(self, scores: dict[int, Tensor], ctx: CompressionContext) -> None:
+        """Multiply the scores of the structure tokens (:func:`structure_mask`) by ``demote``, in
+        place of ``scores``; every other score stays as it is (kvpress PR #288)."""
+        mask = structure_mask(ctx, self.demote_repeats)
+        for layer_idx, s in scores.items():
+            if s.shape[-1] != mask.shape[1]:
+                raise ValueError(
+                    f"kvzip[demote]: layer {layer_idx} holds {s.shape[-1]} entries for {mask.shape[1]} context "
+                    "tokens; structure demotion needs the cache of a fresh prefill (one entry per token)"
+                )
+            demoted = mask.to(s.device)[:, None, :]
+            scores[layer_idx] = torch.where(demoted, s * self.demote, s)
+        ctx.report["kvzip_demoted"] = mask.sum(-1).tolist()
 
     def score(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
         return ctx.memo["kvzip_scores"][layer_idx]
@@ -108,3 +153,55 @@ class KVzip(Selector):
     def allocate(self, layer_idx, layer, scores, counts, protected, ctx) -> Tensor:
         global_counts = ctx.memo.get("kvzip_counts")
         return counts if global_counts is None else global_counts[layer_idx].to(counts.device)
+
+
+# ---------------------------------------------------------------------------- structure demotion
+
+
+def is_structure_text(text: str) -> bool:
+    """Whether a decoded token is structure: at least one character, every one whitespace,
+    punctuation or a symbol (Unicode categories ``P*`` and ``S*``). ``U+FFFD`` (what byte-level
+    BPE decodes a piece of a multi-byte character to) is content."""
+    return bool(text) and all(c.isspace() or (c != "\ufffd" and unicodedata.category(c)[0] in "PS") for c in text)
+
+
+def structure_tokens(tokenizer: Any, row_ids: list[int], start: int, min_repeats: int) -> list[int]:
+    """Positions ``j ≥ start`` of ``row_ids`` that structure demotion lowers (kvpress PR #288).
+
+    Token ``j`` is demoted when (1) its text ``tokenizer.decode([id])`` is structure
+    (:func:`is_structure_text`); (2) its id occurs at least ``min_repeats`` times in
+    ``row_ids[start:]`` (the repeated text, the template before it not counted); and (3) it is not
+    a joiner: a token without whitespace whose previous token's text ends with an alphanumeric
+    character and whose next token's text starts with one (``3.14``, ``8f-4a``, ``snake_case``).
+    """
+    counts = Counter(row_ids[start:])
+    texts = {token: tokenizer.decode([token]) for token in counts}
+    out = []
+    for j in range(start, len(row_ids)):
+        text = texts[row_ids[j]]
+        if counts[row_ids[j]] < min_repeats or not is_structure_text(text):
+            continue
+        joiner = start < j < len(row_ids) - 1 and not any(c.isspace() for c in text)
+        if joiner and texts[row_ids[j - 1]][-1:].isalnum() and texts[row_ids[j + 1]][:1].isalnum():
+            continue
+        out.append(j)
+    return out
+
+
+def structure_mask(ctx: CompressionContext, min_repeats: int) -> Tensor:
+    """``(B, W)`` bool over the columns of ``ctx.input_ids``: the structure tokens of each row's
+    repeated text (:func:`structure_tokens`; the text starts where the repeat pass starts it).
+
+    Raises:
+        ValueError: no tokenizer (the tokens must be decoded).
+    """
+    if ctx.tokenizer is None:
+        raise ValueError("kvzip[demote]: structure demotion decodes the context tokens and needs the tokenizer")
+    prompt = RepeatPrompt.build(ctx.tokenizer)
+    batch, width = ctx.input_ids.shape
+    mask = torch.zeros(batch, width, dtype=torch.bool)
+    for b, length in enumerate(ctx.context_lengths.tolist()):
+        row = ctx.input_ids[b, width - length :].tolist()
+        for j in structure_tokens(ctx.tokenizer, row, prompt.text_start(row), min_repeats):
+            mask[b, width - length + j] = True
+    return mask

@@ -1,0 +1,242 @@
+"""KVzip's successors as options of its scores (issue 35): KVzip+ normalization (``kvzip[plus=true]``,
+Jégou & Jeblick 2026) and structure demotion (``kvzip[demote=0.25]``, kvpress PR #288).
+
+KVzip+ is checked against a float64 reference written here with explicit loops over layers, heads,
+repeat queries and entries, from the stock (eager) model's attention probabilities, the hidden
+states entering each attention and the values projected by ``o_proj``; structure demotion against
+the tokens named by an independent reading of the text.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+import kvfold
+from kvfold.methods import CompressionContext, SpecError, build_method
+from kvfold.methods.core import repeat
+from kvfold.methods.eviction.kvzip import RepeatPrompt, is_structure_text, structure_tokens
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache
+from tests.conftest import TINY, CharTokenizer, make_tiny_model
+
+F64 = torch.float64
+TEXT = "Red, green; blue, pink; 3.14, 8-4; gold, jade; 2.71, 6-1; mint, rose, teal; 1.41, 5-9; Sky, 0-2, Ash. "
+"""Separators (``,`` ``;`` and spaces) repeated many times, ``.`` and ``-`` mostly glued inside numbers."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class TextTokenizer(CharTokenizer):
+    """The test tokenizer (one id per character), with a ``decode`` that gives the characters back
+    (for texts without newlines, ``z`` and ``{|}~``, whose ids collide with others')."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i + 88) if 9 <= i <= 33 else chr(i - 2) if i >= 34 else "" for i in ids)
+
+
+def tiny(family: str = "llama", dtype: torch.dtype = F64) -> torch.nn.Module:
+    """A tiny model whose input layernorms have random weights, so that ``‖x_t‖`` differs per token
+    (with unit weights an RMS-normalised input has norm √hidden for every token)."""
+    model = make_tiny_model(family).to(dtype)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            weight = torch.rand(layer.input_layernorm.weight.shape, generator=generator, dtype=F64) * 1.5 + 0.25
+            layer.input_layernorm.weight.copy_(weight.to(dtype))
+    return model
+
+
+def compress(model, tok, spec: str, budget: float = 0.3, text: str = TEXT) -> tuple[CompressionContext, FoldedCache]:
+    """Prefill ``text`` and compress it with ``spec``: the context (its memo holds the scores) and
+    an uncompressed copy of the cache."""
+    pre = kvfold.prefill(model, tok, text, use_chat_template=False)
+    full = pre.cache.copy()
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(budget), tokenizer=tok)
+    with torch.no_grad():
+        build_method(spec).compress(ctx)
+    return ctx, full
+
+
+def held_keys(cache: FoldedCache) -> list[torch.Tensor]:
+    return [layer.padded()[0] for _, layer in cache.folded_layers]
+
+
+# ---------------------------------------------------------------------------- KVzip+
+
+
+def plus_reference(model_family: str, ids: list[int], inputs: list[list[int]]) -> dict[int, torch.Tensor]:
+    """``max_h max_t a_{h,t,i} / ‖x_t‖ · ‖W_Oʰ v_i‖`` in float64 with explicit loops, for each repeat
+    chunk over ``context + repeat input`` (one causal forward, as the repeat pass over a copy of the
+    prefilled cache): ``x_t`` the stock model's hidden state after layer ``l``'s input layernorm,
+    ``a`` the float64 softmax of its rotated queries and keys, ``v_i`` its values, ``W_Oʰ`` query
+    head ``h``'s columns of ``o_proj`` (KV head of query head ``h``: ``h // G``)."""
+    stock = tiny(model_family)
+    n, heads_q, heads_kv, dim = len(ids), TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["head_dim"]
+    groups = heads_q // heads_kv
+    scores = {layer: torch.zeros(heads_kv, n, dtype=F64) for layer in range(TINY["num_hidden_layers"])}
+    for repeat_ids in inputs:
+        length = n + len(repeat_ids)
+        positions = torch.arange(length)[None]
+        with torch.no_grad():
+            hidden = stock(input_ids=torch.tensor([ids + repeat_ids]), output_hidden_states=True).hidden_states
+            for layer_idx, block in enumerate(stock.model.layers):
+                attn = block.self_attn
+                x = block.input_layernorm(hidden[layer_idx])  # (1, T, hidden): what the attention module reads
+                cos, sin = stock.model.rotary_emb(x, positions)
+                q = attn.q_proj(x).view(1, length, heads_q, dim).transpose(1, 2)
+                k = attn.k_proj(x).view(1, length, heads_kv, dim).transpose(1, 2)
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+                values = attn.v_proj(x[0, :n]).view(n, heads_kv, dim)
+                for h in range(heads_q):
+                    kv = h // groups
+                    w_h = attn.o_proj.weight[:, h * dim : (h + 1) * dim]
+                    out_norms = [float((w_h @ values[i, kv]).norm()) for i in range(n)]
+                    for t in range(n, length):
+                        probs = torch.softmax(q[0, h, t] @ k[0, kv, : t + 1].T * attn.scaling, dim=-1)
+                        x_norm = float(x[0, t].norm())
+                        for i in range(n):
+                            value = float(probs[i]) / x_norm * out_norms[i]
+                            scores[layer_idx][kv, i] = max(float(scores[layer_idx][kv, i]), value)
+    return scores
+
+
+@pytest.mark.parametrize(("family", "chunk"), [("llama", 2048), ("qwen2", 40)])
+def test_kvzip_plus_scores_equal_the_float64_reference(family, chunk):
+    """``kvzip[plus=true]``: each attention row divided by the norm of the hidden state entering the
+    layer's attention, each column multiplied by ‖W_Oʰ v‖, max over queries, chunks and the group
+    (KVzip+, Jégou & Jeblick 2026)."""
+    tok = TextTokenizer()
+    text = TEXT[:60]
+    ctx, _ = compress(kvfold.enable(tiny(family)), tok, f"kvzip[plus=true,chunk={chunk}]", text=text)
+    ids = ctx.input_ids[0].tolist()
+    inputs = RepeatPrompt.build(tok).chunk_inputs(ids, chunk)
+    assert len(inputs) == (1 if chunk == 2048 else 2)
+    reference = plus_reference(family, ids, inputs)
+    for layer_idx, expected in reference.items():
+        torch.testing.assert_close(ctx.memo["kvzip_scores"][layer_idx][0], expected, rtol=1e-10, atol=1e-13)
+
+
+def test_the_fused_kvzip_plus_scores_equal_the_eager_ones_and_the_reference(monkeypatch):
+    """A float32 model takes the fused path (the log-sum-exp, the row norm inside the exponent);
+    its KVzip+ scores equal the eager path's, and the float64 reference to float32 rounding, for
+    two rows of different lengths (left padding)."""
+    tok = TextTokenizer()
+    model = kvfold.enable(tiny("llama", torch.float32))
+    pre = kvfold.prefill(model, tok, [TEXT, TEXT[:50]], use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    calls = []
+    real = repeat.max_received
+    monkeypatch.setattr(repeat, "max_received", lambda *args: calls.append(len(args)) or real(*args))
+    fused = repeat.repeat_pass(ctx, chunk=48, forward_chunk=32, queries=False, plus=True)
+    assert 6 in calls  # the KVzip+ scores took the fused path
+    monkeypatch.setattr(repeat.RepeatRecorder, "accepts_log_sum_exp", False)
+    eager = repeat.repeat_pass(ctx, chunk=48, forward_chunk=32, queries=False, plus=True)
+    width = pre.input_ids.shape[1]
+    short = int(pre.attention_mask[1].sum())
+    row = pre.input_ids[1, width - short :].tolist()
+    reference = plus_reference("llama", row, RepeatPrompt.build(tok).chunk_inputs(row, 48))
+    for i in fused.plus_scores:
+        torch.testing.assert_close(fused.plus_scores[i], eager.plus_scores[i], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(
+            fused.plus_scores[i][1, :, width - short :].to(F64), reference[i], rtol=1e-4, atol=1e-7
+        )
+        assert bool(torch.isneginf(fused.plus_scores[i][1, :, : width - short]).all())
+        assert not torch.equal(fused.plus_scores[i], fused.scores[i])
+
+
+def test_kvzip_plus_changes_the_kept_entries_and_shares_the_repeat_pass():
+    """``kvzip[plus=true]`` keeps other entries than ``kvzip``; ``kvzip[plus=true]+am_fit`` pays for one
+    pass (the fit's queries come from it), and KVzip+ after a plain pass costs one scores-only pass."""
+    tok = TextTokenizer()
+    model = kvfold.enable(tiny("llama"))
+    plain, _ = compress(model, tok, "kvzip")
+    plus, _ = compress(model, tok, "kvzip[plus=true]")
+    assert any(not torch.equal(a, b) for a, b in zip(held_keys(plain.cache), held_keys(plus.cache), strict=True))
+
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(1), with_kwargs=True)
+    pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.3), tokenizer=tok)
+    calls.clear()
+    repeat.repeat_pass(ctx)
+    one_pass = len(calls)
+    calls.clear()
+    pre.compress("kvzip[plus=true]", 0.3)  # the context's pass: KVzip+'s and KVzip's scores, the queries
+    pre.compress("kvzip[plus=true]+am_fit", 0.3)
+    pre.compress("kvzip", 0.2)
+    pre.compress("kvzip+am_fit", 0.2)
+    assert len(calls) == one_pass
+    again = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    calls.clear()
+    again.compress("kvzip", 0.3)
+    again.compress("kvzip[plus=true]", 0.3)  # recorded without KVzip+: one pass of its scores alone
+    again.compress("kvzip[plus=true]", 0.2)
+    assert len(calls) == 2 * one_pass
+
+
+# ---------------------------------------------------------------------------- structure demotion
+
+
+def named_structure(text: str, repeats: int) -> list[int]:
+    """Character positions of ``text`` that structure demotion names, read off the text: a
+    whitespace or punctuation character seen at least ``repeats`` times, unless it is a
+    non-space between two alphanumeric characters."""
+    out = []
+    for j, c in enumerate(text):
+        if c.isalnum() or text.count(c) < repeats:
+            continue
+        if not c.isspace() and 0 < j < len(text) - 1 and text[j - 1].isalnum() and text[j + 1].isalnum():
+            continue
+        out.append(j)
+    return out
+
+
+def test_structure_tokens_are_repeated_punctuation_and_whitespace_but_not_joiners():
+    assert all(is_structure_text(t) for t in (",", " ", "\n\n", ".\n", " (", "$", "—", "||"))
+    assert not any(is_structure_text(t) for t in ("", " word", "7", "é", "'s", ".a", "\ufffd"))
+    tok = TextTokenizer()
+    ids = tok(TEXT).input_ids
+    named = structure_tokens(tok, ids, 1, 4)
+    assert named == [j + 1 for j in named_structure(TEXT, 4)]  # the BOS before the text is not counted
+    chars = {TEXT[j - 1] for j in named}
+    assert chars == {",", ";", " ", "."}  # "." only once: at the end, before a space
+    assert [TEXT[j - 1] for j in named].count(".") == 1 and "-" not in chars
+    assert structure_tokens(tok, ids, 1, 100) == []
+
+
+@pytest.mark.parametrize("pool", [1, 3])
+def test_structure_demotion_lowers_exactly_the_tokens_it_names(pool):
+    """``kvzip[demote=0.25]``: the scores of the named tokens are KVzip's times 0.25, every other
+    score is KVzip's bit for bit; the kept entries differ (the budget goes to content)."""
+    tok = TextTokenizer()
+    model = kvfold.enable(tiny("llama"))
+    plain, _ = compress(model, tok, f"kvzip[pool={pool}]")
+    demoted, _ = compress(model, tok, f"kvzip[pool={pool},demote=0.25]")
+    named = torch.zeros(len(TEXT) + 1, dtype=torch.bool)
+    named[[j + 1 for j in named_structure(TEXT, 4)]] = True
+    assert demoted.report["kvzip_demoted"] == [int(named.sum())]
+    for layer_idx, before in plain.memo["kvzip_scores"].items():
+        after = demoted.memo["kvzip_scores"][layer_idx]
+        assert torch.equal(after[..., named], before[..., named] * 0.25)
+        assert torch.equal(after[..., ~named], before[..., ~named])
+    assert any(not torch.equal(a, b) for a, b in zip(held_keys(plain.cache), held_keys(demoted.cache), strict=True))
+
+
+def test_the_options_are_checked():
+    tok = TextTokenizer()
+    model = kvfold.enable(tiny("llama"))
+    for spec in ("kvzip[demote=1.5]", "kvzip[demote=-0.1]", "kvzip[demote_repeats=0]"):
+        with pytest.raises(SpecError, match="demote"):
+            build_method(spec)
+    pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.3))
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        build_method("kvzip[demote=0.25]").compress(ctx)
