@@ -1,7 +1,12 @@
-"""``python -m kvfold.cli``: the ``kvfold`` command."""
+"""``python -m kvfold.cli``: the ``kvfold`` command (Ctrl-C while it starts is one line too)."""
 
 import sys
 
-from kvfold.cli.main import main
+try:
+    from kvfold.cli.main import main
 
-sys.exit(main())
+    status = main()
+except KeyboardInterrupt:
+    print("kvfold: interrupted", file=sys.stderr)
+    status = 130
+sys.exit(status)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvfold.cli.args import Handler, add_model_args
 from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.files import explain
 from kvfold.runtime.models import ModelLoadError
 
 COMMANDS: dict[str, Handler] = {}
@@ -38,10 +39,24 @@ def command(name: str) -> Callable[[Handler], Handler]:
     return decorate
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown option, a missing one) are one line, not the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):
+        """As argparse's, with arguments no one takes named by the subcommand they were given to."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)\n")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvfold", description="KV-cache merging and compaction for HF causal LMs"
-    )
+    parser = OneLineParser(prog="kvfold", description="KV-cache merging and compaction for HF causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("methods", help="list the registered methods")
@@ -189,7 +204,12 @@ def _read_text(path: Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvfold`` command; user errors print one line and exit with 2."""
+    """Entry point of the ``kvfold`` command; user errors print one line and exit with 2.
+
+    So do files that cannot be written (:class:`~kvfold.runtime.files.OutputError`: the path and
+    what to do); Ctrl-C prints one line (a sweep: the count of finished answers kept) and exits
+    with 130. No traceback for any of them.
+    """
     _load_extra_commands()
     args = build_parser().parse_args(argv)
     try:
@@ -202,6 +222,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`kvfold methods | head`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe closed
+    except OSError as err:  # a file that cannot be written (or read): its path and what to do
+        print(f"kvfold {args.command}: error: {explain(err, verb=None)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as err:  # Ctrl-C: a sweep says what it kept (SweepInterrupted)
+        print(f"kvfold {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)
+        return 130  # 128 + SIGINT
 
 
 def _silence_stdout() -> None:

@@ -8,7 +8,8 @@
   line, each answered from a fresh copy of the same loaded cache.
 * ``kvfold chat [--context-file F | --cache doc.kvc] --method M --budget B`` — a conversation kept
   in a cache of fixed size (:class:`kvfold.pipeline.chat.ChatSession`), read from stdin (a tty or a pipe),
-  with ``/save PATH``, ``/load PATH``, ``/stats`` and ``/quit``.
+  with ``/save PATH``, ``/load PATH``, ``/stats`` and ``/quit``. A ``/save`` that cannot write its file
+  says so in one line and the conversation goes on; the command then ends with status 2.
 
 The module exposes ``add_parsers(sub)`` and ``COMMANDS`` (name → handler), which the command line
 gathers; importing it loads no model and no torch.
@@ -234,7 +235,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
     """``kvfold chat``: read lines from stdin; a line is a user turn unless it is a command."""
     from kvfold.pipeline.chat import ChatSession
     from kvfold.runtime.models import load_model
-    from kvfold.store.chat import load_chat, save_chat
+    from kvfold.store.chat import load_chat
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
@@ -254,6 +255,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
             model, tokenizer, args.method, args.budget, cap=args.cap, context=context, system=args.system
         )
     session.max_new_tokens = args.max_new_tokens
+    saved_all = True  # a failed /save ends the command with status 2 (the conversation goes on)
     interactive = stdin.isatty()
     if interactive:
         print("kvfold chat: /save PATH, /load PATH, /stats, /quit", file=sys.stderr)
@@ -274,8 +276,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
             if command == "/stats":
                 print(json.dumps(session.stats()), file=stdout, flush=True)
             elif command == "/save" and rest:
-                size = save_chat(session, rest)
-                print(f"saved {rest} ({size} bytes)", file=stdout, flush=True)
+                saved_all = _save_chat(session, rest, stdout) and saved_all
             elif command == "/load" and rest:
                 session = load_chat(rest, model, tokenizer, cap=args.cap, **load_kwargs)
                 session.max_new_tokens = args.max_new_tokens
@@ -284,7 +285,22 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
                 print(f"unknown command {line!r}: /save PATH, /load PATH, /stats, /quit", file=stdout, flush=True)
             continue
         print(session.ask(line), file=stdout, flush=True)
-    return 0
+    return 0 if saved_all else 2
+
+
+def _save_chat(session, path: str, stdout: TextIO) -> bool:
+    """``/save PATH``: write the conversation; a file that cannot be written is one line on stderr
+    (its path and what to do) and the conversation goes on. Whether it was saved."""
+    from kvfold.runtime.files import OutputError
+    from kvfold.store.chat import save_chat
+
+    try:
+        size = save_chat(session, path)
+    except OutputError as err:
+        print(f"kvfold chat: error: {err} (the conversation goes on: /save elsewhere)", file=sys.stderr, flush=True)
+        return False
+    print(f"saved {path} ({size} bytes)", file=stdout, flush=True)
+    return True
 
 
 def _read_text(path: Path) -> str:

@@ -2,7 +2,9 @@
 :func:`save_context` (a :class:`~kvfold.pipeline.context.CompressedContext`).
 
 The file format (header, fingerprint, checksum) is :mod:`kvfold.store.format`; a file is written to a
-temporary name and renamed into place, so a reader never sees half a file.
+temporary name, synced and renamed into place (:func:`kvfold.runtime.files.atomic_path`), so a reader,
+or a process killed in the middle of a save, never sees half a file; a failed write raises an
+:class:`~kvfold.runtime.files.OutputError` that names the path.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvfold.pipeline.context import CompressedContext
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.files import atomic_path
 from kvfold.store.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -76,6 +80,7 @@ def save_cache(
 
     Raises:
         CacheFileError: an empty cache, or a layer kvfold does not save.
+        OutputError: the file cannot be written (its path and what to do; an old file is left whole).
     """
     folded = [layer for _, layer in cache.folded_layers if layer.is_initialized]
     if not folded:
@@ -151,18 +156,29 @@ def _token_hash(token_ids: torch.Tensor) -> str:
 
 
 def _write(tensors: dict[str, torch.Tensor], header: dict[str, Any], target: Path) -> int:
-    """Write a safetensors file with the header as its metadata, atomically; its size in bytes."""
+    """Write a safetensors file with the header as its metadata, atomically; its size in bytes.
+
+    Raises:
+        OutputError: the file cannot be written (an old file at ``target`` is left whole).
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(header, sort_keys=True)})
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with atomic_path(target) as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(header, sort_keys=True)})
+        except SafetensorError as err:
+            raise _os_error(err, tmp) from err
     return target.stat().st_size
+
+
+def _os_error(err: Exception, path: Path) -> Exception:
+    """safetensors' I/O error as the :class:`OSError` it wraps (``... (os error 28) ...``); others unchanged."""
+    message = str(err)
+    found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", message)
+    if found is None:
+        return err
+    return OSError(int(found.group(2)), found.group(1), str(path))
 
 
 def save_context(

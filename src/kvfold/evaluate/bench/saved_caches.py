@@ -21,7 +21,6 @@ Records are appended to ``OUT/cachefile.jsonl``; ``OUT/cachefile.md`` is the tab
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from kvfold.evaluate.bench.process import (
 )
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
+from kvfold.runtime.files import DirectoryLock, append_jsonl, atomic_write_text
 from kvfold.runtime.models import load_model
 
 QUESTION = "What is this text about? Answer in one sentence."
@@ -213,29 +213,24 @@ def bench_cachefile(
         ``{"files": [...], "chats": [...]}`` (see the module docstring for the fields).
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     files, chats = [], []
-    for method in methods:
-        for budget in budgets:
-            for length in lengths:
-                path = out / f"{method.replace(':', '_')}-{budget}-{length}.kvc"
-                config = FileConfig(model, method, budget, length, new_tokens, str(path), dtype, device)
-                record = {"kind": "file", **_spawn("file", config)}
-                files.append(record)
-                _append(out, record)
-        if turns > 0:
-            config = ChatConfig(model, method, chat_budget, turns, chat_new_tokens, dtype, device)
-            record = {"kind": "chat", **_spawn("chat", config)}
-            chats.append(record)
-            _append(out, record)
-    result = {"model": model, "files": files, "chats": chats}
-    (out / "cachefile.md").write_text(report(result))
+    with DirectoryLock(out):
+        for method in methods:
+            for budget in budgets:
+                for length in lengths:
+                    path = out / f"{method.replace(':', '_')}-{budget}-{length}.kvc"
+                    config = FileConfig(model, method, budget, length, new_tokens, str(path), dtype, device)
+                    record = {"kind": "file", **_spawn("file", config)}
+                    files.append(record)
+                    append_jsonl(out / "cachefile.jsonl", record)
+            if turns > 0:
+                config = ChatConfig(model, method, chat_budget, turns, chat_new_tokens, dtype, device)
+                record = {"kind": "chat", **_spawn("chat", config)}
+                chats.append(record)
+                append_jsonl(out / "cachefile.jsonl", record)
+        result = {"model": model, "files": files, "chats": chats}
+        atomic_write_text(out / "cachefile.md", report(result))
     return result
-
-
-def _append(out: Path, record: dict) -> None:
-    with (out / "cachefile.jsonl").open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
 
 
 FILE_COLUMNS = (

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from kvfold.evaluate.bench.process import (
 )
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
+from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
 from kvfold.runtime.models import load_model
 
 WARMUP_STEPS = 4
@@ -363,6 +365,7 @@ def bench(
         ``compress_over_repeat`` (module docstring).
     """
     from kvfold.evaluate.running.runner import collect_rows, local_runner
+    from kvfold.evaluate.running.sweep import keep_on_interrupt
 
     runs, refs = plan(
         model,
@@ -375,29 +378,31 @@ def bench(
         dtype,
         device,
     )
-    done = load_finished_records(Path(out_dir)) if out_dir is not None else {}
-    done = {key: r for key, r in done.items() if "reference_tokens_per_s" in r}  # older kvfold: measure again
-    items = plan_items(runs, refs, done, threads)
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-    collect_rows(
-        runner or local_runner(None, None),
-        items,
-        done,
-        path=Path(out_dir) / RECORDS_FILE if out_dir is not None else None,
-        total=len(runs) + len(refs),
-        progress=progress,
-        desc="kvfold bench",
-        unit="configuration",
-    )
-    result: dict[str, Any] = {"model": model, "records": _with_ratios(runs, refs, done)}
-    worker_of = getattr(runner, "worker_of", None)
-    if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
-        result["ray_workers"] = {
-            _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
-        }
-    if out_dir is not None:
-        write_bench_report(result, Path(out_dir))
+    folder = Path(out_dir) if out_dir is not None else None
+    with DirectoryLock(folder) if folder is not None else nullcontext():
+        done = load_finished_records(folder) if folder is not None else {}
+        done = {key: r for key, r in done.items() if "reference_tokens_per_s" in r}  # older kvfold: measure again
+        items = plan_items(runs, refs, done, threads)
+        path = folder / RECORDS_FILE if folder is not None else None
+        with keep_on_interrupt(path, "configuration"):
+            collect_rows(
+                runner or local_runner(None, None),
+                items,
+                done,
+                path=path,
+                total=len(runs) + len(refs),
+                progress=progress,
+                desc="kvfold bench",
+                unit="configuration",
+            )
+        result: dict[str, Any] = {"model": model, "records": _with_ratios(runs, refs, done)}
+        worker_of = getattr(runner, "worker_of", None)
+        if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
+            result["ray_workers"] = {
+                _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
+            }
+        if folder is not None:
+            write_bench_report(result, folder)
     return result
 
 
@@ -437,27 +442,21 @@ def load_finished_records(out_dir: Path) -> dict[str, dict]:
     """Records of configurations already measured into ``out_dir`` (a resumed run skips them).
 
     A configuration is reused only when every field matches (model, method, budget, length, batch,
-    new tokens, prefill chunk, dtype, device); anything else is measured again.
+    new tokens, prefill chunk, dtype, device); anything else is measured again. A torn last line
+    (a run killed in the middle of a write) is dropped from the file and measured again.
+
+    Raises:
+        ValueError: a damaged line elsewhere, with its number (the file is not changed).
     """
-    path = out_dir / RECORDS_FILE
-    if not path.exists():
-        return {}
     done = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            done[_config_key(record)] = record
-        except (ValueError, KeyError):
-            raise ValueError(f"{path} line {number} is not a bench record; delete the line to resume") from None
+    for record in read_jsonl(out_dir / RECORDS_FILE, repair=True, check=_config_key, what="bench record"):
+        done[_config_key(record)] = record
     return done
 
 
 def write_bench_report(result: dict, out_dir: Path) -> None:
     """``bench.json``, ``bench.md`` (a table) and ``bench.png`` (throughput and memory vs length)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(result, indent=2))
+    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=2))
     rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
     lines = [
         f"# kvfold bench — {result['model']}",
@@ -480,7 +479,7 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
             "",
             *(f"* {what}: `{worker}`" for what, worker in result["ray_workers"].items()),
         ]
-    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out_dir / "bench.md", "\n".join(lines) + "\n")
     _plot(rows, out_dir / "bench.png")
 
 
@@ -535,8 +534,11 @@ def _plot(rows: list[dict], path: Path) -> None:
             axes[row][col].grid(True, alpha=0.3)
             axes[row][col].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 WORKERS = {"config": lambda raw: run_config(BenchConfig(**raw))}

@@ -51,6 +51,7 @@ from kvfold.methods import build_method
 from kvfold.pipeline.context import PrefilledContext
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.files import DirectoryLock, atomic_write_text
 
 __all__ = [
     "MergeMapResult",
@@ -353,12 +354,22 @@ def merge_maps(
     plot = {"layer": layer, "head": head, "row": 0, "maps": drawn}
     result = MergeMapResult(records=records, plot=plot, out_dir=None if out_dir is None else Path(out_dir))
     if result.out_dir is not None:
-        result.out_dir.mkdir(parents=True, exist_ok=True)
         info = dict(run_config or {})
         info.update({"budget": parsed.label(), "layer": layer, "head": head})
-        payload = {"config": info, **result.to_json()}
-        (result.out_dir / "mergemap.json").write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
-        (result.out_dir / "mergemap.md").write_text(mergemap_markdown(records, plot, info), encoding="utf-8")
-        plot_merge_maps(plot, result.out_dir / "mergemap.png")
-        plot_carrier_load(records, result.out_dir / "carrier_load.png")
+        _write_files(result, info)
     return result
+
+
+def _write_files(result: MergeMapResult, info: Mapping[str, Any]) -> None:
+    """``mergemap.json``, ``mergemap.md`` and the two plots, each atomically, the folder held meanwhile.
+
+    Raises:
+        OutputError: the folder is in use by another kvfold, or a file cannot be written.
+    """
+    out_dir = result.out_dir
+    with DirectoryLock(out_dir):
+        payload = {"config": dict(info), **result.to_json()}
+        atomic_write_text(out_dir / "mergemap.json", json.dumps(payload, indent=1) + "\n")
+        atomic_write_text(out_dir / "mergemap.md", mergemap_markdown(result.records, result.plot, info))
+        plot_merge_maps(result.plot, out_dir / "mergemap.png")
+        plot_carrier_load(result.records, out_dir / "carrier_load.png")

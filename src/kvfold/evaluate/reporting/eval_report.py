@@ -24,6 +24,7 @@ from kvfold.evaluate.reporting.tables import (
     table_budgets,
 )
 from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK, SUMMARY_TASKS, names_full
+from kvfold.runtime.files import atomic_write_text
 
 __all__ = ["eval_markdown", "write_eval_report"]
 
@@ -155,7 +156,7 @@ def write_eval_report(
     if retention[0] is not None:
         body += "\n![retention vs budget](retention.png)\n\n![retention vs compression time](retention_time.png)\n"
     body += "\n![average score vs budget](scores.png)\n\n![score vs budget by task](scores_by_task.png)\n"
-    report.write_text(body, encoding="utf-8")
+    atomic_write_text(report, body)
     return [
         report,
         *(p for p in retention if p is not None),

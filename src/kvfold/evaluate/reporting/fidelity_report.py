@@ -21,6 +21,7 @@ from kvfold.evaluate.reporting.tables import (
     table_budgets,
 )
 from kvfold.evaluate.scoring.records import names_full
+from kvfold.runtime.files import atomic_write_text
 
 __all__ = ["fidelity_markdown", "plot_fidelity", "write_fidelity_report"]
 
@@ -153,8 +154,6 @@ def write_fidelity_report(
     """Write ``fidelity.md`` and ``fidelity.png`` into ``out_dir``; returns the paths."""
     out_dir = Path(out_dir)
     report = out_dir / "fidelity.md"
-    report.write_text(
-        fidelity_markdown(records, title_info) + "\n![fidelity vs budget](fidelity.png)\n", encoding="utf-8"
-    )
+    atomic_write_text(report, fidelity_markdown(records, title_info) + "\n![fidelity vs budget](fidelity.png)\n")
     title = ("Online fidelity" if title_info and title_info.get("online") else "Fidelity") + " vs cache budget"
     return [report, plot_fidelity(records, out_dir / "fidelity.png", title=title + title_suffix(title_info))]

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvfold.evaluate.reporting.tables import FULL_BUDGET, budget_label, budget_sort_key, ordered, split_records
 from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK, names_full
+from kvfold.runtime.files import atomic_path
 
 __all__ = [
     "axis_positions",
@@ -42,13 +43,20 @@ def pyplot() -> ModuleType:
 
 
 def save_figure(fig: Any, path: str | Path, *, tight_box: bool = False) -> Path:
-    """Write ``fig`` as a PNG at 120 dpi (cropped to its content with ``tight_box``) and close it."""
+    """Write ``fig`` as a PNG at 120 dpi (cropped to its content with ``tight_box``), atomically, and close it.
+
+    Raises:
+        OutputError: the file cannot be written (the old one, if any, is left whole).
+    """
     path = Path(path)
-    if tight_box:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-    else:
-        fig.savefig(path, dpi=120)
-    pyplot().close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            if tight_box:
+                fig.savefig(tmp, dpi=120, bbox_inches="tight")
+            else:
+                fig.savefig(tmp, dpi=120)
+    finally:
+        pyplot().close(fig)
     return path
 
 

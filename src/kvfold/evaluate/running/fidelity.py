@@ -443,6 +443,8 @@ class FidelitySweep:
         Raises:
             ValueError: as :func:`fidelity`.
             RuntimeError: the runner ended without producing every row.
+            OutputError: ``out_dir`` is in use by another run, or a file cannot be written.
+            SweepInterrupted: Ctrl-C (the rows finished before it are kept in ``out_dir``).
         """
         if self.continuation not in ("answer", "next"):
             raise ValueError(f"continuation must be 'answer' or 'next'; got {self.continuation!r}")
@@ -455,31 +457,33 @@ class FidelitySweep:
         config.update(continuation=self.continuation, online=self.online, seed=self.seed)
         if self.continuation == "next":
             config["next_tokens"] = self.next_tokens
-        out_dir, path, done = open_run(self.out_dir, config, SAMPLES_FILE, fidelity_row_key)
-        keys = _continuation_keys(self.samples, self.continuation)
-        items = plan_fidelity_items(
-            self.samples,
-            runs,
-            done,
-            continuation=self.continuation,
-            next_tokens=self.next_tokens,
-            online=self.online,
-            seed=self.seed,
-        )
-        total = len(keys) * len(runs)
-        collect_rows(runner, items, done, path=path, total=total, progress=self.progress, desc="fidelity", unit="run")
-        rows = [done[fidelity_key(k, spec, b.label())] for spec, b in runs for k in keys]
-        result = FidelityResult(
-            records=aggregate_fidelity(rows),
-            samples=rows,
-            continuation=self.continuation,
-            online=self.online,
-            model=str(config.get("model", "")),
-            out_dir=out_dir,
-        )
-        if result.out_dir is not None:
-            write_json(result.out_dir / FIDELITY_FILE, result.to_json())
-            write_fidelity_report(result.out_dir, result.records, title_info=config)
+        opened = open_run(self.out_dir, config, SAMPLES_FILE, fidelity_row_key, unit="measurement")
+        with opened as (out_dir, path, done):
+            keys = _continuation_keys(self.samples, self.continuation)
+            items = plan_fidelity_items(
+                self.samples,
+                runs,
+                done,
+                continuation=self.continuation,
+                next_tokens=self.next_tokens,
+                online=self.online,
+                seed=self.seed,
+            )
+            total = len(keys) * len(runs)
+            progress = {"progress": self.progress, "desc": "fidelity", "unit": "run"}
+            collect_rows(runner, items, done, path=path, total=total, **progress)
+            rows = [done[fidelity_key(k, spec, b.label())] for spec, b in runs for k in keys]
+            result = FidelityResult(
+                records=aggregate_fidelity(rows),
+                samples=rows,
+                continuation=self.continuation,
+                online=self.online,
+                model=str(config.get("model", "")),
+                out_dir=out_dir,
+            )
+            if result.out_dir is not None:
+                write_json(result.out_dir / FIDELITY_FILE, result.to_json())
+                write_fidelity_report(result.out_dir, result.records, title_info=config)
         return result
 
 

@@ -73,18 +73,27 @@ def read_run(run_dir: str | Path) -> Run:
     """Read an eval or fidelity run folder; nothing in it is changed (a torn last row is left out).
 
     Raises:
-        ValueError: the folder holds neither ``predictions.jsonl`` nor ``fidelity_samples.jsonl``, or
-            an invalid row.
+        ValueError: the folder holds neither ``predictions.jsonl`` nor ``fidelity_samples.jsonl``, a
+            damaged row (its line number) or a damaged JSON file.
     """
     path = Path(run_dir)
     kind = next((k for k in RUN_KINDS if (path / k.rows_file).is_file()), None)
     if kind is None:
         files = " or ".join(k.rows_file for k in RUN_KINDS)
         raise ValueError(f"{path} holds no {files}: not a folder written by kvfold eval or kvfold fidelity --out")
-    config = json.loads((path / RUN_FILE).read_text(encoding="utf-8")) if (path / RUN_FILE).is_file() else {}
+    config = _read_json(path / RUN_FILE) if (path / RUN_FILE).is_file() else {}
     results = path / kind.results_file
-    records = json.loads(results.read_text(encoding="utf-8"))["records"] if results.is_file() else None
-    return Run(path, kind, config, read_predictions(path / kind.rows_file, repair=False), records)
+    records = _read_json(results)["records"] if results.is_file() else None
+    rows = read_predictions(path / kind.rows_file, repair=False, row_key=kind.row_key)
+    return Run(path, kind, config, rows, records)
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file of a run folder; a damaged one is said with its path."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): it was edited or damaged; correct it or rerun") from None
 
 
 def merge_runs(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], dict[str, Any]]:

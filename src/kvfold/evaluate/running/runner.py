@@ -311,24 +311,29 @@ class EvalSweep:
         Raises:
             ValueError: an invalid spec or budget, no samples, or ``out_dir`` holding another run.
             RuntimeError: the runner ended without producing every answer.
+            OutputError: ``out_dir`` is in use by another run, or a file cannot be written.
+            SweepInterrupted: Ctrl-C (the answers finished before it are kept in ``out_dir``).
         """
         if not self.samples:
             raise ValueError("no samples to evaluate")
         runs = plan_runs(self.methods, self.budgets)
         config = dict(self.run_config)
         keys = sample_keys(self.samples)
-        out_dir, path, done = open_run(self.out_dir, config, PREDICTIONS_FILE, row_key)
-        if path is not None:
-            _check_stale_rows(path, done.values(), dict(zip(keys, self.samples, strict=True)))
-        items = plan_items(self.samples, runs, done, query_aware=self.query_aware, seed=self.seed)
-        collect_rows(runner, items, done, path=path, total=len(self.samples) * len(runs), progress=self.progress)
-        predictions = [done[unit_key(k, spec, b.label(), self.query_aware)] for spec, b in runs for k in keys]
-        result = EvalResult(
-            model=str(config.get("model", "")), records=aggregate(predictions), predictions=predictions, out_dir=out_dir
-        )
-        if out_dir is not None:
-            write_json(out_dir / RESULTS_FILE, result.to_json())
-            write_eval_report(out_dir, result.records, title_info=config)
+        with open_run(self.out_dir, config, PREDICTIONS_FILE, row_key) as (out_dir, path, done):
+            if path is not None:
+                _check_stale_rows(path, done.values(), dict(zip(keys, self.samples, strict=True)))
+            items = plan_items(self.samples, runs, done, query_aware=self.query_aware, seed=self.seed)
+            collect_rows(runner, items, done, path=path, total=len(self.samples) * len(runs), progress=self.progress)
+            predictions = [done[unit_key(k, spec, b.label(), self.query_aware)] for spec, b in runs for k in keys]
+            result = EvalResult(
+                model=str(config.get("model", "")),
+                records=aggregate(predictions),
+                predictions=predictions,
+                out_dir=out_dir,
+            )
+            if out_dir is not None:
+                write_json(out_dir / RESULTS_FILE, result.to_json())
+                write_eval_report(out_dir, result.records, title_info=config)
         return result
 
 

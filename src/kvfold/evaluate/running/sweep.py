@@ -7,28 +7,36 @@ into work items (:class:`SweepItem`) that an :data:`ItemRunner` answers, here
 :func:`collect_rows` keeps each row once, appends it to the sweep's file as it arrives and leaves
 the file in the serial order; :func:`open_run` reads back what an interrupted run wrote, so a
 rerun into the same folder does only what is missing.
+
+Faults (:mod:`kvfold.runtime.files`): a run holds its folder alone (a second run on it is refused),
+every row is on the disk before it is counted, a torn last row (a crash in the middle of a write)
+is dropped and redone, and Ctrl-C ends the run with the count of finished rows kept
+(:class:`SweepInterrupted`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvfold.evaluate.data.samples import Sample
 from kvfold.methods import build_method
 from kvfold.runtime.budget import Budget
+from kvfold.runtime.files import DirectoryLock, JsonlAppender, atomic_write_bytes, atomic_write_text, read_jsonl
 
 __all__ = [
     "RUN_FILE",
     "ItemRunner",
+    "SweepInterrupted",
     "SweepItem",
     "check_run_config",
     "collect_rows",
     "config_changes",
     "is_full",
+    "keep_on_interrupt",
     "local_runner",
     "open_run",
     "plan_runs",
@@ -82,8 +90,12 @@ def sample_keys(samples: Sequence[Sample]) -> list[str]:
 
 
 def write_json(path: Path, payload: Any) -> None:
-    """``payload`` as indented JSON with a final newline, as every results file is written."""
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    """``payload`` as indented JSON with a final newline, as every results file is written (atomically).
+
+    Raises:
+        OutputError: the file cannot be written (the old one, if any, is left whole).
+    """
+    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
 
 
 def config_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
@@ -97,7 +109,13 @@ def check_run_config(out_dir: Path, config: Mapping[str, Any]) -> None:
     path = out_dir / RUN_FILE
     config = json.loads(json.dumps(dict(config)))
     if path.exists():
-        changed = config_changes(json.loads(path.read_text(encoding="utf-8")), config)
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise ValueError(
+                f"{path} is not valid JSON ({err}): it was edited or damaged; correct it, or use a new --out directory"
+            ) from None
+        changed = config_changes(before, config)
         if changed:
             raise ValueError(
                 f"{out_dir} holds a run with another configuration ({'; '.join(changed)}); "
@@ -107,46 +125,78 @@ def check_run_config(out_dir: Path, config: Mapping[str, Any]) -> None:
     write_json(path, config)
 
 
-def read_predictions(path: Path, *, repair: bool = True) -> list[dict[str, Any]]:
+def read_predictions(
+    path: Path, *, repair: bool = True, row_key: Callable[[Mapping[str, Any]], Any] | None = None
+) -> list[dict[str, Any]]:
     """Rows already written; a torn last line (an interrupted write) is left out, and with ``repair``
-    dropped from the file (a rerun appends after it)."""
-    if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    complete, rows = lines[:-1], []  # the part after the last newline is empty or torn
-    for number, line in enumerate(complete, start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path} line {number} is not valid JSON; remove it to resume") from None
-    if repair and lines[-1].strip():
-        path.write_text("".join(line + "\n" for line in complete), encoding="utf-8")
-    return rows
+    dropped from the file (a rerun appends after it).
+
+    Raises:
+        ValueError: a line elsewhere that is not JSON (or has no ``row_key``), with its number; the
+            file is not changed.
+    """
+    return read_jsonl(path, repair=repair, check=row_key, what="prediction row")
 
 
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C ended a sweep; the message says how many finished rows its file keeps, and how to resume."""
+
+
+@contextmanager
+def keep_on_interrupt(path: Path | None, unit: str = "answer") -> Iterator[None]:
+    """Turn Ctrl-C inside into a :class:`SweepInterrupted` that counts the ``unit`` s kept in ``path``.
+
+    The rows are counted in the file, as a rerun will read them: a row written just before the
+    interruption is kept even when the sweep had no time to count it.
+    """
+    try:
+        yield
+    except SweepInterrupted:
+        raise
+    except KeyboardInterrupt:
+        if path is None:
+            raise
+        try:
+            kept = f"{len(read_jsonl(path))} finished {unit}s kept"
+        except (OSError, ValueError):
+            kept = f"the finished {unit}s kept"
+        raise SweepInterrupted(f"interrupted; {kept} in {path}: run the same command again to resume") from None
+
+
+@contextmanager
 def open_run(
-    out_dir: str | Path | None, config: Mapping[str, Any], rows_file: str, row_key: Callable[[Mapping[str, Any]], Any]
-) -> tuple[Path | None, Path | None, dict[Any, dict[str, Any]]]:
-    """The run's folder and rows file, and the rows an earlier run left there, by key.
+    out_dir: str | Path | None,
+    config: Mapping[str, Any],
+    rows_file: str,
+    row_key: Callable[[Mapping[str, Any]], Any],
+    unit: str = "answer",
+) -> Iterator[tuple[Path | None, Path | None, dict[Any, dict[str, Any]]]]:
+    """The run's folder and rows file, and the rows an earlier run left there, by key, while the run holds it.
 
-    The folder is made, and its ``run.json`` written or checked (:func:`check_run_config`); with no
-    ``out_dir`` nothing is written and nothing is done yet.
+    The folder is made and locked (:class:`~kvfold.runtime.files.DirectoryLock`: a second run on it
+    is refused) until the block ends, its ``run.json`` written or checked (:func:`check_run_config`),
+    and a torn last row dropped (:func:`read_predictions`). Ctrl-C inside the block becomes a
+    :class:`SweepInterrupted` counting the ``unit`` s kept. With no ``out_dir`` nothing is written.
 
-    Returns:
+    Yields:
         ``(out_dir, path of rows_file, {row_key(row): row})``; ``(None, None, {})`` without ``out_dir``.
+
+    Raises:
+        OutputError: the folder is in use by another run, or cannot be written.
+        ValueError: another configuration in ``run.json``, or a damaged row.
     """
     if out_dir is None:
-        return None, None, {}
+        yield None, None, {}
+        return
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    check_run_config(out_dir, config)
-    path = out_dir / rows_file
-    done = {}
-    for row in read_predictions(path):
-        done[row_key(row)] = row
-    return out_dir, path, done
+    with DirectoryLock(out_dir):
+        check_run_config(out_dir, config)
+        path = out_dir / rows_file
+        done = {}
+        for row in read_predictions(path, row_key=row_key):
+            done[row_key(row)] = row
+        with keep_on_interrupt(path, unit):
+            yield out_dir, path, done
 
 
 class SweepItem(Protocol):
@@ -204,20 +254,22 @@ def collect_rows(
     """Drive a sweep: run ``items`` through ``runner`` and keep each new row once, in ``done``.
 
     Each row is keyed by its item's ``row_key``; a row whose key is done already, or belongs to no
-    item, is dropped (a retried item's repeat). New rows are appended to ``path`` as they arrive
-    and counted by the progress bar (``total`` units, those done before counted at the start); at
-    the end the rows of this call are put in the items' serial order in the file, so it reads as a
-    serial run's would.
+    item, is dropped (a retried item's repeat). New rows are appended to ``path`` as they arrive,
+    each synced to disk before it counts (:class:`~kvfold.runtime.files.JsonlAppender`), and
+    counted by the progress bar (``total`` units, those done before counted at the start); at the
+    end the rows of this call are put in the items' serial order in the file (atomically), so it
+    reads as a serial run's would.
 
     Raises:
         RuntimeError: the runner ended without producing every row the items owe.
+        OutputError: a row cannot be written (the rows before it are kept).
     """
     from tqdm.auto import tqdm
 
     order = {key: n for n, key in enumerate(key for item in items for key in item.unit_keys())}
     key_of = items[0].row_key if items else (lambda row: None)  # no item: no row is awaited
     written_before = path.stat().st_size if path is not None and path.exists() else 0
-    writer = path.open("a", encoding="utf-8") if path is not None else None
+    writer = JsonlAppender(path) if path is not None else None
     bar = tqdm(total=total, initial=total - len(order), disable=not progress, desc=desc, unit=unit, dynamic_ncols=True)
     arrived: list[Any] = []
     try:
@@ -225,11 +277,10 @@ def collect_rows(
             key = key_of(row)
             if key not in order or key in done:
                 continue  # a retried item's row that arrived before, or none of this sweep's
+            if writer is not None:
+                writer.write(row)  # on the disk before it counts as done
             done[key] = row
             arrived.append(key)
-            if writer is not None:
-                writer.write(json.dumps(row) + "\n")
-                writer.flush()
             bar.update(1)
     finally:
         bar.close()
@@ -246,8 +297,4 @@ def _rewrite_in_order(path: Path, keep_bytes: int, rows: Sequence[Mapping[str, A
     """Replace what follows the first ``keep_bytes`` bytes of ``path`` by ``rows``, atomically."""
     with path.open("rb") as f:
         head = f.read(keep_bytes)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(head)
-        f.write("".join(json.dumps(row) + "\n" for row in rows).encode("utf-8"))
-    os.replace(tmp, path)
+    atomic_write_bytes(path, head + "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8"))

@@ -31,6 +31,7 @@ from kvfold.methods.core.budgets import apportion
 from kvfold.methods.core.model import model_name
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.files import atomic_write_text
 
 Tensor = torch.Tensor
 
@@ -90,10 +91,12 @@ class HeadSchedule:
     curves: list[list[list[float]]] = field(default_factory=list)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")
-        return path
+        """Write the schedule as JSON, atomically (its folder made); returns the path.
+
+        Raises:
+            OutputError: the file cannot be written.
+        """
+        return atomic_write_text(path, json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path, model=None) -> HeadSchedule:
