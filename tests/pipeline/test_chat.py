@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvfold
+from kvfold.methods.core import repeat
 from kvfold.pipeline.chat import ChatSession, compact_history
 from tests.conftest import CharTokenizer, make_tiny_model
 
@@ -70,6 +71,47 @@ def test_a_chat_past_its_cap_keeps_exactly_its_budget(family, method, monkeypatc
         assert stats["compactions"] == len(compacted_rows) >= 3
         assert all(k > 0 for k in kept[1:])  # all but the last turn (the first: the last turn alone)
     assert stats["bytes"] < stats["full_bytes"] and stats["ratio"] == stats["bytes"] / stats["full_bytes"]
+
+
+@pytest.mark.parametrize("method", ["kvzip+am_fit", "kvzip"])
+def test_the_recommended_pipeline_recompacts_a_chat_by_repeat_passes_within_its_cap(method, monkeypatch):
+    model = _model()
+    budget, cap = 24, 128
+    chat = ChatSession(model, CharTokenizer(), method, budget, cap=cap, max_new_tokens=5)
+    passes = []
+    real = repeat.repeat_pass
+
+    def counted(ctx, *args, **kwargs):  # the pass replays every token the cache stands for, against it
+        layers = ctx.cache.folded_layers
+        logical = layers[0][1].logical_length
+        assert ctx.input_ids[0].tolist() == chat.token_ids[:logical]
+        passes.append(max(layer.physical_length for _, layer in layers) < logical)  # a compacted cache
+        return real(ctx, *args, **kwargs)
+
+    monkeypatch.setattr(repeat, "repeat_pass", counted)
+    history = []
+    real_compact = compact_history
+
+    def spy(cache, *args, keep_last=0, **kwargs):
+        done = real_compact(cache, *args, keep_last=keep_last, **kwargs)
+        if done:  # the history's entries over every layer and head, the last turn kept whole excluded
+            history.append([rows - keep_last for rows in _rows(cache)])
+        return done
+
+    monkeypatch.setattr("kvfold.pipeline.chat.compact_history", spy)
+    for question in QUESTIONS:
+        chat.ask(question)
+        assert chat.physical_length() <= cap
+    stats = chat.stats()
+    assert stats["logical_tokens"] > 2 * cap and stats["compactions"] == len(history) >= 3
+    assert len(passes) == stats["compactions"] and all(passes[1:])  # one pass a compaction, over compacted entries
+    for rows in history:  # KVzip spreads the budget over layers and heads: on average, exactly the budget
+        assert sum(int(r.sum()) for r in rows) == budget * sum(r.numel() for r in rows)
+        assert max(int(r.max()) for r in rows) <= cap
+    assert stats["bytes"] < stats["full_bytes"]
+    betas = [layer.padded()[2] for _, layer in chat.cache.folded_layers]
+    fitted = any(bool((beta[torch.isfinite(beta)].abs() > 1e-3).any()) for beta in betas)
+    assert fitted == (method == "kvzip+am_fit")  # am_fit's β; KVzip keeps entries as they are
 
 
 def _beta_cache(model):
@@ -155,6 +197,7 @@ def test_the_query_window_of_a_compaction_is_the_historys_own(monkeypatch):
     "method,message",
     [
         ("adakv:snapkv", "freshly prefilled context only"),
+        ("adakv:kvzip", "freshly prefilled context only"),
         ("h2o[online=false]", "online=true"),
     ],
 )

@@ -14,12 +14,19 @@ history is compacted to ``budget`` entries with any kvfold method:
 * **online methods** (``h2o``, ``zsmerge``, ``streamingllm``, ``tova``, ``knorm``, KeepKV on an online
   selector): the first compaction compresses the whole cache one-shot, then the method's
   decode-time policy keeps every layer at its budget inside every forward (prompt and decode).
+* **the recommended pipeline** (``kvzip+am_fit``, ``kvzip``: a selector scored by the repeat pass):
+  compacted one-shot as above, by a repeat pass over the compacted cache whose input is every
+  token the cache stands for (:attr:`ChatSession.token_ids`), replayed against the current cache:
+  KVzip's score of an entry, compacted or new, is the most attention it receives, and ``am_fit``
+  refits the kept entries to the current cache's attention, β included
+  (:mod:`kvfold.pipeline.recompact`). No KV head keeps more entries than the cap leaves room for
+  (KVzip ranks the entries of all layers and heads at once).
 
 Positions stay logical: compaction frees memory, not positions, so a conversation ends when it
 reaches the model's ``max_position_embeddings``.
 
 Example:
-    >>> chat = ChatSession(model, tokenizer, "snapkv", budget=512, cap=1024)  # doctest: +SKIP
+    >>> chat = ChatSession(model, tokenizer, "kvzip+am_fit", budget=512, cap=1024)  # doctest: +SKIP
     >>> chat.ask("My name is Ada. Remember it.")  # doctest: +SKIP
     >>> chat.stats()  # doctest: +SKIP
     >>> kvfold.save_chat(chat, "talk.kvc"); chat = kvfold.load_chat("talk.kvc", model, tokenizer)  # doctest: +SKIP
@@ -37,6 +44,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.methods import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, build_prompt, encode, greedy_decode
+from kvfold.pipeline.recompact import limit_head_entries, recompacts_by_repeat_pass
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 
@@ -57,6 +65,7 @@ def compact_history(
     keep_last: int = 0,
     window_queries: dict[int, torch.Tensor] | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
+    head_limit: int | None = None,
 ) -> bool:
     """Compress all but the last ``keep_last`` tokens of ``cache`` to ``budget`` entries, in place.
 
@@ -75,6 +84,8 @@ def compact_history(
         window_queries: per layer, the query states to use as the method's window (the history's
             last queries); the layers' current captured queries are restored afterwards.
         tokenizer: the tokenizer, for methods that build prompts.
+        head_limit: for methods that re-compact by the repeat pass (KVzip's ranking over all layers
+            and heads), the most history entries one KV head keeps (at least ``budget``).
 
     Returns:
         True when something was compressed; False when the history already fits the budget.
@@ -115,6 +126,8 @@ def compact_history(
         tokenizer=tokenizer,
     )
     with torch.inference_mode():
+        if head_limit is not None and recompacts_by_repeat_pass(method):
+            limit_head_entries(ctx, method, max(budget, head_limit))
         method.compress(ctx)
     for index, layer in layers:
         layer.captured_queries = saved_queries[index]
@@ -165,8 +178,10 @@ def check_chat_method(method: ComposedMethod) -> None:
     """Refuse methods that cannot compact a conversation again and again (see the module docstring).
 
     A chat compacts a cache that already holds compacted entries followed by new turns, which is
-    what a chunked prefill asks of a method (``supports_chunked_prefill``); methods that keep their
-    budget online between chunks must have their online policy on.
+    what a chunked prefill asks of a method (``supports_chunked_prefill``), or what a selector scored
+    by the repeat pass does with a pass over the compacted cache (``kvzip``, ``kvzip+am_fit``:
+    :func:`kvfold.pipeline.recompact.recompacts_by_repeat_pass`); methods that keep their budget
+    online between chunks must have their online policy on.
 
     Raises:
         ValueError: with the methods that can.
@@ -175,7 +190,7 @@ def check_chat_method(method: ComposedMethod) -> None:
 
     if method.is_identity:
         return
-    if not supports_chunked_prefill(method):
+    if not supports_chunked_prefill(method) and not recompacts_by_repeat_pass(method):
         raise ValueError(
             f"{method.spec} compresses a freshly prefilled context only and cannot compact a conversation again "
             f"after its first compaction; methods that can: {', '.join(chunked_methods())} (and folders after them)"
@@ -352,12 +367,12 @@ class ChatSession:
         last = 0 if online or self.context_open else self.cache.get_seq_length() - self.turn_start
         if last and self.budget + last + incoming > self.cap:
             last = 0  # the last turn alone leaves no room: compact it too
-        self._compact(last)
+        self._compact(last, incoming)
         if online:
             self.policy = self.method.online_policy(self._context())
             self.cache.policy = self.policy
 
-    def _compact(self, keep_last: int) -> None:
+    def _compact(self, keep_last: int, incoming: int = 0) -> None:
         if not self.tokens_known and self.method.selector.name.startswith(READS_TOKENS):
             raise ValueError(
                 f"{self.method.spec} re-reads the conversation's tokens to compact it, and this cache file has none: "
@@ -376,6 +391,7 @@ class ChatSession:
             keep_last=keep_last,
             window_queries=window,
             tokenizer=self.tokenizer,
+            head_limit=self.cap - incoming - keep_last,
         )
         if done:
             self.compactions += 1

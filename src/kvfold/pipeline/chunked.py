@@ -19,10 +19,16 @@ Methods opt in with ``supports_chunked_prefill = True``. Two ways to stay within
   the policy runs. At the end the policy writes its state into the cache's statistics
   (``export_state``), so decoding continues from it: with the same policy object
   (``CompressedContext.policy``) or a fresh one per answer.
+* **streaming** (a selector scored by the repeat pass: ``kvzip``, ``kvzip+am_fit``, the
+  query-agnostic pipeline): after every chunk's forward, the repeat pass replays that chunk
+  against the cache and the chunk's entries are compressed to its share of the budget (selected
+  and fitted alone), the entries kept from earlier chunks staying as they are
+  (:mod:`kvfold.pipeline.recompact`). A context of one chunk is compressed exactly as without chunks.
 
 Memory: a layer holds at most ``max(its budget, budget) + chunk`` entries (its own budget differs
 from the requested one with per-layer budgets such as ``h2o_cosine``'s; until the cache first
-passes the requested budget nothing is compressed).
+passes the requested budget nothing is compressed). Streaming: what earlier chunks kept (at most
+the budget) plus one chunk, and the repeat pass of one chunk.
 """
 
 from __future__ import annotations
@@ -36,13 +42,19 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, CompressedContext, PrefilledContext, check_length
+from kvfold.pipeline.recompact import recompacts_by_repeat_pass, streaming_step
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 
 
 def supports_chunked_prefill(method: ComposedMethod) -> bool:
-    """Whether every part of a method can compress between chunks."""
+    """Whether every part of a method can compress between chunks (one-shot or online)."""
     return all(getattr(part, "supports_chunked_prefill", False) for part in method.parts)
+
+
+def streams_chunks(method: ComposedMethod) -> bool:
+    """Whether a chunked prefill compresses with ``method`` by streaming (see the module docstring)."""
+    return not method.is_identity and not supports_chunked_prefill(method) and recompacts_by_repeat_pass(method)
 
 
 def runs_online_between_chunks(method: ComposedMethod) -> bool:
@@ -51,10 +63,15 @@ def runs_online_between_chunks(method: ComposedMethod) -> bool:
 
 
 def chunked_methods() -> list[str]:
-    """Names of the registered methods that support chunked prefill."""
+    """Names of the registered methods that support chunked prefill (streaming: the selectors
+    scored by the repeat pass)."""
     from kvfold.methods import available_methods
 
-    return [c.name for c in available_methods() if getattr(c, "supports_chunked_prefill", False)]
+    return [
+        c.name
+        for c in available_methods()
+        if getattr(c, "supports_chunked_prefill", False) or (c.role == "selector" and c.uses_repeat_pass is True)
+    ]
 
 
 @torch.inference_mode()
@@ -74,7 +91,7 @@ def prefill_chunked(
         model: an enabled model.
         tokenizer: its tokenizer (used by methods that build prompts; may be None).
         input_ids: the context tokens.
-        method: a method spec that supports chunked prefill.
+        method: a method spec that supports chunked prefill (streaming: ``kvzip``, ``kvzip+am_fit``).
         budget: fraction of the whole context or a token count; the cache holds at most this many
             entries per head plus one chunk (per-layer budgets: see the module docstring).
         chunk_size: tokens per forward pass.
@@ -112,10 +129,16 @@ def prefill_chunked(
         )
 
     final_ctx = context(length)
-    online = not composed.is_identity and runs_online_between_chunks(composed)
+    streaming = streams_chunks(composed)
+    online = not composed.is_identity and not streaming and runs_online_between_chunks(composed)
     policy = _policy_between_chunks(composed, final_ctx) if online else None
+    after_chunk = (
+        streaming_step(model, tokenizer, cache, composed, input_ids, keep, seed=seed, report=report)
+        if streaming
+        else None
+    )
     out, prefill_seconds, compress_seconds = _feed_chunks(
-        model, input_ids, cache, composed, keep, chunk_size, context, policy
+        model, input_ids, cache, composed, keep, chunk_size, context, policy, after_chunk
     )
     cache.capture_window = 0
     cache.policy = None
@@ -135,7 +158,7 @@ def _chunked_method(method: str | ComposedMethod, chunk_size: int) -> ComposedMe
     composed = build_method(method) if isinstance(method, str) else method
     if chunk_size < 1:
         raise ValueError(f"prefill chunk must be ≥ 1 token; got {chunk_size}")
-    if not composed.is_identity and not supports_chunked_prefill(composed):
+    if not composed.is_identity and not supports_chunked_prefill(composed) and not streams_chunks(composed):
         raise ValueError(
             f"{composed.spec} cannot compress during a chunked prefill; methods that can: "
             f"{', '.join(chunked_methods())}"
@@ -168,12 +191,14 @@ def _feed_chunks(
     chunk_size: int,
     context: Callable[[int], CompressionContext],
     policy: Any,
+    after_chunk: Callable[[int, int], None] | None = None,
 ) -> tuple[Any, float, float]:
     """Forward the chunks into ``cache``, keeping it at ``keep`` entries (module docstring).
 
     Without ``policy`` the method compresses one-shot after every forward that leaves a layer over
     ``keep``; with one, the first chunk is compressed (or adopted by the policy) and the policy
-    then runs inside every later forward.
+    then runs inside every later forward; with ``after_chunk`` (streaming), ``after_chunk(start,
+    end)`` compresses after every forward instead.
 
     Returns:
         The last forward's output, the seconds of the forwards, and the seconds of the one-shot
@@ -198,7 +223,9 @@ def _feed_chunks(
         if cache.policy is not None:
             continue  # the policy brought every layer back to its budget inside the forward
         t0 = time.perf_counter()
-        if policy is not None and hasattr(policy, "adopt"):
+        if after_chunk is not None:
+            after_chunk(start, end)
+        elif policy is not None and hasattr(policy, "adopt"):
             policy.adopt(cache)  # the policy brings the first chunk to its budget (ZSMerge)
         elif not composed.is_identity and any(layer.physical_length > keep for _, layer in cache.folded_layers):
             composed.compress(context(end))

@@ -147,6 +147,8 @@ def topk_keep(
     slot = torch.arange(width, device=device)
     in_row = slot[None, None, :] < lengths[..., None]
     keep = torch.where(in_row, order, torch.full_like(order, length)).sort(dim=-1).values
+    if width == 0:  # no row keeps anything (a streamed chunk whose share went to other layers)
+        return keep, lengths
     last = keep.gather(-1, (lengths - 1).clamp_min(0)[..., None])
     last = torch.where(lengths[..., None] > 0, last, torch.zeros_like(last))
     return torch.where(in_row, keep, last), lengths
