@@ -3,8 +3,6 @@ pipeline (its chat: tests/pipeline/test_chat.py)."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from kvfold.pipeline.context import prefill_ids
 from kvfold.pipeline.recompact import join_rows, without_sinks
 from kvfold.runtime.budget import Budget
 from tests.conftest import CharTokenizer, make_tiny_model
+from tests.live_bytes import peak_live_bytes
 
 STREAMED = ["kvzip", "kvzip+am_fit"]
 
@@ -124,55 +123,6 @@ def test_streaming_refuses_methods_whose_other_parts_need_a_fresh_prefill():
 # ---------------------------------------------------------------------------- memory
 
 
-class LiveBytes:
-    """Peak bytes of the tensors alive at any census beyond those alive at the start.
-
-    A census sums the storages (counted once) of every tensor the garbage collector tracks (torch
-    tensors are tracked, locals of running frames included). It runs after every forward of the
-    model and inside the repeat pass's first attention layer of every forward (its attention
-    probabilities are alive then, handed to its recorder): torch's allocator statistics are
-    CUDA-only, and tracemalloc does not see torch's CPU buffers.
-    """
-
-    def __init__(self) -> None:
-        self.baseline = self._storages()
-        self.peak = 0
-
-    @staticmethod
-    def _storages() -> dict[int, int]:
-        found = {}
-        for obj in gc.get_objects():
-            if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
-                storage = obj.untyped_storage()
-                found[storage.data_ptr()] = storage.nbytes()
-        return found
-
-    def census(self, *args, **kwargs) -> None:
-        live = sum(n for ptr, n in self._storages().items() if ptr not in self.baseline)
-        self.peak = max(self.peak, live)
-
-
-def _peak(model, run, monkeypatch) -> int:
-    counter = LiveBytes()
-    real_after = repeat.RepeatRecorder.after_forward
-
-    def after_forward(self, layer_idx, *args, **kwargs):
-        real_after(self, layer_idx, *args, **kwargs)
-        if layer_idx == 0:
-            counter.census()
-
-    monkeypatch.setattr(repeat.RepeatRecorder, "after_forward", after_forward)
-    hook = model.register_forward_hook(counter.census)
-    try:
-        result = run()
-        counter.census()
-        del result
-    finally:
-        hook.remove()
-        monkeypatch.setattr(repeat.RepeatRecorder, "after_forward", real_after)
-    return counter.peak
-
-
 def test_the_peak_bytes_of_streaming_follow_the_chunk_not_the_length(monkeypatch):
     """Token budget 32, chunks of 64 tokens: every tensor streaming allocates (the cache included)
     peaks at 1,024 tokens within 10% of its peak at 256 (the kept entries grow from 3/4 of the
@@ -181,9 +131,9 @@ def test_the_peak_bytes_of_streaming_follow_the_chunk_not_the_length(monkeypatch
     streaming = {}
     for length in (256, 1024):
         ids = _ids(length)
-        streaming[length] = _peak(
+        streaming[length] = peak_live_bytes(
             model, lambda ids=ids: prefill_chunked(model, tokenizer, ids, "kvzip+am_fit", 32, 64), monkeypatch
         )
-    whole = _peak(model, lambda: prefill_ids(model, tokenizer, ids).compress("kvzip+am_fit", 32), monkeypatch)
+    whole = peak_live_bytes(model, lambda: prefill_ids(model, tokenizer, ids).compress("kvzip+am_fit", 32), monkeypatch)
     assert streaming[256] > 0 and streaming[1024] <= 1.1 * streaming[256]
     assert whole > 2 * streaming[1024]

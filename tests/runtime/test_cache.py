@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -183,3 +184,39 @@ def test_folded_layer_dense_growth_is_amortised():
         layer.update(torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D))
         capacities.add(layer._keys.shape[2])
     assert len(capacities) <= 5  # a handful of reallocations for 50 steps, not one per step
+
+
+def test_a_scratch_gives_back_what_its_forwards_append():
+    """:meth:`FoldedCache.scratch`: forwards inside append after the entries; on exit (also after an
+    error) the layers hold exactly what they held, with their logical length, capacity, captured
+    queries, policy and capture window; paged layers are refused."""
+    import kvfold
+    from tests.conftest import make_tiny_model
+
+    model = kvfold.enable(make_tiny_model("llama"))
+    ids = torch.randint(3, 90, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = FoldedCache(model.config)
+    cache.capture_window = 4
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    layer = cache.folded_layers[0][1]
+    before = (layer.keys.clone(), layer.values.clone(), layer.logical_length, layer.nbytes(), layer.captured_queries)
+    sentinel = object()
+    cache.policy = sentinel
+    for fail in (False, True):
+        expected = pytest.raises(RuntimeError) if fail else contextlib.nullcontext()
+        with expected, cache.scratch(reserve=12) as work:
+            assert work is cache and cache.policy is None and cache.capture_window == 0
+            with torch.no_grad():
+                model(input_ids=ids[:, :12], past_key_values=cache, use_cache=True)
+            assert layer.physical_length == 52 and layer.logical_length == 52
+            if fail:
+                raise RuntimeError("a forward failed")
+        assert torch.equal(layer.keys, before[0]) and torch.equal(layer.values, before[1])
+        assert (layer.logical_length, layer.nbytes()) == before[2:4] and layer.captured_queries is before[4]
+        assert cache.policy is sentinel and cache.capture_window == 4
+    keys, values, log_mass, _ = layer.padded()
+    layer.replace(keys, values, log_mass, torch.tensor([[40] + [1] * (layer.num_heads - 1)]))
+    assert layer.paged is not None and not cache.supports_scratch()
+    with pytest.raises(ValueError, match="use copy"), cache.scratch():
+        pass

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -174,9 +175,7 @@ class FoldedLayer(CacheLayerMixin):
         if self.paged is not None:
             return self.paged.row_lengths.view(self.batch_size, self.num_heads).clone()
         if self._log_mass is None:
-            return torch.full(
-                (self.batch_size, self.num_heads), self._length, dtype=torch.long, device=self.device
-            )
+            return torch.full((self.batch_size, self.num_heads), self._length, dtype=torch.long, device=self.device)
         return torch.isfinite(self._log_mass[:, :, : self._length]).sum(-1)
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,9 +244,7 @@ class FoldedLayer(CacheLayerMixin):
         slot_valid = torch.arange(n, device=keys.device)[None, None, :] < lengths[..., None]
         if log_mass is None:
             log_mass = torch.zeros(b, h, n, dtype=torch.float32, device=keys.device)
-        log_mass = torch.where(
-            slot_valid, log_mass.float(), torch.full_like(log_mass, NEG_INF, dtype=torch.float32)
-        )
+        log_mass = torch.where(slot_valid, log_mass.float(), torch.full_like(log_mass, NEG_INF, dtype=torch.float32))
         self._check_finite(keys, values, log_mass, slot_valid)
         self.entry_stats = {}  # slots changed: the caller re-aligns the statistics it keeps
         rows_equal = bool((lengths == lengths.flatten()[0]).all())
@@ -292,6 +289,22 @@ class FoldedLayer(CacheLayerMixin):
         if self.paged is None and self._keys is not None and self._keys.shape[2] > self._length + headroom:
             self._resize(self._length + headroom)
 
+    def reserve(self, capacity: int) -> int:
+        """Grow the dense buffers to hold at least ``capacity`` slots without another copy (one copy
+        of this layer now); returns the capacity before. Content and length are unchanged."""
+        if self.paged is not None or self._keys is None:
+            raise ValueError("reserve() applies to the filled dense layout")
+        before = self._keys.shape[2]
+        if capacity > before:
+            self._resize(capacity)
+        return before
+
+    def release_to(self, capacity: int) -> None:
+        """Give back dense capacity beyond ``capacity`` slots (never below the length): undoes
+        :meth:`reserve`."""
+        if self.paged is None and self._keys is not None and self._keys.shape[2] > max(capacity, self._length):
+            self._resize(max(capacity, self._length))
+
     def set_log_mass(self, log_mass: torch.Tensor) -> None:
         """Overwrite β of the dense layout, ``(B, H, N)`` (−inf marks empty slots)."""
         self._ensure_log_mass()
@@ -309,10 +322,7 @@ class FoldedLayer(CacheLayerMixin):
         new = copy.copy(self)
         if self.paged is not None:
             new.paged = PagedRows(
-                *(
-                    t.clone()
-                    for t in (self.paged.keys, self.paged.values, self.paged.log_mass, self.paged.block_row)
-                ),
+                *(t.clone() for t in (self.paged.keys, self.paged.values, self.paged.log_mass, self.paged.block_row)),
                 num_blocks=self.paged.num_blocks,
                 row_lengths=self.paged.row_lengths.clone(),
                 row_last_block=self.paged.row_last_block.clone(),
@@ -577,12 +587,50 @@ class FoldedCache(Cache):
                 total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
         return total
 
+    def supports_scratch(self) -> bool:
+        """Whether :meth:`scratch` applies: every layer a filled dense :class:`FoldedLayer` of one row."""
+        return all(
+            isinstance(layer, FoldedLayer) and layer.is_initialized and layer.paged is None and layer.batch_size == 1
+            for layer in self.layers
+        )
+
+    @contextmanager
+    def scratch(self, reserve: int = 0) -> Iterator[FoldedCache]:
+        """Run forwards over this cache and undo what they append, without copying it.
+
+        Inside, the cache holds ``reserve`` more slots of capacity a layer (allocated once), no
+        policy and no query capture; on exit every layer is truncated back to its entries, its
+        logical length, captured queries and capacity, and the cache's policy and capture window
+        are restored. The entries present before are never written: appends go after them, so the
+        cache after is the cache before. This is what a pass that reads the context again needs
+        (KVzip's repeat pass, Kim et al. 2025 §3) at the memory of the appended tokens only, where
+        a copy would hold the whole cache twice.
+
+        Raises:
+            ValueError: when :meth:`supports_scratch` is False (use :meth:`copy`).
+        """
+        if not self.supports_scratch():
+            raise ValueError("scratch() needs filled dense layers of one batch row; use copy()")
+        layers = [layer for _, layer in self.folded_layers]
+        saved = [
+            (layer._length, layer.logical_length, layer.captured_queries, dict(layer.entry_stats)) for layer in layers
+        ]
+        policy, window = self.policy, self.capture_window
+        capacities = [layer.reserve(layer._length + reserve) for layer in layers]
+        self.policy, self.capture_window = None, 0
+        try:
+            yield self
+        finally:
+            for layer, (length, logical, queries, stats), capacity in zip(layers, saved, capacities, strict=True):
+                layer.truncate(length)
+                layer.logical_length, layer.captured_queries, layer.entry_stats = logical, queries, stats
+                layer.release_to(capacity)
+            self.policy, self.capture_window = policy, window
+
     def copy(self) -> FoldedCache:
         """A deep copy (policy not copied): prefill once, then compress copies with many methods."""
         new = copy.copy(self)
-        new.layers = [
-            layer.copy() if isinstance(layer, FoldedLayer) else copy.deepcopy(layer) for layer in self.layers
-        ]
+        new.layers = [layer.copy() if isinstance(layer, FoldedLayer) else copy.deepcopy(layer) for layer in self.layers]
         new.policy = None
         new.prefill_observers = []
         return new

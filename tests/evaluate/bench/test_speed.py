@@ -106,6 +106,8 @@ TIMED = {
     "repeat_s",
     "compress_over_prefill",
     "compress_over_repeat",
+    "compress_peak_mb",
+    "compress_peak_over_cache",
 }
 """Record fields that are measured (time or memory): they differ between any two runs."""
 
@@ -158,6 +160,13 @@ def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path)
     row = next(line for line in table.splitlines() if line.startswith("| kvzip |"))
     ratios = f"{kvzip['compress_over_prefill']:.2f} | {kvzip['compress_over_repeat']:.2f}"
     assert f"| {kvzip['repeat_s']:.2f} | {ratios} |" in row
+    for record in (kvzip, streaming):  # the compression's own peak over the prefilled process
+        assert record["compress_peak_mb"] >= 0
+        assert record["compress_peak_over_cache"] == pytest.approx(
+            record["compress_peak_mb"] * 2**20 / record["kv_bytes_full"]
+        )
+        assert row.endswith(f"| {kvzip['compress_peak_over_cache']:.2f} |")
+    assert "| c peak/cache |" in table and (tmp_path / "scaling.png").stat().st_size > 0
 
 
 def test_compression_ratios_of_an_older_record_without_repeat_time():

@@ -151,3 +151,65 @@ def test_each_repeat_query_knows_its_chunk_and_each_token_the_chunk_that_repeats
         for c, ids in enumerate(inputs):
             repeated = [t for t, o in zip(row[start:], mine[start:].tolist(), strict=True) if o == c]
             assert ids[-len(repeated) :] == repeated and len(repeated) <= 24
+
+
+# ---------------------------------------------------------------------------- memory: no copy
+
+
+def _layer_state(cache) -> list[tuple]:
+    return [
+        (layer.keys.clone(), layer.values.clone(), layer.logical_length, layer.physical_length, layer.nbytes())
+        for _, layer in cache.folded_layers
+    ]
+
+
+def test_the_repeat_pass_over_a_prefilled_row_equals_the_pass_over_copies(monkeypatch):
+    """A prefilled row is repeated over its own cache, each chunk's entries given back afterwards
+    (:meth:`FoldedCache.scratch`): the same scores and queries as over a fresh copy per chunk (KVzip's
+    way), bit for bit, and the cache after is the cache before (entries, lengths, bytes, policy)."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    before, window = _layer_state(pre.cache), pre.cache.capture_window
+    scratched = []
+    real = repeat.scratch_cache
+
+    def spy(cache, tokens):
+        scratched.append(cache.supports_scratch())
+        return real(cache, tokens)
+
+    monkeypatch.setattr(repeat, "scratch_cache", spy)
+    own = repeat.repeat_pass(ctx, chunk=64, forward_chunk=32)
+    assert scratched and all(scratched)  # every chunk ran over the cache itself
+    after = _layer_state(pre.cache)
+    for (k0, v0, *rest0), (k1, v1, *rest1) in zip(before, after, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1) and rest0 == rest1
+    assert pre.cache.capture_window == window and pre.cache.policy is None
+    monkeypatch.setattr(type(pre.cache), "supports_scratch", lambda self: False)
+    copied = repeat.repeat_pass(ctx, chunk=64, forward_chunk=32)
+    for i in own.scores:
+        assert torch.equal(own.scores[i], copied.scores[i]) and torch.equal(own.queries[i], copied.queries[i])
+
+
+def test_the_repeat_pass_holds_the_cache_once(monkeypatch):
+    """The pass over a prefilled row allocates the chunk's entries, not a second cache: its peak
+    bytes beyond the prefilled process stay below the cache's bytes (the chunk's entries and the
+    tiny model's activations), and a copy per chunk holds about one cache more (scores and queries
+    not recorded, so only the pass's own memory counts)."""
+    from tests.live_bytes import peak_live_bytes
+
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama", max_position_embeddings=4096))
+    text = (TEXT * 40)[:1500]
+    pre = kvfold.prefill(model, tok, text, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    cache_bytes = pre.cache.nbytes()
+
+    def run():
+        return repeat.repeat_pass(ctx, chunk=256, scores=False, queries=False, forward_chunk=64)
+
+    own = peak_live_bytes(model, run, monkeypatch)
+    monkeypatch.setattr(type(pre.cache), "supports_scratch", lambda self: False)
+    copied = peak_live_bytes(model, run, monkeypatch)
+    assert own < cache_bytes and own + 0.9 * cache_bytes < copied  # measured: 0.53× and 1.64× the cache

@@ -166,10 +166,70 @@ def peak_rss_mb() -> float:
 
 def current_rss_mb() -> float:
     """Resident memory of this process now (Linux ``/proc/self/status``), in MB; 0 elsewhere."""
+    return _status_mb("VmRSS:")
+
+
+class PeakOver:
+    """The peak memory of a stretch of work over what the process held when it began, in MB.
+
+    On CUDA: torch's allocator statistics (``max_memory_allocated`` after
+    ``reset_peak_memory_stats``). On Linux CPUs: the resident set's high-water mark (``VmHWM``),
+    reset when the stretch begins by writing ``5`` to ``/proc/self/clear_refs``, less the resident
+    memory then (freed memory given back first, :func:`release_freed_memory`). Elsewhere: None.
+
+    Example::
+
+        peak = PeakOver(device).start()
+        compress(...)
+        extra_mb = peak.stop()
+    """
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        self.base: float | None = None
+
+    def start(self) -> PeakOver:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated() / 2**20
+            return self
+        release_freed_memory()
+        self.base = current_rss_mb() if _reset_high_water_mark() else None
+        return self
+
+    def stop(self) -> float | None:
+        """MB above the start at the stretch's peak (None where it cannot be measured)."""
+        import torch
+
+        if self.base is None:
+            return None
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / 2**20 - self.base
+        return max(0.0, _status_mb("VmHWM:") - self.base)
+
+
+def _reset_high_water_mark() -> bool:
+    """Reset this process's peak resident memory (Linux ≥ 4.0); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return _status_mb("VmHWM:") > 0
+
+
+def _status_mb(field: str) -> float:
+    """A memory line of ``/proc/self/status`` in MB; 0 where there is none."""
     try:
         with open("/proc/self/status", encoding="ascii") as handle:
             for line in handle:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass

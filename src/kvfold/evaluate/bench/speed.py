@@ -31,6 +31,13 @@ Compression time is reported against two references measured in the method's own
   is timed once per configuration, before compression, only for a method that runs it
   (``method.uses_repeat_pass``) and without ``--prefill-chunk``; otherwise ``repeat_s`` and the
   ratio are None.
+
+Memory of the compression (without ``--prefill-chunk``): ``compress_peak_mb`` is its peak over what
+the prefilled process held when it began (:class:`~kvfold.evaluate.bench.process.PeakOver`: the
+resident set's high-water mark reset after the prefill on Linux, torch's allocator peak on CUDA),
+and ``compress_peak_over_cache`` that peak over the full cache's bytes: the working memory a
+method needs beyond the cache it compresses. ``scaling.png`` plots it and ``compress_over_prefill``
+against the length.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from typing import Any
 from kvfold.evaluate.bench.process import (
     DECODE_MMAP_THRESHOLD,
     MEASURED_MMAP_THRESHOLD,
+    PeakOver,
     context_ids,
     peak_rss_mb,
     release_freed_memory,
@@ -100,7 +108,7 @@ def run_config(config: BenchConfig) -> dict:
     ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
     method = build_method(config.method)
     budget = 1.0 if method.is_identity else config.budget
-    repeat_s = None
+    repeat_s = compress_peak_mb = None
     with torch.inference_mode():
         if config.prefill_chunk:
             compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
@@ -110,7 +118,9 @@ def run_config(config: BenchConfig) -> dict:
             prefill_s = source.prefill_seconds
             if method.uses_repeat_pass and not method.is_identity:
                 repeat_s = time_repeat_pass(source)
+            peak = PeakOver(model.device).start()
             compressed = _compress_in_place(source, method, budget)
+            compress_peak_mb = peak.stop()
         kv_bytes = compressed.cache.nbytes()
         kv_bytes_full = compressed.cache.full_nbytes()
         peak_rss = peak_rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
@@ -135,6 +145,8 @@ def run_config(config: BenchConfig) -> dict:
         "reference_tokens_per_s": speeds[1] if reference_length else speeds[0],
         "peak_rss_mb": peak_rss,
         "base_rss_mb": base_rss,
+        "compress_peak_mb": compress_peak_mb,
+        "compress_peak_over_cache": None if compress_peak_mb is None else compress_peak_mb * 2**20 / kv_bytes_full,
         "kv_bytes": kv_bytes,
         "kv_bytes_full": kv_bytes_full,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
@@ -467,7 +479,8 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         "`full` at the length (the ceiling); `full` at the compressed size decodes in the method's own process, "
         "step for step with it, so `speedup/limit` is a paired ratio. Peak RSS is each configuration's own "
         "process (prefill and compression). `repeat s` is the repeat pass alone (methods that run it); "
-        "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass.",
+        "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass; "
+        "`c peak/cache` is the compression's peak memory over the prefilled process, over the full cache's bytes.",
         "",
         markdown_table(BENCH_COLUMNS, map(_bench_row, rows)),
     ]
@@ -481,11 +494,13 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         ]
     atomic_write_text(out_dir / "bench.md", "\n".join(lines) + "\n")
     _plot(rows, out_dir / "bench.png")
+    if any(r.get("compress_peak_over_cache") is not None for r in rows):
+        _plot_scaling(rows, out_dir / "scaling.png")
 
 
 BENCH_COLUMNS = (
     "method", "budget", "length", "batch", "prefill s", "compress s", "repeat s", "c/prefill", "c/repeat",
-    "decode tok/s", "speedup", "limit", "speedup/limit", "KV MB", "full KV MB", "peak RSS MB",
+    "decode tok/s", "speedup", "limit", "speedup/limit", "KV MB", "full KV MB", "peak RSS MB", "c peak/cache",
 )  # fmt: skip
 
 
@@ -496,7 +511,7 @@ def _bench_row(r: dict) -> list[str]:
         f"{r['compress_s']:.2f}", _cell(r.get("repeat_s")), _cell(ratios["compress_over_prefill"]),
         _cell(ratios["compress_over_repeat"]), f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
         f"{r['limit_speedup']:.2f}", f"{r['speedup_over_limit']:.2f}", f"{r['kv_bytes'] / 2**20:.1f}",
-        f"{r['kv_bytes_full'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}",
+        f"{r['kv_bytes_full'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}", _cell(r.get("compress_peak_over_cache")),
     ]  # fmt: skip
 
 
@@ -533,6 +548,41 @@ def _plot(rows: list[dict], path: Path) -> None:
             axes[row][col].set_xscale("log", base=2)
             axes[row][col].grid(True, alpha=0.3)
             axes[row][col].legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def _plot_scaling(rows: list[dict], path: Path) -> None:
+    """Compression ÷ prefill and the compression's peak memory ÷ the full cache against the length,
+    one line per method @ budget and batch (records without the measures are left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measures = (
+        ("compress_over_prefill", "compression ÷ prefill (time)"),
+        ("compress_peak_over_cache", "compression peak memory ÷ full cache"),
+    )
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axis, (name, title) in zip(axes, measures, strict=True):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            value = compression_ratios(r).get(name) if name == "compress_over_prefill" else r.get(name)
+            if r["method"] != "full" and value is not None:
+                series.setdefault(f"{r['method']} @ {r['budget']} ×{r['batch']}", []).append((r["length"], value))
+        for label, points in sorted(series.items()):
+            points.sort()
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        axis.set_title(title)
+        axis.set_xlabel("context length (tokens)")
+        axis.set_xscale("log", base=2)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
     fig.tight_layout()
     try:
         with atomic_path(path) as tmp:

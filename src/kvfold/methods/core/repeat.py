@@ -9,12 +9,15 @@ the prefilled context (:meth:`CompressionContext.shared_result`), so ``kvzip``, 
 ``kvzip+am_fit`` at any number of budgets pay for one pass per context.
 
 Memory: the repeat input runs ``forward_chunk`` tokens per forward, so the attention
-probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever the context length.
+probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever the context length;
+a prefilled row runs over its own cache and gives the chunk's entries back afterwards
+(:func:`scratch_cache`), so the cache is held once, plus one chunk.
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,8 +282,9 @@ def repeat_pass(
     forward_chunk: int = FORWARD_CHUNK,
     plus: bool = False,
 ) -> RepeatPass:
-    """Run the repeat pass over copies of ``cache`` (default ``ctx.cache``, never modified), one
-    batch row and one context chunk at a time (each chunk on a fresh copy, as KVzip does).
+    """Run the repeat pass over ``cache`` (default ``ctx.cache``; unchanged afterwards), one batch
+    row and one context chunk at a time, each chunk's entries given back before the next (KVzip
+    repeats each chunk over a fresh copy; :func:`scratch_cache` undoes the appends instead).
 
     Args:
         ctx: the compression context (model, tokenizer, context tokens).
@@ -314,12 +318,26 @@ def repeat_pass(
             inputs = prompt.chunk_inputs(row_ids, chunk)
             chunk_of_token.append(torch.tensor([c for c, ids in enumerate(inputs) for _ in ids], dtype=torch.long))
             for ids in inputs:
-                work = row_cache.copy()
-                work.capture_window = 0
-                work.policy = recorder
-                _repeat_forwards(ctx, work, ids, start, forward_chunk)
+                with scratch_cache(row_cache, len(ids)) as work:
+                    work.policy = recorder
+                    _repeat_forwards(ctx, work, ids, start, forward_chunk)
             recorders.append(recorder)
     return _collect(cache, recorders, chunk_of_token, scores, queries)
+
+
+@contextmanager
+def scratch_cache(cache: FoldedCache, tokens: int) -> Iterator[FoldedCache]:
+    """The cache one repeat chunk's ``tokens`` run over, their entries gone afterwards: ``cache``
+    itself where its appends can be undone (:meth:`FoldedCache.scratch`: a prefilled row holds its
+    entries once, plus the chunk's), else a fresh copy (KVzip's per-chunk copy; paged or batched
+    layouts, sliding-window layers). Both give the same attention, hence the same recordings."""
+    if cache.supports_scratch():
+        with cache.scratch(reserve=tokens) as work:
+            yield work
+        return
+    work = cache.copy()
+    work.capture_window = 0
+    yield work
 
 
 def _repeat_forwards(
