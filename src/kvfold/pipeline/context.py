@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods.core.repeat import PLANNED_RECORDS
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
@@ -348,8 +349,10 @@ def prefill(
         methods: the method specs this context will be compressed with (a spec, a list of
             specs, or a comma-separated list). The prefill then captures what they need: a
             longer query window if one asks for more than ``capture_window``, and statistics
-            computed during the prefill itself (H2O's accumulated attention). Methods not
-            listed still work; H2O then recomputes its statistics with an extra forward pass.
+            computed during the prefill itself (H2O's accumulated attention), and the repeat
+            pass records what they all read (KVzip's scores, Attention Matching's queries) in
+            one pass, and nothing more. Methods not listed still work; H2O then recomputes its
+            statistics with an extra forward pass, and a repeat-pass method may run a pass of its own.
 
     Raises:
         ValueError: empty context, or a context beyond the model's positions.
@@ -427,4 +430,7 @@ def prefill_ids(
     cache.capture_window = 0
     cache.prefill_observers = []
     last_logits = out.logits[:, -1]
-    return PrefilledContext(model, tokenizer, cache, input_ids, mask, elapsed, suffixes, last_logits)
+    prefilled = PrefilledContext(model, tokenizer, cache, input_ids, mask, elapsed, suffixes, last_logits)
+    if planned:  # what the announced methods read from the repeat pass: its first run records all of it
+        prefilled.shared[PLANNED_RECORDS] = (frozenset().union(*(m.repeat_records() for m in planned)), 0.0)
+    return prefilled

@@ -57,6 +57,8 @@ def recompacts_by_repeat_pass(method: ComposedMethod) -> bool:
     selector = method.selector
     if not isinstance(selector, Selector) or selector.uses_repeat_pass is not True:
         return False
+    if getattr(selector, "scope", None) == "chunk":
+        return False  # kvzip[scope=chunk] maps entries to the tokens of a fresh prefill
     return all(part.uses_repeat_pass or getattr(part, "supports_chunked_prefill", False) for part in method.parts)
 
 
@@ -72,14 +74,11 @@ def repeat_chunks(method: ComposedMethod) -> list[int]:
 
 
 def run_repeat_passes(ctx: CompressionContext, method: ComposedMethod) -> None:
-    """Run the repeat pass(es) the method reads, over ``ctx.cache``, into ``ctx.shared`` (with
-    KVzip+'s scores too for ``kvzip[plus=true]``)."""
-    plus = any(getattr(part, "plus", False) is True for part in method.parts)
+    """Run the repeat pass(es) the method reads, over ``ctx.cache``, into ``ctx.shared``, recording
+    what its parts read (:meth:`ComposedMethod.repeat_records`: KVzip's or KVzip+'s scores, the queries)."""
+    ctx.memo["repeat_records"] = method.repeat_records()
     for size in repeat_chunks(method):
-        if plus:
-            shared_repeat_pass(ctx, size, plus=True)
-        else:
-            shared_repeat_pass(ctx, size)
+        shared_repeat_pass(ctx, size, method.repeat_records())
 
 
 def map_repeat_scores(shared: dict[Any, tuple[Any, float]], fn: Callable[[int, Tensor], Tensor]) -> dict:

@@ -213,3 +213,90 @@ def test_the_repeat_pass_holds_the_cache_once(monkeypatch):
     monkeypatch.setattr(type(pre.cache), "supports_scratch", lambda self: False)
     copied = peak_live_bytes(model, run, monkeypatch)
     assert own < cache_bytes and own + 0.9 * cache_bytes < copied  # measured: 0.53× and 1.64× the cache
+
+
+# ---------------------------------------------------------------------------- what a pass records
+
+
+def test_a_pass_records_what_the_announced_methods_read_and_nothing_more(monkeypatch):
+    """Methods announced at the prefill decide the first pass's records: ``kvzip`` alone keeps no
+    queries, ``am_highest_fast`` alone scores nothing; a sweep of both (and of KVzip's chunk scope
+    and ``am_fit``) runs one pass that records all of it. Unannounced, the first pass records
+    KVzip's scores and the queries, and a method needing more runs a pass for the rest only."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    scored = []
+    real = repeat.max_received
+    monkeypatch.setattr(repeat, "max_received", lambda *args: scored.append(1) or real(*args))
+    calls = count_forwards(model)
+
+    def passes(methods, compressions):
+        pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False, methods=methods)
+        calls.clear()
+        for spec in compressions:
+            pre.compress(spec, 0.3)
+        return pre.shared[("repeat_pass", repeat.REPEAT_CHUNK)][0], len(calls)
+
+    alone, one_pass = passes(["kvzip"], ["kvzip"])
+    assert alone.recorded == {"scores"} and not alone.queries
+    scored.clear()
+    fast, forwards = passes(["am_highest_fast"], ["am_highest_fast"])
+    assert fast.recorded == {"queries"} and not fast.scores and not scored and forwards == one_pass
+    sweep = ["kvzip", "am_highest_fast", "kvzip[scope=chunk]+am_fit", "kvzip[plus=true]"]
+    both, forwards = passes(sweep, sweep)
+    assert both.recorded == {"scores", "queries", "span_scores", "plus_scores"} and forwards == one_pass
+    unplanned, forwards = passes(None, ["kvzip", "am_highest_fast", "kvzip[scope=chunk]"])
+    assert unplanned.recorded == {"scores", "queries", "span_scores"} and forwards == 2 * one_pass
+
+
+def _chunk_reference(ctx, chunk: int) -> dict[int, torch.Tensor]:
+    """Per layer, each entry's max attention from the queries of the one chunk that repeats it:
+    every chunk's pass alone (all entries scored), its own span read off."""
+    prompt = repeat.RepeatPrompt.build(ctx.tokenizer)
+    row = ctx.input_ids[0].tolist()
+    owners = repeat.token_chunks(ctx, chunk)[0]
+    out: dict[int, torch.Tensor] = {}
+    slots = {i: layer.physical_length for i, layer in ctx.cache.folded_layers}
+    logical = ctx.cache.get_seq_length()
+    for c, ids in enumerate(prompt.chunk_inputs(row, chunk)):
+        recorder = repeat.RepeatRecorder(slots, frozenset({"scores"}))
+        work = ctx.cache.copy()
+        work.policy = recorder
+        repeat._repeat_forwards(ctx, work, ids, logical, 4096)
+        for i, scores in recorder.scores.items():
+            held = out.setdefault(i, torch.full_like(scores, float("-inf")))
+            held[..., owners == c] = scores[..., owners == c]
+    return out
+
+
+def test_chunk_scope_scores_each_entry_by_its_own_chunk_only(monkeypatch):
+    """``span_scores`` (``kvzip[scope=chunk]``): each entry's max attention over the queries of the
+    chunk that repeats it (a per-chunk reference), read against that span's keys only (the scoring
+    cost follows the chunk); never above the whole-context scores, and equal to them on a context
+    of one chunk."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    widths = []
+    real = repeat.max_received
+    monkeypatch.setattr(repeat, "max_received", lambda q, keys, *a: widths.append(keys.shape[2]) or real(q, keys, *a))
+    found = repeat.repeat_pass(ctx, chunk=60, records=frozenset({"scores", "span_scores"}), forward_chunk=4096)
+    widths.clear()
+    alone = repeat.repeat_pass(ctx, chunk=60, records=frozenset({"span_scores"}), forward_chunk=4096)
+    spans = torch.bincount(repeat.token_chunks(ctx, 60)[0]).tolist()
+    assert len(spans) > 2 and sorted(set(widths)) == sorted(set(spans))  # each chunk's own keys
+    reference = _chunk_reference(ctx, 60)
+    for i in found.scores:
+        assert torch.equal(found.span_scores[i], alone.span_scores[i])
+        torch.testing.assert_close(found.span_scores[i], reference[i], rtol=1e-5, atol=1e-7)
+        assert bool((found.span_scores[i] <= found.scores[i]).all())
+        assert not torch.equal(found.span_scores[i], found.scores[i])
+    one = repeat.repeat_pass(ctx, chunk=4096, records=frozenset({"scores", "span_scores"}))
+    assert all(torch.equal(one.span_scores[i], one.scores[i]) for i in one.scores)
+    compacted = pre.compress("kvzip", 0.5)
+    ctx2 = CompressionContext(
+        model, compacted.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok
+    )
+    with pytest.raises(ValueError, match="fresh prefill"):
+        repeat.repeat_pass(ctx2, chunk=60, records=frozenset({"span_scores"}))

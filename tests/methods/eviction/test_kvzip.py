@@ -17,6 +17,7 @@ import kvfold
 from kvfold.methods import CompressionContext, SpecError, build_method
 from kvfold.methods.core import repeat
 from kvfold.methods.eviction.kvzip import RepeatPrompt, is_structure_text, structure_tokens
+from kvfold.pipeline.chat import ChatSession
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from tests.conftest import TINY, CharTokenizer, make_tiny_model
@@ -240,3 +241,27 @@ def test_the_options_are_checked():
     ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.3))
     with pytest.raises(ValueError, match="needs the tokenizer"):
         build_method("kvzip[demote=0.25]").compress(ctx)
+
+
+# ---------------------------------------------------------------------------- chunk scope
+
+
+def test_chunk_scope_keeps_other_entries_on_a_context_of_several_chunks_and_the_same_on_one():
+    """``kvzip[scope=chunk]`` ranks by the span scores (each entry by its own repeat chunk): other
+    entries than ``kvzip`` on a context of several chunks, the same on one chunk; its mutation
+    (ranking by the whole-context scores) makes the first assertion fail. A chat refuses it (a
+    compacted cache has no chunk of tokens per entry), and an unknown scope is a spec error."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))  # unit layernorms: sharper attention than tiny()'s
+    text = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 3
+    specs = ("kvzip[chunk=24]", "kvzip[chunk=24,scope=chunk]")
+    several = [compress(model, tok, spec, 0.3, text)[0] for spec in specs]
+    kept = [held_keys(ctx.cache) for ctx in several]
+    assert any(not torch.equal(a, b) for a, b in zip(*kept, strict=True))
+    one = [compress(model, tok, spec, 0.3, text)[0] for spec in ("kvzip", "kvzip[scope=chunk]")]
+    kept = [held_keys(ctx.cache) for ctx in one]
+    assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
+    with pytest.raises(ValueError, match="cannot compact a conversation again"):
+        ChatSession(model, tok, "kvzip[scope=chunk]+am_fit", budget=32)
+    with pytest.raises(SpecError, match="scope must be one of all, chunk"):
+        build_method("kvzip[scope=span]")

@@ -89,6 +89,16 @@ class CompressionContext:
         self._charged.add(key)
         return hit[0]
 
+    def extend_shared(self, key: Any, value: Any, seconds: float) -> None:
+        """Store ``value`` under ``key`` as a shared result that extends the one there (if any),
+        computed in ``seconds`` more: its cost is the sum, and the part computed before counts in
+        this compression's ``reused_seconds`` once (as :meth:`shared_result` counts a reuse)."""
+        hit = self.shared.get(key)
+        if hit is not None and key not in self._charged:
+            self.report["reused_seconds"] = self.report.get("reused_seconds", 0.0) + hit[1]
+        self.shared[key] = (value, (0.0 if hit is None else hit[1]) + seconds)
+        self._charged.add(key)
+
     def record_kept(self, layer_idx: int, keep: torch.Tensor, lengths: torch.Tensor) -> None:
         """Diagnostics: the slots ``(B, H, K)`` held by a layer after compression, in entry order."""
         if self.merge_recorder is not None:
@@ -192,6 +202,12 @@ class Method:
 
     def prepare(self, ctx: CompressionContext) -> None:
         """Called once per compression before any layer is edited (e.g. an extra scoring pass)."""
+
+    def repeat_records(self) -> frozenset[str]:
+        """What this method reads from the repeat pass (:data:`kvfold.methods.core.repeat.RECORDS`:
+        KVzip's scores, the queries of Attention Matching); empty for methods that do not run it.
+        The first pass over a context records what every part of the method reads."""
+        return frozenset()
 
     def prefill_observers(self) -> list:
         """Observers the prefill should run for this method (see ``FoldedCache.prefill_observers``).
@@ -434,6 +450,10 @@ class ComposedMethod:
         """True when a part runs the repeat pass (KVzip's scores, AM's repeat-prefill queries)."""
         return any(part.uses_repeat_pass for part in self.parts)
 
+    def repeat_records(self) -> frozenset[str]:
+        """What the parts read from the repeat pass (:meth:`Method.repeat_records`), together."""
+        return frozenset().union(*(part.repeat_records() for part in self.parts))
+
     @property
     def parts(self) -> list[Method]:
         """Wrappers (outermost first), the selector, and the folder if any."""
@@ -449,6 +469,7 @@ class ComposedMethod:
 
     def compress(self, ctx: CompressionContext) -> None:
         """Compress ``ctx.cache`` in place to ``ctx.budget``."""
+        ctx.memo["repeat_records"] = self.repeat_records()
         if isinstance(self.selector, Standalone):
             self.selector.compress(ctx)
             return

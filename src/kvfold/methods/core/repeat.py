@@ -16,6 +16,8 @@ a prefilled row runs over its own cache and gives the chunk's entries back after
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -84,6 +86,15 @@ class RepeatPrompt:
         return inputs
 
 
+SCORE_FIELDS = ("scores", "plus_scores", "span_scores", "span_plus_scores")
+"""The scores a repeat pass can record (:class:`RepeatPass`)."""
+RECORDS = frozenset({*SCORE_FIELDS, "queries"})
+"""Everything a repeat pass can record: the scores and the queries."""
+UNPLANNED = frozenset({"scores", "queries"})
+"""What the first pass of a context records besides what its compression needs, when no method was
+announced at its prefill (later methods then reuse it: KVzip's scores and AM's queries)."""
+
+
 @dataclass
 class RepeatPass:
     """What one repeat pass recorded, per folded layer.
@@ -91,10 +102,10 @@ class RepeatPass:
     Attributes:
         scores: ``(B, H_kv, N)`` KVzip's importance: the maximum attention each context slot
             received from the repeat input's queries, max over the GQA group (−inf on padding); empty when
-            the pass recorded only KVzip+'s scores.
+            the pass did not record it.
         queries: ``(B, H_kv, n, D)`` the repeat input's post-RoPE queries, the ``G`` query heads
             of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), float32
-            (float64 for float64 models); rows of a batch padded to the longest.
+            (float64 for float64 models); rows of a batch padded to the longest; empty when not recorded.
         query_valid: ``(B, H_kv, n)`` bool.
         query_chunks: ``(B, H_kv, n)`` long, the repeat chunk each query was recorded in (its
             input repeats the context span :func:`token_chunks` assigns to that chunk; −1 on
@@ -102,6 +113,10 @@ class RepeatPass:
         plus_scores: ``(B, H_kv, N)`` KVzip+'s scores (:mod:`kvfold.methods.core.kvzip_plus`: each
             attention row divided by ``‖x_t‖``, each column multiplied by ``‖W_Oʰ v‖``, then the
             max), when the pass recorded them; empty otherwise.
+        span_scores, span_plus_scores: the same scores with each entry scored by the queries of
+            the one repeat chunk that repeats it (the authors' release; ``kvzip[scope=chunk]``),
+            when recorded.
+        recorded: the fields this pass holds (:data:`RECORDS`).
     """
 
     scores: dict[int, Tensor]
@@ -109,6 +124,16 @@ class RepeatPass:
     query_valid: dict[int, Tensor]
     query_chunks: dict[int, Tensor] = field(default_factory=dict)
     plus_scores: dict[int, Tensor] = field(default_factory=dict)
+    span_scores: dict[int, Tensor] = field(default_factory=dict)
+    span_plus_scores: dict[int, Tensor] = field(default_factory=dict)
+    recorded: frozenset[str] = frozenset()
+
+    def merged(self, other: RepeatPass) -> RepeatPass:
+        """This pass with what ``other`` recorded and this one did not."""
+        changes = {name: getattr(other, name) for name in SCORE_FIELDS if name in other.recorded - self.recorded}
+        if "queries" in other.recorded - self.recorded:
+            changes.update(queries=other.queries, query_valid=other.query_valid, query_chunks=other.query_chunks)
+        return dataclasses.replace(self, **changes, recorded=self.recorded | other.recorded)
 
 
 class RepeatRecorder:
@@ -122,25 +147,40 @@ class RepeatRecorder:
     materialising every probability with an additive mask: the same scores up to rounding
     (KVzip's max attention received, Kim et al. 2025 §3.2), at a fraction of the cost.
 
-    With ``plus`` (the hidden-state norms the pass records) it also records KVzip+'s scores in
-    ``plus_scores`` (:mod:`kvfold.methods.core.kvzip_plus`), on either path.
+    ``records`` names the scores to record (:data:`SCORE_FIELDS`) and ``"queries"``. KVzip+'s
+    (``plus_scores``) need the hidden-state norms the pass records (``plus``). The ``span_*`` scores
+    read only the entries of :attr:`span`, the slots the chunk being repeated stands for (set
+    before each chunk): a chunk's scoring then costs its span, not the context.
     """
 
     needs_attention = True
     accepts_log_sum_exp = True
 
     def __init__(
-        self, context_slots: dict[int, int], scores: bool = True, queries: bool = True, plus: HiddenNorms | None = None
+        self, context_slots: dict[int, int], records: frozenset[str], plus: HiddenNorms | None = None
     ) -> None:
+        unknown = set(records) - RECORDS
+        if unknown:
+            raise ValueError(f"a repeat pass records {sorted(RECORDS)}; not {sorted(unknown)}")
+        if plus is None and records & {"plus_scores", "span_plus_scores"}:
+            raise ValueError("KVzip+'s scores need the hidden-state norms (plus)")
         self.context_slots = context_slots
-        self.record_scores = scores
-        self.record_queries = queries
-        self.scores: dict[int, Tensor] = {}
-        self.queries: dict[int, list[Tensor]] = {}
-        self.needs_attention = scores or plus is not None
+        self.records = frozenset(records)
+        self.record_queries = "queries" in records
+        self.needs_attention = bool(self.records & set(SCORE_FIELDS))
         self.plus = plus
-        self.plus_scores: dict[int, Tensor] = {}
+        self.span: tuple[int, int] | None = None  # the slots of the chunk being repeated (span scores)
+        self.found: dict[str, dict[int, Tensor]] = {name: {} for name in SCORE_FIELDS}
+        self.queries: dict[int, list[Tensor]] = {}
         self.value_norms: dict[int, Tensor] = {}  # ‖W_Oʰ v‖ of the row's context entries, per layer
+
+    @property
+    def scores(self) -> dict[int, Tensor]:
+        return self.found["scores"]
+
+    @property
+    def plus_scores(self) -> dict[int, Tensor]:
+        return self.found["plus_scores"]
 
     def after_forward(
         self,
@@ -152,22 +192,21 @@ class RepeatRecorder:
         log_sum_exp: Tensor | None = None,
         scaling: float | None = None,
     ) -> None:
-        if self.record_scores:
+        for whole, within in (("scores", "span_scores"), ("plus_scores", "span_plus_scores")):
+            want_whole, want_span = whole in self.records, within in self.records
+            if not (want_whole or want_span):
+                continue
             slots = self.context_slots[layer_idx]
-            if log_sum_exp is not None and scaling is not None:
-                received = max_received(query, layer.keys[:, :, :slots], log_sum_exp, scaling)
-            elif probs is None:
-                raise RuntimeError("the repeat pass needs attention probabilities from a filled dense cache")
-            else:
-                received = probs[..., :slots].amax(dim=2)  # max over queries, (B, H_q, N)
-                batch, heads_q, n = received.shape
-                received = received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, n).amax(dim=2)
-            previous = self.scores.get(layer_idx)
-            self.scores[layer_idx] = received if previous is None else torch.maximum(previous, received)
-        if self.plus is not None:
-            received = self.plus_received(layer_idx, layer, query, probs, log_sum_exp, scaling)
-            previous = self.plus_scores.get(layer_idx)
-            self.plus_scores[layer_idx] = received if previous is None else torch.maximum(previous, received)
+            if want_span and self.span is None:
+                raise RuntimeError("span scores need the slots of the chunk being repeated (RepeatRecorder.span)")
+            lo, hi = (0, slots) if want_whole else self.span
+            plus = whole == "plus_scores"
+            received = self.received(layer_idx, layer, query, probs, log_sum_exp, scaling, lo, hi, plus)
+            if want_whole:
+                self._keep_max(whole, layer_idx, received, 0, slots, slots)
+            if want_span:
+                a, b = self.span
+                self._keep_max(within, layer_idx, received[..., a - lo : b - lo], a, b, slots)
         if self.record_queries:
             dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
             batch, heads_q, length, dim = query.shape
@@ -175,7 +214,17 @@ class RepeatRecorder:
             grouped = query.detach().to(dtype).reshape(batch, layer.num_heads, groups, length, dim)
             self.queries.setdefault(layer_idx, []).append(grouped)  # (B, H_kv, G, q, D)
 
-    def plus_received(
+    def _keep_max(self, name: str, layer_idx: int, received: Tensor, lo: int, hi: int, slots: int) -> None:
+        """Slots ``lo:hi`` of the recorded ``name`` scores become the max of what they held and ``received``."""
+        held = self.found[name].get(layer_idx)
+        if held is None and (lo, hi) == (0, slots):
+            self.found[name][layer_idx] = received
+            return
+        if held is None:
+            held = self.found[name][layer_idx] = received.new_full((*received.shape[:2], slots), float("-inf"))
+        held[..., lo:hi] = torch.maximum(held[..., lo:hi], received)
+
+    def received(
         self,
         layer_idx: int,
         layer: FoldedLayer,
@@ -183,18 +232,28 @@ class RepeatRecorder:
         probs: Tensor | None,
         log_sum_exp: Tensor | None,
         scaling: float | None,
+        lo: int,
+        hi: int,
+        plus: bool,
     ) -> Tensor:
-        """KVzip+'s score of this forward, ``(B, H_kv, N)``: max over its queries and the GQA group of
-        ``a / ‖x_t‖ · ‖W_Oʰ v‖`` (the row normalization before the max)."""
-        slots = self.context_slots[layer_idx]
-        if layer_idx not in self.value_norms:  # the context entries are the same in every chunk's copy
-            self.value_norms[layer_idx] = self.plus.output_value_norms(layer_idx, layer.values[:, :, :slots])
-        rows, columns = self.plus.norms[layer_idx], self.value_norms[layer_idx]
+        """This forward's score of slots ``lo:hi``, ``(B, H_kv, hi − lo)``: the max over its queries
+        and the GQA group of the attention probability (KVzip), or of ``a / ‖x_t‖ · ‖W_Oʰ v‖``
+        (KVzip+, ``plus``: the row normalization before the max)."""
+        rows = columns = None
+        if plus:
+            if layer_idx not in self.value_norms:  # the context entries are the same in every chunk's pass
+                slots = self.context_slots[layer_idx]
+                self.value_norms[layer_idx] = self.plus.output_value_norms(layer_idx, layer.values[:, :, :slots])
+            rows, columns = self.plus.norms[layer_idx], self.value_norms[layer_idx][..., lo:hi]
         if log_sum_exp is not None and scaling is not None:
-            return max_received(query, layer.keys[:, :, :slots], log_sum_exp, scaling, rows, columns)
+            return max_received(query, layer.keys[:, :, lo:hi], log_sum_exp, scaling, rows, columns)
         if probs is None:
             raise RuntimeError("the repeat pass needs attention probabilities from a filled dense cache")
-        return weighted_received(probs[..., :slots], rows, columns, layer.num_heads)
+        if plus:
+            return weighted_received(probs[..., lo:hi], rows, columns, layer.num_heads)
+        received = probs[..., lo:hi].amax(dim=2)  # max over queries, (B, H_q, hi − lo)
+        batch, heads_q, n = received.shape
+        return received.reshape(batch, layer.num_heads, heads_q // layer.num_heads, n).amax(dim=2)
 
 
 BLOCK_ELEMENTS = 1 << 18
@@ -281,6 +340,7 @@ def repeat_pass(
     queries: bool = True,
     forward_chunk: int = FORWARD_CHUNK,
     plus: bool = False,
+    records: frozenset[str] | None = None,
 ) -> RepeatPass:
     """Run the repeat pass over ``cache`` (default ``ctx.cache``; unchanged afterwards), one batch
     row and one context chunk at a time, each chunk's entries given back before the next (KVzip
@@ -295,7 +355,16 @@ def repeat_pass(
         forward_chunk: repeat-input tokens per forward.
         plus: record KVzip+'s scores (``plus_scores``; the attention inputs' norms are read by
             forward pre-hooks on the attention modules while the pass runs).
+        records: what to record, instead of ``scores``, ``queries`` and ``plus``: a subset of
+            :data:`RECORDS`. The ``span_*`` scores need the cache of a fresh prefill (a slot per
+            column of ``ctx.input_ids``: :func:`token_chunks` says which slots a chunk repeats).
+
+    Raises:
+        ValueError: span scores asked of a cache whose slots are not the context's tokens.
     """
+    if records is None:
+        asked = (("scores", scores), ("queries", queries), ("plus_scores", plus))
+        records = frozenset(name for name, on in asked if on)
     cache = ctx.cache if cache is None else cache
     prompt = RepeatPrompt.build(ctx.tokenizer)
     batch, width = ctx.input_ids.shape
@@ -303,9 +372,10 @@ def repeat_pass(
     device = ctx.input_ids.device
     slots = {i: layer.physical_length for i, layer in cache.folded_layers}
     logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
+    spans = _chunk_spans(ctx, chunk, cache) if records & {"span_scores", "span_plus_scores"} else None
     recorders: list[RepeatRecorder] = []
     chunk_of_token: list[Tensor] = []  # per row: the repeat chunk of each repeat-input token
-    norms = HiddenNorms(ctx) if plus else None
+    norms = HiddenNorms(ctx) if records & {"plus_scores", "span_plus_scores"} else None
     with nullcontext() if norms is None else norms:
         for b in range(batch):  # rows differ in length: their repeat inputs differ
             row_cache = cache
@@ -313,16 +383,37 @@ def repeat_pass(
                 row_cache = cache.copy()
                 row_cache.batch_select_indices(torch.tensor([b], device=device))
             row_ids = ctx.input_ids[b, width - lengths[b] :].tolist()
-            recorder = RepeatRecorder(slots, scores=scores, queries=queries, plus=norms)
+            recorder = RepeatRecorder(slots, records, plus=norms)
             start = logical - (width - lengths[b])  # the row's positions continue where its context ended
             inputs = prompt.chunk_inputs(row_ids, chunk)
             chunk_of_token.append(torch.tensor([c for c, ids in enumerate(inputs) for _ in ids], dtype=torch.long))
-            for ids in inputs:
+            for c, ids in enumerate(inputs):
+                recorder.span = None if spans is None else spans[b][c]
                 with scratch_cache(row_cache, len(ids)) as work:
                     work.policy = recorder
                     _repeat_forwards(ctx, work, ids, start, forward_chunk)
             recorders.append(recorder)
-    return _collect(cache, recorders, chunk_of_token, scores, queries)
+    return _collect(cache, recorders, chunk_of_token, records)
+
+
+def _chunk_spans(ctx: CompressionContext, chunk: int, cache: FoldedCache) -> list[list[tuple[int, int]]]:
+    """Per row, per repeat chunk, the slots ``(lo, hi)`` of the tokens that chunk repeats
+    (:func:`token_chunks`), in a cache holding one slot per column of ``ctx.input_ids``."""
+    width = ctx.input_ids.shape[1]
+    if any(layer.physical_length != width or layer.logical_length != width for _, layer in cache.folded_layers):
+        raise ValueError(
+            "kvzip[scope=chunk] scores each entry by the repeat chunk that repeats its token and needs the cache of "
+            "a fresh prefill (one entry per token); on a compacted cache use scope=all"
+        )
+    owners = token_chunks(ctx, chunk)
+    spans = []
+    for row in owners:
+        found: dict[int, list[int]] = {}
+        for column, owner in enumerate(row.tolist()):
+            if owner >= 0:
+                found.setdefault(owner, []).append(column)
+        spans.append([(columns[0], columns[-1] + 1) for _, columns in sorted(found.items())])
+    return spans
 
 
 @contextmanager
@@ -360,18 +451,16 @@ def _repeat_forwards(
 
 
 def _collect(
-    cache: FoldedCache, recorders: list[RepeatRecorder], chunk_of_token: list[Tensor], scores: bool, queries: bool
+    cache: FoldedCache, recorders: list[RepeatRecorder], chunk_of_token: list[Tensor], records: frozenset[str]
 ) -> RepeatPass:
     """The rows' recordings as one :class:`RepeatPass` (scores −inf on padding, queries padded)."""
-    out = RepeatPass({}, {}, {}, {})
+    out = RepeatPass({}, {}, {}, {}, recorded=frozenset(records))
     for layer_idx, layer in cache.folded_layers:
-        if scores:
-            stacked = torch.cat([r.scores[layer_idx] for r in recorders])
-            out.scores[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
-        if recorders[0].plus is not None:
-            stacked = torch.cat([r.plus_scores[layer_idx] for r in recorders])
-            out.plus_scores[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
-        if queries:
+        for name in SCORE_FIELDS:
+            if name in records:
+                stacked = torch.cat([r.found[name][layer_idx] for r in recorders])
+                getattr(out, name)[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
+        if "queries" in records:
             found = _padded_queries([r.queries[layer_idx] for r in recorders], chunk_of_token)
             out.queries[layer_idx], out.query_valid[layer_idx], out.query_chunks[layer_idx] = found
     return out
@@ -410,19 +499,35 @@ def token_chunks(ctx: CompressionContext, chunk: int = REPEAT_CHUNK) -> Tensor:
     return out
 
 
-def shared_repeat_pass(ctx: CompressionContext, chunk: int = REPEAT_CHUNK, plus: bool = False) -> RepeatPass:
-    """The repeat pass of ``ctx``'s prefilled context, scores and queries, computed once per
-    prefilled context (every method and budget compressed from it reuses it).
+def shared_repeat_pass(
+    ctx: CompressionContext, chunk: int = REPEAT_CHUNK, needs: frozenset[str] = UNPLANNED
+) -> RepeatPass:
+    """The repeat pass of ``ctx``'s prefilled context, with at least ``needs`` recorded
+    (:data:`RECORDS`), computed once per prefilled context: every method and budget compressed from
+    it reuses it.
 
-    With ``plus`` the pass also records KVzip+'s scores (``plus_scores``): the first pass of a
-    context records them with KVzip's scores and the queries (so ``kvzip[plus=true]+am_fit`` pays
-    for one pass); when the context's pass was recorded without them, a pass that records only
-    them runs once (shared too).
+    The first pass records what the methods that will read it need, as far as they are known: the
+    compressing method's parts (:meth:`kvfold.methods.core.base.Method.repeat_records`, in
+    ``ctx.memo["repeat_records"]``) and the methods announced at the prefill
+    (``ctx.shared[PLANNED_RECORDS]``; :func:`kvfold.pipeline.context.prefill`'s ``methods``). When no
+    method was announced it also records :data:`UNPLANNED` (KVzip's scores and the queries), so that
+    methods compressed later reuse it. A method that needs what the pass did not record runs a pass
+    for the rest once, and the context keeps both (:meth:`RepeatPass.merged`). So ``kvzip`` alone
+    keeps no queries (memory) and ``am_highest_fast`` alone computes no scores (time).
     """
     key = ("repeat_pass", chunk)
-    cached = ctx.shared.get(key)
-    if plus and cached is not None and not cached[0].plus_scores:
-        return ctx.shared_result(
-            (*key, "plus"), lambda: repeat_pass(ctx, chunk, scores=False, queries=False, plus=True)
-        )
-    return ctx.shared_result(key, lambda: repeat_pass(ctx, chunk, plus=plus))
+    hit = ctx.shared.get(key)
+    have = frozenset() if hit is None else hit[0].recorded
+    if needs <= have:
+        return ctx.shared_result(key, lambda: hit[0])
+    planned = ctx.memo.get("repeat_records", frozenset()) | ctx.shared.get(PLANNED_RECORDS, (UNPLANNED, 0.0))[0]
+    start = time.perf_counter()
+    found = repeat_pass(ctx, chunk, records=(needs | planned) - have)
+    merged = found if hit is None else hit[0].merged(found)
+    ctx.extend_shared(key, merged, time.perf_counter() - start)
+    return merged
+
+
+PLANNED_RECORDS = ("repeat_records",)
+"""The ``ctx.shared`` key of what the methods announced at a context's prefill read from its repeat
+pass: ``(records, 0.0)``."""

@@ -25,6 +25,8 @@ from kvfold.methods.eviction.common import first_valid
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
+SCOPES = ("all", "chunk")
+"""``kvzip[scope=…]``: which entries a repeat chunk's queries score."""
 
 
 # ---------------------------------------------------------------------------- KVzip
@@ -65,9 +67,15 @@ class KVzip(Selector):
       Applied after ``pool``; needs the tokenizer and the cache of a fresh prefill (one slot per
       context token).
 
+    ``scope=chunk`` scores each entry by the queries of the one repeat chunk that repeats its token
+    (the authors' release scores a chunk's own entries): the scoring then costs each chunk's span,
+    linear in the length, where ``scope=all`` (the default) reads every entry against every repeat
+    query. Identical on contexts of one chunk; needs the cache of a fresh prefill.
+
     Differences from the release: the scores use the attention over the whole context (the
-    release restricts the softmax to the chunk's own entries and the sinks, for speed), and a
-    chunk's queries score every entry (max over chunks). Cost: about two extra prefills.
+    release restricts the softmax to the chunk's own entries and the sinks, for speed), and by
+    default a chunk's queries score every entry (max over chunks; ``scope=chunk`` scores its own).
+    Cost: about two extra prefills.
 
     Parameters:
         chunk: tokens of context repeated per pass (2048).
@@ -77,6 +85,8 @@ class KVzip(Selector):
         plus: KVzip+'s normalized scores instead of KVzip's.
         demote: factor in [0, 1] on the scores of structure tokens (1 = none, the paper; PR #288 uses 0.25).
         demote_repeats: occurrences of a token id in the context that make it structure (PR #288's 4).
+        scope: ``all`` (every entry scored by every repeat chunk's queries) or ``chunk`` (by its own
+            chunk's only; the release's cost).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -92,22 +102,33 @@ class KVzip(Selector):
     plus: bool = False
     demote: float = 1.0
     demote_repeats: int = 4
+    scope: str = "all"
 
     def validate(self) -> None:
         if self.chunk < 1 or self.sinks < 0:
             raise SpecError(f"kvzip: chunk must be ≥ 1 and sinks ≥ 0; got chunk={self.chunk}, sinks={self.sinks}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise SpecError(f"kvzip: pool must be an odd kernel ≥ 1 (1 = no pooling); got {self.pool}")
+        if self.scope not in SCOPES:
+            raise SpecError(f"kvzip: scope must be one of {', '.join(SCOPES)}; got {self.scope!r}")
         if not 0.0 <= self.demote <= 1.0 or self.demote_repeats < 1:
             raise SpecError(
                 f"kvzip: demote must be in [0, 1] and demote_repeats ≥ 1; got {self.demote}, {self.demote_repeats}"
             )
 
+    @property
+    def score_field(self) -> str:
+        """The repeat pass's scores this selector ranks by (:data:`kvfold.methods.core.repeat.SCORE_FIELDS`)."""
+        return ("span_" if self.scope == "chunk" else "") + ("plus_scores" if self.plus else "scores")
+
+    def repeat_records(self) -> frozenset[str]:
+        return frozenset({self.score_field})
+
     def prepare(self, ctx: CompressionContext) -> None:
         # one repeat pass per prefilled context, whatever the method and budget (copies: later steps
         # edit scores); the same pass gives Attention Matching its reference queries
-        found = shared_repeat_pass(ctx, self.chunk, plus=self.plus)
-        shared = found.plus_scores if self.plus else found.scores
+        found = shared_repeat_pass(ctx, self.chunk, frozenset({self.score_field}))
+        shared = getattr(found, self.score_field)
         scores = {layer_idx: pool_tokens(s, self.pool).clone() for layer_idx, s in shared.items()}
         if self.demote != 1.0:
             self.demote_structure(scores, ctx)

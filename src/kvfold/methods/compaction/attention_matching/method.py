@@ -211,6 +211,9 @@ class _AttentionMatching(Standalone):
     def uses_repeat_pass(self) -> bool:  # type: ignore[override]
         return "repeat" in parse_sources(self.queries, self.name)
 
+    def repeat_records(self) -> frozenset[str]:
+        return frozenset({"queries"}) if self.uses_repeat_pass else frozenset()
+
     def validate(self) -> None:
         parse_sources(self.queries, self.name)
         parse_span(self.span, self.name)
@@ -493,6 +496,9 @@ class AMFit(Folder):
     @property
     def uses_repeat_pass(self) -> bool:  # type: ignore[override]
         return "repeat" in self.sources
+
+    def repeat_records(self) -> frozenset[str]:
+        return frozenset({"queries"}) if self.uses_repeat_pass else frozenset()
 
     def validate(self) -> None:
         if self.queries.strip().lower() != "auto":

@@ -454,9 +454,10 @@ def _repeat_queries(
     its repeat chunk: the shared pass over the prefilled cache, or a pass of their own over another
     cache (on-policy extraction)."""
     if shared:
-        if ("repeat_pass", span) in ctx.shared:
+        hit = ctx.shared.get(("repeat_pass", span))
+        if hit is not None and "queries" in hit[0].recorded:
             ctx.report.setdefault("am", {})["queries_reused"] = True
-        found = shared_repeat_pass(ctx, span)
+        found = shared_repeat_pass(ctx, span, frozenset({"queries"}))
     else:
         found = repeat_pass(ctx, chunk=span, cache=cache, scores=False)
     return {i: ReferenceQueries(found.queries[i], found.query_valid[i], found.query_chunks[i]) for i in layers}
