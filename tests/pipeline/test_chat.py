@@ -114,6 +114,50 @@ def test_the_recommended_pipeline_recompacts_a_chat_by_repeat_passes_within_its_
     assert fitted == (method == "kvzip+am_fit")  # am_fit's β; KVzip keeps entries as they are
 
 
+def _document_keys(cache, pinned) -> dict[int, list[torch.Tensor]]:
+    """Per layer, per KV head, the keys of the row's first ``pinned`` valid entries."""
+    out = {}
+    for i, layer in cache.folded_layers:
+        keys, _, log_mass, _ = layer.padded()
+        valid = torch.isfinite(log_mass)
+        out[i] = [keys[0, h][valid[0, h]][: int(pinned[i][0, h])].clone() for h in range(keys.shape[1])]
+    return out
+
+
+@pytest.mark.parametrize("method", ["kvzip+am_fit", "kvzip"])
+def test_a_chat_about_a_document_keeps_the_compressed_document_through_every_compaction(method):
+    """``pin_context`` (the default): the document is compressed to the budget before the first
+    question and its entries stay, keys bit for bit, through every later compaction of the
+    conversation, within the cap; compactions leave room for more than one turn. Unpinned, the
+    conversation's compactions re-rank the document and drop some of its entries."""
+    model, tok = kvfold.enable(make_tiny_model("llama", max_position_embeddings=2048)), CharTokenizer()
+    document = "the keeper logged the tide, the wind and the lamp at dawn; the gull came back. " * 5
+    budget, cap = 40, 160
+    chat = ChatSession(model, tok, method, budget, cap=cap, context=document, max_new_tokens=5)
+    assert chat.compactions == 1 and chat.pinned is not None
+    pinned = {i: p.clone() for i, p in chat.pinned.items()}
+    assert sum(int(p.sum()) for p in pinned.values()) == budget * sum(p.numel() for p in pinned.values())
+    before = _document_keys(chat.cache, pinned)
+    for question in QUESTIONS:
+        chat.ask(question)
+        assert chat.physical_length() <= cap
+    assert 3 <= chat.compactions - 1 < len(QUESTIONS)
+    after = _document_keys(chat.cache, pinned)
+    assert all(torch.equal(a, b) for i in before for a, b in zip(before[i], after[i], strict=True))
+    state, tensors = chat.checkpoint()
+    again = ChatSession.resume(model, tok, method, chat.cache, chat.token_ids, state=state, turn_queries=tensors)
+    assert all(torch.equal(again.pinned[i], pinned[i]) for i in pinned)
+
+    loose = ChatSession(model, tok, method, budget, cap=cap, context=document, max_new_tokens=5, pin_context=False)
+    loose.ask(QUESTIONS[0])
+    first = {i: layer.row_lengths() for i, layer in loose.cache.folded_layers}
+    start = _document_keys(loose.cache, {i: r - 0 for i, r in first.items()})
+    for question in QUESTIONS[1:]:
+        loose.ask(question)
+    kept = _document_keys(loose.cache, first)
+    assert any(not torch.equal(a, b) for i in start for a, b in zip(start[i], kept[i], strict=True))
+
+
 def _beta_cache(model):
     """A cache compacted by a merging method: entries carry β ≠ 0."""
     context = kvfold.prefill(

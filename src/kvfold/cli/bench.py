@@ -31,6 +31,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks, compressing as it goes")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument(
+        "--positions",
+        type=int,
+        default=None,
+        help="raise the model's positions to N for lengths past its window (RoPE models; cost only: "
+        "the answers mean nothing there)",
+    )
+    p.add_argument(
         "--cachefile",
         action="store_true",
         help="cache files and chat memory (kvfold.evaluate.bench.saved_caches)",
@@ -68,7 +75,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--new-tokens must be ≥ 1")
     grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
     if args.ray is None:
-        result = bench(*grid, args.dtype, args.device)
+        result = bench(*grid, args.dtype, args.device, positions=args.positions)
     else:
         from kvfold.evaluate.running.distributed import require_ray, run_on_ray
 
@@ -77,7 +84,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         threads = max(1, int(args.ray_worker_cpus))
         print(f"kvfold bench on {ray_where(args)}, {threads} threads a measurement → {args.out}", file=sys.stderr)
         result, ray_runner = run_on_ray(
-            None, lambda runner: bench(*grid, args.dtype, args.device, runner=runner, threads=threads), **options
+            None,
+            lambda runner: bench(
+                *grid, args.dtype, args.device, runner=runner, threads=threads, positions=args.positions
+            ),
+            **options,
         )
         print(ray_runner.summary(), file=sys.stderr)
     print((Path(args.out) / "bench.md").read_text())

@@ -72,7 +72,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--context-file", type=Path, help="a document the conversation is about")
     src.add_argument("--cache", type=Path, help="a cache file (kvfold compress, or /save) to continue from")
-    p.add_argument("--method", default="snapkv", help="method spec used to compact the conversation")
+    p.add_argument(
+        "--method", default=None, help="method spec used to compact the conversation (default: the recommended one)"
+    )
     p.add_argument(
         "--budget",
         default=None,
@@ -84,6 +86,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--system", default=None, help="a system message (chat template permitting)")
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="re-rank the document with the conversation at every compaction (default, for kvzip and "
+        "kvzip+am_fit: the document is compressed once and its entries kept)",
+    )
     add_cache_args(p)
 
 
@@ -233,6 +241,7 @@ def run_ask(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     """``kvfold chat``: read lines from stdin; a line is a user turn unless it is a command."""
+    from kvfold.methods import RECOMMENDED
     from kvfold.pipeline.chat import ChatSession
     from kvfold.runtime.models import load_model
     from kvfold.store.chat import load_chat
@@ -245,14 +254,22 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
     load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}
     if args.cache is not None:
         session = load_chat(args.cache, model, tokenizer, cap=args.cap, **load_kwargs)
-        if args.budget is not None or args.method != "snapkv":
+        if args.budget is not None or args.method is not None:
             print("note: --method/--budget are taken from the cache file", file=sys.stderr)
     else:
         if args.budget is None:
             raise ValueError("give --budget: a token count (or a fraction of --context-file)")
         context = _read_text(args.context_file) if args.context_file is not None else None
+        method = RECOMMENDED if args.method is None else args.method
         session = ChatSession(
-            model, tokenizer, args.method, args.budget, cap=args.cap, context=context, system=args.system
+            model,
+            tokenizer,
+            method,
+            args.budget,
+            cap=args.cap,
+            context=context,
+            system=args.system,
+            pin_context=not args.no_pin,
         )
     session.max_new_tokens = args.max_new_tokens
     saved_all = True  # a failed /save ends the command with status 2 (the conversation goes on)

@@ -121,6 +121,22 @@ def limit_head_entries(ctx: CompressionContext, method: ComposedMethod, limit: i
     ctx.shared.update(map_repeat_scores(ctx.shared, capped))
 
 
+def pin_entries(ctx: CompressionContext, method: ComposedMethod, pinned: dict[int, Tensor]) -> None:
+    """Run the method's repeat pass over ``ctx.cache`` and rank the first ``pinned[layer][b, h]``
+    valid entries of every row above every other (scores +inf): a selector ranking by the pass
+    keeps them, and the budget beyond them goes to the rest (a conversation's compressed document,
+    :class:`kvfold.pipeline.chat.ChatSession`'s ``pin_context``)."""
+    run_repeat_passes(ctx, method)
+    layers = dict(ctx.cache.folded_layers)
+
+    def pin(layer_idx: int, scores: Tensor) -> Tensor:
+        valid = layers[layer_idx].valid_mask().to(scores.device)
+        first = valid & (valid.long().cumsum(-1) <= pinned[layer_idx].to(scores.device)[..., None])
+        return scores.masked_fill(first, float("inf"))
+
+    ctx.shared.update(map_repeat_scores(ctx.shared, pin))
+
+
 # ---------------------------------------------------------------------------- streaming
 
 

@@ -220,3 +220,17 @@ def test_a_chunked_sweep_measures_every_configuration_with_a_fixed_mmap_threshol
     assert all(c.prefill_chunk is None for c in refs)
     runs, refs = plan("m", ["snapkv"], [0.1], [64], [1], 4, prefill_chunk=None)
     assert not any(c.bounded_memory for c in runs + refs)
+
+
+def test_bench_measures_past_the_window_with_more_positions(tiny_dir, tmp_path):
+    """``--positions``: a length past the model's window is refused without it, measured with it
+    (the record keeps the positions), and fewer positions than the model's are refused."""
+    from kvfold.cli.main import main
+
+    with pytest.raises(ValueError, match="supports 512 positions"):
+        bench(str(tiny_dir), ["kvzip"], [0.25], [600], [1], new_tokens=2, out_dir=tmp_path / "a", progress=False)
+    grid = (str(tiny_dir), ["kvzip"], [0.25], [600], [1])
+    result = bench(*grid, new_tokens=2, out_dir=tmp_path / "b", progress=False, positions=1024)
+    assert {r["positions"] for r in result["records"]} == {1024} and all(r["length"] == 600 for r in result["records"])
+    assert main(["bench", "--model", str(tiny_dir), "--methods", "kvzip", "--lengths", "64", "--batch", "1",
+                 "--positions", "8", "--out", str(tmp_path / "c")]) == 2  # fmt: skip

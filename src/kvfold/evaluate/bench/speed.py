@@ -85,6 +85,9 @@ class BenchConfig:
     bounded_memory: bool = False
     """Peak RSS with glibc's mmap threshold fixed (every configuration of a ``--prefill-chunk``
     sweep, ``full`` included; see :func:`set_mmap_threshold`)."""
+    positions: int | None = None
+    """The model's positions raised to this many (``--positions``; RoPE past the trained window:
+    the answers mean nothing, the costs are the model's), or None: the model's own."""
 
 
 def run_config(config: BenchConfig) -> dict:
@@ -101,6 +104,8 @@ def run_config(config: BenchConfig) -> dict:
     from kvfold.runtime.budget import Budget
 
     model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
+    if config.positions is not None:
+        extend_positions(model, config.positions)
     check_length(model, config.length)  # the context must fit; timed decode steps may run past it (speed only)
     base_rss = peak_rss_mb()
     if config.bounded_memory:  # what a chunked sweep measures: see set_mmap_threshold
@@ -151,6 +156,22 @@ def run_config(config: BenchConfig) -> dict:
         "kv_bytes_full": kv_bytes_full,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
     }
+
+
+def extend_positions(model, positions: int) -> None:
+    """Let ``model`` take contexts of up to ``positions`` tokens (its config's
+    ``max_position_embeddings``): for measuring cost beyond the trained window (``--positions``).
+
+    Raises:
+        ValueError: fewer positions than the model has, or a model without rotary positions.
+    """
+    config = model.config.get_text_config(decoder=True)
+    own = getattr(config, "max_position_embeddings", None)
+    if own is None or positions < own:
+        raise ValueError(f"--positions must be at least the model's {own} positions; got {positions}")
+    if not any("rotary" in name for name, _ in model.named_modules()):
+        raise ValueError("--positions needs a model with rotary positions (RoPE); this one has none")
+    config.max_position_embeddings = positions
 
 
 def time_repeat_pass(source) -> float:
@@ -261,6 +282,7 @@ def plan(
     prefill_chunk: int | None,
     dtype: str = "auto",
     device: str = "auto",
+    positions: int | None = None,
 ) -> tuple[list[BenchConfig], list[BenchConfig]]:
     """The method configurations and the ``full`` runs at every length and batch.
 
@@ -271,7 +293,7 @@ def plan(
     for length in lengths:
         for batch in batches:
             refs[(length, batch)] = BenchConfig(
-                model, "full", 1.0, length, batch, new_tokens, None, dtype, device, bounded
+                model, "full", 1.0, length, batch, new_tokens, None, dtype, device, bounded, positions
             )
             for method in methods:
                 if method == "full":
@@ -279,7 +301,17 @@ def plan(
                 for budget in budgets:
                     runs.append(
                         BenchConfig(
-                            model, method, budget, length, batch, new_tokens, prefill_chunk, dtype, device, bounded
+                            model,
+                            method,
+                            budget,
+                            length,
+                            batch,
+                            new_tokens,
+                            prefill_chunk,
+                            dtype,
+                            device,
+                            bounded,
+                            positions,
                         )
                     )
     return runs, list(refs.values())
@@ -358,6 +390,7 @@ def bench(
     progress: bool = True,
     runner: Any = None,
     threads: int | None = None,
+    positions: int | None = None,
 ) -> dict:
     """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
 
@@ -367,7 +400,8 @@ def bench(
     ``runner`` measures the :class:`BenchItem` s (an :data:`~kvfold.evaluate.running.runner.ItemRunner`:
     by default one after the other here; :class:`kvfold.evaluate.running.distributed.RayRunner` on Ray
     workers, which adds ``ray_workers`` to the result: who measured what). ``threads`` sets each
-    measuring process's threads (None: torch's default).
+    measuring process's threads (None: torch's default). ``positions`` raises the model's positions
+    for lengths past its window (:func:`extend_positions`; cost only).
 
     Returns:
         ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
@@ -389,6 +423,7 @@ def bench(
         prefill_chunk,
         dtype,
         device,
+        positions,
     )
     folder = Path(out_dir) if out_dir is not None else None
     with DirectoryLock(folder) if folder is not None else nullcontext():
