@@ -76,10 +76,9 @@ def compact_history(
 ) -> bool:
     """Compress all but the last ``keep_last`` tokens of ``cache`` to ``budget`` entries, in place.
 
-    The last ``keep_last`` entries of every row are the newest tokens (appended in order) and are
-    put back unchanged after the compressed history, keys, values and β alike; the logical length
-    is unchanged. β of history entries is whatever the method leaves: entries it keeps as they
-    are keep their β (selectors), entries it merges get the merged log-mass.
+    The last ``keep_last`` entries of every row (the newest tokens) are put back unchanged after the
+    compressed history; the logical length is unchanged. β of history entries is what the method
+    leaves: kept entries keep theirs (selectors), merged ones get the merged log-mass.
 
     Args:
         cache: the conversation's cache (one batch row).
@@ -91,14 +90,12 @@ def compact_history(
         window_queries: per layer, the query states to use as the method's window (the history's
             last queries); the layers' current captured queries are restored afterwards.
         tokenizer: the tokenizer, for methods that build prompts.
-        head_limit: for methods that re-compact by the repeat pass (KVzip's ranking over all layers
-            and heads), the most history entries one KV head keeps (at least ``budget``).
-        pinned: for those methods, per layer ``(B, H)``: the first entries of every row that the
-            compaction keeps whatever their scores (:func:`kvfold.pipeline.recompact.pin_entries`),
-            counted in ``budget``.
+        head_limit, pinned: for methods that re-compact by the repeat pass (:mod:`~kvfold.pipeline.recompact`),
+            the most entries one KV head keeps (≥ ``budget``) and, per layer ``(B, H)``, the first
+            entries of every row kept whatever their scores, counted in ``budget``.
 
     Returns:
-        True when something was compressed; False when the history already fits the budget.
+        True when something was compressed; False when the history fits the budget already.
     """
     layers = cache.folded_layers
     tails: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -136,10 +133,7 @@ def compact_history(
         tokenizer=tokenizer,
     )
     with torch.inference_mode():
-        if pinned is not None and recompacts_by_repeat_pass(method):
-            pin_entries(ctx, method, pinned)
-        if head_limit is not None and recompacts_by_repeat_pass(method):
-            limit_head_entries(ctx, method, max(budget, head_limit))
+        _rank_for_repeat_pass(ctx, method, budget, head_limit, pinned)
         method.compress(ctx)
     for index, layer in layers:
         layer.captured_queries = saved_queries[index]
@@ -147,6 +141,23 @@ def compact_history(
             _append_tail(layer, *tails[index])
             layer.logical_length += keep_last
     return True
+
+
+def _rank_for_repeat_pass(
+    ctx: CompressionContext,
+    method: ComposedMethod,
+    budget: int,
+    head_limit: int | None,
+    pinned: dict[int, torch.Tensor] | None,
+) -> None:
+    """For a method that re-compacts by the repeat pass: its pass, the pinned entries ranked first,
+    and no head above ``head_limit`` (:mod:`kvfold.pipeline.recompact`); nothing for other methods."""
+    if not recompacts_by_repeat_pass(method):
+        return
+    if pinned is not None:
+        pin_entries(ctx, method, pinned)
+    if head_limit is not None:
+        limit_head_entries(ctx, method, max(budget, head_limit))
 
 
 def _valid_tail(log_mass: torch.Tensor, slots: torch.Tensor, keep_last: int) -> torch.Tensor:
