@@ -171,7 +171,9 @@ class RepeatRecorder:
         self.plus = plus
         self.span: tuple[int, int] | None = None  # the slots of the chunk being repeated (span scores)
         self.found: dict[str, dict[int, Tensor]] = {name: {} for name in SCORE_FIELDS}
-        self.queries: dict[int, list[Tensor]] = {}
+        self.queries: dict[int, Tensor] = {}  # per layer (B, H_kv, G, tokens, D), filled forward by forward
+        self.filled: dict[int, int] = {}
+        self.tokens = 0  # repeat-input tokens of the row (set before the pass): the queries' buffer length
         self.value_norms: dict[int, Tensor] = {}  # ‖W_Oʰ v‖ of the row's context entries, per layer
 
     @property
@@ -211,8 +213,17 @@ class RepeatRecorder:
             dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
             batch, heads_q, length, dim = query.shape
             groups = heads_q // layer.num_heads
-            grouped = query.detach().to(dtype).reshape(batch, layer.num_heads, groups, length, dim)
-            self.queries.setdefault(layer_idx, []).append(grouped)  # (B, H_kv, G, q, D)
+            grouped = query.detach().reshape(batch, layer.num_heads, groups, length, dim)
+            if layer_idx not in self.queries:  # one buffer, written in place: the queries are held once
+                shape = (batch, layer.num_heads, groups, max(self.tokens, length), dim)
+                self.queries[layer_idx] = torch.empty(shape, dtype=dtype, device=query.device)
+                self.filled[layer_idx] = 0
+            lo = self.filled[layer_idx]
+            if lo + length > self.queries[layer_idx].shape[3]:  # more tokens than announced: grow (a copy)
+                held = self.queries[layer_idx]
+                self.queries[layer_idx] = torch.cat([held, held.new_empty(*held.shape[:3], length, dim)], dim=3)
+            self.queries[layer_idx][:, :, :, lo : lo + length] = grouped
+            self.filled[layer_idx] = lo + length
 
     def _keep_max(self, name: str, layer_idx: int, received: Tensor, lo: int, hi: int, slots: int) -> None:
         """Slots ``lo:hi`` of the recorded ``name`` scores become the max of what they held and ``received``."""
@@ -386,6 +397,7 @@ def repeat_pass(
             recorder = RepeatRecorder(slots, records, plus=norms)
             start = logical - (width - lengths[b])  # the row's positions continue where its context ended
             inputs = prompt.chunk_inputs(row_ids, chunk)
+            recorder.tokens = sum(len(ids) for ids in inputs)
             chunk_of_token.append(torch.tensor([c for c, ids in enumerate(inputs) for _ in ids], dtype=torch.long))
             for c, ids in enumerate(inputs):
                 recorder.span = None if spans is None else spans[b][c]
@@ -461,22 +473,25 @@ def _collect(
                 stacked = torch.cat([r.found[name][layer_idx] for r in recorders])
                 getattr(out, name)[layer_idx] = stacked.masked_fill(~layer.valid_mask(), float("-inf"))
         if "queries" in records:
-            found = _padded_queries([r.queries[layer_idx] for r in recorders], chunk_of_token)
+            filled = [r.queries[layer_idx][:, :, :, : r.filled[layer_idx]] for r in recorders]
+            found = _padded_queries(filled, chunk_of_token)
             out.queries[layer_idx], out.query_valid[layer_idx], out.query_chunks[layer_idx] = found
     return out
 
 
-def _padded_queries(recorded: list[list[Tensor]], chunk_of_token: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """One layer's queries of every row ``(B, H_kv, n, D)``, their validity and their repeat chunks."""
+def _padded_queries(recorded: list[Tensor], chunk_of_token: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """One layer's queries of every row ``(B, H_kv, n, D)``, their validity and their repeat chunks
+    (one row: its buffer itself, no copy)."""
     batch = len(recorded)
-    rows = [torch.cat(parts, dim=3).flatten(2, 3) for parts in recorded]  # as one forward
+    rows = [parts.flatten(2, 3) for parts in recorded]  # (1, H_kv, G·tokens, D), as one forward
     n = max(row.shape[2] for row in rows)
     first = rows[0]
-    q = first.new_zeros(batch, first.shape[1], n, first.shape[3])
+    q = first if batch == 1 else first.new_zeros(batch, first.shape[1], n, first.shape[3])
     valid = torch.zeros(batch, first.shape[1], n, dtype=torch.bool, device=first.device)
     chunks = torch.full((batch, first.shape[1], n), -1, dtype=torch.long, device=first.device)
     for b, row in enumerate(rows):
-        q[b, :, : row.shape[2]] = row[0]
+        if batch > 1:
+            q[b, :, : row.shape[2]] = row[0]
         valid[b, :, : row.shape[2]] = True
         groups = row.shape[2] // max(1, chunk_of_token[b].numel())  # query g·tokens + i: token i
         chunks[b, :, : row.shape[2]] = chunk_of_token[b].repeat(groups).to(first.device)
