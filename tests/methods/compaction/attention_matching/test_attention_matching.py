@@ -487,3 +487,27 @@ def test_bad_options_are_spec_errors():
     for spec in ("am_highest[queries=psychic]", "am_omp[span=a:b]", "am_omp_fast[k=0]", "am_highest[factor=2]"):
         with pytest.raises(SpecError):
             build_method(spec)
+
+
+def test_layers_are_fitted_in_groups_of_bounded_query_bytes_with_the_same_result(monkeypatch):
+    """``compact_layers`` stacks at most ``STACK_BYTES`` of reference queries at once (the stack
+    copies them): ``am_highest_fast`` compacted one layer per group keeps the keys it keeps with
+    every layer in one stack, with the same β and values up to the rounding of a batched solve of
+    another size (the value fit is ill-conditioned on a random tiny model: 0.5% apart); the groups
+    follow the bytes (a layer above the limit alone)."""
+    from kvfold.methods.compaction.attention_matching import compact
+
+    q = {i: torch.zeros(1, 2, n, 4) for i, n in enumerate([10, 10, 30, 5, 5])}  # 80, 80, 240, 40, 40 floats
+    assert compact.layer_groups(q, 200 * 4) == [[0, 1], [2], [3, 4]]
+    assert compact.layer_groups(q, 10**9) == [[0, 1, 2, 3, 4]]
+    model = kvfold.enable(make_tiny_model("llama"))
+    caches = []
+    for limit in (10**12, 1):
+        monkeypatch.setattr(compact, "STACK_BYTES", limit)
+        pre = kvfold.prefill(model, CharTokenizer(), TEXT * 3, use_chat_template=False)
+        caches.append(pre.compress("am_highest_fast", 0.3).cache)
+    for (_, a), (_, b) in zip(caches[0].folded_layers, caches[1].folded_layers, strict=True):
+        (k0, v0, b0, n0), (k1, v1, b1, n1) = a.padded(), b.padded()
+        assert torch.equal(k0, k1) and torch.equal(n0, n1)
+        torch.testing.assert_close(b0, b1, rtol=1e-3, atol=1e-3)
+        assert float((v0 - v1).norm() / v0.norm()) < 0.02

@@ -296,27 +296,51 @@ def compact_layers(
     plans = {i: _plan_layer(layer, totals[i], span, chunks, verbatim, chunk_of) for i, layer in targets}
     if not plans:
         return {}
-    cat = _stack_problems(plans, queries, scalings, by_chunk=chunk_of is not None)
-    device = cat["k"].device
-    result = fit_problems(
-        cat["k"],
-        cat["v"],
-        cat["lm"],
-        cat["q"].to(device),
-        cat["qv"].to(device),
-        cat["counts"].reshape(-1),
-        cat["scale"].reshape(-1).to(device),
-        config,
-    )
-    _write_layers(targets, plans, result)
-    fitted = cat["counts"].reshape(-1) < torch.isfinite(cat["lm"]).sum(-1)
-    if not bool(fitted.any()):
-        return {"mass_error": 0.0, "output_error": 0.0, "blocks": 0}
-    return {
-        "mass_error": float(result.mass_error[fitted].mean()),
-        "output_error": float(result.output_error[fitted].mean()),
-        "blocks": int(fitted.sum()),
-    }
+    sums = {"mass_error": 0.0, "output_error": 0.0, "blocks": 0}
+    for group in layer_groups({i: queries[i].queries for i in plans}, STACK_BYTES):
+        plan = {i: plans[i] for i in group}
+        cat = _stack_problems(plan, queries, scalings, by_chunk=chunk_of is not None)
+        device = cat["k"].device
+        result = fit_problems(
+            cat["k"],
+            cat["v"],
+            cat["lm"],
+            cat["q"].to(device),
+            cat["qv"].to(device),
+            cat["counts"].reshape(-1),
+            cat["scale"].reshape(-1).to(device),
+            config,
+        )
+        _write_layers([(i, layer) for i, layer in targets if i in plan], plan, result)
+        fitted = cat["counts"].reshape(-1) < torch.isfinite(cat["lm"]).sum(-1)
+        sums["mass_error"] += float(result.mass_error[fitted].sum())
+        sums["output_error"] += float(result.output_error[fitted].sum())
+        sums["blocks"] += int(fitted.sum())
+    if not sums["blocks"]:
+        return sums
+    return {**{k: sums[k] / sums["blocks"] for k in ("mass_error", "output_error")}, "blocks": sums["blocks"]}
+
+
+STACK_BYTES = 256 << 20
+"""Reference-query bytes of the layers :func:`compact_layers` stacks into one fit: the stack copies
+its layers' queries (grouped by chunk, padded, concatenated), so stacking every layer at once held
+the model's queries several times over (4× at 8K tokens). Layers are fitted in groups of at most
+this many bytes of queries (one layer at least): one group below about 3K tokens on SmolLM2."""
+
+
+def layer_groups(queries: dict[int, Tensor], limit: int) -> list[list[int]]:
+    """The layers in order, in consecutive groups whose ``queries`` hold at most ``limit`` bytes
+    together (a layer above it alone)."""
+    groups: list[list[int]] = []
+    held = limit + 1
+    for i, q in queries.items():
+        size = q.numel() * q.element_size()
+        if held + size > limit:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += size
+    return groups
 
 
 def trim_captured(cache: FoldedCache) -> None:
