@@ -115,21 +115,24 @@ def test_the_recommended_pipeline_recompacts_a_chat_by_repeat_passes_within_its_
 
 
 def _document_keys(cache, pinned) -> dict[int, list[torch.Tensor]]:
-    """Per layer, per KV head, the keys of the row's first ``pinned`` valid entries."""
+    """Per layer, per KV head, the keys, values and β of the row's first ``pinned`` valid entries
+    (one tensor ``(n, 2D + 1)``)."""
     out = {}
     for i, layer in cache.folded_layers:
-        keys, _, log_mass, _ = layer.padded()
+        keys, values, log_mass, _ = layer.padded()
         valid = torch.isfinite(log_mass)
-        out[i] = [keys[0, h][valid[0, h]][: int(pinned[i][0, h])].clone() for h in range(keys.shape[1])]
+        entries = torch.cat([keys, values, log_mass[..., None].to(keys.dtype)], dim=-1)
+        out[i] = [entries[0, h][valid[0, h]][: int(pinned[i][0, h])].clone() for h in range(keys.shape[1])]
     return out
 
 
 @pytest.mark.parametrize("method", ["kvzip+am_fit", "kvzip"])
 def test_a_chat_about_a_document_keeps_the_compressed_document_through_every_compaction(method):
     """``pin_context`` (the default): the document is compressed to the budget before the first
-    question and its entries stay, keys bit for bit, through every later compaction of the
-    conversation, within the cap; compactions leave room for more than one turn. Unpinned, the
-    conversation's compactions re-rank the document and drop some of its entries."""
+    question and its entries stay, keys, values and β bit for bit (``am_fit`` leaves them
+    unfitted), through every later compaction of the conversation, within the cap; compactions
+    leave room for more than one turn. Unpinned, the conversation's compactions re-rank the
+    document and drop some of its entries."""
     model, tok = kvfold.enable(make_tiny_model("llama", max_position_embeddings=2048)), CharTokenizer()
     document = "the keeper logged the tide, the wind and the lamp at dawn; the gull came back. " * 5
     budget, cap = 40, 160

@@ -131,6 +131,7 @@ def compact_history(
         attention_mask=torch.ones_like(ids),
         budget=Budget(tokens=budget) if budget > 1 else Budget(fraction=1.0 / max(1, logical)),
         tokenizer=tokenizer,
+        pinned=pinned if recompacts_by_repeat_pass(method) else None,
     )
     with torch.inference_mode():
         _rank_for_repeat_pass(ctx, method, budget, head_limit, pinned)

@@ -57,6 +57,10 @@ class CompressionContext:
             with ``absorbed < 0`` are ignored). Update magnitudes ``‖Δk‖``, ``‖Δv‖`` of every kept
             entry (GRKV) are computed by the recorder from the kept slots, so a folder that
             writes its entries in ``keep`` order needs no call at all.
+        pinned: per layer ``(B, H)``, leading valid entries of every row that this compression
+            keeps as they are (a conversation's compressed document:
+            :class:`kvfold.pipeline.chat.ChatSession`), or None. The chat ranks them first in the
+            repeat pass's scores; ``am_fit`` leaves them unfitted, as it leaves the sinks.
     """
 
     model: PreTrainedModel
@@ -70,6 +74,7 @@ class CompressionContext:
     memo: dict[str, Any] = field(default_factory=dict)
     merge_recorder: Any = None
     shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
+    pinned: dict[int, torch.Tensor] | None = None
     _charged: set = field(default_factory=set, init=False, repr=False)
 
     def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:

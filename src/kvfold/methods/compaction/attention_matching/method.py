@@ -552,8 +552,10 @@ class AMFit(Folder):
         # kept entries of the template and the sinks stay verbatim: the fit matches the rest
         valid = torch.isfinite(log_mass)
         rank = valid.long().cumsum(-1) - 1
-        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)
-        in_prefix = valid & (rank < prefix[:, None, None])
+        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)[:, None]
+        if ctx.pinned is not None:  # a conversation's compressed document stays as it is too
+            prefix = torch.maximum(prefix, ctx.pinned[layer_idx].to(keep.device))
+        in_prefix = valid & (rank < prefix[..., None])
         fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim (the first slots: keep ascends)
         n_fixed = fixed.sum(-1)
         kept_fixed = torch.zeros_like(valid).scatter(2, keep, fixed)
