@@ -114,6 +114,16 @@ def test_the_recommended_pipeline_recompacts_a_chat_by_repeat_passes_within_its_
     assert fitted == (method == "kvzip+am_fit")  # am_fit's β; KVzip keeps entries as they are
 
 
+def _conversation_betas(cache, pinned) -> torch.Tensor:
+    """β of every valid entry after the first ``pinned`` of its row (the conversation's), flat."""
+    found = []
+    for i, layer in cache.folded_layers:
+        log_mass = layer.padded()[2][0]
+        for h in range(log_mass.shape[0]):
+            found.append(log_mass[h][torch.isfinite(log_mass[h])][int(pinned[i][0, h]) :])
+    return torch.cat(found)
+
+
 def _document_keys(cache, pinned) -> dict[int, list[torch.Tensor]]:
     """Per layer, per KV head, the keys, values and β of the row's first ``pinned`` valid entries
     (one tensor ``(n, 2D + 1)``)."""
@@ -150,6 +160,13 @@ def test_a_chat_about_a_document_keeps_the_compressed_document_through_every_com
     state, tensors = chat.checkpoint()
     again = ChatSession.resume(model, tok, method, chat.cache, chat.token_ids, state=state, turn_queries=tensors)
     assert all(torch.equal(again.pinned[i], pinned[i]) for i in pinned)
+    if method == "kvzip+am_fit":  # the conversation is selected, not refitted, unless asked
+        assert _conversation_betas(chat.cache, pinned).abs().max() == 0
+        refit = ChatSession(model, tok, method, budget, cap=cap, context=document, max_new_tokens=5)
+        refit.refit_conversation = True
+        for question in QUESTIONS[:6]:
+            refit.ask(question)
+        assert _conversation_betas(refit.cache, pinned).abs().max() > 1e-3
 
     loose = ChatSession(model, tok, method, budget, cap=cap, context=document, max_new_tokens=5, pin_context=False)
     loose.ask(QUESTIONS[0])

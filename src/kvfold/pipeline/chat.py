@@ -249,6 +249,9 @@ class ChatSession:
         pin_context: with ``context`` and a method that re-compacts by the repeat pass
             (``kvzip+am_fit``, ``kvzip``): compress the document once, before the first question,
             and keep its entries through every later compaction (module docstring).
+        refit_conversation: after a pinned document, compact the conversation with the whole
+            method; by default a folder that refits from the repeat pass (``am_fit``) is left out
+            there (:meth:`conversation_method`), and the document was compressed with it.
 
     Attributes:
         cache: the conversation's :class:`FoldedCache`.
@@ -271,6 +274,7 @@ class ChatSession:
         max_new_tokens: int = 128,
         use_chat_template: bool | None = None,
         pin_context: bool = True,
+        refit_conversation: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -292,6 +296,7 @@ class ChatSession:
         self.policy = None
         self._turn_queries: dict[int, torch.Tensor] | None = None
         self.pinned: dict[int, torch.Tensor] | None = None  # per layer (B, H): the document's entries
+        self.refit_conversation = refit_conversation
         self.cache = FoldedCache(model.config)
         parsed = Budget.parse(budget)
         if context is not None:
@@ -395,6 +400,15 @@ class ChatSession:
         self._compact(0, head_limit=self.budget + (self.cap - self.budget) // 2)
         self.pinned = {i: layer.row_lengths() for i, layer in self.cache.folded_layers}
 
+    def conversation_method(self) -> ComposedMethod:
+        """What compacts the conversation after a pinned document: the method, without a folder that
+        refits its kept entries unless ``refit_conversation`` (``am_fit`` refitting entries it fitted
+        at the turn before drifts: in a 30-turn chat on the demo's logbook, ``kvzip+am_fit`` refitting
+        every compaction lost a fact of the pinned document that ``kvzip`` selection kept)."""
+        if self.refit_conversation or self.method.folder is None or not self.method.folder.uses_repeat_pass:
+            return self.method
+        return ComposedMethod(self.method.spec, self.method.wrappers, self.method.selector, None)
+
     def _pinned_plan(self, keep_last: int, incoming: int) -> tuple[int, int]:
         """``(budget, head_limit)`` of a compaction after a pinned document: the document's entries
         plus half the room they leave the conversation (after the kept last turn and the next one)."""
@@ -429,12 +443,14 @@ class ChatSession:
         self._check_window(window, keep_last)
         before = self.physical_length()
         budget, limit = self.budget, self.cap - incoming - keep_last if head_limit is None else head_limit
+        method = self.method
         if self.pinned is not None:
             budget, limit = self._pinned_plan(keep_last, incoming)
+            method = self.conversation_method()
         done = compact_history(
             self.cache,
             self.model,
-            self.method,
+            method,
             budget,
             self.token_tensor(),
             keep_last=keep_last,
@@ -542,6 +558,7 @@ class ChatSession:
             "max_new_tokens": self.max_new_tokens,
             "tokens_known": self.tokens_known,
             "pinned": None if self.pinned is None else {str(i): p.tolist() for i, p in self.pinned.items()},
+            "refit_conversation": self.refit_conversation,
         }
         return state, tensors
 
@@ -590,6 +607,7 @@ class ChatSession:
         else:  # unknown tokens: only methods that do not re-read them can compact (see _compact)
             pad = getattr(tokenizer, "pad_token_id", None)
             session.token_ids = [pad if pad is not None else 0] * logical
+        session.refit_conversation = bool(state.get("refit_conversation", False)) if state else False
         session._restore(state, turn_queries, budget, logical)
         if state is None and recompacts_by_repeat_pass(session.method):  # a compressed document: pinned
             session.pinned = {i: layer.row_lengths() for i, layer in cache.folded_layers}
