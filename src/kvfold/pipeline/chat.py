@@ -87,8 +87,7 @@ def compact_history(
         budget: entries per KV head to keep for the history.
         token_ids: ``(1, logical)`` every token the cache has seen (methods that re-read them).
         keep_last: tokens of the last turn, kept whole (0 = compress everything).
-        window_queries: per layer, the query states to use as the method's window (the history's
-            last queries); the layers' current captured queries are restored afterwards.
+        window_queries: per layer, the query states the method reads as its window (restored after).
         tokenizer: the tokenizer, for methods that build prompts.
         head_limit, pinned: for methods that re-compact by the repeat pass (:mod:`~kvfold.pipeline.recompact`),
             the most entries one KV head keeps (≥ ``budget``) and, per layer ``(B, H)``, the first

@@ -25,12 +25,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
 from kvfold.methods.core.repeat import PLANNED_RECORDS
+from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
 
 DEFAULT_SNAPSHOT_WINDOW = 64
 """Prefill query states kept per layer for methods with an observation window (SnapKV: 32)."""
+REPEAT_PROMPT_ALLOWANCE = 256
+"""Tokens of a repeat chunk's prompt (instruction, the previous chunk's last tokens, template) that
+the spare capacity of a prefill for a repeat-pass method allows beyond the chunk."""
 
 
 def _max_positions(model: PreTrainedModel) -> int | None:
@@ -414,6 +418,9 @@ def prefill_ids(
     cache = FoldedCache(model.config)
     planned = _planned_methods(methods)
     cache.capture_window = max([capture_window, *(m.query_window for m in planned)])
+    repeating = [size for m in planned if m.uses_repeat_pass for size in repeat_chunks(m)]
+    if repeating:  # the repeat pass appends a chunk and its prompt over the cache: room for it now
+        cache.set_spare_capacity(max(repeating) + REPEAT_PROMPT_ALLOWANCE)
     cache.prefill_observers = list({o.key: o for m in planned for o in m.prefill_observers()}.values())
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)

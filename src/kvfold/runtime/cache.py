@@ -86,6 +86,7 @@ class FoldedLayer(CacheLayerMixin):
         self.batch_size = 0
         self.num_heads = 0
         self.head_dim = 0
+        self.spare = 0  # slots of capacity beyond the first fill (FoldedCache.set_spare_capacity)
 
     # ----------------------------------------------------------------- transformers API
     keys = _content_view(0, "keys")  # type: ignore[assignment]
@@ -444,7 +445,7 @@ class FoldedLayer(CacheLayerMixin):
         needed = self._length + q
         capacity = self._keys.shape[2]
         if needed > capacity:
-            new_cap = needed if self._length == 0 else grow_capacity(capacity, needed)
+            new_cap = needed + self.spare if self._length == 0 else grow_capacity(capacity, needed)
             self._resize(new_cap)
         self._keys[:, :, self._length : needed] = key_states
         self._values[:, :, self._length : needed] = value_states
@@ -587,6 +588,15 @@ class FoldedCache(Cache):
                 total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
         return total
 
+    def set_spare_capacity(self, tokens: int) -> None:
+        """Give every folded layer ``tokens`` slots of capacity beyond what its first fill (the
+        prefill) needs, allocated with it: a pass that appends up to that many tokens over the
+        prefilled cache (:meth:`scratch`, KVzip's repeat pass) then writes in place, where growing
+        each layer's buffers would allocate the whole cache again (glibc keeps the freed buffers in
+        its heap: the repeat pass of an 8K-token context held 2.6 times the cache)."""
+        for _, layer in self.folded_layers:
+            layer.spare = max(0, int(tokens))
+
     def supports_scratch(self) -> bool:
         """Whether :meth:`scratch` applies: every layer a filled dense :class:`FoldedLayer` of one row."""
         return all(
@@ -616,6 +626,9 @@ class FoldedCache(Cache):
             (layer._length, layer.logical_length, layer.captured_queries, dict(layer.entry_stats)) for layer in layers
         ]
         policy, window = self.policy, self.capture_window
+        for layer in layers:  # buffers made under inference_mode take no in-place writes outside it
+            if layer._keys.is_inference() and not torch.is_inference_mode_enabled():
+                layer._resize(layer._keys.shape[2])
         capacities = [layer.reserve(layer._length + reserve) for layer in layers]
         self.policy, self.capture_window = None, 0
         try:

@@ -326,3 +326,28 @@ def test_the_queries_are_held_once(monkeypatch):
     held = sum(q.untyped_storage().nbytes() for q in found.queries.values())
     assert all(q.is_contiguous() for q in found.queries.values())
     assert held < counter.peak < 1.3 * held  # measured 1.15 (validity, chunks); copying the buffer: 2.15
+
+
+def test_a_prefill_for_a_repeat_pass_method_leaves_room_for_the_pass():
+    """Announced a repeat-pass method, the prefill allocates a chunk and its prompt of spare
+    capacity with the cache (``FoldedCache.set_spare_capacity``): the pass then writes in place (the
+    buffers it runs over are the prefill's), where growing them allocated the whole cache again; the
+    compressed cache is the same as without the room."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama", max_position_embeddings=4096))
+    text = (TEXT * 40)[:1500]
+    roomy = kvfold.prefill(model, tok, text, use_chat_template=False, methods=["kvzip[chunk=256]"])
+    plain = kvfold.prefill(model, tok, text, use_chat_template=False)
+    layer = roomy.cache.folded_layers[0][1]
+    assert layer.keys.untyped_storage().nbytes() > plain.cache.folded_layers[0][1].keys.untyped_storage().nbytes()
+    before = [layer.keys.data_ptr() for _, layer in roomy.cache.folded_layers]
+    ctx = CompressionContext(
+        model, roomy.cache, roomy.input_ids, roomy.attention_mask, Budget.parse(0.5), tokenizer=tok
+    )
+    with torch.inference_mode():  # as compressions run (the prefill's buffers are inference tensors)
+        repeat.repeat_pass(ctx, chunk=256)
+    assert [layer.keys.data_ptr() for _, layer in roomy.cache.folded_layers] == before
+    repeat.repeat_pass(ctx, chunk=256)  # outside it the pass first copies them into normal tensors
+    a, b = roomy.compress("kvzip[chunk=256]", 0.3).cache, plain.compress("kvzip[chunk=256]", 0.3).cache
+    for (_, x), (_, y) in zip(a.folded_layers, b.folded_layers, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(x.padded(), y.padded(), strict=True))
