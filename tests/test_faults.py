@@ -612,12 +612,11 @@ def test_a_second_sweep_on_one_folder_is_refused_and_ctrl_c_keeps_every_finished
         "another output folder"
     )
     assert rows.read_bytes() == before  # no row of the second
-    first.send(signal.SIGCONT)
-    wait_for(lambda: lines_in(rows) > len(before.splitlines()) or first.status() is not None, "one more answer")
-    first.send(signal.SIGINT)
+    first.send(signal.SIGINT)  # Ctrl-C while it is stopped, taken the moment it continues: on an idle
+    first.send(signal.SIGCONT)  # machine the tiny sweep finished between one more answer and the signal
     assert first.wait() == 130
     kept = lines_in(rows)
-    assert 1 < kept < 2 * SAMPLES
+    assert 1 <= kept < 2 * SAMPLES
     assert error_line(first.stderr, "eval") == (
         f"kvfold eval: interrupted; {kept} finished answers kept in {rows}: run the same command again to resume"
     )
