@@ -583,12 +583,7 @@ def _plot(rows: list[dict], path: Path) -> None:
             axes[row][col].set_xscale("log", base=2)
             axes[row][col].grid(True, alpha=0.3)
             axes[row][col].legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=110)
-    finally:
-        plt.close(fig)
+    _save_figure(fig, path)
 
 
 def _plot_scaling(rows: list[dict], path: Path) -> None:
@@ -607,7 +602,7 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
     for axis, (name, title) in zip(axes, measures, strict=True):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
-            value = compression_ratios(r).get(name) if name == "compress_over_prefill" else r.get(name)
+            value = {**r, **compression_ratios(r)}.get(name)
             if r["method"] != "full" and value is not None:
                 series.setdefault(f"{r['method']} @ {r['budget']} ×{r['batch']}", []).append((r["length"], value))
         for label, points in sorted(series.items()):
@@ -618,6 +613,13 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
         axis.set_xscale("log", base=2)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=7)
+    _save_figure(fig, path)
+
+
+def _save_figure(fig, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` atomically, and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         with atomic_path(path) as tmp:
