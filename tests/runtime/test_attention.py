@@ -152,3 +152,37 @@ def test_new_tokens_after_an_uncompressed_cache_match_one_masked_attention(dtype
     assert ours.shape == ref.shape and ours.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ours.double(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_masked_path_and_its_blocked_log_sum_exp_equal_float64(dtype, monkeypatch):
+    """The path other devices take (issue 33: on CUDA no mask, no ``(H_q, q, N)`` matrix): the old
+    entries unmasked with the query heads folded, the new block causal, merged by each part's
+    log-sum-exp computed in blocks of a few query rows; output and log-sum-exp equal a float64
+    reference, GQA included, and so does a block with no old entries."""
+    from kvfold.runtime import attention
+
+    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 3 * 41)  # blocks of ~1 row a KV head
+    gen = torch.Generator().manual_seed(5)
+    b, h_kv, groups, q_len, n, d = 2, 3, 2, 9, 41, 8
+    keys = torch.randn(b, h_kv, n, d, generator=gen).to(dtype)
+    values = torch.randn(b, h_kv, n, d, generator=gen).to(dtype)
+    query = torch.randn(b, h_kv * groups, q_len, d, generator=gen).to(dtype)
+    out, lse = attention._attend_after_cache_split(query, keys, values, 0.3, with_lse=True)
+    allowed = torch.ones(q_len, n, dtype=torch.bool)
+    allowed[:, n - q_len :] = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    logits = query.double() @ keys.double().repeat_interleave(groups, 1).transpose(-1, -2) * 0.3
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    ref_out = logits.softmax(-1) @ values.double().repeat_interleave(groups, 1)
+    assert out.shape == ref_out.shape and lse.shape == (b, h_kv * groups, q_len)
+    assert lse.dtype == torch.promote_types(dtype, torch.float32)
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), rtol=0, atol=1e-5)
+    new_keys, new_values = keys[:, :, -q_len:], values[:, :, -q_len:]
+    only_new, lse_new = attention._attend_after_cache_split(query, new_keys, new_values, 0.3, True)
+    ref_new = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), keys[:, :, -q_len:].double().repeat_interleave(groups, 1),
+        values[:, :, -q_len:].double().repeat_interleave(groups, 1), is_causal=True, scale=0.3,
+    )
+    torch.testing.assert_close(only_new.double(), ref_new, rtol=0, atol=1e-5)
+    assert torch.isfinite(lse_new).all()

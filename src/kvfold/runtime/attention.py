@@ -108,7 +108,7 @@ def kvfold_attention(
         _check_sliding_window(layer, kwargs.get("sliding_window"))
         if layer.paged is not None and q_len == 1:
             out = _paged_decode(query, layer.paged, scaling)
-        elif need_probs and getattr(policy, "accepts_log_sum_exp", False) and _fused_after_cache(query, layer):
+        elif need_probs and getattr(policy, "accepts_log_sum_exp", False) and _gives_log_sum_exp(query, layer):
             keys, values, _ = _dense_views(layer)
             out, lse = _attend_after_cache(query, keys, values, scaling, with_lse=True)
             policy.after_forward(module.layer_idx, layer, query, None, None, log_sum_exp=lse, scaling=scaling)
@@ -148,7 +148,7 @@ def _dense_attention(
     else:
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=bias, scale=scaling)
         probs = logits = None
-    out = out.view(b, h_q, q_len, d).transpose(1, 2)
+    out = out.reshape(b, h_q, q_len, d).transpose(1, 2)
     return out, probs, logits
 
 
@@ -156,20 +156,30 @@ FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 """The CPU flash-attention kernel that also returns each query's log-sum-exp (None in builds without it)."""
 
 
-def _fused_after_cache(query: torch.Tensor, layer: FoldedLayer) -> bool:
-    """True when :func:`_attend_after_cache` runs the fused CPU kernel for ``query`` on ``layer``
-    (and so can give each query's log-sum-exp): several new tokens on an uncompressed dense CPU
-    cache in float32 or bfloat16, with older entries before them."""
+def _gives_log_sum_exp(query: torch.Tensor, layer: FoldedLayer) -> bool:
+    """True when :func:`_attend_after_cache` gives each query's log-sum-exp for ``query`` on
+    ``layer`` to a policy that accepts it: several new tokens on an uncompressed dense cache, with
+    older entries before them, and either the fused CPU kernel (float32 or bfloat16) or a device
+    other than the CPU (:func:`_attend_after_cache_split`). Other CPU queries (float64) keep the
+    probability path."""
     q_len = query.shape[2]
-    return (
-        FLASH_WITH_LSE is not None
-        and query.device.type == "cpu"
-        and query.dtype in (torch.float32, torch.bfloat16)
-        and layer.paged is None
+    uncompressed = (
+        layer.paged is None
         and layer._log_mass is None  # noqa: SLF001 - the attention is the layer's reader
         and q_len > 1
         and layer.physical_length > q_len
     )
+    return uncompressed and (_cpu_flash(query) or not _is_cpu(query.device))
+
+
+def _cpu_flash(query: torch.Tensor) -> bool:
+    """The fused CPU kernel applies: a CPU query in float32 or bfloat16, a build that has it."""
+    return FLASH_WITH_LSE is not None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
+
+
+def _is_cpu(device: torch.device) -> bool:
+    """Whether ``device`` is the CPU (tests patch it to run the other devices' path here)."""
+    return device.type == "cpu"
 
 
 def _attend_after_cache(
@@ -177,25 +187,22 @@ def _attend_after_cache(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` new tokens over an uncompressed cache whose last ``q`` entries are
     theirs: every older entry is visible, the new ones causally. Returns ``(B, H_q, q, D)``, and
-    with ``with_lse`` (fused path only, see :func:`_fused_after_cache`) each query's log-sum-exp
-    over every entry, ``(B, H_q, q)`` float32.
+    with ``with_lse`` each query's log-sum-exp over every entry, ``(B, H_q, q)`` float32 (float64
+    for float64 queries).
 
-    On CPU the two parts are computed apart and merged by their log-sum-exp (the block
-    decomposition of attention, Zweiger et al. 2026 §2): the old entries with no mask and the G
-    query heads of a KV head folded into the query axis, the new block with the kernel's own
-    causal mask. Neither part reads a mask, and the masked half of the new block is skipped
-    (Attention Matching's repeat pass on SmolLM2 at 4K tokens: 19.9 → 18.4 s). Other devices,
-    other dtypes and a CPU build without the kernel use one ``(q, N)`` additive mask.
+    The two parts are computed apart and merged by their log-sum-exp (the block decomposition of
+    attention, Zweiger et al. 2026 §2): the old entries with no mask and the G query heads of a KV
+    head folded into the query axis, the new block with the kernel's own causal mask. Neither part
+    reads a mask, and the masked half of the new block is skipped (Attention Matching's repeat pass
+    on SmolLM2 at 4K tokens: 19.9 → 18.4 s). On the CPU the fused kernel gives both parts'
+    log-sum-exp; elsewhere :func:`_attend_after_cache_split` computes them in blocks.
     """
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     old = n - q_len
+    if not _cpu_flash(query) or old <= 0:
+        return _attend_after_cache_split(query, keys, values, scaling, with_lse)
     flash = FLASH_WITH_LSE
-    if query.device.type != "cpu" or flash is None or old <= 0 or query.dtype not in (torch.float32, torch.bfloat16):
-        if with_lse:
-            raise ValueError("the log-sum-exp comes from the fused CPU kernel only (see _fused_after_cache)")
-        mask = _causal_after_cache(q_len, n, query.device, query.dtype)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
     groups = h_q // h_kv
     folded = query.reshape(b, h_kv, groups * q_len, d)
     out_old, lse_old = flash(folded, keys[:, :, :old], values[:, :, :old], 0.0, False, scale=scaling)
@@ -210,23 +217,72 @@ def _attend_after_cache(
     return (out.to(query.dtype), lse) if with_lse else out.to(query.dtype)
 
 
-_CAUSAL_MASKS: dict[tuple[int, int, torch.device, torch.dtype], torch.Tensor] = {}
+LSE_BLOCK_ELEMENTS = 1 << 25
+"""At most this many logits in one block of :func:`log_sum_exp_parts` (128 MB in float32)."""
 
 
-def _causal_after_cache(q_len: int, n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``(q, N)`` additive mask (0 or −inf): the ``q`` newest entries see every older entry and,
-    causally, each other.
+def _attend_after_cache_split(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, with_lse: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_attend_after_cache` on any device: the old entries through SDPA with no mask (the
+    G query heads of a KV head folded into the query axis), the new block through SDPA's own
+    causal mask with its keys repeated per query head, merged by the log-sum-exp of each part from
+    :func:`log_sum_exp_parts`. No mask is built and no kernel sees one: on CUDA a float mask, or
+    ``enable_gqa`` with a mask, can send SDPA to its math kernel, which holds every ``(q, N)``
+    probability of every head."""
+    b, h_q, q_len, d = query.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    groups = h_q // h_kv
+    old = n - q_len
+    acc = torch.promote_types(query.dtype, torch.float32)
+    new_keys = keys[:, :, old:].repeat_interleave(groups, dim=1)
+    new_values = values[:, :, old:].repeat_interleave(groups, dim=1)
+    out_new = F.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True, scale=scaling)
+    lse_old, lse_new = log_sum_exp_parts(query, keys, scaling)
+    if old <= 0:
+        return (out_new, lse_new) if with_lse else out_new
+    folded = query.reshape(b, h_kv, groups * q_len, d)
+    out_old = F.scaled_dot_product_attention(folded, keys[:, :, :old], values[:, :, :old], scale=scaling)
+    lse = torch.logaddexp(lse_old, lse_new)
+    weight_old = (lse_old - lse).exp_()[..., None]
+    weight_new = (lse_new - lse).exp_()[..., None]
+    out = out_old.reshape(b, h_q, q_len, d).to(acc) * weight_old + out_new.to(acc) * weight_new
+    return (out.to(query.dtype), lse) if with_lse else out.to(query.dtype)
 
-    The last mask built is kept (every layer of one forward asks for the same one).
-    """
-    key = (q_len, n, device, dtype)
-    mask = _CAUSAL_MASKS.get(key)
-    if mask is None:
-        mask = torch.zeros(q_len, n, dtype=dtype, device=device)
-        mask[:, n - q_len :] = torch.full((q_len, q_len), NEG_INF, dtype=dtype, device=device).triu(1)
-        _CAUSAL_MASKS.clear()
-        _CAUSAL_MASKS[key] = mask
-    return mask
+
+def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new query's log-sum-exp ``log Σ_j exp(s·q·k_j)`` over the old entries and, apart, over
+    the new ones it sees (causally): two ``(B, H_q, q)`` tensors in float32 (float64 for float64
+    queries); −inf where a part is empty.
+
+    Computed in blocks of query rows, at most :data:`LSE_BLOCK_ELEMENTS` logits and ``4·D`` rows
+    a KV head (a block is then about an eighth of the cache's bytes, at any length: few kernel
+    launches on a GPU, bounded memory everywhere)."""
+    b, h_q, q_len, d = query.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    groups = h_q // h_kv
+    old = n - q_len
+    acc = torch.promote_types(query.dtype, torch.float32)
+    folded = query.reshape(b * h_kv, groups * q_len, d)
+    key_t = keys.reshape(b * h_kv, n, d).transpose(1, 2)
+    lse_old = torch.empty(b * h_kv, groups * q_len, dtype=acc, device=query.device)
+    lse_new = torch.empty_like(lse_old)
+    rows = max(1, min(LSE_BLOCK_ELEMENTS // max(1, b * h_kv * n), 4 * d))
+    position = torch.arange(groups * q_len, device=query.device) % q_len  # each folded row's query
+    new_keys = torch.arange(q_len, device=query.device)
+    for lo in range(0, groups * q_len, rows):
+        hi = min(lo + rows, groups * q_len)
+        logits = torch.matmul(folded[:, lo:hi].to(acc), key_t.to(acc)).mul_(scaling)
+        lse_old[:, lo:hi] = torch.logsumexp(logits[..., :old], dim=-1)
+        future = new_keys[None, :] > position[lo:hi, None]  # (rows, q): a new entry after the query
+        lse_new[:, lo:hi] = torch.logsumexp(logits[..., old:].masked_fill_(future, float("-inf")), dim=-1)
+    shape = (b, h_kv, groups, q_len)
+    return lse_old.view(shape).reshape(b, h_q, q_len), lse_new.view(shape).reshape(b, h_q, q_len)
+
+
+def log_sum_exp_after_cache(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Each new query's log-sum-exp over every entry it sees (:func:`log_sum_exp_parts`, merged)."""
+    return torch.logaddexp(*log_sum_exp_parts(query, keys, scaling))
 
 
 def _dense_views(layer: FoldedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
