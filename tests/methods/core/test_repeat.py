@@ -351,3 +351,35 @@ def test_a_prefill_for_a_repeat_pass_method_leaves_room_for_the_pass():
     a, b = roomy.compress("kvzip[chunk=256]", 0.3).cache, plain.compress("kvzip[chunk=256]", 0.3).cache
     for (_, x), (_, y) in zip(a.folded_layers, b.folded_layers, strict=True):
         assert all(torch.equal(p, q) for p, q in zip(x.padded(), y.padded(), strict=True))
+
+
+def test_the_device_path_scores_equal_the_fused_cpu_ones(monkeypatch):
+    """Off the CPU the repeat pass gets each query's log-sum-exp from the masked kernel and a
+    blocked log-sum-exp (issue 33: no ``(H_q, q, N)`` probabilities on CUDA). Run here on the CPU,
+    in blocks of a few rows, it gives the fused CPU kernel's scores and queries."""
+    from kvfold.runtime import attention
+
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    fused = repeat.repeat_pass(ctx, forward_chunk=64)
+    blocks = []
+    real = attention.log_sum_exp_parts
+    monkeypatch.setattr(attention, "log_sum_exp_parts", lambda *a: blocks.append(1) or real(*a))
+    monkeypatch.setattr(attention, "_is_cpu", lambda device: False)
+    monkeypatch.setattr(attention, "_cpu_flash", lambda query: False)
+    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 500)
+    device_path = repeat.repeat_pass(ctx, forward_chunk=64)
+    assert blocks  # the device path ran
+    for i in fused.scores:
+        torch.testing.assert_close(device_path.scores[i], fused.scores[i], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(device_path.queries[i], fused.queries[i], rtol=1e-5, atol=1e-6)
+
+
+def test_score_blocks_are_cache_sized_on_the_cpu_and_large_elsewhere():
+    """CPU blocks keep their logits in cache (fewer rows as N grows); on a GPU a block is 4·D rows
+    at any length, so the scores at 32K entries are a few launches a layer, not hundreds."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert repeat.score_block_rows(cpu, 2048, 64) == 128 and repeat.score_block_rows(cpu, 32768, 64) == 16
+    assert repeat.score_block_rows(gpu, 32768, 128) == 512 == repeat.score_block_rows(gpu, 2048, 128)
