@@ -33,7 +33,6 @@ the budget) plus one chunk, and the repeat pass of one chunk.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +44,7 @@ from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, CompressedContext, 
 from kvfold.pipeline.recompact import recompacts_by_repeat_pass, streaming_step
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.timing import device_clock
 
 
 def supports_chunked_prefill(method: ComposedMethod) -> bool:
@@ -210,7 +210,7 @@ def _feed_chunks(
     for start in range(0, length, chunk_size):
         end = min(length, start + chunk_size)
         positions = torch.arange(start, end, device=input_ids.device).expand(batch, -1)
-        t0 = time.perf_counter()
+        t0 = device_clock(model.device)
         out = model(
             input_ids=input_ids[:, start:end],
             position_ids=positions,
@@ -218,18 +218,18 @@ def _feed_chunks(
             use_cache=True,
             logits_to_keep=1,
         )
-        prefill_seconds += time.perf_counter() - t0
+        prefill_seconds += device_clock(model.device) - t0
         cache.prefill_observers = []  # they see the first chunk only (a fresh prefill)
         if cache.policy is not None:
             continue  # the policy brought every layer back to its budget inside the forward
-        t0 = time.perf_counter()
+        t0 = device_clock(model.device)
         if after_chunk is not None:
             after_chunk(start, end)
         elif policy is not None and hasattr(policy, "adopt"):
             policy.adopt(cache)  # the policy brings the first chunk to its budget (ZSMerge)
         elif not composed.is_identity and any(layer.physical_length > keep for _, layer in cache.folded_layers):
             composed.compress(context(end))
-        compress_seconds += time.perf_counter() - t0
+        compress_seconds += device_clock(model.device) - t0
         if policy is not None:
             cache.policy = policy  # from the second chunk on: scores accumulate over every query
     return out, prefill_seconds, compress_seconds

@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
+from kvfold.runtime.timing import device_clock
 
 DEFAULT_SNAPSHOT_WINDOW = 64
 """Prefill query states kept per layer for methods with an observation window (SnapKV: 32)."""
@@ -120,10 +120,10 @@ class PrefilledContext:
         parsed_budget = Budget.parse(budget)
         cache = self.cache.copy()
         ctx = self.compression_context(cache, parsed_budget, seed=seed, shared=self.shared)
-        start = time.perf_counter()
+        start = device_clock(self.model.device)
         policy = composed.apply(ctx)
         # the time this compression costs alone: shared results it reused count as if computed here
-        elapsed = time.perf_counter() - start + ctx.report.get("reused_seconds", 0.0)
+        elapsed = device_clock(self.model.device) - start + ctx.report.get("reused_seconds", 0.0)
         return CompressedContext(self, composed, parsed_budget, cache, policy, elapsed, ctx.report)
 
 
@@ -268,7 +268,7 @@ def greedy_decode(
     eos = eos_ids(model, tokenizer)
     logical = cache.get_seq_length()
     generated: list[int] = []
-    start = time.perf_counter()
+    start = device_clock(device)
     if prompt_ids:
         ids = torch.tensor([prompt_ids], device=device)
         pos = torch.arange(logical, logical + len(prompt_ids), device=device)[None] + position_offset
@@ -288,7 +288,7 @@ def greedy_decode(
         ids = torch.tensor([[token]], device=device)
         pos = torch.tensor([[logical + position_offset]], device=device)
         logits = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).logits[:, -1]
-    elapsed = time.perf_counter() - start
+    elapsed = device_clock(device) - start
     text = tokenizer.decode(generated, skip_special_tokens=True)
     return Answer(text=text, token_ids=generated, new_tokens=len(generated), decode_seconds=elapsed)
 
@@ -424,7 +424,7 @@ def prefill_ids(
     cache.prefill_observers = list({o.key: o for m in planned for o in m.prefill_observers()}.values())
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    start = time.perf_counter()
+    start = device_clock(model.device)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -433,7 +433,7 @@ def prefill_ids(
         use_cache=True,
         logits_to_keep=1,
     )
-    elapsed = time.perf_counter() - start
+    elapsed = device_clock(model.device) - start
     cache.capture_window = 0
     cache.prefill_observers = []
     last_logits = out.logits[:, -1]

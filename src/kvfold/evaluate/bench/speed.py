@@ -43,7 +43,6 @@ against the length.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -65,6 +64,7 @@ from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
 from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
 from kvfold.runtime.models import load_model
+from kvfold.runtime.timing import device_clock
 
 WARMUP_STEPS = 4
 
@@ -183,10 +183,10 @@ def time_repeat_pass(source) -> float:
     from kvfold.runtime.budget import Budget
 
     ctx = source.compression_context(source.cache, Budget.parse(1.0))
-    start = time.perf_counter()
+    start = device_clock(source.model.device)
     with torch.inference_mode():
         repeat_pass(ctx, scores=False, queries=False)
-    return time.perf_counter() - start
+    return device_clock(source.model.device) - start
 
 
 def compression_ratios(record: dict) -> dict:
@@ -208,7 +208,7 @@ def _compress_in_place(source, method, budget):
 
     parsed = Budget.parse(budget)
     ctx = source.compression_context(source.cache, parsed)
-    start = time.perf_counter()
+    start = device_clock(source.model.device)
     with torch.inference_mode():
         if not method.is_identity and not parsed.is_full:
             method.compress(ctx)
@@ -219,7 +219,7 @@ def _compress_in_place(source, method, budget):
         budget=parsed,
         cache=source.cache,
         policy=policy,
-        compress_seconds=time.perf_counter() - start,
+        compress_seconds=device_clock(source.model.device) - start,
         report=ctx.report,
     )
 
@@ -249,11 +249,11 @@ def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
             cache, tokens = states[index]
             batch = tokens.shape[0]
             position = torch.full((batch, 1), cache.get_seq_length(), device=tokens.device)
-            start = time.perf_counter()
+            start = device_clock(tokens.device)
             logits = model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
             states[index][1] = logits.argmax(-1)
             if step >= WARMUP_STEPS:
-                times[index].append(time.perf_counter() - start)
+                times[index].append(device_clock(tokens.device) - start)
     return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
 
 

@@ -9,7 +9,6 @@ plain eviction by default). Methods that do all three their own way are :class:`
 from __future__ import annotations
 
 import dataclasses
-import time
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from transformers import PreTrainedModel
 from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spec
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.timing import device_clock
 
 # ------------------------------------------------------------------------- context
 
@@ -86,9 +86,9 @@ class CompressionContext:
         """
         hit = self.shared.get(key)
         if hit is None:
-            start = time.perf_counter()
+            start = device_clock(getattr(self.model, "device", None))
             value = compute()
-            hit = self.shared[key] = (value, time.perf_counter() - start)
+            hit = self.shared[key] = (value, device_clock(getattr(self.model, "device", None)) - start)
         elif key not in self._charged:
             self.report["reused_seconds"] = self.report.get("reused_seconds", 0.0) + hit[1]
         self._charged.add(key)
