@@ -61,6 +61,9 @@ class CompressionContext:
             keeps as they are (a conversation's compressed document:
             :class:`kvfold.pipeline.chat.ChatSession`), or None. The chat ranks them first in the
             repeat pass's scores; ``am_fit`` leaves them unfitted, as it leaves the sinks.
+        selection_scale: the selector keeps this many times the budget (a pre-selection) and the
+            folder cuts each head back to its share of the budget (``am_fit[preselect=f]``: the
+            keys Attention Matching chooses from a larger KVzip selection); 1 by default.
     """
 
     model: PreTrainedModel
@@ -75,6 +78,7 @@ class CompressionContext:
     merge_recorder: Any = None
     shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
     pinned: dict[int, torch.Tensor] | None = None
+    selection_scale: float = 1.0
     _charged: set = field(default_factory=set, init=False, repr=False)
 
     def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:
@@ -125,7 +129,18 @@ class CompressionContext:
 
     @property
     def row_budgets(self) -> torch.Tensor:
-        """Entries to keep per KV head and layer (on average), per batch row, ``(B,)``."""
+        """Entries the selector keeps per KV head and layer (on average), per batch row, ``(B,)``:
+        the budget's, times :attr:`selection_scale` (at most the context) when a folder asks for a
+        pre-selection."""
+        budgets = self.target_row_budgets
+        if self.selection_scale == 1.0:
+            return budgets
+        scaled = torch.floor(budgets.double() * self.selection_scale).long()
+        return torch.minimum(scaled, self.context_lengths)
+
+    @property
+    def target_row_budgets(self) -> torch.Tensor:
+        """Entries per KV head and layer (on average) after compression, per batch row, ``(B,)``."""
         return self.budget.counts(self.context_lengths)
 
     @property
@@ -290,6 +305,16 @@ class Selector(Allocator):
         per_row = ctx.row_budgets
         return [per_row.clone() for _ in range(ctx.num_layers)]
 
+    def target_counts(
+        self, layer_idx: int, layer: FoldedLayer, selected: torch.Tensor, ctx: CompressionContext
+    ) -> torch.Tensor:
+        """Entries each head of a layer holds after compression, ``(B, H)``, given the ``selected``
+        counts of a pre-selection (:attr:`CompressionContext.selection_scale` > 1): the selection's
+        shape over the heads scaled back to the budget; the selected counts without one."""
+        if ctx.selection_scale == 1.0:
+            return selected
+        return torch.floor(selected.double() / ctx.selection_scale).long().clamp(min=1).minimum(selected)
+
     def online_policy(self, ctx: CompressionContext):
         return None
 
@@ -350,6 +375,10 @@ class Folder(Method):
     def bind_selector(self, selector: Selector | Standalone) -> None:
         """Called once when this folder is composed after ``selector`` (e.g. to choose reference
         queries that fit the selector's protocol); nothing by default."""
+
+    def check_wrappers(self, wrappers: tuple[Wrapper, ...]) -> None:
+        """Raise :class:`SpecError` when this folder, with its options, cannot follow ``wrappers``
+        (called once when composed); nothing by default."""
 
     def fold(
         self, layer_idx: int, layer: FoldedLayer, keep: torch.Tensor, lengths: torch.Tensor, scores: torch.Tensor,
@@ -441,6 +470,7 @@ class ComposedMethod:
     def __post_init__(self) -> None:
         if self.folder is not None:
             self.folder.bind_selector(self.selector)
+            self.folder.check_wrappers(self.wrappers)
 
     @property
     def query_window(self) -> int:

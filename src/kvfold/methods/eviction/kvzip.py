@@ -144,6 +144,14 @@ class KVzip(Selector):
                 valid=[layers[i].valid_mask() for i in order],
             )
             ctx.memo["kvzip_counts"] = dict(zip(order, counts, strict=True))
+            if ctx.selection_scale != 1.0:  # a pre-selection: KVzip's own allocation at the budget too
+                targets = global_head_budgets(
+                    [scores[i] for i in order],
+                    ctx.target_row_budgets * sum(layers[i].num_heads for i in order),
+                    protected=[self.protected(i, layers[i], ctx) for i in order],
+                    valid=[layers[i].valid_mask() for i in order],
+                )
+                ctx.memo["kvzip_target_counts"] = dict(zip(order, targets, strict=True))
 
     def demote_structure(self, scores: dict[int, Tensor], ctx: CompressionContext) -> None:
         """Multiply the scores of the structure tokens (:func:`structure_mask`) by ``demote``, in
@@ -174,6 +182,14 @@ class KVzip(Selector):
     def allocate(self, layer_idx, layer, scores, counts, protected, ctx) -> Tensor:
         global_counts = ctx.memo.get("kvzip_counts")
         return counts if global_counts is None else global_counts[layer_idx].to(counts.device)
+
+    def target_counts(self, layer_idx, layer, selected, ctx) -> Tensor:
+        """After a pre-selection, KVzip's own global allocation at the budget (each head's share
+        of one ranking of every entry, §3.2), not the pre-selection's shape scaled."""
+        targets = ctx.memo.get("kvzip_target_counts")
+        if targets is None:
+            return super().target_counts(layer_idx, layer, selected, ctx)
+        return torch.minimum(targets[layer_idx].to(selected.device), selected)
 
 
 # ---------------------------------------------------------------------------- structure demotion

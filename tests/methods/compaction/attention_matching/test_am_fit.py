@@ -193,3 +193,74 @@ def test_template_tokens_are_untouched_by_compaction(spec, refit):
     assert kept <= slots  # the template counts in the budget (KVzip's budgets are global)
     _, layer = pre.compress(refit, budget).cache.folded_layers[0]
     assert not torch.equal(layer.padded()[2][:, :, :4], torch.zeros_like(layer.padded()[2][:, :, :4]))  # refitted
+
+
+# ---------------------------------------------------------------------------- keys chosen from a pre-selection
+
+
+def test_candidates_limit_the_highest_attention_keys_to_the_preselection():
+    """``fit_problems(candidates=)`` keeps the ``t`` candidates with the largest mean squared
+    attention weight over the reference queries (App. F.1), the weights read over every entry."""
+    g = torch.Generator().manual_seed(4)
+    T, n, D, t = 40, 60, 8, 5
+    keys, values = torch.randn(T, D, generator=g, dtype=F64), torch.randn(T, D, generator=g, dtype=F64)
+    queries = torch.randn(n, D, generator=g, dtype=F64)
+    candidates = torch.zeros(T, dtype=torch.bool)
+    candidates[torch.randperm(T, generator=g)[:15]] = True
+    result = fit_problems(
+        keys[None], values[None], torch.zeros(1, T, dtype=F64), queries[None], torch.ones(1, n, dtype=torch.bool),
+        torch.tensor([t]), D**-0.5, FitConfig(), candidates=candidates[None],
+    )
+    weights = torch.softmax(queries @ keys.T * D**-0.5, dim=-1)  # every entry in the denominator
+    score = weights.square().mean(0).masked_fill(~candidates, -math.inf)
+    assert result.index[0, : int(result.lengths[0])].tolist() == sorted(score.topk(t).indices.tolist())
+    everyone = fit_problems(
+        keys[None], values[None], torch.zeros(1, T, dtype=F64), queries[None], torch.ones(1, n, dtype=torch.bool),
+        torch.tensor([t]), D**-0.5, FitConfig(),
+    )
+    assert everyone.index[0].tolist() != result.index[0].tolist()  # the pre-selection mattered here
+
+
+def test_preselect_keeps_kvzips_allocation_with_keys_chosen_by_attention_among_a_larger_selection():
+    """``kvzip+am_fit[preselect=2]``: every head holds what KVzip's global ranking gives it at the
+    budget; its keys are KVzip's sinks and keys from KVzip's selection at twice the budget, not
+    all of them KVzip's selection at the budget; ``preselect=1`` is the default, bit for bit."""
+    model = model64("llama")
+    pre = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False)
+    budget = 0.2
+    chosen = pre.compress("kvzip+am_fit[preselect=2]", budget).cache
+    plain = pre.compress("kvzip", budget).cache
+    count = int(kvfold.Budget.parse(budget).counts(torch.tensor([pre.input_ids.shape[1]]))[0])
+    wider = pre.compress("kvzip", 2 * count).cache  # the pre-selection: twice the budget's entries
+    default, same = pre.compress("kvzip+am_fit", budget).cache, pre.compress("kvzip+am_fit[preselect=1]", budget).cache
+    differs = False
+    for (_, full), (_, c), (_, p), (_, w) in zip(
+        pre.cache.folded_layers, chosen.folded_layers, plain.folded_layers, wider.folded_layers, strict=True
+    ):
+        keys, _, beta, lengths = c.padded()
+        assert torch.equal(lengths, p.padded()[3])  # KVzip's allocation at the budget
+        for h in range(keys.shape[1]):
+            kept = keys[0, h, : int(lengths[0, h])]
+            in_wider = (kept[:, None, :] == w.padded()[0][0, h, None, : int(w.padded()[3][0, h])]).all(-1).any(-1)
+            assert bool(in_wider.all())  # chosen among the pre-selection
+            assert torch.equal(kept[:4], full.padded()[0][0, h, :4])  # the sinks stay
+            in_plain = (kept[:, None, :] == p.padded()[0][0, h, None, : int(p.padded()[3][0, h])]).all(-1).any(-1)
+            differs |= not bool(in_plain.all())
+        assert torch.isfinite(beta[0][torch.arange(beta.shape[-1])[None, :] < lengths[0][:, None]]).all()
+    assert differs  # some key outside KVzip's own selection at the budget
+    for (_, a), (_, b) in zip(default.folded_layers, same.folded_layers, strict=True):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_preselect_options_are_checked():
+    from kvfold.methods.core.spec import SpecError
+
+    with pytest.raises(SpecError, match="preselect must be ≥ 1"):
+        build_method("kvzip+am_fit[preselect=0.5]")
+    with pytest.raises(SpecError, match="follows a plain selector"):
+        build_method("adakv:snapkv+am_fit[preselect=2]")
+    model = model64("llama")
+    pre = kvfold.prefill(model, CharTokenizer(), TEXT * 2, use_chat_template=False)
+    with pytest.raises(SpecError, match="fits in one piece"):
+        pre.compress("kvzip+am_fit[preselect=2,fit_chunk=64]", 0.3)

@@ -451,6 +451,13 @@ class AMFit(Folder):
             repeat pass's chunks); ``auto`` does so from 4,096 context tokens on with repeat
             queries and fits shorter contexts in one piece, exactly as ``none`` (see
             :mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
+        preselect: 1 (default): the selector's entries are the kept keys. ``f > 1``: the selector
+            keeps ``f`` times the budget and Attention Matching chooses each head's keys among
+            them by highest attention over the reference queries (§3.3, App. F.1: the RMS of the
+            attention weights), the head's count being the selector's allocation at the budget
+            (KVzip's global ranking; other selectors' shape scaled), then fits β and the values;
+            the selector's protected entries (sinks) stay. Fits in one piece (``fit_chunk`` must
+            resolve to none) and follows no wrapper.
     """
 
     name: ClassVar[str] = "am_fit"
@@ -471,9 +478,11 @@ class AMFit(Folder):
     context_window: int = 8192
     solver: str = "gram"
     fit_chunk: str = "auto"
+    preselect: float = 1.0
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
+        self._selector = None
 
     @classmethod
     def default_selector(cls) -> str | None:
@@ -481,6 +490,11 @@ class AMFit(Folder):
 
     def bind_selector(self, selector) -> None:
         self._selector_agnostic = bool(getattr(selector, "query_agnostic", False))
+        self._selector = selector
+
+    def check_wrappers(self, wrappers) -> None:
+        if self.preselect != 1.0 and wrappers:
+            raise SpecError("am_fit[preselect] follows a plain selector: a wrapper's budgets cannot be cut back")
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -512,6 +526,8 @@ class AMFit(Folder):
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
         parse_fit_chunk(self.fit_chunk, self.name)
+        if not self.preselect >= 1.0:
+            raise SpecError(f"am_fit: preselect must be ≥ 1 (times the budget); got {self.preselect}")
 
     def fit_config(self) -> FitConfig:
         return FitConfig(
@@ -527,6 +543,13 @@ class AMFit(Folder):
 
     def prepare(self, ctx: CompressionContext) -> None:
         tokens = fit_chunk_tokens(self.fit_chunk, self.name, ctx, self.sources)
+        if self.preselect != 1.0:
+            if tokens:
+                raise SpecError(
+                    f"am_fit[preselect] fits in one piece; this context's fits are chunked ({tokens} tokens): "
+                    "add fit_chunk=none"
+                )
+            ctx.selection_scale = self.preselect  # before the selector prepares: it keeps f × the budget
         options = QueryOptions(
             sources=self.sources,
             max_queries=query_cap(self.max_queries),
@@ -543,9 +566,17 @@ class AMFit(Folder):
         report["queries"] = "+".join(self.sources)
         report["fit_chunk"] = tokens
 
+    def reselect(self, layer_idx, layer, keep, lengths, scores, protected, valid, ctx) -> tuple[Tensor, Tensor]:
+        if self.preselect != 1.0 and protected is not None:  # the pre-selection's sinks stay (see fold)
+            ctx.memo[("am_fit_protected", layer_idx)] = protected
+        return keep, lengths
+
     def fold(
         self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, scores: Tensor, ctx: CompressionContext
     ) -> None:
+        if self.preselect != 1.0:
+            self._fold_preselected(layer_idx, layer, keep, lengths, ctx)
+            return
         keys, values, log_mass, _ = layer.padded()
         queries = ctx.memo["am_fit_queries"][layer_idx]
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
@@ -587,6 +618,62 @@ class AMFit(Folder):
         beta = torch.where(is_fixed, beta_kept, beta_fit)
         beta = beta.masked_fill(~slot, float("-inf"))
         layer.replace(c_k, c_v, beta, lengths=lengths)
+        report = ctx.report.setdefault("am_fit", {})
+        report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
+        report.setdefault("output_error", []).append(float(result.output_error.mean()))
+
+    def _fold_preselected(
+        self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, ctx: CompressionContext
+    ) -> None:
+        """``preselect > 1``: the selector kept ``keep`` (``preselect`` times the budget); each head
+        keeps its target count (:meth:`Selector.target_counts`): the selector's protected entries,
+        the verbatim prefix and pinned entries as they are, the rest chosen among the pre-selected
+        by highest attention over the reference queries (§3.3, App. F.1) with β and values fitted
+        to the whole cache's attention (§3.2), as AM-HighestAttnKeys does over every entry."""
+        keys, values, log_mass, _ = layer.padded()
+        b, h, n = log_mass.shape
+        slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
+        at = torch.where(slot, keep, torch.full_like(keep, n))
+        candidates = torch.zeros(b, h, n + 1, dtype=torch.bool, device=keep.device).scatter_(2, at, True)[..., :n]
+        valid = torch.isfinite(log_mass)
+        rank = valid.long().cumsum(-1) - 1
+        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)[:, None]
+        if ctx.pinned is not None:
+            prefix = torch.maximum(prefix, ctx.pinned[layer_idx].to(keep.device))
+        forced = candidates & valid & (rank < prefix[..., None])
+        protected = ctx.memo.pop(("am_fit_protected", layer_idx), None)
+        if protected is not None:
+            forced |= candidates & protected.to(keep.device)
+        target = self._selector.target_counts(layer_idx, layer, lengths, ctx).to(keep.device)
+        fit_counts = (target - forced.sum(-1)).clamp(min=0)
+        queries = ctx.memo["am_fit_queries"][layer_idx]
+        span_mass = log_mass.masked_fill(forced, float("-inf"))
+        result = fit_problems(
+            keys, values, span_mass, queries.queries, queries.valid, fit_counts,
+            layer_scaling(ctx, layer_idx, layer), self.fit_config(), candidates=candidates & ~forced,
+        )
+        # every kept entry in position order: forced ones as they were, chosen ones as fitted
+        t = result.index.shape[-1]
+        chosen = torch.arange(t, device=keep.device)[None, None, :] < result.lengths[..., None]
+        at = torch.where(chosen, result.index, torch.full_like(result.index, n))
+        fitted_values = values.new_zeros(b, h, n + 1, values.shape[-1])
+        fitted_values.scatter_(2, at[..., None].expand(-1, -1, -1, values.shape[-1]), result.values.to(values.dtype))
+        fitted_beta = log_mass.float().new_full((b, h, n + 1), float("-inf"))
+        fitted_beta.scatter_(2, at, result.log_mass.float())
+        is_chosen = torch.zeros(b, h, n + 1, dtype=torch.bool, device=keep.device).scatter_(2, at, True)[..., :n]
+        kept = forced | is_chosen
+        new_lengths = kept.sum(-1)
+        width = max(int(new_lengths.max()), 1)
+        order = torch.where(kept, torch.arange(n, device=keep.device), n).sort(-1).values[..., :width]
+        in_row = torch.arange(width, device=keep.device)[None, None, :] < new_lengths[..., None]
+        order = torch.where(in_row, order, order[..., :1])
+        take_k = order[..., None].expand(-1, -1, -1, keys.shape[-1])
+        take_v = order[..., None].expand(-1, -1, -1, values.shape[-1])
+        from_forced = forced.gather(2, order)[..., None]
+        c_k = keys.gather(2, take_k)
+        c_v = torch.where(from_forced, values.gather(2, take_v), fitted_values.gather(2, take_v))
+        beta = torch.where(from_forced[..., 0], log_mass.float().gather(2, order), fitted_beta.gather(2, order))
+        layer.replace(c_k, c_v, beta.masked_fill(~in_row, float("-inf")), lengths=new_lengths)
         report = ctx.report.setdefault("am_fit", {})
         report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
         report.setdefault("output_error", []).append(float(result.output_error.mean()))

@@ -184,16 +184,19 @@ class _Selection:
     history: Tensor | None = None
 
 
-def _fit_group(group: Group, counts: Tensor, config: FitConfig, given: Tensor | None = None) -> Compacted:
+def _fit_group(
+    group: Group, counts: Tensor, config: FitConfig, given: Tensor | None = None, candidates: Tensor | None = None
+) -> Compacted:
     """Compact the ``P`` problems of ``group`` at once to ``counts`` ``(P,)`` entries (see the module
     docstring); ``given`` ``(P, t)`` fixes the kept positions (−1 = unused slot) and only β and the
-    values are fitted."""
+    values are fitted; ``candidates`` ``(P, T)`` bool limits the highest-attention keys to those
+    entries."""
     t_max = int(counts.max()) if group.keys.shape[0] else 0
     (P, T, d), n = group.keys.shape, group.queries.shape[1]
     omp = given is None and config.keys == "omp"
     FIT_PRODUCTS.add(P, n, T, t_max, d, group.values.shape[-1], omp)
     if given is not None or config.keys == "highest":
-        selection = _select_by_score(group, counts, t_max, config, given)
+        selection = _select_by_score(group, counts, t_max, config, given, candidates)
         if isinstance(selection, Compacted):
             return selection
     else:
@@ -222,7 +225,7 @@ def _kept_positions(
 
 
 def _select_by_score(
-    group: Group, counts: Tensor, t_max: int, config: FitConfig, given: Tensor | None
+    group: Group, counts: Tensor, t_max: int, config: FitConfig, given: Tensor | None, candidates: Tensor | None = None
 ) -> Compacted | _Selection:
     """Highest-attention keys (§3.3, App. F.1) or ``given`` ones, and β by (box-)NNLS (§3.2); the
     ``"gram"`` solver fits β and the values in one go (:func:`_streamed_fit`)."""
@@ -233,7 +236,8 @@ def _select_by_score(
         shift, mass, target = fused_statistics(K, V, beta0, Q, qv, scale)
     else:
         shift, mass, target, square = block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
-    idx, ok, lengths = _kept_positions(square, torch.isfinite(beta0), counts, t_max, given)
+    selectable = torch.isfinite(beta0) if candidates is None else torch.isfinite(beta0) & candidates
+    idx, ok, lengths = _kept_positions(square, selectable, counts, t_max, given)
     if config.solver != "exact":
         return _streamed_fit(group, shift, mass, target, idx, ok, lengths, config)
     phi_s = group.selected_features(shift, idx, ok)
@@ -563,6 +567,7 @@ def fit_problems(
     scaling: Tensor | float,
     config: FitConfig,
     given: Tensor | None = None,
+    candidates: Tensor | None = None,
 ) -> Compacted:
     """Compact a stack of blocks (any leading batch dims), a memory-bounded group at a time.
 
@@ -577,6 +582,9 @@ def fit_problems(
         given: optional ``(..., t)`` kept positions chosen by someone else (−1 = unused slot; the
             count is then the number of valid given positions): only β and the values are fitted
             (the ``am_fit`` folder).
+        candidates: optional ``(..., T)`` bool: the highest-attention keys are chosen among these
+            entries only (the attention statistics still read every entry); the count is capped
+            at the candidates (``am_fit[preselect]``).
 
     Returns:
         A :class:`Compacted` with the same leading dims.
@@ -594,6 +602,10 @@ def fit_problems(
     if given is not None:
         given_flat = given.reshape(P, given.shape[-1]).to(keys.device).long()
         counts = ((given_flat >= 0) & torch.isfinite(flat_lm).gather(1, given_flat.clamp_min(0))).sum(-1)
+    cand_flat = None
+    if candidates is not None:
+        cand_flat = candidates.reshape(P, T).to(keys.device) & torch.isfinite(flat_lm)
+        counts = torch.minimum(counts.reshape(P).to(keys.device).long(), cand_flat.sum(-1))
     counts = torch.minimum(counts.reshape(P).to(keys.device).long(), valid_entries)
     identity = counts >= valid_entries
     t_max = int(counts.max()) if P else 0
@@ -610,7 +622,13 @@ def fit_problems(
         group = Group.prepare(
             flat_keys[rows], flat_values[rows], flat_lm[rows], flat_q[rows], flat_qv[rows], scale[rows]
         )
-        res = _fit_group(group, counts[rows], config, None if given_flat is None else given_flat[rows])
+        res = _fit_group(
+            group,
+            counts[rows],
+            config,
+            None if given_flat is None else given_flat[rows],
+            None if cand_flat is None else cand_flat[rows],
+        )
         _write_rows(out, rows, res)
         if res.residual_history is not None:
             histories.append((rows, res.residual_history))
