@@ -201,6 +201,10 @@ def test_report_prints_the_tables_of_one_run_or_of_several_merged(capsys, loads,
     assert [line.split(" | ")[0] for line in averages.splitlines() if line.startswith("| `")] == [
         "| `full`", "| `streamingllm`", "| `snapkv`"
     ]  # fmt: skip
+    code, _, err = run(capsys, "report", first, second, "--out", tmp_path / "merged")  # the merged report, plots too
+    written = (tmp_path / "merged" / "report.md").read_text()
+    assert code == 0 and "report.md" in err and written.startswith(merged) and "`snapkv`" in written
+    assert (tmp_path / "merged" / "scores.png").stat().st_size > 0
     code, lines, _ = run(capsys, "report", first, second)
     methods = [line.split()[0] for line in lines.splitlines()]  # one line per method and budget
     assert code == 0 and methods == ["full"] + ["streamingllm"] * 2 + ["snapkv"] * 2

@@ -31,7 +31,7 @@ from kvfold.cli.args import Handler, add_model_args, add_ray_args, ray_options, 
 from kvfold.evaluate.data.jsonl import load_jsonl
 from kvfold.evaluate.data.loaders import load_dataset_spec
 from kvfold.evaluate.data.samples import Sample
-from kvfold.evaluate.reporting import eval_markdown, fidelity_markdown
+from kvfold.evaluate.reporting import eval_markdown, fidelity_markdown, write_eval_report
 from kvfold.evaluate.running.distributed import ModelLoader, require_ray, run_on_ray
 from kvfold.evaluate.running.fidelity import FidelitySweep
 from kvfold.evaluate.running.results import RUN_KINDS, merge_runs, read_run
@@ -114,6 +114,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the Markdown tables of report.md (retention with 95%% intervals, average score and KV-cache "
         "size by budget, score by task) and of fidelity.md instead of one line per method and budget",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="also write the merged eval runs' report.md and plots (retention against budget and against "
+        "compression time, scores) into this folder",
     )
 
 
@@ -316,6 +323,10 @@ def run_report(args: argparse.Namespace) -> int:
         if not chosen:
             continue
         records, config = merge_runs(chosen)
+        if args.out is not None and kind.name == "eval":
+            args.out.mkdir(parents=True, exist_ok=True)
+            written = write_eval_report(args.out, records, config)
+            print(f"wrote {', '.join(path.name for path in written)} to {args.out}", file=sys.stderr)
         if args.markdown:
             sections.append((eval_markdown if kind.name == "eval" else fidelity_markdown)(records, config))
         else:
