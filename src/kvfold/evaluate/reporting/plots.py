@@ -72,9 +72,20 @@ def title_suffix(info: Mapping[str, Any] | None) -> str:
 
 
 def axis_positions(budgets: Sequence[Any]) -> tuple[dict[Any, float], bool]:
-    """x positions per budget: the fractions themselves, or evenly spaced when token counts appear."""
+    """x positions per budget: the fractions themselves, their log₂ when they span 8× or more (a
+    compression-ratio axis: keep 1/2 … 1/32 evenly spaced), or evenly spaced when token counts
+    appear."""
     numeric = all(isinstance(b, float) for b in budgets)
-    return ({b: float(b) for b in budgets} if numeric else {b: float(i) for i, b in enumerate(budgets)}), numeric
+    if not numeric:
+        return {b: float(i) for i, b in enumerate(budgets)}, numeric
+    if _ratio_axis(budgets):
+        return {b: math.log2(b) for b in budgets}, numeric
+    return {b: float(b) for b in budgets}, numeric
+
+
+def _ratio_axis(budgets: Sequence[Any]) -> bool:
+    """Fractions spanning 8× or more are placed by their log₂."""
+    return len(budgets) > 1 and min(budgets) > 0 and max(budgets) / min(budgets) >= 8
 
 
 def budget_axis_label(numeric: bool) -> str:
@@ -87,7 +98,12 @@ def style_budget_axis(ax: Any, budgets: Sequence[Any], numeric: bool) -> None:
     positions, _ = axis_positions(budgets)
     ax.set_xticks([positions[b] for b in budgets], [budget_label(b) for b in budgets])
     ax.set_xlabel(budget_axis_label(numeric))
-    if numeric:
+    if numeric and _ratio_axis(budgets):
+        ax.set_xticks(
+            [positions[b] for b in budgets], [f"{budget_label(b)}\n({1 / b:g}×)" for b in budgets]
+        )
+        ax.set_xlim(math.log2(min(budgets)) - 0.4, math.log2(max(budgets)) + 0.4)
+    elif numeric:
         span = max(budgets) - min(budgets) if len(budgets) > 1 else 0.1
         ax.set_xlim(min(budgets) - 0.08 * span - 0.02, max(budgets) + 0.08 * span + 0.02)
     else:
