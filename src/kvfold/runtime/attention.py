@@ -209,11 +209,21 @@ def _attend_after_cache(
     new_keys = keys[:, :, old:].repeat_interleave(groups, dim=1)
     new_values = values[:, :, old:].repeat_interleave(groups, dim=1)
     out_new, lse_new = flash(query, new_keys, new_values, 0.0, True, scale=scaling)
-    lse_old = lse_old.reshape(b, h_q, q_len)
+    return _merge_parts(query, out_old, lse_old.reshape(b, h_q, q_len), out_new, lse_new, with_lse)
+
+
+def _merge_parts(
+    query: torch.Tensor, out_old: torch.Tensor, lse_old: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor,
+    with_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The attention over both parts from each part's output (``out_old`` with the query heads
+    folded) and log-sum-exp ``(B, H_q, q)``: the weights ``exp(lse_part − lse)`` (§2's block
+    decomposition), in float32 at least; with ``with_lse`` also the merged log-sum-exp."""
+    acc = torch.promote_types(query.dtype, torch.float32)
     lse = torch.logaddexp(lse_old, lse_new)
     weight_old = (lse_old - lse).exp_()[..., None]
     weight_new = (lse_new - lse).exp_()[..., None]
-    out = out_old.reshape(b, h_q, q_len, d).float() * weight_old + out_new.float() * weight_new
+    out = out_old.reshape(out_new.shape).to(acc) * weight_old + out_new.to(acc) * weight_new
     return (out.to(query.dtype), lse) if with_lse else out.to(query.dtype)
 
 
@@ -234,20 +244,17 @@ def _attend_after_cache_split(
     h_kv, n = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
     old = n - q_len
-    acc = torch.promote_types(query.dtype, torch.float32)
     new_keys = keys[:, :, old:].repeat_interleave(groups, dim=1)
     new_values = values[:, :, old:].repeat_interleave(groups, dim=1)
     out_new = F.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True, scale=scaling)
+    if old <= 0 and not with_lse:
+        return out_new
     lse_old, lse_new = log_sum_exp_parts(query, keys, scaling)
     if old <= 0:
-        return (out_new, lse_new) if with_lse else out_new
+        return out_new, lse_new
     folded = query.reshape(b, h_kv, groups * q_len, d)
     out_old = F.scaled_dot_product_attention(folded, keys[:, :, :old], values[:, :, :old], scale=scaling)
-    lse = torch.logaddexp(lse_old, lse_new)
-    weight_old = (lse_old - lse).exp_()[..., None]
-    weight_new = (lse_new - lse).exp_()[..., None]
-    out = out_old.reshape(b, h_q, q_len, d).to(acc) * weight_old + out_new.to(acc) * weight_new
-    return (out.to(query.dtype), lse) if with_lse else out.to(query.dtype)
+    return _merge_parts(query, out_old, lse_old, out_new, lse_new, with_lse)
 
 
 def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,11 +285,6 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
         lse_new[:, lo:hi] = torch.logsumexp(logits[..., old:].masked_fill_(future, float("-inf")), dim=-1)
     shape = (b, h_kv, groups, q_len)
     return lse_old.view(shape).reshape(b, h_q, q_len), lse_new.view(shape).reshape(b, h_q, q_len)
-
-
-def log_sum_exp_after_cache(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Each new query's log-sum-exp over every entry it sees (:func:`log_sum_exp_parts`, merged)."""
-    return torch.logaddexp(*log_sum_exp_parts(query, keys, scaling))
 
 
 def _dense_views(layer: FoldedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
