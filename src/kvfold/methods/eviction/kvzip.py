@@ -136,22 +136,17 @@ class KVzip(Selector):
         if not self.layerwise:
             layers = dict(ctx.cache.folded_layers)
             order = list(scores)
-            totals = ctx.row_budgets * sum(layers[i].num_heads for i in order)  # budget · H · L per row
-            counts = global_head_budgets(
-                [scores[i] for i in order],
-                totals,
-                protected=[self.protected(i, layers[i], ctx) for i in order],
-                valid=[layers[i].valid_mask() for i in order],
-            )
-            ctx.memo["kvzip_counts"] = dict(zip(order, counts, strict=True))
+            heads = sum(layers[i].num_heads for i in order)
+            protected = [self.protected(i, layers[i], ctx) for i in order]
+            valid = [layers[i].valid_mask() for i in order]
+
+            def allocation(per_row: Tensor) -> dict[int, Tensor]:  # budget · H · L per row, one ranking
+                counts = global_head_budgets([scores[i] for i in order], per_row * heads, protected, valid)
+                return dict(zip(order, counts, strict=True))
+
+            ctx.memo["kvzip_counts"] = allocation(ctx.row_budgets)
             if ctx.selection_scale != 1.0:  # a pre-selection: KVzip's own allocation at the budget too
-                targets = global_head_budgets(
-                    [scores[i] for i in order],
-                    ctx.target_row_budgets * sum(layers[i].num_heads for i in order),
-                    protected=[self.protected(i, layers[i], ctx) for i in order],
-                    valid=[layers[i].valid_mask() for i in order],
-                )
-                ctx.memo["kvzip_target_counts"] = dict(zip(order, targets, strict=True))
+                ctx.memo["kvzip_target_counts"] = allocation(ctx.target_row_budgets)
 
     def demote_structure(self, scores: dict[int, Tensor], ctx: CompressionContext) -> None:
         """Multiply the scores of the structure tokens (:func:`structure_mask`) by ``demote``, in

@@ -582,11 +582,7 @@ class AMFit(Folder):
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
         # kept entries of the template and the sinks stay verbatim: the fit matches the rest
         valid = torch.isfinite(log_mass)
-        rank = valid.long().cumsum(-1) - 1
-        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)[:, None]
-        if ctx.pinned is not None:  # a conversation's compressed document stays as it is too
-            prefix = torch.maximum(prefix, ctx.pinned[layer_idx].to(keep.device))
-        in_prefix = valid & (rank < prefix[..., None])
+        in_prefix = self._verbatim_entries(layer_idx, log_mass, ctx)
         fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim (the first slots: keep ascends)
         n_fixed = fixed.sum(-1)
         kept_fixed = torch.zeros_like(valid).scatter(2, keep, fixed)
@@ -618,9 +614,17 @@ class AMFit(Folder):
         beta = torch.where(is_fixed, beta_kept, beta_fit)
         beta = beta.masked_fill(~slot, float("-inf"))
         layer.replace(c_k, c_v, beta, lengths=lengths)
-        report = ctx.report.setdefault("am_fit", {})
-        report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
-        report.setdefault("output_error", []).append(float(result.output_error.mean()))
+        _report_errors(ctx, result)
+
+    def _verbatim_entries(self, layer_idx: int, log_mass: Tensor, ctx: CompressionContext) -> Tensor:
+        """``(B, H, N)`` the valid entries kept as they are: the template and sinks (``template``,
+        ``sinks``) and a conversation's pinned document (``ctx.pinned``)."""
+        valid = torch.isfinite(log_mass)
+        rank = valid.long().cumsum(-1) - 1
+        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(log_mass.device)[:, None]
+        if ctx.pinned is not None:  # a conversation's compressed document stays as it is too
+            prefix = torch.maximum(prefix, ctx.pinned[layer_idx].to(log_mass.device))
+        return valid & (rank < prefix[..., None])
 
     def _fold_preselected(
         self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, ctx: CompressionContext
@@ -635,12 +639,7 @@ class AMFit(Folder):
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
         at = torch.where(slot, keep, torch.full_like(keep, n))
         candidates = torch.zeros(b, h, n + 1, dtype=torch.bool, device=keep.device).scatter_(2, at, True)[..., :n]
-        valid = torch.isfinite(log_mass)
-        rank = valid.long().cumsum(-1) - 1
-        prefix = verbatim_prefix(ctx, self.template, self.sinks).to(keep.device)[:, None]
-        if ctx.pinned is not None:
-            prefix = torch.maximum(prefix, ctx.pinned[layer_idx].to(keep.device))
-        forced = candidates & valid & (rank < prefix[..., None])
+        forced = candidates & self._verbatim_entries(layer_idx, log_mass, ctx)
         protected = ctx.memo.pop(("am_fit_protected", layer_idx), None)
         if protected is not None:
             forced |= candidates & protected.to(keep.device)
@@ -674,6 +673,11 @@ class AMFit(Folder):
         c_v = torch.where(from_forced, values.gather(2, take_v), fitted_values.gather(2, take_v))
         beta = torch.where(from_forced[..., 0], log_mass.float().gather(2, order), fitted_beta.gather(2, order))
         layer.replace(c_k, c_v, beta.masked_fill(~in_row, float("-inf")), lengths=new_lengths)
-        report = ctx.report.setdefault("am_fit", {})
-        report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
-        report.setdefault("output_error", []).append(float(result.output_error.mean()))
+        _report_errors(ctx, result)
+
+
+def _report_errors(ctx: CompressionContext, result) -> None:
+    """Record a layer's mean mass and output errors of the fit in ``ctx.report["am_fit"]``."""
+    report = ctx.report.setdefault("am_fit", {})
+    report.setdefault("mass_error", []).append(float(result.mass_error.mean()))
+    report.setdefault("output_error", []).append(float(result.output_error.mean()))
