@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
-from kvfold.methods.core.repeat import PLANNED_RECORDS
+from kvfold.methods.core.repeat import PLANNED_RECORDS, UNPLANNED
 from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
@@ -438,6 +438,8 @@ def prefill_ids(
     cache.prefill_observers = []
     last_logits = out.logits[:, -1]
     prefilled = PrefilledContext(model, tokenizer, cache, input_ids, mask, elapsed, suffixes, last_logits)
-    if planned:  # what the announced methods read from the repeat pass: its first run records all of it
-        prefilled.shared[PLANNED_RECORDS] = (frozenset().union(*(m.repeat_records() for m in planned)), 0.0)
+    # what the methods to come read from the repeat pass (its first run records all of it): the announced
+    # methods' needs, else KVzip's scores and the queries (most methods compressed later reuse them)
+    records = frozenset().union(*(m.repeat_records() for m in planned)) if planned else UNPLANNED
+    prefilled.shared[PLANNED_RECORDS] = (records, 0.0)
     return prefilled

@@ -169,6 +169,27 @@ def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path)
     assert "| c peak/cache |" in table and (tmp_path / "scaling.png").stat().st_size > 0
 
 
+def test_the_bench_compresses_under_the_prefills_plan():
+    """The bench's in-place compression reads the repeat pass its prefill planned: ``kvzip`` measured
+    alone records KVzip's scores and keeps no queries (their bytes would count in its peak)."""
+    import torch
+
+    import kvfold
+    from kvfold.evaluate.bench.speed import _compress_in_place
+    from kvfold.methods import build_method
+    from kvfold.methods.core.repeat import REPEAT_CHUNK
+    from kvfold.pipeline.context import prefill_ids
+    from tests.conftest import CharTokenizer, make_tiny_model
+
+    model, tok = kvfold.enable(make_tiny_model("llama")), CharTokenizer()
+    ids = torch.tensor([tok("the quick brown fox jumps over the lazy dog " * 2).input_ids])
+    method = build_method("kvzip")
+    source = prefill_ids(model, tok, ids, capture_window=64, methods=[method])
+    _compress_in_place(source, method, 0.25)
+    found = source.shared[("repeat_pass", REPEAT_CHUNK)][0]
+    assert found.recorded == {"scores"} and not found.queries
+
+
 def test_compression_ratios_of_an_older_record_without_repeat_time():
     from kvfold.evaluate.bench.speed import compression_ratios
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvfold
-from kvfold.methods import CompressionContext
+from kvfold.methods import CompressionContext, build_method
 from kvfold.methods.core import repeat
 from kvfold.runtime.budget import Budget
 from tests.conftest import CharTokenizer, make_tiny_model
@@ -247,6 +247,23 @@ def test_a_pass_records_what_the_announced_methods_read_and_nothing_more(monkeyp
     assert both.recorded == {"scores", "queries", "span_scores", "plus_scores"} and forwards == one_pass
     unplanned, forwards = passes(None, ["kvzip", "am_highest_fast", "kvzip[scope=chunk]"])
     assert unplanned.recorded == {"scores", "queries", "span_scores"} and forwards == 2 * one_pass
+
+
+def test_a_context_with_no_plan_records_what_its_compression_reads(monkeypatch):
+    """A compression context that no prefill planned (a chunked prefill, a chat, a bench compressing
+    in place) records what its method reads and nothing more: ``kvzip`` keeps no queries there."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False)
+    recorded = []
+    real = repeat.repeat_pass
+    monkeypatch.setattr(repeat, "repeat_pass", lambda *a, **k: recorded.append(k["records"]) or real(*a, **k))
+    ctx = pre.compression_context(pre.cache.copy(), Budget.parse(0.3))  # its own shared results: no plan
+    build_method("kvzip").compress(ctx)
+    assert recorded == [{"scores"}]
+    planned = pre.compression_context(pre.cache.copy(), Budget.parse(0.3), shared=pre.shared)
+    build_method("kvzip").compress(planned)  # the prefilled context's plan: the queries too, for later methods
+    assert recorded[1] == repeat.UNPLANNED
 
 
 def _chunk_reference(ctx, chunk: int) -> dict[int, torch.Tensor]:

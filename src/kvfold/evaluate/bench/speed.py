@@ -207,7 +207,7 @@ def _compress_in_place(source, method, budget):
     from kvfold.runtime.budget import Budget
 
     parsed = Budget.parse(budget)
-    ctx = source.compression_context(source.cache, parsed)
+    ctx = source.compression_context(source.cache, parsed, shared=source.shared)  # the prefill's plan: what to record
     start = device_clock(source.model.device)
     with torch.inference_mode():
         if not method.is_identity and not parsed.is_full:

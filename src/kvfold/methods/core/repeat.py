@@ -91,8 +91,8 @@ SCORE_FIELDS = ("scores", "plus_scores", "span_scores", "span_plus_scores")
 RECORDS = frozenset({*SCORE_FIELDS, "queries"})
 """Everything a repeat pass can record: the scores and the queries."""
 UNPLANNED = frozenset({"scores", "queries"})
-"""What the first pass of a context records besides what its compression needs, when no method was
-announced at its prefill (later methods then reuse it: KVzip's scores and AM's queries)."""
+"""What the first pass of a prefilled context records besides what its compression needs, when no
+method was announced at its prefill (later methods then reuse it: KVzip's scores and AM's queries)."""
 
 
 @dataclass
@@ -534,9 +534,11 @@ def shared_repeat_pass(
     The first pass records what the methods that will read it need, as far as they are known: the
     compressing method's parts (:meth:`kvfold.methods.core.base.Method.repeat_records`, in
     ``ctx.memo["repeat_records"]``) and the methods announced at the prefill
-    (``ctx.shared[PLANNED_RECORDS]``; :func:`kvfold.pipeline.context.prefill`'s ``methods``). When no
-    method was announced it also records :data:`UNPLANNED` (KVzip's scores and the queries), so that
-    methods compressed later reuse it. A method that needs what the pass did not record runs a pass
+    (``ctx.shared[PLANNED_RECORDS]``, which a prefilled context sets: the methods announced by
+    :func:`kvfold.pipeline.context.prefill`'s ``methods``, else :data:`UNPLANNED`, KVzip's scores
+    and the queries, so that methods compressed later reuse it). A context with no plan (a chunked
+    prefill, a chat, a saved cache's recompaction, a bench compressing in place) records what its
+    compression needs and nothing more. A method that needs what the pass did not record runs a pass
     for the rest once, and the context keeps both (:meth:`RepeatPass.merged`). So ``kvzip`` alone
     keeps no queries (memory) and ``am_highest_fast`` alone computes no scores (time).
     """
@@ -545,7 +547,7 @@ def shared_repeat_pass(
     have = frozenset() if hit is None else hit[0].recorded
     if needs <= have:
         return ctx.shared_result(key, lambda: hit[0])
-    planned = ctx.memo.get("repeat_records", frozenset()) | ctx.shared.get(PLANNED_RECORDS, (UNPLANNED, 0.0))[0]
+    planned = ctx.memo.get("repeat_records", frozenset()) | ctx.shared.get(PLANNED_RECORDS, (frozenset(), 0.0))[0]
     start = device_clock(getattr(ctx.model, "device", None))
     found = repeat_pass(ctx, chunk, records=(needs | planned) - have)
     merged = found if hit is None else hit[0].merged(found)
