@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = (
     "kvfold.cli.bench",
     "kvfold.cli.diagnostics",
     "kvfold.cli.saved_caches",
+    "kvfold.cli.schedule",
 )
 """Modules that each expose ``add_parsers(sub)`` and ``COMMANDS``; optional (a missing one is skipped)."""
 

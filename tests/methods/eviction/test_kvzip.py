@@ -265,3 +265,57 @@ def test_chunk_scope_keeps_other_entries_on_a_context_of_several_chunks_and_the_
         ChatSession(model, tok, "kvzip[scope=chunk]+am_fit", budget=32)
     with pytest.raises(SpecError, match="scope must be one of all, chunk"):
         build_method("kvzip[scope=span]")
+
+
+# ---------------------------------------------------------------------------- head-budget schedule
+
+
+def uneven_schedule(model, path) -> str:
+    """A hand-made head-budget schedule for ``model`` (two layers of two KV heads), saved at ``path``."""
+    from kvfold.methods.core.head_schedule import HeadSchedule, config_hash
+
+    layers = [i for i, _ in FoldedCache(model.config).folded_layers]
+    HeadSchedule("tiny", config_hash(model.config), layers, [[0.5, 0.1], [0.3, 0.1]]).save(path)
+    return str(path)
+
+
+def test_a_schedule_sets_each_heads_count_and_kvzip_fills_it_with_its_best_scores(tmp_path):
+    """``kvzip[schedule=…]``: every head keeps its sinks plus its share of the rest of the budget
+    (AM §3.4's per-head budgets, in place of KVzip's one ranking), chosen by its own KVzip scores;
+    the total is the budget's, and the kept entries differ from the global ranking's."""
+    tok = TextTokenizer()
+    model = kvfold.enable(tiny("llama"))
+    path = uneven_schedule(model, tmp_path / "uneven.json")
+    ctx, full = compress(model, tok, f"kvzip[schedule={path}]", 0.3)
+    n = full.get_seq_length()
+    budget = Budget.parse(0.3).count(n)
+    lengths = {i: layer.row_lengths()[0].tolist() for i, layer in ctx.cache.folded_layers}
+    sinks = 4
+    rest = budget * 4 - sinks * 4  # two layers of two heads, four sinks each
+    shares = [[0.5, 0.1], [0.3, 0.1]]
+    for j, (i, _) in enumerate(ctx.cache.folded_layers):
+        for h in range(2):
+            assert abs(lengths[i][h] - sinks - shares[j][h] * rest) <= 1  # apportioned: rounding only
+    assert sum(sum(v) for v in lengths.values()) == budget * 4
+    scores = ctx.memo["kvzip_scores"]
+    for (i, layer), (_, source) in zip(ctx.cache.folded_layers, full.folded_layers, strict=True):
+        kept, _, _, count = layer.padded()
+        for h in range(2):
+            rows = source.keys[0, h]
+            picked = [int((rows == key).all(-1).nonzero()[0]) for key in kept[0, h, : int(count[0, h])]]
+            ranked = scores[i][0, h].clone()
+            ranked[:sinks] = float("inf")
+            assert sorted(picked) == sorted(ranked.topk(len(picked)).indices.tolist())
+    plain, _ = compress(model, tok, "kvzip", 0.3)
+    default = {i: layer.row_lengths()[0].tolist() for i, layer in plain.cache.folded_layers}
+    assert default != lengths
+
+
+def test_a_schedule_is_checked_against_the_model_and_the_other_budget_options(tmp_path):
+    tok = TextTokenizer()
+    model = kvfold.enable(tiny("llama"))
+    path = uneven_schedule(kvfold.enable(make_tiny_model("qwen2")), tmp_path / "other.json")
+    with pytest.raises(ValueError, match="computed for"):
+        compress(model, tok, f"kvzip[schedule={path}]")
+    with pytest.raises(SpecError, match="schedule and layerwise"):
+        build_method(f"kvzip[schedule={path},layerwise=true]")

@@ -18,6 +18,7 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext, Selector, register
 from kvfold.methods.core.budgets import global_head_budgets
+from kvfold.methods.core.head_schedule import HeadSchedule
 from kvfold.methods.core.repeat import RepeatPrompt, shared_repeat_pass
 from kvfold.methods.core.scoring import pool_tokens
 from kvfold.methods.core.spec import SpecError
@@ -29,9 +30,30 @@ SCOPES = ("all", "chunk")
 """``kvzip[scope=…]``: which entries a repeat chunk's queries score."""
 
 
+def scheduled_counts(
+    schedule: HeadSchedule, protected: dict[int, Tensor], layers: dict[int, FoldedLayer], per_row: Tensor
+) -> dict[int, Tensor]:
+    """Entries per ``(B, H)`` of each layer under a head-budget schedule: each head's protected
+    entries, plus its share (:meth:`HeadSchedule.counts`) of what the budget leaves after every
+    head's protected ones; the total is the budget's ``per_row · heads · layers`` (up to rounding).
+
+    Args:
+        schedule: the shares.
+        protected: per layer ``(B, H, N)`` bool, the entries kept whatever their score (sinks).
+        layers: the folded layers by index.
+        per_row: ``(B,)`` entries per KV head and layer on average (the budget).
+    """
+    kept = {i: p.sum(-1) for i, p in protected.items()}
+    heads = sum(layers[i].num_heads for i in protected)
+    left = (per_row.to(torch.float64) * heads - sum(k.sum(-1).cpu().double() for k in kept.values())).clamp_min(0)
+    free = {i: layers[i].valid_mask().sum(-1) - kept[i] for i in protected}
+    shared = schedule.counts(left / heads, free)
+    return {i: shared[i].to(kept[i].device) + kept[i] for i in protected}
+
+
 # ---------------------------------------------------------------------------- KVzip
 
-__all__ = ["KVzip", "RepeatPrompt", "is_structure_text", "structure_mask", "structure_tokens"]
+__all__ = ["KVzip", "RepeatPrompt", "is_structure_text", "scheduled_counts", "structure_mask", "structure_tokens"]
 
 
 @register
@@ -72,6 +94,11 @@ class KVzip(Selector):
     linear in the length, where ``scope=all`` (the default) reads every entry against every repeat
     query. Identical on contexts of one chunk; needs the cache of a fresh prefill.
 
+    ``schedule=path.json`` takes each head's count from an Attention Matching head-budget schedule
+    (Zweiger et al. 2026, §3.4, Appendix E; :mod:`kvfold.methods.core.head_schedule`) instead of
+    KVzip's one ranking over every layer and head: each head keeps its sinks and its share of the
+    rest of the budget, filled with its own highest scores.
+
     Differences from the release: the scores use the attention over the whole context (the
     release restricts the softmax to the chunk's own entries and the sinks, for speed), and by
     default a chunk's queries score every entry (max over chunks; ``scope=chunk`` scores its own).
@@ -87,6 +114,8 @@ class KVzip(Selector):
         demote_repeats: occurrences of a token id in the context that make it structure (PR #288's 4).
         scope: ``all`` (every entry scored by every repeat chunk's queries) or ``chunk`` (by its own
             chunk's only; the release's cost).
+        schedule: a head-budget schedule JSON file for this model (per-head counts), or None (one
+            ranking over every layer and head).
     """
 
     name: ClassVar[str] = "kvzip"
@@ -103,12 +132,15 @@ class KVzip(Selector):
     demote: float = 1.0
     demote_repeats: int = 4
     scope: str = "all"
+    schedule: str | None = None
 
     def validate(self) -> None:
         if self.chunk < 1 or self.sinks < 0:
             raise SpecError(f"kvzip: chunk must be ≥ 1 and sinks ≥ 0; got chunk={self.chunk}, sinks={self.sinks}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise SpecError(f"kvzip: pool must be an odd kernel ≥ 1 (1 = no pooling); got {self.pool}")
+        if self.schedule and self.layerwise:
+            raise SpecError("kvzip: schedule and layerwise each set the per-head budgets; use one of them")
         if self.scope not in SCOPES:
             raise SpecError(f"kvzip: scope must be one of {', '.join(SCOPES)}; got {self.scope!r}")
         if not 0.0 <= self.demote <= 1.0 or self.demote_repeats < 1:
@@ -140,7 +172,11 @@ class KVzip(Selector):
             protected = [self.protected(i, layers[i], ctx) for i in order]
             valid = [layers[i].valid_mask() for i in order]
 
+            schedule = HeadSchedule.load(self.schedule, ctx.model) if self.schedule else None
+
             def allocation(per_row: Tensor) -> dict[int, Tensor]:  # budget · H · L per row, one ranking
+                if schedule is not None:
+                    return scheduled_counts(schedule, dict(zip(order, protected, strict=True)), layers, per_row)
                 counts = global_head_budgets([scores[i] for i in order], per_row * heads, protected, valid)
                 return dict(zip(order, counts, strict=True))
 

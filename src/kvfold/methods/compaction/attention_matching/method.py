@@ -34,6 +34,7 @@ from kvfold.methods.compaction.attention_matching.queries import (
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
+from kvfold.methods.core.head_schedule import HeadSchedule
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.repeat import REPEAT_CHUNK
 from kvfold.methods.core.spec import SpecError
@@ -263,8 +264,6 @@ class _AttentionMatching(Standalone):
         """Entries each row ``(B, H)`` keeps per layer: the budget, or the head schedule's share."""
         layers = ctx.cache.folded_layers
         if self.schedule:
-            from kvfold.methods.compaction.attention_matching.schedule import HeadSchedule
-
             schedule = HeadSchedule.load(self.schedule, ctx.model)
             n_valid = {i: layer.row_lengths() for i, layer in layers}
             return schedule.counts(ctx.row_budgets, n_valid)

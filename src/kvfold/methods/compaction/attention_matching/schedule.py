@@ -11,27 +11,24 @@ Heads differ in how much they suffer from compaction, and the ranking is stable 
    single heads in makes this ``|ratios|`` compactions plus cheap continuation passes.
 2. :func:`greedy_swap` — Algorithm 4: from uniform shares, repeatedly move ``η`` of share from the
    head whose loss rises least to the head whose loss falls most, while that helps.
-3. :class:`HeadSchedule` — the shares saved as JSON with the model's name and a hash of its
-   architecture, loaded with ``am_highest[schedule=path.json]``. Per-head budgets become real
-   per-head lengths in the cache (paged storage), not a mask.
+3. :class:`~kvfold.methods.core.head_schedule.HeadSchedule` — the shares saved as JSON with the
+   model's name and a hash of its architecture, loaded with ``am_highest[schedule=path.json]`` or
+   ``kvzip[schedule=path.json]``. Per-head budgets become real per-head lengths in the cache (paged
+   storage), not a mask.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
 from kvfold.methods.core.base import CompressionContext, build_method
-from kvfold.methods.core.budgets import apportion
+from kvfold.methods.core.head_schedule import HeadSchedule, config_hash
 from kvfold.methods.core.model import model_name
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
-from kvfold.runtime.files import atomic_write_text
 
 Tensor = torch.Tensor
 
@@ -46,106 +43,6 @@ __all__ = [
 
 DEFAULT_RATIOS = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4)
 """Per-head compaction ratios at which the sensitivity curves are measured."""
-
-_ARCH_FIELDS = (
-    "model_type",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_size",
-    "vocab_size",
-    "layer_types",
-)
-
-
-def config_hash(config) -> str:
-    """A short hash of the architecture fields of a (text) config: schedules are per model."""
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    fields = {name: getattr(text_config, name, None) for name in _ARCH_FIELDS}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@dataclass
-class HeadSchedule:
-    """Per-(layer, KV head) shares of the total budget.
-
-    Attributes:
-        model: the model's name (informative).
-        config_hash: :func:`config_hash` of the model it was computed for (checked on load).
-        layers: the folded (full-attention) layer indices, in order.
-        shares: ``[layer][head]`` shares, summing to 1.
-        r0: the reference compaction ratio of Algorithm 4.
-        eta: the share step of Algorithm 4.
-        ratios: ratios of the sensitivity curves (empty for a hand-made schedule).
-        curves: ``[layer][head][ratio]`` loss changes, or empty.
-    """
-
-    model: str
-    config_hash: str
-    layers: list[int]
-    shares: list[list[float]]
-    r0: float = 0.05
-    eta: float = 0.0
-    ratios: list[float] = field(default_factory=list)
-    curves: list[list[list[float]]] = field(default_factory=list)
-
-    def save(self, path: str | Path) -> Path:
-        """Write the schedule as JSON, atomically (its folder made); returns the path.
-
-        Raises:
-            OutputError: the file cannot be written.
-        """
-        return atomic_write_text(path, json.dumps(asdict(self), indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path, model=None) -> HeadSchedule:
-        """Read a schedule; with ``model``, check it was made for this architecture.
-
-        Raises:
-            ValueError: a missing or malformed file, or a schedule for another model.
-        """
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            schedule = cls(**data)
-        except (OSError, TypeError, ValueError) as err:
-            raise ValueError(f"cannot read the head schedule {path}: {err}") from None
-        if model is not None:
-            expected = config_hash(model.config)
-            if schedule.config_hash != expected:
-                raise ValueError(
-                    f"the head schedule {path} was computed for {schedule.model!r} "
-                    f"(architecture {schedule.config_hash}); "
-                    f"this model is {model_name(model)!r} ({expected}). Compute one for this model with "
-                    "kvfold.methods.compaction.attention_matching.schedule.build_head_schedule"
-                )
-        return schedule
-
-    def share_tensor(self) -> Tensor:
-        return torch.tensor(self.shares, dtype=torch.float64)
-
-    def counts(self, row_budgets: Tensor, n_valid: dict[int, Tensor]) -> dict[int, Tensor]:
-        """Entries per ``(B, H)`` of each layer: ``budget · (layers · heads)`` split by the shares.
-
-        Args:
-            row_budgets: ``(B,)`` entries per KV head and layer on average (the budget).
-            n_valid: valid entries ``(B, H)`` per layer (each count is capped by them).
-        """
-        shares = self.share_tensor()
-        num_layers, heads = shares.shape
-        if sorted(n_valid) != sorted(self.layers):
-            raise ValueError(f"the head schedule covers layers {self.layers}; the cache folds {sorted(n_valid)}")
-        out = {i: torch.zeros_like(n_valid[i]) for i in self.layers}
-        for b, budget in enumerate(row_budgets.tolist()):
-            longest = max(int(n_valid[i][b].max()) for i in self.layers)
-            total = min(int(budget) * num_layers * heads, longest * num_layers * heads)
-            parts = apportion(shares.flatten(), total, minimum=min(1, total // (num_layers * heads)), maximum=longest)
-            table = torch.tensor(parts, dtype=torch.long).view(num_layers, heads)
-            for j, i in enumerate(self.layers):
-                out[i][b] = torch.minimum(table[j].to(n_valid[i].device), n_valid[i][b])
-        return out
-
 
 # ---------------------------------------------------------------------------- Algorithm 4
 
@@ -263,16 +160,18 @@ def head_sensitivity(
     base_ratio: float = 0.05,
     continuation_tokens: int = 32,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> Tensor:
     """Sensitivity curves ``J_{l,h}(ρ)`` ``(L_folded, H_kv, R)``: loss change when only head
     ``(l, h)`` is compacted at ratio ``ρ`` and every other head at ``base_ratio`` (§3.4, Fig. 2).
 
     The loss is the mean KL(full ‖ compacted) of the next-token distributions over the last
     ``continuation_tokens`` tokens of each text (teacher forced after the compacted rest),
-    averaged over ``texts``.
+    averaged over ``texts``. The compactions of one text at every ratio share its repeat pass
+    (:meth:`CompressionContext.shared_result`). ``progress`` is told each text and layer measured.
     """
     total = None
-    for text in texts:
+    for number, text in enumerate(texts, 1):
         ids = tokenizer(text, add_special_tokens=True).input_ids
         if len(ids) <= continuation_tokens + 8:
             raise ValueError(
@@ -286,8 +185,9 @@ def head_sensitivity(
         cache.capture_window = 0
         last = out.logits[:, -1]
         reference = _continuation_logprobs(model, cache.copy(), last, cont)
+        shared: dict = {}  # one repeat pass for every ratio
         compacted = {
-            r: _compressed_copy(model, tokenizer, cache, input_ids, method, r, seed)
+            r: _compressed_copy(model, tokenizer, cache, input_ids, method, r, seed, shared)
             for r in sorted({*ratios, base_ratio})
         }
         base = compacted[base_ratio]
@@ -296,6 +196,8 @@ def head_sensitivity(
         heads = base.folded_layers[0][1].num_heads
         curves = torch.zeros(len(layers), heads, len(ratios), dtype=torch.float64)
         for j, layer_idx in enumerate(layers):
+            if progress is not None:
+                progress(f"text {number}/{len(texts)}: layer {j + 1}/{len(layers)}")
             for h in range(heads):
                 for r_i, r in enumerate(ratios):
                     mixed = _with_head(base, compacted[r], layer_idx, h)
@@ -305,8 +207,11 @@ def head_sensitivity(
     return total / len(texts)
 
 
-def _compressed_copy(model, tokenizer, cache: FoldedCache, input_ids: Tensor, method: str, ratio: float, seed: int):
-    """A copy of the prefilled ``cache`` compressed with ``method`` at ``ratio``."""
+def _compressed_copy(
+    model, tokenizer, cache: FoldedCache, input_ids: Tensor, method: str, ratio: float, seed: int, shared: dict
+):
+    """A copy of the prefilled ``cache`` compressed with ``method`` at ``ratio`` (``shared``: results of
+    the prefilled context reused across ratios, e.g. the repeat pass)."""
     ctx = CompressionContext(
         model=model,
         cache=cache.copy(),
@@ -315,6 +220,7 @@ def _compressed_copy(model, tokenizer, cache: FoldedCache, input_ids: Tensor, me
         budget=Budget.parse(ratio),
         seed=seed,
         tokenizer=tokenizer,
+        shared=shared,
     )
     build_method(method).apply(ctx)
     return ctx.cache
@@ -332,6 +238,7 @@ def build_head_schedule(
     eta: float | None = None,
     continuation_tokens: int = 32,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
 ) -> HeadSchedule:
     """Sensitivity curves on calibration ``texts``, Algorithm 4, and (with ``path``) a saved schedule."""
     curves = head_sensitivity(
@@ -343,6 +250,7 @@ def build_head_schedule(
         base_ratio=r0,
         continuation_tokens=continuation_tokens,
         seed=seed,
+        progress=progress,
     )
     num_layers, heads, _ = curves.shape
     step = 1.0 / (4 * num_layers * heads) if eta is None else eta
