@@ -440,6 +440,7 @@ def prefill_ids(
     prefilled = PrefilledContext(model, tokenizer, cache, input_ids, mask, elapsed, suffixes, last_logits)
     # what the methods to come read from the repeat pass (its first run records all of it): the announced
     # methods' needs, else KVzip's scores and the queries (most methods compressed later reuse them)
-    records = frozenset().union(*(m.repeat_records() for m in planned)) if planned else UNPLANNED
+    ctx = prefilled.compression_context(cache, Budget.parse(1.0)) if planned else None  # what they read here
+    records = frozenset().union(*(m.repeat_records(ctx) for m in planned)) if planned else UNPLANNED
     prefilled.shared[PLANNED_RECORDS] = (records, 0.0)
     return prefilled

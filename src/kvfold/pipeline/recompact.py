@@ -76,9 +76,9 @@ def repeat_chunks(method: ComposedMethod) -> list[int]:
 def run_repeat_passes(ctx: CompressionContext, method: ComposedMethod) -> None:
     """Run the repeat pass(es) the method reads, over ``ctx.cache``, into ``ctx.shared``, recording
     what its parts read (:meth:`ComposedMethod.repeat_records`: KVzip's or KVzip+'s scores, the queries)."""
-    ctx.memo["repeat_records"] = method.repeat_records()
+    ctx.memo["repeat_records"] = method.repeat_records(ctx)
     for size in repeat_chunks(method):
-        shared_repeat_pass(ctx, size, method.repeat_records())
+        shared_repeat_pass(ctx, size, method.repeat_records(ctx))
 
 
 def map_repeat_scores(shared: dict[Any, tuple[Any, float]], fn: Callable[[int, Tensor], Tensor]) -> dict:

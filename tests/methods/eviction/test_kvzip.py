@@ -263,8 +263,38 @@ def test_chunk_scope_keeps_other_entries_on_a_context_of_several_chunks_and_the_
     assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
     with pytest.raises(ValueError, match="cannot compact a conversation again"):
         ChatSession(model, tok, "kvzip[scope=chunk]+am_fit", budget=32)
-    with pytest.raises(SpecError, match="scope must be one of all, chunk"):
+    with pytest.raises(SpecError, match="scope must be one of all, chunk, auto"):
         build_method("kvzip[scope=span]")
+
+
+def test_auto_scope_scores_by_chunk_on_long_fresh_contexts_only(monkeypatch):
+    """``kvzip[scope=auto]`` keeps what ``scope=chunk`` keeps on a fresh prefill of at least
+    ``SCOPE_CHUNK_FROM`` tokens (and records the span scores only), what ``scope=all`` keeps on a
+    shorter one; a chat, whose compacted cache has no chunk per entry, compacts with it as ``all``."""
+    from kvfold.methods.eviction import kvzip as kvzip_module
+
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    text = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 3
+    recorded = []
+    real = repeat.repeat_pass
+    monkeypatch.setattr(repeat, "repeat_pass", lambda *a, **k: recorded.append(k["records"]) or real(*a, **k))
+
+    def kept(spec):
+        return held_keys(compress(model, tok, spec, 0.3, text)[0].cache)
+
+    monkeypatch.setattr(kvzip_module, "SCOPE_CHUNK_FROM", 10**6)
+    assert all(map(torch.equal, kept("kvzip[chunk=24,scope=auto]"), kept("kvzip[chunk=24]")))
+    monkeypatch.setattr(kvzip_module, "SCOPE_CHUNK_FROM", 64)
+    recorded.clear()
+    auto = kept("kvzip[chunk=24,scope=auto]")
+    assert recorded == [{"span_scores"}]
+    assert all(map(torch.equal, auto, kept("kvzip[chunk=24,scope=chunk]")))
+    assert not all(map(torch.equal, auto, kept("kvzip[chunk=24]")))
+    chat = ChatSession(model, tok, "kvzip[scope=auto]+am_fit", budget=32, context=text)
+    for _ in range(3):
+        chat.ask("where is the fox? " * 2, max_new_tokens=8)
+    assert chat.stats()["compactions"] >= 2  # later ones on a compacted cache: scope all
 
 
 # ---------------------------------------------------------------------------- head-budget schedule

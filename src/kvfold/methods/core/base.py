@@ -223,10 +223,11 @@ class Method:
     def prepare(self, ctx: CompressionContext) -> None:
         """Called once per compression before any layer is edited (e.g. an extra scoring pass)."""
 
-    def repeat_records(self) -> frozenset[str]:
+    def repeat_records(self, ctx: CompressionContext | None = None) -> frozenset[str]:
         """What this method reads from the repeat pass (:data:`kvfold.methods.core.repeat.RECORDS`:
         KVzip's scores, the queries of Attention Matching); empty for methods that do not run it.
-        The first pass over a context records what every part of the method reads."""
+        The first pass over a context records what every part of the method reads. With ``ctx``,
+        what it reads on that context (``kvzip[scope=auto]`` depends on the context's length)."""
         return frozenset()
 
     def prefill_observers(self) -> list:
@@ -485,9 +486,9 @@ class ComposedMethod:
         """True when a part runs the repeat pass (KVzip's scores, AM's repeat-prefill queries)."""
         return any(part.uses_repeat_pass for part in self.parts)
 
-    def repeat_records(self) -> frozenset[str]:
+    def repeat_records(self, ctx: CompressionContext | None = None) -> frozenset[str]:
         """What the parts read from the repeat pass (:meth:`Method.repeat_records`), together."""
-        return frozenset().union(*(part.repeat_records() for part in self.parts))
+        return frozenset().union(*(part.repeat_records(ctx) for part in self.parts))
 
     @property
     def parts(self) -> list[Method]:
@@ -504,7 +505,7 @@ class ComposedMethod:
 
     def compress(self, ctx: CompressionContext) -> None:
         """Compress ``ctx.cache`` in place to ``ctx.budget``."""
-        ctx.memo["repeat_records"] = self.repeat_records()
+        ctx.memo["repeat_records"] = self.repeat_records(ctx)
         if isinstance(self.selector, Standalone):
             self.selector.compress(ctx)
             return

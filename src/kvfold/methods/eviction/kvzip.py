@@ -26,8 +26,10 @@ from kvfold.methods.eviction.common import first_valid
 from kvfold.runtime.cache import FoldedLayer
 
 Tensor = torch.Tensor
-SCOPES = ("all", "chunk")
-"""``kvzip[scope=…]``: which entries a repeat chunk's queries score."""
+SCOPES = ("all", "chunk", "auto")
+"""``kvzip[scope=…]``: which entries a repeat chunk's queries score (``auto``: see :meth:`KVzip.resolved_scope`)."""
+SCOPE_CHUNK_FROM = 4096
+"""``scope=auto`` scores by chunk from this many context tokens on (with a fresh prefill's cache)."""
 
 
 def scheduled_counts(
@@ -92,7 +94,8 @@ class KVzip(Selector):
     ``scope=chunk`` scores each entry by the queries of the one repeat chunk that repeats its token
     (the authors' release scores a chunk's own entries): the scoring then costs each chunk's span,
     linear in the length, where ``scope=all`` (the default) reads every entry against every repeat
-    query. Identical on contexts of one chunk; needs the cache of a fresh prefill.
+    query. Identical on contexts of one chunk; needs the cache of a fresh prefill. ``scope=auto``
+    is ``chunk`` on a fresh prefill of at least :data:`SCOPE_CHUNK_FROM` tokens, else ``all``.
 
     ``schedule=path.json`` takes each head's count from an Attention Matching head-budget schedule
     (Zweiger et al. 2026, §3.4, Appendix E; :mod:`kvfold.methods.core.head_schedule`) instead of
@@ -112,8 +115,8 @@ class KVzip(Selector):
         plus: KVzip+'s normalized scores instead of KVzip's.
         demote: factor in [0, 1] on the scores of structure tokens (1 = none, the paper; PR #288 uses 0.25).
         demote_repeats: occurrences of a token id in the context that make it structure (PR #288's 4).
-        scope: ``all`` (every entry scored by every repeat chunk's queries) or ``chunk`` (by its own
-            chunk's only; the release's cost).
+        scope: ``all`` (every entry scored by every repeat chunk's queries), ``chunk`` (by its own
+            chunk's only; the release's cost) or ``auto`` (:meth:`resolved_scope`).
         schedule: a head-budget schedule JSON file for this model (per-head counts), or None (one
             ranking over every layer and head).
     """
@@ -148,19 +151,33 @@ class KVzip(Selector):
                 f"kvzip: demote must be in [0, 1] and demote_repeats ≥ 1; got {self.demote}, {self.demote_repeats}"
             )
 
-    @property
-    def score_field(self) -> str:
-        """The repeat pass's scores this selector ranks by (:data:`kvfold.methods.core.repeat.SCORE_FIELDS`)."""
-        return ("span_" if self.scope == "chunk" else "") + ("plus_scores" if self.plus else "scores")
+    def resolved_scope(self, ctx: CompressionContext | None) -> str:
+        """``all`` or ``chunk`` on ``ctx``: ``auto`` scores by chunk on a fresh prefill's cache of at
+        least :data:`SCOPE_CHUNK_FROM` context tokens (the chunks' own scoring is then linear in the
+        length), else every entry by every query; without a context, ``auto`` is ``all``."""
+        if self.scope != "auto":
+            return self.scope
+        if ctx is None or not ctx.context_lengths.numel() or int(ctx.context_lengths.max()) < SCOPE_CHUNK_FROM:
+            return "all"
+        width = ctx.input_ids.shape[1]
+        fresh = all(layer.physical_length == width == layer.logical_length for _, layer in ctx.cache.folded_layers)
+        return "chunk" if fresh else "all"
 
-    def repeat_records(self) -> frozenset[str]:
-        return frozenset({self.score_field})
+    def score_field(self, ctx: CompressionContext | None = None) -> str:
+        """The repeat pass's scores this selector ranks by on ``ctx``
+        (:data:`kvfold.methods.core.repeat.SCORE_FIELDS`)."""
+        scoped = "span_" if self.resolved_scope(ctx) == "chunk" else ""
+        return scoped + ("plus_scores" if self.plus else "scores")
+
+    def repeat_records(self, ctx: CompressionContext | None = None) -> frozenset[str]:
+        return frozenset({self.score_field(ctx)})
 
     def prepare(self, ctx: CompressionContext) -> None:
         # one repeat pass per prefilled context, whatever the method and budget (copies: later steps
         # edit scores); the same pass gives Attention Matching its reference queries
-        found = shared_repeat_pass(ctx, self.chunk, frozenset({self.score_field}))
-        shared = getattr(found, self.score_field)
+        field = self.score_field(ctx)
+        found = shared_repeat_pass(ctx, self.chunk, frozenset({field}))
+        shared = getattr(found, field)
         scores = {layer_idx: pool_tokens(s, self.pool).clone() for layer_idx, s in shared.items()}
         if self.demote != 1.0:
             self.demote_structure(scores, ctx)

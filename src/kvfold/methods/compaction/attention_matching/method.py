@@ -212,7 +212,7 @@ class _AttentionMatching(Standalone):
     def uses_repeat_pass(self) -> bool:  # type: ignore[override]
         return "repeat" in parse_sources(self.queries, self.name)
 
-    def repeat_records(self) -> frozenset[str]:
+    def repeat_records(self, ctx: CompressionContext | None = None) -> frozenset[str]:
         return frozenset({"queries"}) if self.uses_repeat_pass else frozenset()
 
     def validate(self) -> None:
@@ -510,7 +510,7 @@ class AMFit(Folder):
     def uses_repeat_pass(self) -> bool:  # type: ignore[override]
         return "repeat" in self.sources
 
-    def repeat_records(self) -> frozenset[str]:
+    def repeat_records(self, ctx: CompressionContext | None = None) -> frozenset[str]:
         return frozenset({"queries"}) if self.uses_repeat_pass else frozenset()
 
     def validate(self) -> None:
