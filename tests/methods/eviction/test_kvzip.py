@@ -254,11 +254,11 @@ def test_chunk_scope_keeps_other_entries_on_a_context_of_several_chunks_and_the_
     tok = CharTokenizer()
     model = kvfold.enable(make_tiny_model("llama"))  # unit layernorms: sharper attention than tiny()'s
     text = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 3
-    specs = ("kvzip[chunk=24]", "kvzip[chunk=24,scope=chunk]")
+    specs = ("kvzip[chunk=24,scope=all]", "kvzip[chunk=24,scope=chunk]")
     several = [compress(model, tok, spec, 0.3, text)[0] for spec in specs]
     kept = [held_keys(ctx.cache) for ctx in several]
     assert any(not torch.equal(a, b) for a, b in zip(*kept, strict=True))
-    one = [compress(model, tok, spec, 0.3, text)[0] for spec in ("kvzip", "kvzip[scope=chunk]")]
+    one = [compress(model, tok, spec, 0.3, text)[0] for spec in ("kvzip[scope=all]", "kvzip[scope=chunk]")]
     kept = [held_keys(ctx.cache) for ctx in one]
     assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
     with pytest.raises(ValueError, match="cannot compact a conversation again"):
@@ -283,14 +283,15 @@ def test_auto_scope_scores_by_chunk_on_long_fresh_contexts_only(monkeypatch):
     def kept(spec):
         return held_keys(compress(model, tok, spec, 0.3, text)[0].cache)
 
+    assert build_method("kvzip").selector.scope == "auto"  # the default
     monkeypatch.setattr(kvzip_module, "SCOPE_CHUNK_FROM", 10**6)
-    assert all(map(torch.equal, kept("kvzip[chunk=24,scope=auto]"), kept("kvzip[chunk=24]")))
+    assert all(map(torch.equal, kept("kvzip[chunk=24,scope=auto]"), kept("kvzip[chunk=24,scope=all]")))
     monkeypatch.setattr(kvzip_module, "SCOPE_CHUNK_FROM", 64)
     recorded.clear()
     auto = kept("kvzip[chunk=24,scope=auto]")
     assert recorded == [{"span_scores"}]
     assert all(map(torch.equal, auto, kept("kvzip[chunk=24,scope=chunk]")))
-    assert not all(map(torch.equal, auto, kept("kvzip[chunk=24]")))
+    assert not all(map(torch.equal, auto, kept("kvzip[chunk=24,scope=all]")))
     chat = ChatSession(model, tok, "kvzip[scope=auto]+am_fit", budget=32, context=text)
     for _ in range(3):
         chat.ask("where is the fox? " * 2, max_new_tokens=8)

@@ -93,9 +93,10 @@ class KVzip(Selector):
 
     ``scope=chunk`` scores each entry by the queries of the one repeat chunk that repeats its token
     (the authors' release scores a chunk's own entries): the scoring then costs each chunk's span,
-    linear in the length, where ``scope=all`` (the default) reads every entry against every repeat
-    query. Identical on contexts of one chunk; needs the cache of a fresh prefill. ``scope=auto``
-    is ``chunk`` on a fresh prefill of at least :data:`SCOPE_CHUNK_FROM` tokens, else ``all``.
+    linear in the length, where ``scope=all`` reads every entry against every repeat query.
+    Identical on contexts of one chunk; needs the cache of a fresh prefill. ``scope=auto`` (the
+    default) is ``chunk`` on a fresh prefill of at least :data:`SCOPE_CHUNK_FROM` tokens, else
+    ``all``: shorter contexts and compacted caches (a chat) are scored as the paper scores them.
 
     ``schedule=path.json`` takes each head's count from an Attention Matching head-budget schedule
     (Zweiger et al. 2026, §3.4, Appendix E; :mod:`kvfold.methods.core.head_schedule`) instead of
@@ -103,8 +104,8 @@ class KVzip(Selector):
     rest of the budget, filled with its own highest scores.
 
     Differences from the release: the scores use the attention over the whole context (the
-    release restricts the softmax to the chunk's own entries and the sinks, for speed), and by
-    default a chunk's queries score every entry (max over chunks; ``scope=chunk`` scores its own).
+    release restricts the softmax to the chunk's own entries and the sinks, for speed), and below
+    4,096 tokens a chunk's queries score every entry (max over chunks; ``scope=chunk`` scores its own).
     Cost: about two extra prefills.
 
     Parameters:
@@ -134,7 +135,7 @@ class KVzip(Selector):
     plus: bool = False
     demote: float = 1.0
     demote_repeats: int = 4
-    scope: str = "all"
+    scope: str = "auto"
     schedule: str | None = None
 
     def validate(self) -> None:
