@@ -599,11 +599,16 @@ def test_compress_to_proc_is_one_line_and_status_2(world: World, tmp_path: Path)
 def test_a_second_sweep_on_one_folder_is_refused_and_ctrl_c_keeps_every_finished_answer(
     world: World, tmp_path: Path, capsys
 ) -> None:
-    out = tmp_path / "run"
-    rows = out / "predictions.jsonl"
-    first = spawn(world.sweep("eval", out), tmp_path / "first")
-    wait_for(lambda: lines_in(rows) >= 1 or first.status() is not None, "the first answer")
-    first.send(signal.SIGSTOP)  # the first sweep holds the folder, still
+    for attempt in range(5):  # the stop must land before the last answer: the tiny sweep takes ~1.5 s
+        out = tmp_path / f"run{attempt}"
+        rows = out / "predictions.jsonl"
+        first = spawn(world.sweep("eval", out), tmp_path / f"first{attempt}")
+        wait_for(lambda rows=rows, first=first: lines_in(rows) >= 1 or first.status() is not None, "the first answer")
+        first.send(signal.SIGSTOP)  # the first sweep holds the folder, still
+        if lines_in(rows) < 2 * SAMPLES:
+            break
+        first.send(signal.SIGCONT)  # it had answered everything before the stop: nothing left to interrupt
+        first.wait()
     before = rows.read_bytes()
     second = spawn(world.sweep("eval", out), tmp_path / "second")
     assert second.wait() == 2
