@@ -60,3 +60,10 @@ def test_head_schedule_refuses_bad_input_in_one_line(capsys, tiny, tmp_path: Pat
     assert main(["head-schedule", "--out", str(tmp_path / "s.json"), *extra]) != 0
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "s.json").exists()
+
+
+def test_the_default_calibration_is_pieces_of_the_shipped_prose():
+    from kvfold.cli.schedule import prose_pieces
+
+    pieces = prose_pieces(CharTokenizer(), 3, 100)
+    assert len(pieces) == 3 and len(set(pieces)) == 3 and all(len(p) == 100 for p in pieces)  # one id a character

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib import resources
 from pathlib import Path
 
 from kvfold.cli.args import Handler, add_model_args
+from kvfold.evaluate.bench.process import context_ids
 from kvfold.methods import build_method
 from kvfold.methods.compaction.attention_matching.schedule import DEFAULT_RATIOS, build_head_schedule
 from kvfold.runtime import models
@@ -52,10 +52,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def prose_pieces(tokenizer, count: int, length: int) -> list[str]:
     """``count`` consecutive pieces of ``length`` tokens of the shipped English prose (wrapping round)."""
-    text = resources.files("kvfold.evaluate.data").joinpath("haystack.txt").read_text(encoding="utf-8")
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    while len(ids) < count * length:
-        ids = ids + ids
+    ids = context_ids(tokenizer, count * length, 1)[0].tolist()  # the bench's prose, wrapped round
     return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(count)]
 
 
