@@ -81,6 +81,17 @@ class CompressionContext:
     selection_scale: float = 1.0
     _charged: set = field(default_factory=set, init=False, repr=False)
 
+    def slots_are_tokens(self, layer: FoldedLayer) -> bool:
+        """Whether ``layer`` holds one slot per column of :attr:`input_ids`, in order (a fresh
+        prefill's cache, left padding included), so that slot ``j`` is context token ``j``."""
+        width = self.input_ids.shape[1]
+        return layer.physical_length == width and layer.logical_length == width
+
+    def is_fresh_prefill(self, cache: FoldedCache | None = None) -> bool:
+        """Whether every layer of ``cache`` (default :attr:`cache`) holds one slot per context
+        token (:meth:`slots_are_tokens`): nothing compressed, merged or appended yet."""
+        return all(self.slots_are_tokens(layer) for _, layer in (cache or self.cache).folded_layers)
+
     def shared_result(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per prefilled context: later compressions of it reuse the result.
 

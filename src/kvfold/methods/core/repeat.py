@@ -421,8 +421,7 @@ def repeat_pass(
 def _chunk_spans(ctx: CompressionContext, chunk: int, cache: FoldedCache) -> list[list[tuple[int, int]]]:
     """Per row, per repeat chunk, the slots ``(lo, hi)`` of the tokens that chunk repeats
     (:func:`token_chunks`), in a cache holding one slot per column of ``ctx.input_ids``."""
-    width = ctx.input_ids.shape[1]
-    if any(layer.physical_length != width or layer.logical_length != width for _, layer in cache.folded_layers):
+    if not ctx.is_fresh_prefill(cache):
         raise ValueError(
             "kvzip[scope=chunk] scores each entry by the repeat chunk that repeats its token and needs the cache of "
             "a fresh prefill (one entry per token); on a compacted cache use scope=all"

@@ -160,9 +160,7 @@ class KVzip(Selector):
             return self.scope
         if ctx is None or not ctx.context_lengths.numel() or int(ctx.context_lengths.max()) < SCOPE_CHUNK_FROM:
             return "all"
-        width = ctx.input_ids.shape[1]
-        fresh = all(layer.physical_length == width == layer.logical_length for _, layer in ctx.cache.folded_layers)
-        return "chunk" if fresh else "all"
+        return "chunk" if ctx.is_fresh_prefill() else "all"
 
     def score_field(self, ctx: CompressionContext | None = None) -> str:
         """The repeat pass's scores this selector ranks by on ``ctx``

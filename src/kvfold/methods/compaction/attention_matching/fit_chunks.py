@@ -74,8 +74,7 @@ def fit_chunk_tokens(text: str, owner: str, ctx: CompressionContext, sources: tu
 def layer_chunks(ctx: CompressionContext, layer: FoldedLayer, tokens: int) -> Tensor | None:
     """``(B, N)`` the repeat chunk of every slot of a freshly prefilled layer (−1 on left padding),
     or None when the layer's slots are not the context's positions (a compressed cache)."""
-    width = ctx.input_ids.shape[1]
-    if layer.physical_length != width or layer.logical_length != width:
+    if not ctx.slots_are_tokens(layer):
         return None
     key = ("fit_chunks", tokens)
     if key not in ctx.memo:
