@@ -24,10 +24,12 @@ demo: install
 
 test: install
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
 	$(PY) -m pytest -q -x --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

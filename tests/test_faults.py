@@ -215,7 +215,10 @@ def spawn(argv: list[str], folder: Path) -> Proc:
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / "stdout").open("w") as out, (folder / "stderr").open("w") as err:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "kvfold.cli", *map(str, argv)], stdout=out, stderr=err, env=ENV,
+            [sys.executable, "-m", "kvfold.cli", *map(str, argv)],
+            stdout=out,
+            stderr=err,
+            env=ENV,
             preexec_fn=default_sigint,
         )
     return Proc(folder, popen)
@@ -316,7 +319,11 @@ class ForkServer:
         self.root = root
         self.count = 0
         self.server = subprocess.Popen(
-            [sys.executable, "-c", FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=ENV, text=True,
+            [sys.executable, "-c", FORK_SERVER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=ENV,
+            text=True,
             preexec_fn=default_sigint,
         )
         assert self.server.stdout.readline() == "ready\n"
@@ -412,8 +419,17 @@ def bad_inputs(w: World, tmp: Path) -> list[tuple[list[str], str]]:
         "bench": w.bench(tmp / "bench"),
         "mergemap": w.mergemap(tmp / "mm"),
         "chat": w.chat(),
-        "merged-entries": ["merged-entries", "--model", w.model, "--task", "niah_single_1", "--base", "snapkv",
-                           "--methods", "snapkv+cam"],  # fmt: skip
+        "merged-entries": [
+            "merged-entries",
+            "--model",
+            w.model,
+            "--task",
+            "niah_single_1",
+            "--base",
+            "snapkv",
+            "--methods",
+            "snapkv+cam",
+        ],  # fmt: skip
     }
 
     def with_(argv: list[str], flag: str, value: str) -> list[str]:
@@ -441,8 +457,20 @@ def bad_inputs(w: World, tmp: Path) -> list[tuple[list[str], str]]:
         (with_(base["mergemap"], "--context-file", empty), "the context is empty"),
         (with_(base["eval"], "--dataset", str(w.no_answers)), "line 1: missing required field(s) 'answers'"),
         (with_(base["fidelity"], "--dataset", str(w.no_answers)), "line 1: missing required field(s) 'answers'"),
-        (["mergemap", "--model", w.model, "--dataset", str(w.no_answers), "--methods", "snapkv", "--out",
-          str(tmp / "mm")], "line 1: missing required field(s) 'answers'"),  # fmt: skip
+        (
+            [
+                "mergemap",
+                "--model",
+                w.model,
+                "--dataset",
+                str(w.no_answers),
+                "--methods",
+                "snapkv",
+                "--out",
+                str(tmp / "mm"),
+            ],
+            "line 1: missing required field(s) 'answers'",
+        ),  # fmt: skip
         (with_(base["compress"], "--context-file", long), too_long),
         (with_(base["chat"], "--context-file", long), too_long),
         (with_(base["mergemap"], "--context-file", long), too_long),

@@ -74,13 +74,32 @@ def test_generate_streamingllm_json_reports_memory(capsys, smollm2, tmp_path):
     path = tmp_path / "context.txt"
     path.write_text(build_logbook(tokenizer, target_tokens=1200))
     code, out, _ = run(
-        capsys, "generate", "--method", "streamingllm", "--budget", "0.1", "--context-file", str(path),
-        "--question", "What is the special magic number for the cabin?", "--max-new-tokens", "4", "--json",
+        capsys,
+        "generate",
+        "--method",
+        "streamingllm",
+        "--budget",
+        "0.1",
+        "--context-file",
+        str(path),
+        "--question",
+        "What is the special magic number for the cabin?",
+        "--max-new-tokens",
+        "4",
+        "--json",
     )
     assert code == 0
     record = json.loads(out)
-    for key in ("answer", "method", "budget", "context_tokens", "kv_bytes", "kv_bytes_full",
-                "prefill_seconds", "compress_seconds"):
+    for key in (
+        "answer",
+        "method",
+        "budget",
+        "context_tokens",
+        "kv_bytes",
+        "kv_bytes_full",
+        "prefill_seconds",
+        "compress_seconds",
+    ):
         assert key in record
     assert record["context_tokens"] > 1000
     assert record["kv_bytes"] <= 0.11 * record["kv_bytes_full"]

@@ -32,8 +32,21 @@ def test_head_schedule_writes_shares_that_kvzip_reads(capsys, tiny, tmp_path: Pa
     text = tmp_path / "calibration.txt"
     text.write_text(TEXT, encoding="utf-8")
     out = tmp_path / "schedules" / "tiny.json"
-    argv = ["head-schedule", "--text-file", str(text), "--method", "kvzip[layerwise=true]+am_fit",
-            "--ratios", "0.2,0.5", "--r0", "0.3", "--continuation", "8", "--out", str(out)]
+    argv = [
+        "head-schedule",
+        "--text-file",
+        str(text),
+        "--method",
+        "kvzip[layerwise=true]+am_fit",
+        "--ratios",
+        "0.2,0.5",
+        "--r0",
+        "0.3",
+        "--continuation",
+        "8",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert f"wrote {out}: 4 heads" in captured.out and "layer 2/2" in captured.err

@@ -181,8 +181,11 @@ def test_the_masked_path_and_its_blocked_log_sum_exp_equal_float64(dtype, monkey
     new_keys, new_values = keys[:, :, -q_len:], values[:, :, -q_len:]
     only_new, lse_new = attention._attend_after_cache_split(query, new_keys, new_values, 0.3, True)
     ref_new = torch.nn.functional.scaled_dot_product_attention(
-        query.double(), keys[:, :, -q_len:].double().repeat_interleave(groups, 1),
-        values[:, :, -q_len:].double().repeat_interleave(groups, 1), is_causal=True, scale=0.3,
+        query.double(),
+        keys[:, :, -q_len:].double().repeat_interleave(groups, 1),
+        values[:, :, -q_len:].double().repeat_interleave(groups, 1),
+        is_causal=True,
+        scale=0.3,
     )
     torch.testing.assert_close(only_new.double(), ref_new, rtol=0, atol=1e-5)
     assert torch.isfinite(lse_new).all()

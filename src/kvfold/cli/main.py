@@ -65,12 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="compress a context and answer a question")
     add_model_args(p)
-    p.add_argument(
-        "--method", default="full", help="method spec, e.g. snapkv, adakv:snapkv+grkv, zsmerge[residual=0]"
-    )
-    p.add_argument(
-        "--budget", default="1.0", help="fraction in (0, 1] of the context to keep, or a token count"
-    )
+    p.add_argument("--method", default="full", help="method spec, e.g. snapkv, adakv:snapkv+grkv, zsmerge[residual=0]")
+    p.add_argument("--budget", default="1.0", help="fraction in (0, 1] of the context to keep, or a token count")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--context", help="the context text")
@@ -78,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--question", required=True)
     p.add_argument("--answer-prefix", default="")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument(
-        "--query-aware", action="store_true", help="compress the question together with the context"
-    )
+    p.add_argument("--query-aware", action="store_true", help="compress the question together with the context")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from kvfold.cli.saved_caches import add_cache_args

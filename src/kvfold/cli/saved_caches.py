@@ -328,4 +328,3 @@ def _read_text(path: Path) -> str:
 
 COMMANDS = {"compress": run_compress, "ask": run_ask, "chat": run_chat}
 """The subcommands of this module."""
-

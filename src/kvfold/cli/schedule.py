@@ -35,8 +35,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help=f"the compaction measured at each ratio, uniform over heads (default {DEFAULT_METHOD})",
     )
     p.add_argument(
-        "--text-file", type=Path, action="append", help="a calibration text (repeat the option for more); "
-        "default: --texts pieces of the shipped English prose"
+        "--text-file",
+        type=Path,
+        action="append",
+        help="a calibration text (repeat the option for more); default: --texts pieces of the shipped English prose",
     )
     p.add_argument("--texts", type=int, default=4, help="pieces of the shipped prose (default 4)")
     p.add_argument("--length", type=int, default=2048, help="tokens of each piece of prose (default 2048)")

@@ -303,9 +303,7 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[i
             ids.add(value)
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
-    im_end = (
-        tokenizer.convert_tokens_to_ids("<|im_end|>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
-    )
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if hasattr(tokenizer, "convert_tokens_to_ids") else None
     if isinstance(im_end, int) and im_end != getattr(tokenizer, "unk_token_id", None):
         ids.add(im_end)
     return ids
@@ -364,9 +362,7 @@ def prefill(
     contexts = [context] if isinstance(context, str) else list(context)
     if not contexts or any(not c or not c.strip() for c in contexts):
         raise ValueError("the context is empty; give the text to compress (--context or --context-file)")
-    questions = (
-        [question] * len(contexts) if isinstance(question, str) or question is None else list(question)
-    )
+    questions = [question] * len(contexts) if isinstance(question, str) or question is None else list(question)
     if query_aware and any(not q for q in questions):
         raise ValueError("query-aware mode needs the question at prefill time")
     rows, suffixes = [], []
@@ -382,9 +378,7 @@ def prefill(
     check_length(model, longest + 1)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     input_ids = torch.tensor([[pad_id] * (longest - len(r)) + r for r in rows], device=model.device)
-    attention_mask = torch.tensor(
-        [[0] * (longest - len(r)) + [1] * len(r) for r in rows], device=model.device
-    )
+    attention_mask = torch.tensor([[0] * (longest - len(r)) + [1] * len(r) for r in rows], device=model.device)
     return prefill_ids(
         model,
         tokenizer,

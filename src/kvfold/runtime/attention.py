@@ -42,8 +42,12 @@ class OnlinePolicy(Protocol):
     needs_attention: bool
 
     def after_forward(
-        self, layer_idx: int, layer: FoldedLayer, query: torch.Tensor,
-        probs: torch.Tensor | None, logits: torch.Tensor | None = None,
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        query: torch.Tensor,
+        probs: torch.Tensor | None,
+        logits: torch.Tensor | None = None,
     ) -> None:
         """Called after the attention of layer ``layer_idx`` (its cache already holds the new entries).
 
@@ -213,7 +217,11 @@ def _attend_after_cache(
 
 
 def _merge_parts(
-    query: torch.Tensor, out_old: torch.Tensor, lse_old: torch.Tensor, out_new: torch.Tensor, lse_new: torch.Tensor,
+    query: torch.Tensor,
+    out_old: torch.Tensor,
+    lse_old: torch.Tensor,
+    out_new: torch.Tensor,
+    lse_new: torch.Tensor,
     with_lse: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The attention over both parts from each part's output (``out_old`` with the query heads

@@ -69,9 +69,7 @@ class PagedRows:
         filled_d = filled.to(device)
         k = keys[row_idx, src] * filled_d[..., None]
         v = values[row_idx, src] * filled_d[..., None]
-        lm = torch.where(
-            filled_d, log_mass[row_idx, src].float(), torch.full_like(src, NEG_INF, dtype=torch.float32)
-        )
+        lm = torch.where(filled_d, log_mass[row_idx, src].float(), torch.full_like(src, NEG_INF, dtype=torch.float32))
         return cls(
             keys=k.contiguous(),
             values=v.contiguous(),

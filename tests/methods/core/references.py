@@ -29,9 +29,7 @@ def ref_keep(scores_row, count, prot_row=None, valid_row=None) -> list[int]:
 
 
 def kept(keep, lengths) -> list[list[list[int]]]:
-    return [
-        [keep[b, h, : lengths[b, h]].tolist() for h in range(keep.shape[1])] for b in range(keep.shape[0])
-    ]
+    return [[keep[b, h, : lengths[b, h]].tolist() for h in range(keep.shape[1])] for b in range(keep.shape[0])]
 
 
 def ref_keep_all(scores, counts, protected=None, valid=None) -> list[list[list[int]]]:

@@ -22,17 +22,13 @@ def ref_adakv(scores, budget, alpha, prot, valid):
             pos = [j for j in range(n) if valid[b, h, j]]
             p = [j for j in pos if prot[b, h, j]]
             floor = min(len(p) + math.floor(alpha * max(budget - len(p), 0)), budget, len(pos))
-            order = sorted(
-                pos, key=lambda j, h=h: (0, -j) if prot[b, h, j] else (1, -float(scores[b, h, j]), j)
-            )
+            order = sorted(pos, key=lambda j, h=h: (0, -j) if prot[b, h, j] else (1, -float(scores[b, h, j]), j))
             floors.append(floor)
             chosen.append(set(order[:floor]))
         pool = [(h, j) for h in range(heads) for j in range(n) if valid[b, h, j] and j not in chosen[h]]
         pool.sort(
             key=lambda e: (
-                (0, -(e[0] * n + e[1]))
-                if prot[b, e[0], e[1]]
-                else (1, -float(scores[b, e[0], e[1]]), e[0], e[1])
+                (0, -(e[0] * n + e[1])) if prot[b, e[0], e[1]] else (1, -float(scores[b, e[0], e[1]]), e[0], e[1])
             )
         )
         for h, j in pool[: heads * budget - sum(floors)]:

@@ -20,9 +20,7 @@ def ref_out_norms(values, w_o, hq):
     for b in range(batch):
         for h in range(hq):
             for j in range(n):
-                norms[b, h, j] = float(
-                    (w_o[:, h * d : (h + 1) * d] @ values[b, h // (hq // hkv), j]).abs().sum()
-                )
+                norms[b, h, j] = float((w_o[:, h * d : (h + 1) * d] @ values[b, h // (hq // hkv), j]).abs().sum())
     return norms
 
 

@@ -30,9 +30,7 @@ def test_rope_cos_sin_and_rotation_match_transformers():
     x = torch.randn(1, 1, 1, 8)
     for t in range(5):  # one position: R̄ is that position's rotation
         rotated, _ = apply_rotary_pos_emb(x, x, cos[t : t + 1], sin[t : t + 1], unsqueeze_dim=0)
-        torch.testing.assert_close(
-            mean_rope_rotation(cos[t : t + 1], sin[t : t + 1]) @ x[0, 0, 0], rotated[0, 0, 0]
-        )
+        torch.testing.assert_close(mean_rope_rotation(cos[t : t + 1], sin[t : t + 1]) @ x[0, 0, 0], rotated[0, 0, 0])
 
 
 def ref_expected(qpre, k, v, cos, sin, scaling, eps, valid):

@@ -30,9 +30,7 @@ def ref_snapkv(q, k, scaling, window, kernel, pooling, log_mass=None, valid=None
                 for g in range(groups):
                     h = kv * groups + g
                     votes = [float(probs[b, h, :, x].sum()) / w for x in range(n)]
-                    neigh = [
-                        votes[x] for x in range(j - kernel // 2, j + kernel // 2 + 1) if lo_seg <= x < hi_seg
-                    ]
+                    neigh = [votes[x] for x in range(j - kernel // 2, j + kernel // 2 + 1) if lo_seg <= x < hi_seg]
                     per_head.append(max(neigh) if pooling == "max" else sum(neigh) / kernel)
                 out[b, kv, j] = sum(per_head) / groups
                 if valid is not None and not valid[b, kv, j]:
@@ -40,9 +38,7 @@ def ref_snapkv(q, k, scaling, window, kernel, pooling, log_mass=None, valid=None
     return out
 
 
-@pytest.mark.parametrize(
-    "groups,pooling,kernel", [(1, "max", 5), (2, "max", 3), (3, "avg", 5), (2, "avg", 1)]
-)
+@pytest.mark.parametrize("groups,pooling,kernel", [(1, "max", 5), (2, "max", 3), (3, "avg", 5), (2, "avg", 1)])
 def test_snapkv_matches_reference_and_keeps_window(groups, pooling, kernel):
     q, k, _ = make(groups=groups, n=26, w=9, seed=10 + groups)
     valid = left_padding(2, 2, 26, [3, 0])

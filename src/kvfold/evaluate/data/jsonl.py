@@ -91,7 +91,7 @@ def _samples_from_record(record: Any, where: str, default_task: str, line_number
     sample_id = str(record.get("sample_id", record.get("id", f"{task}/{line_number}")))
     haystack = record.get("haystack")
     if haystack is not None and haystack not in ("noise", "prose"):
-        raise ValueError(f"{where}: 'haystack' must be \"noise\" or \"prose\", got {haystack!r}")
+        raise ValueError(f'{where}: \'haystack\' must be "noise" or "prose", got {haystack!r}')
     return [
         Sample(
             context=context,

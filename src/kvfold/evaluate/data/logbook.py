@@ -88,9 +88,7 @@ def build_logbook(tokenizer, target_tokens: int = 3000, seed: int = 7) -> str:
         if len(sentences) % 6 == 0:
             sentences.append(f"Logbook, day {day}.")
             day += 1
-        sentences.append(
-            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
-        )
+        sentences.append(f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}")
         if len(sentences) % 40 == 0 and len(tokenizer(" ".join(sentences)).input_ids) > target_tokens * 0.95:
             break
     for i, (fact, _, _) in enumerate(FACTS):

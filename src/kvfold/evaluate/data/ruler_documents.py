@@ -104,9 +104,7 @@ QA2_QUESTIONS = (
 """``(question, fact of the company)`` of the two-hop task."""
 
 
-def _distractor_documents(
-    seed: str, person_name: str, company_name: str, answer: str
-) -> Callable[[int], list[str]]:
+def _distractor_documents(seed: str, person_name: str, company_name: str, answer: str) -> Callable[[int], list[str]]:
     """``docs(n)``: the first ``n`` distractor documents (biographies and company profiles).
 
     None of them is about the gold person or the gold company, and none contains the answer, so

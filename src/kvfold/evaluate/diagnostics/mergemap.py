@@ -205,8 +205,6 @@ def _analyse_layer(
             )
 
 
-
-
 @dataclass
 class MergeMapResult:
     """What :func:`merge_maps` produced.

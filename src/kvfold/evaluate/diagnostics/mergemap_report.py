@@ -39,9 +39,7 @@ def _row(r: Mapping[str, Any]) -> list[str]:
     s = r["summary"]
     if not r.get("recorded", True):
         return [f"`{r['method']}`", f"{r['kv_ratio']:.3f}", "records no merge map", *["–"] * 12]
-    boundary = (
-        "–" if s.get("boundary_share") is None else (f"{s['boundary_share']:.2f} ({s['boundary_fraction']:.2f})")
-    )
+    boundary = "–" if s.get("boundary_share") is None else (f"{s['boundary_share']:.2f} ({s['boundary_fraction']:.2f})")
     return [
         f"`{r['method']}`",
         f"{r['kv_ratio']:.3f}",

@@ -99,9 +99,7 @@ def style_budget_axis(ax: Any, budgets: Sequence[Any], numeric: bool) -> None:
     ax.set_xticks([positions[b] for b in budgets], [budget_label(b) for b in budgets])
     ax.set_xlabel(budget_axis_label(numeric))
     if numeric and _ratio_axis(budgets):
-        ax.set_xticks(
-            [positions[b] for b in budgets], [f"{budget_label(b)}\n({1 / b:g}×)" for b in budgets]
-        )
+        ax.set_xticks([positions[b] for b in budgets], [f"{budget_label(b)}\n({1 / b:g}×)" for b in budgets])
         ax.set_xlim(math.log2(min(budgets)) - 0.4, math.log2(max(budgets)) + 0.4)
     elif numeric:
         span = max(budgets) - min(budgets) if len(budgets) > 1 else 0.1

@@ -226,9 +226,7 @@ def plan_items(
     for group in _prefill_groups(samples, query_aware):
         ids = tuple(key_of[id(s)] for s in group)
         pending = tuple(
-            (spec, b)
-            for spec, b in runs
-            if any(unit_key(sid, spec, b.label(), query_aware) not in done for sid in ids)
+            (spec, b) for spec, b in runs if any(unit_key(sid, spec, b.label(), query_aware) not in done for sid in ids)
         )
         if pending:
             skip = frozenset(k for k in done if k[0] in ids)

@@ -175,9 +175,7 @@ def _check_paired(method: TaskScores, full: TaskScores) -> None:
         raise ValueError("retention needs the method and the full cache scored on the same samples")
 
 
-def task_retention(
-    method: TaskScores, full: TaskScores, resamples: int = DEFAULT_RESAMPLES, seed: int = 0
-) -> Interval:
+def task_retention(method: TaskScores, full: TaskScores, resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> Interval:
     """Retention (score / full-cache score on the same samples, as a fraction) with its interval.
 
     Args:

@@ -393,7 +393,12 @@ class Folder(Method):
         (called once when composed); nothing by default."""
 
     def fold(
-        self, layer_idx: int, layer: FoldedLayer, keep: torch.Tensor, lengths: torch.Tensor, scores: torch.Tensor,
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        keep: torch.Tensor,
+        lengths: torch.Tensor,
+        scores: torch.Tensor,
         ctx: CompressionContext,
     ) -> None:
         """Write the layer's new content given kept indices ``keep`` ``(B, H, K)`` and ``lengths``."""

@@ -123,9 +123,7 @@ def cosine_layer_budgets(
         min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * layer / (num_layers - 1)))
         for layer in range(num_layers)
     ]
-    return apportion(
-        weights, avg_budget * num_layers, minimum=min(min_budget, avg_budget), maximum=context_tokens
-    )
+    return apportion(weights, avg_budget * num_layers, minimum=min(min_budget, avg_budget), maximum=context_tokens)
 
 
 def check_layer_budgets(avg_budget: int, num_layers: int, min_budget: int) -> None:
@@ -137,9 +135,7 @@ def check_layer_budgets(avg_budget: int, num_layers: int, min_budget: int) -> No
             :meth:`kvfold.runtime.budget.Budget.count`), or ``num_layers`` or ``min_budget`` < 1.
     """
     if isinstance(avg_budget, bool) or not isinstance(avg_budget, numbers.Integral) or avg_budget < 1:
-        raise ValueError(
-            f"avg_budget must be a positive token count (use Budget.count); got {avg_budget!r}"
-        )
+        raise ValueError(f"avg_budget must be a positive token count (use Budget.count); got {avg_budget!r}")
     if num_layers < 1:
         raise ValueError(f"num_layers must be ≥ 1; got {num_layers}")
     if min_budget < 1:

@@ -46,9 +46,7 @@ def attention_module(ctx: CompressionContext, layer_idx: int) -> torch.nn.Module
     return modules[layer_idx]
 
 
-def layer_scaling(
-    ctx: CompressionContext, layer_idx: int, layer: FoldedLayer, require_module: bool = False
-) -> float:
+def layer_scaling(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer, require_module: bool = False) -> float:
     """The layer's logit scale: its attention module's ``scaling``, else ``1/√D`` (``D`` the layer's
     head dim). The scales are read once per compression
     (:func:`kvfold.runtime.attention.attention_scalings`) and kept in ``ctx.memo``.

@@ -156,9 +156,7 @@ class RepeatRecorder:
     needs_attention = True
     accepts_log_sum_exp = True
 
-    def __init__(
-        self, context_slots: dict[int, int], records: frozenset[str], plus: HiddenNorms | None = None
-    ) -> None:
+    def __init__(self, context_slots: dict[int, int], records: frozenset[str], plus: HiddenNorms | None = None) -> None:
         unknown = set(records) - RECORDS
         if unknown:
             raise ValueError(f"a repeat pass records {sorted(RECORDS)}; not {sorted(unknown)}")

@@ -44,9 +44,7 @@ GqaReduce = Literal["mean", "max", "sum"]
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32 (scores never run in half precision)."""
-    return (
-        torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-    )
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def gqa_groups(num_q_heads: int, num_kv_heads: int) -> int:
@@ -56,9 +54,7 @@ def gqa_groups(num_q_heads: int, num_kv_heads: int) -> int:
         ValueError: ``H_q`` is not a positive multiple of ``H_kv``.
     """
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads ({num_q_heads}) must be a positive multiple of KV heads ({num_kv_heads})"
-        )
+        raise ValueError(f"query heads ({num_q_heads}) must be a positive multiple of KV heads ({num_kv_heads})")
     return num_q_heads // num_kv_heads
 
 

@@ -96,9 +96,7 @@ def as_counts(counts: int | Tensor, batch: int, heads: int, device: torch.device
     counts_t = counts_t.long()
     if counts_t.dim() == 1:
         if counts_t.shape[0] != batch:
-            raise ValueError(
-                f"1-D counts must have one entry per batch row ({batch}); got {counts_t.shape[0]}"
-            )
+            raise ValueError(f"1-D counts must have one entry per batch row ({batch}); got {counts_t.shape[0]}")
         counts_t = counts_t[:, None]
     if bool((counts_t < 0).any()):
         raise ValueError("counts must be ≥ 0")
@@ -154,4 +152,4 @@ def topk_keep(
     return torch.where(in_row, keep, last), lengths
 
 
-#END
+# END

@@ -58,9 +58,7 @@ def adakv_head_budgets(
     batch, heads, length = scores.shape
     device = scores.device
     per_head = as_counts(layer_budget_per_head, batch, heads, device)
-    valid_b = (
-        torch.ones(batch, heads, length, dtype=torch.bool, device=device) if valid is None else valid.bool()
-    )
+    valid_b = torch.ones(batch, heads, length, dtype=torch.bool, device=device) if valid is None else valid.bool()
     prot = torch.zeros_like(valid_b) if protected is None else protected.bool() & valid_b
     n_valid = valid_b.sum(dim=-1)
     n_prot = prot.sum(dim=-1)

@@ -74,7 +74,6 @@ def noncausal_chunk_attention(
     return mask_invalid(out, valid)
 
 
-
 class CompactorAttentionObserver:
     """Prefill observer: writes ``layer.entry_stats[key]`` ``(B, H_kv, N)``, the non-causal
     attention each entry receives from the queries of its chunk

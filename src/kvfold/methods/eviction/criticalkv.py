@@ -68,9 +68,7 @@ def critical_reweight(
     if (kv_heads, dim) != (num_kv_heads, head_dim):
         raise ValueError(f"values have {kv_heads} heads of dim {dim}; expected {num_kv_heads} × {head_dim}")
     if o_proj_weight.shape[1] % head_dim:
-        raise ValueError(
-            f"o_proj input size {o_proj_weight.shape[1]} is not a multiple of head_dim {head_dim}"
-        )
+        raise ValueError(f"o_proj input size {o_proj_weight.shape[1]} is not a multiple of head_dim {head_dim}")
     num_q_heads = o_proj_weight.shape[1] // head_dim
     groups = gqa_groups(num_q_heads, num_kv_heads)
     if scores.shape[1] not in (num_q_heads, num_kv_heads):
@@ -96,7 +94,6 @@ def critical_reweight(
         result = (a + epsilon) * group_norm
     result = result.masked_fill(dropped, float("-inf"))
     return mask_invalid(result, valid)
-
 
 
 def critical_two_stage_select(

@@ -34,9 +34,7 @@ def _safe_softmax(logits: Tensor) -> Tensor:
     return torch.where(total > 0, weights / total.clamp_min(torch.finfo(weights.dtype).tiny), weights * 0)
 
 
-def rope_cos_sin(
-    inv_freq: Tensor, positions: Tensor, attention_scaling: float = 1.0
-) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, attention_scaling: float = 1.0) -> tuple[Tensor, Tensor]:
     """The rotary ``cos``, ``sin`` tables of transformers' default RoPE (``rotate_half`` layout).
 
     ``freqs = positions ⊗ inv_freq``, ``emb = [freqs, freqs]``; ``cos = cos(emb)·attention_scaling``.
@@ -153,7 +151,6 @@ def expected_attention_scores(
     elif epsilon:
         scores = scores + epsilon
     return mask_invalid(scores, valid)
-
 
 
 # ---------------------------------------------------------------------------- Expected Attention

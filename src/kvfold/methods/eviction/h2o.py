@@ -99,7 +99,6 @@ def h2o_update(acc_scores: Tensor, probs_step: Tensor, gqa_reduce: GqaReduce = "
     return acc + added.to(dtype)
 
 
-
 # ---------------------------------------------------------------------------- H2O
 
 

@@ -33,7 +33,6 @@ def knorm_scores(keys: Tensor, valid: Tensor | None = None) -> Tensor:
     return mask_invalid(-torch.linalg.vector_norm(keys.to(compute_dtype(keys)), dim=-1), valid)
 
 
-
 # ---------------------------------------------------------------------------- K-norm
 
 

@@ -75,7 +75,6 @@ def snapkv_scores(
     return mask_invalid(pool_gqa(pooled, keys.shape[1], gqa_reduce), valid)
 
 
-
 def pyramid_layer_budgets(
     avg_budget: int,
     num_layers: int,
@@ -167,9 +166,7 @@ class SnapKV(Selector):
         keys, _, beta, valid = layer_content(layer)
         queries = captured_window(layer, self.window, self.name)
         scaling = layer_scaling(ctx, layer_idx, layer, require_module=True)
-        return snapkv_scores(
-            queries, keys, scaling, self.window, self.kernel, self.pooling, log_mass=beta, valid=valid
-        )
+        return snapkv_scores(queries, keys, scaling, self.window, self.kernel, self.pooling, log_mass=beta, valid=valid)
 
     def protected(self, layer_idx: int, layer: FoldedLayer, ctx: CompressionContext) -> Tensor:
         valid = layer.valid_mask()

@@ -46,7 +46,6 @@ def tova_scores(probs_last: Tensor, num_kv_heads: int, valid: Tensor | None = No
     return mask_invalid(layer_score.expand(-1, num_kv_heads, -1).contiguous(), valid)
 
 
-
 # ---------------------------------------------------------------------------- TOVA
 
 

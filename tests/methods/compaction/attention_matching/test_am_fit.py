@@ -208,15 +208,28 @@ def test_candidates_limit_the_highest_attention_keys_to_the_preselection():
     candidates = torch.zeros(T, dtype=torch.bool)
     candidates[torch.randperm(T, generator=g)[:15]] = True
     result = fit_problems(
-        keys[None], values[None], torch.zeros(1, T, dtype=F64), queries[None], torch.ones(1, n, dtype=torch.bool),
-        torch.tensor([t]), D**-0.5, FitConfig(), candidates=candidates[None],
+        keys[None],
+        values[None],
+        torch.zeros(1, T, dtype=F64),
+        queries[None],
+        torch.ones(1, n, dtype=torch.bool),
+        torch.tensor([t]),
+        D**-0.5,
+        FitConfig(),
+        candidates=candidates[None],
     )
     weights = torch.softmax(queries @ keys.T * D**-0.5, dim=-1)  # every entry in the denominator
     score = weights.square().mean(0).masked_fill(~candidates, -math.inf)
     assert result.index[0, : int(result.lengths[0])].tolist() == sorted(score.topk(t).indices.tolist())
     everyone = fit_problems(
-        keys[None], values[None], torch.zeros(1, T, dtype=F64), queries[None], torch.ones(1, n, dtype=torch.bool),
-        torch.tensor([t]), D**-0.5, FitConfig(),
+        keys[None],
+        values[None],
+        torch.zeros(1, T, dtype=F64),
+        queries[None],
+        torch.ones(1, n, dtype=torch.bool),
+        torch.tensor([t]),
+        D**-0.5,
+        FitConfig(),
     )
     assert everyone.index[0].tolist() != result.index[0].tolist()  # the pre-selection mattered here
 

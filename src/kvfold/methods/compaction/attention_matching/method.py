@@ -647,8 +647,15 @@ class AMFit(Folder):
         queries = ctx.memo["am_fit_queries"][layer_idx]
         span_mass = log_mass.masked_fill(forced, float("-inf"))
         result = fit_problems(
-            keys, values, span_mass, queries.queries, queries.valid, fit_counts,
-            layer_scaling(ctx, layer_idx, layer), self.fit_config(), candidates=candidates & ~forced,
+            keys,
+            values,
+            span_mass,
+            queries.queries,
+            queries.valid,
+            fit_counts,
+            layer_scaling(ctx, layer_idx, layer),
+            self.fit_config(),
+            candidates=candidates & ~forced,
         )
         # every kept entry in position order: forced ones as they were, chosen ones as fitted
         t = result.index.shape[-1]
