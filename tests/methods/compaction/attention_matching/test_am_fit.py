@@ -277,3 +277,73 @@ def test_preselect_options_are_checked():
     pre = kvfold.prefill(model, CharTokenizer(), TEXT * 2, use_chat_template=False)
     with pytest.raises(SpecError, match="fits in one piece"):
         pre.compress("kvzip+am_fit[preselect=2,fit_chunk=64]", 0.3)
+
+
+# ---------------------------------------------------------------------------- the top-scored entries verbatim
+
+
+def test_top_verbatim_keeps_the_selectors_highest_scored_entries_as_they_are_and_fits_the_rest():
+    """``kvzip+am_fit[top_verbatim=0.25]``: the same keys as ``kvzip``; in each head the quarter
+    of the kept entries KVzip scored highest keep their values and β⁰ bit for bit, the others are
+    refitted; 0 is the default bit for bit, 1 is ``kvzip`` itself (nothing refitted)."""
+    from kvfold.methods import CompressionContext
+
+    model, tok = model64("llama"), CharTokenizer()
+    pre = kvfold.prefill(model, tok, TEXT * 4, use_chat_template=False)
+    work = pre.cache.copy()
+    ctx = CompressionContext(model, work, pre.input_ids, pre.attention_mask, kvfold.Budget.parse(0.3), tokenizer=tok)
+    with torch.no_grad():
+        build_method("kvzip+am_fit[top_verbatim=0.25]").compress(ctx)
+    default = pre.compress("kvzip+am_fit", 0.3).cache
+    verbatim_seen = refitted_seen = 0
+    for (i, full), (_, layer), (_, fit) in zip(
+        pre.cache.folded_layers, work.folded_layers, default.folded_layers, strict=True
+    ):
+        k_full, v_full, _, _ = full.padded()
+        keys, values, beta, lengths = layer.padded()
+        assert torch.equal(keys, fit.padded()[0])  # KVzip's keys either way
+        scores = ctx.memo["kvzip_scores"][i][0]
+        for h in range(keys.shape[1]):
+            n = int(lengths[0, h])
+            slots = (keys[0, h, :n, None, :] == k_full[0, h, None, :, :]).all(-1).float().argmax(-1)
+            top = scores[h, slots].argsort(dim=-1, descending=True, stable=True)[: math.ceil(0.25 * n)]
+            exact = (values[0, h, :n] == v_full[0, h, slots]).all(-1) & (beta[0, h, :n] == 0)
+            expected = torch.zeros(n, dtype=torch.bool)
+            expected[top] = True
+            assert torch.equal(exact, expected), (i, h)
+            verbatim_seen += int(expected.sum())
+            refitted_seen += int((~expected).sum())
+            fitted_there = (fit.padded()[1][0, h, :n][top] == v_full[0, h, slots[top]]).all(-1)
+            assert not bool(fitted_there.all())  # the default refits them
+            # the refitted entries are the fit of the rest of the cache with the verbatim ones in place
+            queries = ctx.memo["am_fit_queries"][i]
+            span = torch.zeros(1, 1, k_full.shape[2], dtype=F64)
+            span[0, 0, slots[expected]] = -math.inf
+            given = slots[~expected][None, None]
+            reference = fit_problems(
+                k_full[:, h : h + 1], v_full[:, h : h + 1], span, queries.queries[:, h : h + 1],
+                queries.valid[:, h : h + 1], None, model.model.layers[i].self_attn.scaling, AMFit().fit_config(),
+                given=given,
+            )  # fmt: skip
+            torch.testing.assert_close(values[0, h, :n][~expected], reference.values[0, 0].to(values.dtype))
+            torch.testing.assert_close(beta[0, h, :n][~expected], reference.log_mass[0, 0].to(beta.dtype))
+    assert verbatim_seen and refitted_seen
+    same = pre.compress("kvzip+am_fit[top_verbatim=0]", 0.3).cache
+    plain = pre.compress("kvzip", 0.3).cache
+    kept_all = pre.compress("kvzip+am_fit[top_verbatim=1]", 0.3).cache
+    for (_, a), (_, b), (_, c), (_, d) in zip(
+        default.folded_layers, same.folded_layers, plain.folded_layers, kept_all.folded_layers, strict=True
+    ):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            assert torch.equal(x, y)
+        for x, y in zip(c.padded(), d.padded(), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_top_verbatim_options_are_checked():
+    from kvfold.methods.core.spec import SpecError
+
+    with pytest.raises(SpecError, match="top_verbatim must be a fraction"):
+        build_method("kvzip+am_fit[top_verbatim=1.5]")
+    with pytest.raises(SpecError, match="without preselect"):
+        build_method("kvzip+am_fit[top_verbatim=0.25,preselect=2]")

@@ -457,6 +457,12 @@ class AMFit(Folder):
             (KVzip's global ranking; other selectors' shape scaled), then fits β and the values;
             the selector's protected entries (sinks) stay. Fits in one piece (``fit_chunk`` must
             resolve to none) and follows no wrapper.
+        top_verbatim: fraction of each head's kept entries, those the selector scored highest
+            (KVzip: the entries some repeat query attends to most, where a rare fact sits), kept as
+            they are: not refitted, the fit matching the rest of the cache with them in place, as
+            it does around the sinks (0, the default: every kept entry is fitted). Not in the
+            paper: a guard against a fit that answers the reference queries by moving the one
+            entry a question needs; with ``preselect`` it must be 0.
     """
 
     name: ClassVar[str] = "am_fit"
@@ -478,6 +484,7 @@ class AMFit(Folder):
     solver: str = "gram"
     fit_chunk: str = "auto"
     preselect: float = 1.0
+    top_verbatim: float = 0.0
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -527,6 +534,10 @@ class AMFit(Folder):
         parse_fit_chunk(self.fit_chunk, self.name)
         if not self.preselect >= 1.0:
             raise SpecError(f"am_fit: preselect must be ≥ 1 (times the budget); got {self.preselect}")
+        if not 0.0 <= self.top_verbatim <= 1.0:
+            raise SpecError(f"am_fit: top_verbatim must be a fraction in [0, 1]; got {self.top_verbatim}")
+        if self.top_verbatim and self.preselect != 1.0:
+            raise SpecError("am_fit: top_verbatim applies to the selector's own entries; use it without preselect")
 
     def fit_config(self) -> FitConfig:
         return FitConfig(
@@ -582,9 +593,13 @@ class AMFit(Folder):
         # kept entries of the template and the sinks stay verbatim: the fit matches the rest
         valid = torch.isfinite(log_mass)
         in_prefix = self._verbatim_entries(layer_idx, log_mass, ctx)
-        fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim (the first slots: keep ascends)
-        n_fixed = fixed.sum(-1)
-        kept_fixed = torch.zeros_like(valid).scatter(2, keep, fixed)
+        fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim
+        if self.top_verbatim:
+            fixed |= top_scored(scores.gather(2, keep), slot & ~fixed, self.top_verbatim)
+        # (padded slots of ``keep`` repeat an index: only the used ones may write)
+        at = torch.where(fixed, keep, torch.full_like(keep, valid.shape[-1]))
+        b, h, n = valid.shape
+        kept_fixed = torch.zeros(b, h, n + 1, dtype=torch.bool, device=valid.device).scatter_(2, at, True)[..., :n]
         span_mass = log_mass.masked_fill(kept_fixed, float("-inf"))
         given = torch.where(slot & ~fixed, keep, torch.full_like(keep, -1))
         scaling = layer_scaling(ctx, layer_idx, layer)
@@ -597,10 +612,9 @@ class AMFit(Folder):
             result = fit_problems(
                 keys, values, span_mass, queries.queries, queries.valid, lengths, scaling, config, given=given
             )
-        # entries: [verbatim kept entries] + [fitted entries], both ascending, so positions ascend
-        j = torch.arange(keep.shape[-1], device=keep.device)[None, None, :]
-        fitted_slot = (j - n_fixed[..., None]).clamp(0, max(result.index.shape[-1] - 1, 0))
-        is_fixed = j < n_fixed[..., None]
+        # every kept entry where it was (keep ascends): verbatim ones as they are, the others as the
+        # fit gives them back (the m-th fitted = the m-th kept entry not verbatim)
+        fitted_slot = ((slot & ~fixed).long().cumsum(-1) - 1).clamp(0, max(result.index.shape[-1] - 1, 0))
         c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
         v_kept = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
         beta_kept = log_mass.float().gather(2, keep)
@@ -609,8 +623,8 @@ class AMFit(Folder):
             expand = fitted_slot[..., None].expand(-1, -1, -1, v_kept.shape[-1])
             v_fit = result.values.to(values.dtype).gather(2, expand)
             beta_fit = result.log_mass.float().gather(2, fitted_slot)
-        c_v = torch.where(is_fixed[..., None], v_kept, v_fit)
-        beta = torch.where(is_fixed, beta_kept, beta_fit)
+        c_v = torch.where(fixed[..., None], v_kept, v_fit)
+        beta = torch.where(fixed, beta_kept, beta_fit)
         beta = beta.masked_fill(~slot, float("-inf"))
         layer.replace(c_k, c_v, beta, lengths=lengths)
         _report_errors(ctx, result)
@@ -680,6 +694,17 @@ class AMFit(Folder):
         beta = torch.where(from_forced[..., 0], log_mass.float().gather(2, order), fitted_beta.gather(2, order))
         layer.replace(c_k, c_v, beta.masked_fill(~in_row, float("-inf")), lengths=new_lengths)
         _report_errors(ctx, result)
+
+
+def top_scored(scores: Tensor, among: Tensor, fraction: float) -> Tensor:
+    """``(B, H, K)`` the ``ceil(fraction · count)`` entries of each head with the highest ``scores``
+    among those marked in ``among`` (``count`` = how many are marked; ties to the earlier entry)."""
+    count = torch.ceil(among.sum(-1).double() * fraction).long()
+    ranked = scores.masked_fill(~among, float("-inf"))
+    order = ranked.argsort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, positions)
+    return among & (rank < count[..., None])
 
 
 def _report_errors(ctx: CompressionContext, result) -> None:
