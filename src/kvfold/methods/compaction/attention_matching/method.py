@@ -431,7 +431,10 @@ class AMFit(Folder):
         max_queries: reference queries kept per KV head (None: all, the default).
         nnls_iters, beta_min, beta_max: the β fit (Algorithm 3) boxed to ``β − β⁰ ∈ [beta_min,
             beta_max]``; ``beta_min=0`` (default) means a kept entry never receives less mass than
-            it had (``beta_min=-inf`` is the paper's plain NNLS, ``-3`` AM-HighestAttnKeys' box).
+            it had (``beta_min=-inf`` is the paper's plain NNLS, ``-3`` AM-HighestAttnKeys' box);
+            ``beta_max=4`` (default) lets a kept entry stand for up to e⁴ ≈ 55 entries (App. C.2's
+            box for AM-HighestAttnKeys is 3, e³ ≈ 20: at keep 1/16 it binds for every entry that
+            stands for more than the average, and the fit moved the values a question reads).
         mass_weight: ``relative`` (default): each query's mass residual is divided by its mass,
             so the few queries that attend to one rare entry count as much as diffuse ones;
             ``none`` is the paper's unweighted ``‖Φ_S w − m‖²``.
@@ -473,7 +476,7 @@ class AMFit(Folder):
     max_queries: int | None = None
     nnls_iters: int = 2
     beta_min: float = 0.0
-    beta_max: float = 3.0
+    beta_max: float = 4.0
     mass_weight: str = "relative"
     value_ridge: float | None = None
     fit_values: bool = True
