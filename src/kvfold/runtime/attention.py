@@ -98,6 +98,12 @@ def kvfold_attention(
     if kvfold_cache.capture_window:
         _capture_queries(layer, query, kvfold_cache.capture_window)
     policy = kvfold_cache.policy
+    if layer.quantized is not None:
+        if policy is not None:
+            raise NotImplementedError(
+                "a quantized cache takes no decode-time (online) policy: quantize after a one-shot method"
+            )
+        return _quantized_attention(query, layer, scaling), None
     need_probs = policy is not None and policy.needs_attention
     probs = logits = None
     fresh = layer.paged is None and layer.physical_length == q_len and not layer.has_log_mass
@@ -122,6 +128,41 @@ def kvfold_attention(
     if policy is not None:
         policy.after_forward(module.layer_idx, layer, query, probs, logits)
     return out, None
+
+
+def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
+    """Attention over a quantized layer: its entries dequantized for this layer only (with β), then
+    its full-precision tail, whose last ``q`` entries are the new tokens (causal among themselves).
+    One softmax over both parts; the G query heads of a KV head are folded into the query axis.
+
+    Returns:
+        ``(B, q, H_q, D)``.
+    """
+    b, h_q, q_len, d = query.shape
+    q_keys, q_values, q_beta = layer.dequantized()
+    tail_keys, tail_values, tail_beta = _dense_views(layer)
+    h_kv = q_keys.shape[1]
+    groups = h_q // h_kv
+    acc = torch.promote_types(query.dtype, torch.float32)
+    folded = query.reshape(b, h_kv, groups * q_len, d)
+    stored = torch.matmul(folded, q_keys.transpose(-1, -2)).to(acc).mul_(scaling).add_(q_beta[:, :, None, :])
+    fresh = torch.matmul(folded, tail_keys.transpose(-1, -2)).to(acc).mul_(scaling)
+    if tail_beta is not None:
+        fresh.add_(tail_beta[:, :, None, :])
+    n_tail = tail_keys.shape[2]
+    if q_len > 1:  # query i sees the tail up to its own token
+        position = torch.arange(groups * q_len, device=query.device) % q_len
+        future = torch.arange(n_tail, device=query.device)[None, :] > (n_tail - q_len + position)[:, None]
+        fresh.masked_fill_(future, NEG_INF)
+    top = torch.maximum(stored.amax(-1, keepdim=True), fresh.amax(-1, keepdim=True))
+    stored = stored.sub_(top).exp_()
+    fresh = fresh.sub_(top).exp_()
+    denom = stored.sum(-1, keepdim=True) + fresh.sum(-1, keepdim=True)
+    out = torch.matmul(stored.to(q_values.dtype), q_values).to(acc) + torch.matmul(
+        fresh.to(tail_values.dtype), tail_values
+    ).to(acc)
+    out = (out / denom).to(query.dtype)
+    return out.reshape(b, h_q, q_len, d).transpose(1, 2)
 
 
 def _dense_attention(

@@ -12,6 +12,10 @@ Storage per layer has two layouts:
 * **dense** — ``(B, H_kv, capacity, D)`` buffers with one physical length for all rows. Decoding
   writes the new token in place; capacity grows geometrically, so a decode step never copies
   the cache.
+* **quantized** — the compressed entries as packed integer (or fp8) codes with their scales
+  (:class:`kvfold.runtime.quantize.QuantizedRows`, ragged like the paged layout), followed by a
+  dense full-precision *tail* that receives what is appended after (the question, generated
+  tokens, a chat's new turns). Attention dequantizes one layer at a time.
 * **paged** — used when rows (batch × KV head) hold different numbers of entries, as with
   per-head budgets (AdaKV, Attention Matching head schedules). Entries live in fixed-size
   blocks owned by rows, so the memory held is Σ row lengths rounded up to a block, not
@@ -32,6 +36,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kvfold.runtime.paged import NEG_INF, PagedRows, grow_capacity, paging_saves_memory
+from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig, QuantizedRows
 
 
 def _content_view(index: int, name: str) -> property:
@@ -75,6 +80,7 @@ class FoldedLayer(CacheLayerMixin):
         self._log_mass: torch.Tensor | None = None  # (B, H, capacity) float32 or None (all zero)
         self._length = 0  # physical entries per row in the dense layout
         self.paged: PagedRows | None = None
+        self.quantized: QuantizedRows | None = None  # compressed entries before the dense tail
         self.logical_length = 0
         self.captured_queries: torch.Tensor | None = None  # last window of prefill queries
         # Per-entry statistics ``(B, H, N)`` aligned with the slots (e.g. H2O's accumulated
@@ -164,20 +170,29 @@ class FoldedLayer(CacheLayerMixin):
         """Entries in the longest row (dense: the common row length)."""
         if self.paged is not None:
             return int(self.paged.row_lengths.max()) if self.paged.num_rows else 0
-        return self._length
+        return self._length + (self.quantized.width if self.quantized is not None else 0)
 
     @property
     def has_log_mass(self) -> bool:
         """False when every entry has β = 0 (plain tokens): attention can skip the bias."""
-        return self.paged is not None or self._log_mass is not None
+        return self.paged is not None or self._log_mass is not None or self.quantized is not None
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the layer's compressed entries are stored quantized (:meth:`quantize`)."""
+        return self.quantized is not None
 
     def row_lengths(self) -> torch.Tensor:
         """Valid entries per row, ``(B, H)`` long (slots with β = −inf are not counted)."""
         if self.paged is not None:
             return self.paged.row_lengths.view(self.batch_size, self.num_heads).clone()
         if self._log_mass is None:
-            return torch.full((self.batch_size, self.num_heads), self._length, dtype=torch.long, device=self.device)
-        return torch.isfinite(self._log_mass[:, :, : self._length]).sum(-1)
+            tail = torch.full((self.batch_size, self.num_heads), self._length, dtype=torch.long, device=self.device)
+        else:
+            tail = torch.isfinite(self._log_mass[:, :, : self._length]).sum(-1)
+        if self.quantized is not None:
+            tail = tail + self.quantized.lengths.view(self.batch_size, self.num_heads).to(tail.device)
+        return tail
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Contents as padded tensors.
@@ -203,7 +218,48 @@ class FoldedLayer(CacheLayerMixin):
             log_mass = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
         else:
             log_mass = self._log_mass[:, :, :n]
+        if self.quantized is not None:  # the dequantized entries, then the tail (a copy of this layer)
+            qk, qv, qlm = self.dequantized()
+            keys, values = torch.cat([qk, keys], 2), torch.cat([qv, values], 2)
+            log_mass = torch.cat([qlm, log_mass], 2)
         return keys, values, log_mass, self.row_lengths()
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The quantized entries as padded ``(B, H, N, D)`` keys and values in the layer's dtype and
+        β ``(B, H, N)`` (−inf past a row's length): one layer's copy, built on demand."""
+        if self.quantized is None:
+            raise ValueError("dequantized(): this layer holds no quantized entries")
+        k, v, lm = self.quantized.to_padded()
+        b, h = self.batch_size, self.num_heads
+        return k.view(b, h, *k.shape[1:]), v.view(b, h, *v.shape[1:]), lm.view(b, h, -1)
+
+    def quantize(self, config: QuantConfig) -> None:
+        """Store the layer's entries quantized (:mod:`kvfold.runtime.quantize`); β stays float32.
+
+        Everything the layer holds becomes the quantized part (a tail appended after an earlier
+        quantization included); later appends go to a new full-precision tail. The logical length
+        and the entry statistics are unchanged.
+        """
+        if not self.is_initialized:
+            raise ValueError("quantize() needs a layer that has been filled by a forward pass first")
+        keys, values, log_mass, lengths = self.padded()
+        valid = torch.isfinite(log_mass)
+        if not bool((valid == (torch.arange(valid.shape[-1], device=valid.device) < lengths[..., None])).all()):
+            keys, values, log_mass = _compact_rows(keys, values, log_mass, valid, lengths)
+        b, h, n, d = keys.shape
+        rows = b * h
+        self.quantized = QuantizedRows.from_padded(
+            keys.reshape(rows, n, d).to(self.dtype),
+            values.reshape(rows, n, -1).to(self.dtype),
+            log_mass.reshape(rows, n),
+            lengths.reshape(rows),
+            config,
+        )
+        self.paged = None
+        self._keys = keys.new_zeros(b, h, 0, d).to(self.dtype)
+        self._values = values.new_zeros(b, h, 0, values.shape[-1]).to(self.dtype)
+        self._log_mass = None
+        self._length = 0
 
     def valid_mask(self) -> torch.Tensor:
         """``(B, H, N)`` bool: True where a slot holds an entry."""
@@ -248,6 +304,7 @@ class FoldedLayer(CacheLayerMixin):
         log_mass = torch.where(slot_valid, log_mass.float(), torch.full_like(log_mass, NEG_INF, dtype=torch.float32))
         self._check_finite(keys, values, log_mass, slot_valid)
         self.entry_stats = {}  # slots changed: the caller re-aligns the statistics it keeps
+        self.quantized = None  # a new full-precision content (FoldedCache.quantize stores it again)
         rows_equal = bool((lengths == lengths.flatten()[0]).all())
         if rows_equal or not paging_saves_memory(lengths, n):
             self.paged = None
@@ -269,6 +326,11 @@ class FoldedLayer(CacheLayerMixin):
         The log-mass buffer is created (zeros) if the layer had none. Only the dense layout
         supports in-place edits.
         """
+        if self.quantized is not None:
+            raise NotImplementedError(
+                "online (decode-time) compression edits entries in place; this layer is quantized. "
+                "Quantize after a one-shot method only (e.g. kvzip+am_fit@int4)."
+            )
         if self.paged is not None:
             raise NotImplementedError(
                 "online (decode-time) compression needs equal row lengths; this layer holds per-head "
@@ -318,9 +380,39 @@ class FoldedLayer(CacheLayerMixin):
             total += t.untyped_storage().nbytes()
         return total
 
+    def content_nbytes(self, *, sixteen_bit: bool = False) -> int:
+        """Bytes of what the layer holds, without the capacity kept free for appending nor the
+        rounding of the paged layout's last blocks (reported apart: :meth:`nbytes` minus this).
+
+        Args:
+            sixteen_bit: count unquantized keys and values at 2 bytes an element, as a GPU user
+                holds them whatever dtype the model computes in here (codes, scales, β and page
+                tables as held).
+        """
+        if not self.is_initialized:
+            return 0
+        element = SIXTEEN_BIT if sixteen_bit else torch.empty(0, dtype=self.dtype).element_size()
+        total = 0
+        if self.quantized is not None:
+            total += self.quantized.gpu_nbytes() if sixteen_bit else self.quantized.nbytes()
+        if self.paged is not None:
+            entries = int(self.paged.row_lengths.sum())
+            total += entries * (self.head_dim + self.paged.values.shape[-1]) * element + entries * 4
+            total += sum(t.untyped_storage().nbytes() for t in (self.paged.row_lengths, self.paged.row_last_block))
+            total += self.paged.num_blocks * self.paged.block_row.element_size()
+            return total
+        n = self._length
+        rows = self.batch_size * self.num_heads
+        total += rows * n * (self.head_dim + self._values.shape[-1]) * element
+        if self._log_mass is not None:
+            total += rows * n * 4
+        return total
+
     def copy(self) -> FoldedLayer:
         """A deep copy whose tensors are compact clones."""
         new = copy.copy(self)
+        if self.quantized is not None:
+            new.quantized = self.quantized.clone()
         if self.paged is not None:
             new.paged = PagedRows(
                 *(t.clone() for t in (self.paged.keys, self.paged.values, self.paged.log_mass, self.paged.block_row)),
@@ -428,6 +520,8 @@ class FoldedLayer(CacheLayerMixin):
 
     # -------------------------------------------------------------------- internals
     def _tensors(self) -> Iterator[torch.Tensor]:
+        if self.quantized is not None:
+            yield from self.quantized.tensors().values()
         if self.paged is not None:
             yield from self.paged.tensors()
             return
@@ -490,6 +584,8 @@ class FoldedLayer(CacheLayerMixin):
             )
 
     def _map_tensors(self, fn) -> None:
+        if self.quantized is not None:
+            self.quantized = self.quantized.map(fn)
         if self.paged is not None:
             p = self.paged
             p.keys, p.values, p.log_mass = fn(p.keys), fn(p.values), fn(p.log_mass)
@@ -506,6 +602,19 @@ class FoldedLayer(CacheLayerMixin):
 
     def _batch_edit(self, fn) -> None:
         if not self.is_initialized:
+            return
+        if self.quantized is not None:  # rows picked from the stored codes: nothing is re-quantized
+            rows = self.quantized.num_rows
+            picked = fn(torch.arange(rows, device=self.quantized.lengths.device).view(self.batch_size, self.num_heads))
+            self.quantized = self.quantized.select_rows(picked.reshape(-1))
+            n = self._length
+            self._keys, self._values = fn(self._keys[:, :, :n]).clone(), fn(self._values[:, :, :n]).clone()
+            if self._log_mass is not None:
+                self._log_mass = fn(self._log_mass[:, :, :n]).clone()
+            self.batch_size = picked.shape[0]
+            if self.captured_queries is not None:
+                self.captured_queries = fn(self.captured_queries)
+            self.entry_stats = {name: fn(t) for name, t in self.entry_stats.items()}
             return
         k, v, lm, lengths = self.padded()
         k, v, lm, lengths = fn(k), fn(v), fn(lm), fn(lengths)
@@ -554,6 +663,9 @@ class FoldedCache(Cache):
         self.policy = None
         self.capture_window = 0
         self.prefill_observers: list = []
+        self.quant: QuantConfig | None = None
+        """The storage of the compressed entries (None: full precision); a re-compaction stores
+        its result the same way."""
 
     @property
     def folded_layers(self) -> list[tuple[int, FoldedLayer]]:
@@ -575,18 +687,47 @@ class FoldedCache(Cache):
                 total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
         return total
 
-    def full_nbytes(self) -> int:
-        """Bytes an uncompressed cache of the same logical length would hold (keys + values)."""
+    def full_nbytes(self, *, sixteen_bit: bool = False) -> int:
+        """Bytes an uncompressed cache of the same logical length would hold (keys + values); with
+        ``sixteen_bit`` at 2 bytes an element, the full cache a GPU user holds in bf16 / fp16."""
         total = 0
         for layer in self.layers:
             if not getattr(layer, "is_initialized", False):
                 continue
             if isinstance(layer, FoldedLayer):
                 per = layer.batch_size * layer.num_heads * layer.head_dim * 2
-                total += per * layer.logical_length * torch.empty(0, dtype=layer.dtype).element_size()
+                element = SIXTEEN_BIT if sixteen_bit else torch.empty(0, dtype=layer.dtype).element_size()
+                total += per * layer.logical_length * element
             else:
-                total += layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+                total += _sliding_bytes(layer, sixteen_bit)
         return total
+
+    def content_nbytes(self, *, sixteen_bit: bool = False) -> int:
+        """Bytes of what the cache holds: codes, scales, zero points, β, keys and values, page
+        tables, without spare capacity or page rounding (:meth:`FoldedLayer.content_nbytes`)."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, FoldedLayer):
+                total += layer.content_nbytes(sixteen_bit=sixteen_bit)
+            elif getattr(layer, "is_initialized", False):
+                total += _sliding_bytes(layer, sixteen_bit)
+        return total
+
+    def memory_ratio(self) -> float:
+        """The cache's bytes over the full cache's, both as a GPU user holds them (unquantized
+        elements at 16 bits): comparable between token-only, quantized and combined pipelines."""
+        full = self.full_nbytes(sixteen_bit=True)
+        return self.content_nbytes(sixteen_bit=True) / full if full else 1.0
+
+    def quantize(self, config: QuantConfig | None) -> None:
+        """Store every folded layer's entries quantized (:meth:`FoldedLayer.quantize`) and remember the
+        format for later re-compactions; None leaves the cache as it is."""
+        if config is None:
+            return
+        for _, layer in self.folded_layers:
+            if layer.is_initialized:
+                layer.quantize(config)
+        self.quant = config
 
     def set_spare_capacity(self, tokens: int) -> None:
         """Give every folded layer ``tokens`` slots of capacity beyond what its first fill (the
@@ -600,7 +741,11 @@ class FoldedCache(Cache):
     def supports_scratch(self) -> bool:
         """Whether :meth:`scratch` applies: every layer a filled dense :class:`FoldedLayer` of one row."""
         return all(
-            isinstance(layer, FoldedLayer) and layer.is_initialized and layer.paged is None and layer.batch_size == 1
+            isinstance(layer, FoldedLayer)
+            and layer.is_initialized
+            and layer.paged is None
+            and layer.quantized is None
+            and layer.batch_size == 1
             for layer in self.layers
         )
 
@@ -647,3 +792,25 @@ class FoldedCache(Cache):
         new.policy = None
         new.prefill_observers = []
         return new
+
+
+def _compact_rows(
+    keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move each row's valid entries (finite β) to its first ``lengths`` slots, in order."""
+    n = valid.shape[-1]
+    order = torch.where(valid, torch.arange(n, device=valid.device), n).sort(-1).values
+    order = order.clamp_max(n - 1)
+    take = order[..., None]
+    keys = keys.gather(2, take.expand(-1, -1, -1, keys.shape[-1]))
+    values = values.gather(2, take.expand(-1, -1, -1, values.shape[-1]))
+    in_row = torch.arange(n, device=valid.device) < lengths[..., None]
+    log_mass = log_mass.gather(2, order).masked_fill(~in_row, NEG_INF)
+    return keys, values, log_mass
+
+
+def _sliding_bytes(layer: CacheLayerMixin, sixteen_bit: bool) -> int:
+    """Bytes of a sliding-window layer's keys and values (not compressed by kvfold)."""
+    if not sixteen_bit:
+        return layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+    return (layer.keys.numel() + layer.values.numel()) * SIXTEEN_BIT

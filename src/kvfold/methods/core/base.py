@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spec
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.quantize import QuantConfig, QuantSpecError
 from kvfold.runtime.timing import device_clock
 
 # ------------------------------------------------------------------------- context
@@ -64,6 +65,8 @@ class CompressionContext:
         selection_scale: the selector keeps this many times the budget (a pre-selection) and the
             folder cuts each head back to its share of the budget (``am_fit[preselect=f]``: the
             keys Attention Matching chooses from a larger KVzip selection); 1 by default.
+        quant: how the compressed entries will be stored (None: full precision); a folder that
+            fits entries to the cache (``am_fit``) fits them to the keys as they will be stored.
     """
 
     model: PreTrainedModel
@@ -79,6 +82,7 @@ class CompressionContext:
     shared: dict[Any, tuple[Any, float]] = field(default_factory=dict)
     pinned: dict[int, torch.Tensor] | None = None
     selection_scale: float = 1.0
+    quant: QuantConfig | None = None
     _charged: set = field(default_factory=set, init=False, repr=False)
 
     def slots_are_tokens(self, layer: FoldedLayer) -> bool:
@@ -483,6 +487,8 @@ class ComposedMethod:
     wrappers: tuple[Wrapper, ...]
     selector: Selector | Standalone
     folder: Folder | None
+    quant: QuantConfig | None = None
+    """How the compressed entries are stored (``METHOD@int4``); None: in the model's dtype."""
 
     def __post_init__(self) -> None:
         if self.folder is not None:
@@ -551,12 +557,23 @@ class ComposedMethod:
         return ctx.memo[key]
 
     def apply(self, ctx: CompressionContext) -> Any:
-        """Compress ``ctx.cache`` in place (unless the method or the budget keeps everything) and
-        return the online policy that holds the budget while decoding (None when there is none)."""
+        """Compress ``ctx.cache`` in place (unless the method or the budget keeps everything), store
+        its entries quantized when the method (or the cache, for a re-compaction) names a format,
+        and return the online policy that holds the budget while decoding (None when there is none)."""
+        quant = self.quant or ctx.cache.quant
+        ctx.quant = quant
         with torch.inference_mode():
             if not self.is_identity and not ctx.budget.is_full:
                 self.compress(ctx)
-            return None if ctx.budget.is_full else self.online_policy(ctx)
+            policy = None if ctx.budget.is_full else self.online_policy(ctx)
+            if quant is not None:
+                if policy is not None:
+                    raise SpecError(
+                        f"{self.spec}: a quantized cache cannot be compressed while decoding; write the "
+                        f"selector one-shot (e.g. {self.selector.name}[online=false]) or drop the @format"
+                    )
+                ctx.cache.quantize(quant)
+            return policy
 
     def online_policy(self, ctx: CompressionContext):
         if self.folder is not None and self.folder.one_shot:
@@ -614,6 +631,9 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
     Example:
         >>> build_method("adakv:snapkv[window=64]+grkv")  # doctest: +SKIP
     """
+    quant = None
+    if isinstance(spec, str):
+        spec, quant = split_format(spec)
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
     parsed = _expand_bare_folder(parsed)
     selector = _lookup(parsed.selector, ("selector", "standalone"), "method")
@@ -621,7 +641,41 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
         raise SpecError(f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder")
     wrappers = tuple(_lookup(c, ("wrapper",), "wrapper") for c in parsed.wrappers)
     folder = _lookup(parsed.folder, ("folder",), "folder") if parsed.folder else None
-    return ComposedMethod(spec=parsed.text, wrappers=wrappers, selector=selector, folder=folder)
+    text = parsed.text if quant is None else f"{parsed.text}@{quant.describe()}"
+    return ComposedMethod(spec=text, wrappers=wrappers, selector=selector, folder=folder, quant=quant)
+
+
+def split_format(spec: str) -> tuple[str, QuantConfig | None]:
+    """``"kvzip+am_fit@int4[key_group=64]"`` → ``("kvzip+am_fit", QuantConfig(int4, key_group=64))``:
+    the storage format after the last ``@`` outside brackets (``@int8``, ``@int4``, ``@int3``,
+    ``@int2``, ``@fp8``, ``@16`` for none).
+
+    Raises:
+        SpecError: an unknown format or option.
+    """
+    depth, at = 0, -1
+    for i, ch in enumerate(spec):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "@" and depth == 0:
+            at = i
+    if at < 0:
+        return spec, None
+    try:
+        return spec[:at], QuantConfig.parse(spec[at + 1 :])
+    except QuantSpecError as err:
+        raise SpecError(f"{spec!r}: {err}") from None
+
+
+def with_format(spec: str, kv_format: str | int | None) -> str:
+    """``spec`` stored in ``kv_format`` (``--kv-bits``): appended unless the spec names its own format."""
+    if kv_format is None or split_format(spec)[1] is not None or "@" in spec:
+        return spec
+    try:
+        config = QuantConfig.parse(kv_format)
+    except QuantSpecError as err:
+        raise SpecError(str(err)) from None
+    return spec if config is None else f"{spec}@{config.describe()}"
 
 
 def _expand_bare_folder(parsed: ParsedSpec) -> ParsedSpec:
