@@ -39,6 +39,7 @@ from kvfold.evaluate.running.runner import EvalSweep
 from kvfold.evaluate.running.sweep import ItemRunner, local_runner
 from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK
 from kvfold.methods import build_method, split_specs
+from kvfold.methods.core.base import apply_kv_bits
 from kvfold.runtime import models
 from kvfold.runtime.budget import Budget
 
@@ -74,6 +75,19 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
         "--budgets",
         default="0.5,0.2,0.1",
         help="comma-separated fractions in (0, 1] or token counts (default 0.5,0.2,0.1)",
+    )
+    parser.add_argument(
+        "--memory",
+        default=None,
+        help="comma-separated memory budgets in place of --budgets: fractions of the 16-bit full cache's "
+        "bytes (e.g. 0.0625,0.03125); each method keeps as many tokens at as many bits as fit (a spec's "
+        "@int4 / @16 fixes the precision)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        default=None,
+        help="store every compressed method's entries in this format: 8, 4, 3, 2, fp8 or 16 (a spec's own "
+        "@format wins; full stays the uncompressed reference)",
     )
     parser.add_argument("--seed", type=int, default=0, help="dataset and method seed")
     parser.add_argument("--out", required=True, help="output directory")
@@ -126,12 +140,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     """Validate methods, budgets and counts before anything slow happens."""
-    methods = split_specs(args.methods)
+    methods = [apply_kv_bits(spec, getattr(args, "kv_bits", None)) for spec in split_specs(args.methods)]
     for spec in methods:
         build_method(spec)
-    budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
+    if getattr(args, "memory", None):
+        budgets = [Budget.of_memory(m) for m in args.memory.split(",") if m.strip()]
+    else:
+        budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets:
-        raise ValueError("--budgets is empty; give e.g. 0.5,0.2")
+        raise ValueError("--budgets (or --memory) is empty; give e.g. 0.5,0.2")
     if args.samples is not None and args.samples < 1:
         raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
     if args.limit is not None and args.limit < 1:

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method, with_format
 from kvfold.methods.core.repeat import PLANNED_RECORDS, UNPLANNED
+from kvfold.pipeline.memory import MAX_RETRIES, over_budget, plan_memory, shrink
 from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
@@ -102,29 +104,71 @@ class PrefilledContext:
     def compress(
         self,
         method: str | ComposedMethod = "full",
-        budget: float | int | str | Budget = 1.0,
+        budget: float | int | str | Budget | None = None,
         *,
+        memory: float | None = None,
+        kv_format: str | int | None = None,
         seed: int = 0,
     ) -> CompressedContext:
-        """Compress a copy of the prefilled cache with a method spec and budget.
+        """Compress a copy of the prefilled cache with a method spec and a token or memory budget.
 
         Args:
-            method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, …) or a built method.
-            budget: a fraction in (0, 1] of the context to keep, or a token count.
+            method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, ``"kvzip@int4"``, …) or a
+                built method.
+            budget: a fraction in (0, 1] of the context to keep, or a token count (1.0 when neither
+                this nor ``memory`` is given).
+            memory: instead of ``budget``, the fraction in (0, 1] of the 16-bit full cache's bytes the
+                compressed cache may hold: the library chooses the tokens and the precision
+                (:mod:`kvfold.pipeline.memory`), unless the spec or ``kv_format`` names the precision.
+            kv_format: the storage of the compressed entries (``"int4"``, ``4``, ``"fp8"``,
+                ``"16"`` for the model's dtype), when the spec names none.
             seed: seed for randomized methods.
 
         Returns:
             A :class:`CompressedContext` that answers questions; this object is unchanged.
+
+        Raises:
+            ValueError: both ``budget`` and ``memory``, or an invalid one.
         """
-        composed = build_method(method) if isinstance(method, str) else method
-        parsed_budget = Budget.parse(budget)
+        composed = build_method(with_format(method, kv_format)) if isinstance(method, str) else method
+        if memory is not None or (isinstance(budget, Budget) and budget.memory is not None):
+            if memory is not None and budget is not None:
+                raise ValueError("give a token budget or a memory budget, not both")
+            target = Budget.of_memory(memory) if memory is not None else budget
+            return self._compress_to_memory(composed, target, seed)
+        parsed_budget = Budget.parse(1.0 if budget is None else budget)
+        return self._compress(composed, parsed_budget, seed)
+
+    def _compress(self, composed: ComposedMethod, budget: Budget, seed: int) -> CompressedContext:
         cache = self.cache.copy()
-        ctx = self.compression_context(cache, parsed_budget, seed=seed, shared=self.shared)
+        ctx = self.compression_context(cache, budget, seed=seed, shared=self.shared)
         start = device_clock(self.model.device)
         policy = composed.apply(ctx)
         # the time this compression costs alone: shared results it reused count as if computed here
         elapsed = device_clock(self.model.device) - start + ctx.report.get("reused_seconds", 0.0)
-        return CompressedContext(self, composed, parsed_budget, cache, policy, elapsed, ctx.report)
+        return CompressedContext(self, composed, budget, cache, policy, elapsed, ctx.report)
+
+    def _compress_to_memory(self, composed: ComposedMethod, target: Budget, seed: int) -> CompressedContext:
+        """Compress within ``target.memory`` of the 16-bit full cache's bytes: the planned tokens and
+        precision, redone smaller while the result holds more (at most :data:`MAX_RETRIES` times)."""
+        plan = plan_memory(target.memory, composed, self.cache, self.context_tokens)
+        stored = dataclasses.replace(composed, quant=plan.quant, precision_fixed=True)
+        if not composed.precision_fixed:
+            suffix = "@16" if plan.quant is None else f"@{plan.quant.describe()}"
+            stored = dataclasses.replace(stored, spec=composed.spec + suffix)
+        if stored.is_identity or plan.tokens.is_full:
+            result = self._compress(stored, Budget(fraction=1.0), seed)
+        else:
+            result = self._compress(stored, plan.tokens, seed)
+            for _ in range(MAX_RETRIES):
+                measured = over_budget(result.cache, target.memory)
+                if measured is None:
+                    break
+                plan = shrink(plan, measured)
+                result = self._compress(stored, plan.tokens, seed)
+        result.memory = target.memory
+        result.token_budget = plan.tokens
+        return result
 
 
 @dataclass
@@ -146,16 +190,48 @@ class CompressedContext:
     policy: Any
     compress_seconds: float
     report: dict[str, Any] = field(default_factory=dict)
+    memory: float | None = None
+    """The memory budget asked for (a fraction of the 16-bit full cache's bytes), or None."""
+    token_budget: Budget | None = None
+    """With a memory budget: the token budget it was spent on."""
 
     @property
     def kv_bytes(self) -> int:
-        """Physical bytes the compressed cache holds."""
-        return self.cache.nbytes()
+        """Bytes the compressed cache holds: codes, scales, zero points, β, keys and values (counted
+        before any question is appended; spare capacity and page rounding apart, :attr:`kv_bytes_reserved`)."""
+        return self.cache.content_nbytes()
+
+    @property
+    def kv_bytes_reserved(self) -> int:
+        """Bytes held beyond :attr:`kv_bytes`: capacity kept free for appending and page rounding."""
+        return self.cache.nbytes() - self.cache.content_nbytes()
 
     @property
     def kv_bytes_full(self) -> int:
-        """Bytes the uncompressed cache of this context holds (keys and values)."""
+        """Bytes the uncompressed cache of this context holds (keys and values, the model's dtype)."""
         return self.cache.full_nbytes()
+
+    @property
+    def memory_ratio(self) -> float:
+        """The cache's bytes over the full cache's, both counted at 16 bits for unquantized
+        elements, as a GPU user holds them (:meth:`FoldedCache.memory_ratio`)."""
+        return self.cache.memory_ratio()
+
+    def memory_record(self) -> dict[str, Any]:
+        """The fields every result record carries about memory: ``kv_bytes``, ``kv_bytes_full``,
+        ``kv_bytes_16`` (the cache at 16 bits), ``kv_bytes_full_16``, ``memory`` (the budget asked
+        for, or None), ``memory_ratio``, ``kv_format`` and, with a memory budget, ``token_budget``."""
+        quant = self.cache.quant
+        return {
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_full": self.kv_bytes_full,
+            "kv_bytes_16": self.cache.content_nbytes(sixteen_bit=True),
+            "kv_bytes_full_16": self.cache.full_nbytes(sixteen_bit=True),
+            "memory": self.memory,
+            "memory_ratio": self.memory_ratio,
+            "kv_format": "16" if quant is None else quant.describe(),
+            "token_budget": None if self.token_budget is None else self.token_budget.label(),
+        }
 
     def answer(self, question: str = "", **options: Any) -> str | list[str]:
         """Append the question to a copy of the compressed cache and decode greedily.

@@ -19,6 +19,25 @@ class Budget:
 
     fraction: float | None = None
     tokens: int | None = None
+    memory: float | None = None
+    """A memory budget instead: the fraction in (0, 1] of the full cache's bytes at 16 bits that
+    the compressed cache may hold (:func:`kvfold.pipeline.memory.plan_memory` turns it into a number of
+    tokens and a precision)."""
+
+    @classmethod
+    def of_memory(cls, value: float | str) -> Budget:
+        """A memory budget: ``0.0625`` = a sixteenth of the 16-bit full cache's bytes.
+
+        Raises:
+            ValueError: anything but a fraction in (0, 1].
+        """
+        try:
+            number = float(str(value).strip())
+        except ValueError:
+            number = math.nan
+        if not 0.0 < number <= 1.0:
+            raise ValueError(f"a memory budget is a fraction in (0, 1] of the 16-bit cache's bytes; got {value!r}")
+        return cls(memory=number)
 
     @classmethod
     def parse(cls, value: float | int | str | Budget) -> Budget:
@@ -53,6 +72,8 @@ class Budget:
         """Entries to keep for a context of ``context_tokens`` tokens (at least 1, at most all)."""
         if context_tokens <= 0:
             raise ValueError("cannot apply a budget to an empty context")
+        if self.memory is not None:
+            raise ValueError("a memory budget is turned into a token budget first (kvfold.pipeline.memory)")
         if self.fraction is not None:
             return max(1, min(context_tokens, math.ceil(self.fraction * context_tokens - 1e-9)))
         return max(1, min(context_tokens, int(self.tokens)))
@@ -63,10 +84,12 @@ class Budget:
 
     @property
     def is_full(self) -> bool:
-        return self.fraction is not None and self.fraction >= 1.0
+        return (self.fraction is not None and self.fraction >= 1.0) or (self.memory is not None and self.memory >= 1.0)
 
     def label(self) -> float | int:
         """The value as written in result files: the fraction, or the token count."""
+        if self.memory is not None:
+            return self.memory
         return self.fraction if self.fraction is not None else int(self.tokens)
 
     def __str__(self) -> str:

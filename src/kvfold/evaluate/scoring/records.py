@@ -39,9 +39,17 @@ apart and left out of the headline average."""
 def names_full(label: str) -> bool:
     """Whether a result's method label is the uncompressed cache (False for labels of no method)."""
     try:
-        return build_method(label).is_identity
+        return build_method(label).is_lossless
     except ValueError:
         return False
+
+
+def memory_ratio(prediction: Mapping[str, Any]) -> float:
+    """A prediction's cache bytes over the 16-bit full cache's (``memory_ratio``); rows written
+    before that field existed held unquantized caches, whose ratio is their ``kv_bytes`` ratio."""
+    if prediction.get("memory_ratio") is not None:
+        return float(prediction["memory_ratio"])
+    return prediction["kv_bytes"] / prediction["kv_bytes_full"]
 
 
 def _task_scores(preds: Sequence[Mapping[str, Any]]) -> TaskScores:
@@ -137,6 +145,10 @@ def _task_measures(
         "haystack": preds[0].get("haystack"),
         "query_aware": query_aware,
         "kv_ratio": _mean(p["kv_bytes"] / p["kv_bytes_full"] for p in preds),
+        "kv_bytes": _mean(p["kv_bytes"] for p in preds),
+        "memory": preds[0].get("memory"),
+        "memory_ratio": _mean(memory_ratio(p) for p in preds),
+        "kv_format": preds[0].get("kv_format", "16"),
         "compress_over_prefill": _mean(
             p["compress_seconds"] / p["prefill_seconds"] for p in preds if p.get("prefill_seconds")
         ),

@@ -489,6 +489,9 @@ class ComposedMethod:
     folder: Folder | None
     quant: QuantConfig | None = None
     """How the compressed entries are stored (``METHOD@int4``); None: in the model's dtype."""
+    precision_fixed: bool = False
+    """True when the spec names its storage (``@int4``, or ``@16`` for the model's dtype): a memory
+    budget then spends its bytes on tokens at that precision instead of choosing one."""
 
     def __post_init__(self) -> None:
         if self.folder is not None:
@@ -501,7 +504,13 @@ class ComposedMethod:
 
     @property
     def is_identity(self) -> bool:
+        """Whether the method keeps every entry (``full``, stored quantized or not)."""
         return getattr(self.selector, "name", "") == "full"
+
+    @property
+    def is_lossless(self) -> bool:
+        """Whether the method keeps every entry in the model's dtype: the uncompressed cache."""
+        return self.is_identity and self.quant is None
 
     @property
     def uses_repeat_pass(self) -> bool:
@@ -631,7 +640,7 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
     Example:
         >>> build_method("adakv:snapkv[window=64]+grkv")  # doctest: +SKIP
     """
-    quant = None
+    quant, original = None, spec
     if isinstance(spec, str):
         spec, quant = split_format(spec)
     parsed = parse_spec(spec) if isinstance(spec, str) else spec
@@ -641,8 +650,13 @@ def build_method(spec: str | ParsedSpec) -> ComposedMethod:
         raise SpecError(f"{parsed.text}: {parsed.selector.name!r} is a complete method; it takes no wrapper or folder")
     wrappers = tuple(_lookup(c, ("wrapper",), "wrapper") for c in parsed.wrappers)
     folder = _lookup(parsed.folder, ("folder",), "folder") if parsed.folder else None
+    fixed = quant is not None or (isinstance(original, str) and split_format(original)[0] != original)
     text = parsed.text if quant is None else f"{parsed.text}@{quant.describe()}"
-    return ComposedMethod(spec=text, wrappers=wrappers, selector=selector, folder=folder, quant=quant)
+    if fixed and quant is None:
+        text = f"{parsed.text}@16"
+    return ComposedMethod(
+        spec=text, wrappers=wrappers, selector=selector, folder=folder, quant=quant, precision_fixed=fixed
+    )
 
 
 def split_format(spec: str) -> tuple[str, QuantConfig | None]:
@@ -706,3 +720,11 @@ def _expand_bare_folder(parsed: ParsedSpec) -> ParsedSpec:
     return ParsedSpec(
         wrappers=parsed.wrappers + base.wrappers, selector=base.selector, folder=parsed.selector, text=parsed.text
     )
+
+
+def apply_kv_bits(spec: str, kv_bits: str | int | None) -> str:
+    """``spec`` stored in ``kv_bits`` (the ``--kv-bits`` of a sweep): every method that names no
+    format, except the uncompressed ``full``, which stays the reference."""
+    if kv_bits is None or build_method(spec).is_lossless:
+        return spec
+    return with_format(spec, kv_bits)

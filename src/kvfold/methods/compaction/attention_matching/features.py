@@ -120,7 +120,10 @@ def selected_features(
 class Group:
     """The problems of one group in the working precision (float64 if keys or queries are, else
     float32): keys, values ``(P, T, D)``, β⁰ ``(P, T)`` (−inf = empty slot), queries ``(P, n, D)``,
-    their validity ``(P, n)`` and logit scales ``(P,)``."""
+    their validity ``(P, n)`` and logit scales ``(P,)``; ``compact_keys`` ``(P, T, D)``, when given,
+    are the keys a kept entry will have in the compact cache (quantized, as stored) where ``keys``
+    are the cache's own: the target is computed from ``keys``, the kept entries' features from
+    ``compact_keys``, so the fit absorbs the difference."""
 
     keys: Tensor
     values: Tensor
@@ -128,15 +131,33 @@ class Group:
     queries: Tensor
     query_valid: Tensor
     scaling: Tensor
+    compact_keys: Tensor | None = None
 
     @classmethod
     def prepare(
-        cls, keys: Tensor, values: Tensor, log_mass: Tensor, queries: Tensor, query_valid: Tensor, scaling: Tensor
+        cls,
+        keys: Tensor,
+        values: Tensor,
+        log_mass: Tensor,
+        queries: Tensor,
+        query_valid: Tensor,
+        scaling: Tensor,
+        compact_keys: Tensor | None = None,
     ) -> Group:
         dt = torch.float64 if keys.dtype == torch.float64 or queries.dtype == torch.float64 else torch.float32
         beta0 = torch.where(torch.isfinite(log_mass), log_mass, torch.full_like(log_mass, -math.inf)).to(dt)
-        return cls(keys.to(dt), values.to(dt), beta0, queries.to(dt), query_valid.to(torch.bool), scaling.to(dt))
+        compact = None if compact_keys is None else compact_keys.to(dt)
+        return cls(
+            keys.to(dt), values.to(dt), beta0, queries.to(dt), query_valid.to(torch.bool), scaling.to(dt), compact
+        )
+
+    @property
+    def kept_keys(self) -> Tensor:
+        """The keys the kept entries' features read: :attr:`compact_keys`, else :attr:`keys`."""
+        return self.keys if self.compact_keys is None else self.compact_keys
 
     def selected_features(self, shift: Tensor, idx: Tensor, ok: Tensor) -> Tensor:
         """``Φ_S`` of the kept keys ``idx`` (see :func:`selected_features`)."""
-        return selected_features(self.keys, self.beta0, self.queries, self.query_valid, self.scaling, shift, idx, ok)
+        return selected_features(
+            self.kept_keys, self.beta0, self.queries, self.query_valid, self.scaling, shift, idx, ok
+        )

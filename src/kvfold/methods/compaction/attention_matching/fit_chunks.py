@@ -110,6 +110,7 @@ def fit_given_by_chunk(
     given: Tensor,
     scaling: float,
     config: FitConfig,
+    compact_keys: Tensor | None = None,
 ) -> Compacted:
     """:func:`~.solve.fit_problems` with ``given`` kept positions (the ``am_fit`` folder), one block per
     repeat chunk: chunk ``c``'s kept entries are fitted to the mass and output of chunk ``c``'s
@@ -123,6 +124,8 @@ def fit_given_by_chunk(
         given: ``(B, H, K)`` kept slots fitted (ascending, −1 = unused slot).
         scaling: the logit scale.
         config: the fit.
+        compact_keys: optional ``(B, H, N, D)`` the keys as the kept entries will be stored
+            (:func:`~.solve.fit_problems`).
 
     Returns:
         A :class:`~.solve.Compacted` ``(B, H, K)`` laid out as :func:`~.solve.fit_problems` lays out
@@ -139,7 +142,11 @@ def fit_given_by_chunk(
     block_pos = where.gather(2, kept_slot.gather(2, pick.flatten(2))).view_as(pick)
     block_given = torch.where(picked, block_pos, torch.full_like(block_pos, -1))
     q, qv = queries.by_chunk(chunks)
-    res = fit_problems(k, v, lm, q, qv, None, scaling, config, given=block_given)
+    block_compact = None
+    if compact_keys is not None:
+        flat = slot.flatten(2)[..., None].expand(-1, -1, -1, compact_keys.shape[-1])
+        block_compact = compact_keys.gather(2, flat).view_as(k)
+    res = fit_problems(k, v, lm, q, qv, None, scaling, config, given=block_given, compact_keys=block_compact)
     return _concatenate_chunks(res, slot, given.shape[-1])
 
 

@@ -39,6 +39,7 @@ from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.repeat import REPEAT_CHUNK
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.quantize import roundtrip_keys
 
 Tensor = torch.Tensor
 
@@ -466,6 +467,11 @@ class AMFit(Folder):
             it does around the sinks (0, the default: every kept entry is fitted). Not in the
             paper: a guard against a fit that answers the reference queries by moving the one
             entry a question needs; with ``preselect`` it must be 0.
+        quant_order: when the cache is stored quantized (``METHOD@int4``): ``before`` (default)
+            fits β and the values to the kept keys as quantized storage gives them back, so the
+            fit absorbs the keys' quantization error, and the fitted values are quantized after;
+            ``after`` fits to the keys as they are and quantizes everything after the fit. Not in
+            the paper (Attention Matching does not quantize).
     """
 
     name: ClassVar[str] = "am_fit"
@@ -488,6 +494,7 @@ class AMFit(Folder):
     fit_chunk: str = "auto"
     preselect: float = 1.0
     top_verbatim: float = 0.0
+    quant_order: str = "before"
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -539,6 +546,8 @@ class AMFit(Folder):
             raise SpecError(f"am_fit: preselect must be ≥ 1 (times the budget); got {self.preselect}")
         if not 0.0 <= self.top_verbatim <= 1.0:
             raise SpecError(f"am_fit: top_verbatim must be a fraction in [0, 1]; got {self.top_verbatim}")
+        if self.quant_order not in ("before", "after"):
+            raise SpecError(f"am_fit: quant_order must be before or after; got {self.quant_order!r}")
         if self.top_verbatim and self.preselect != 1.0:
             raise SpecError("am_fit: top_verbatim applies to the selector's own entries; use it without preselect")
 
@@ -608,12 +617,24 @@ class AMFit(Folder):
         scaling = layer_scaling(ctx, layer_idx, layer)
         tokens = ctx.memo.get("am_fit_chunk", 0)
         chunk_of = layer_chunks(ctx, layer, tokens) if tokens else None
+        compact = self._stored_keys(keys, keep, lengths, ctx)
         if chunk_of is not None:  # §3.5: each repeat chunk's kept entries on that chunk's queries
-            result = fit_given_by_chunk(keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config())
+            result = fit_given_by_chunk(
+                keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config(), compact
+            )
         else:
             config = self.fit_config()
             result = fit_problems(
-                keys, values, span_mass, queries.queries, queries.valid, lengths, scaling, config, given=given
+                keys,
+                values,
+                span_mass,
+                queries.queries,
+                queries.valid,
+                lengths,
+                scaling,
+                config,
+                given=given,
+                compact_keys=compact,
             )
         # every kept entry where it was (keep ascends): verbatim ones as they are, the others as the
         # fit gives them back (the m-th fitted = the m-th kept entry not verbatim)
@@ -631,6 +652,25 @@ class AMFit(Folder):
         beta = beta.masked_fill(~slot, float("-inf"))
         layer.replace(c_k, c_v, beta, lengths=lengths)
         _report_errors(ctx, result)
+
+    def _stored_keys(self, keys: Tensor, keep: Tensor, lengths: Tensor, ctx: CompressionContext) -> Tensor | None:
+        """``(B, H, N, D)`` the cache's keys with each kept entry's key as quantized storage will
+        give it back (``ctx.quant``, ``quant_order=before``), or None (no quantization, or
+        ``quant_order=after``: fit to the keys as they are, quantize after)."""
+        if ctx.quant is None or self.quant_order == "after":
+            return None
+        b, h, k = keep.shape
+        d = keys.shape[-1]
+        kept = keys.gather(2, keep[..., None].expand(-1, -1, -1, d))
+        stored = roundtrip_keys(kept.reshape(b * h, k, d), lengths.reshape(-1), ctx.quant).view(b, h, k, d)
+        # padded slots of ``keep`` repeat the last kept index: give them that entry's stored key
+        last = (lengths - 1).clamp_min(0)[..., None]
+        slot = torch.minimum(torch.arange(k, device=keep.device)[None, None, :], last)
+        stored = stored.gather(2, slot[..., None].expand(-1, -1, -1, d))
+        at = torch.where(lengths[..., None] > 0, keep, torch.full_like(keep, keys.shape[2]))
+        out = torch.cat([keys, keys[:, :, :1]], 2).clone()
+        out.scatter_(2, at[..., None].expand(-1, -1, -1, d), stored.to(keys.dtype))
+        return out[:, :, : keys.shape[2]]
 
     def _verbatim_entries(self, layer_idx: int, log_mass: Tensor, ctx: CompressionContext) -> Tensor:
         """``(B, H, N)`` the valid entries kept as they are: the template and sinks (``template``,

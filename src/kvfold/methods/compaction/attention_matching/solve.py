@@ -403,7 +403,7 @@ def _streamed_fit(
 
     def phi_s(lo: int, hi: int) -> Tensor:
         q, qv = group.queries[:, lo:hi], group.query_valid[:, lo:hi]
-        return selected_features(keys, group.beta0, q, qv, group.scaling, shift[:, lo:hi], idx, ok)
+        return selected_features(group.kept_keys, group.beta0, q, qv, group.scaling, shift[:, lo:hi], idx, ok)
 
     w = _streamed_weights(group, phi_s, blocks, mass, ok, config)
     v_s = values.gather(1, idx[..., None].expand(-1, -1, dim))
@@ -568,6 +568,7 @@ def fit_problems(
     config: FitConfig,
     given: Tensor | None = None,
     candidates: Tensor | None = None,
+    compact_keys: Tensor | None = None,
 ) -> Compacted:
     """Compact a stack of blocks (any leading batch dims), a memory-bounded group at a time.
 
@@ -585,6 +586,9 @@ def fit_problems(
         candidates: optional ``(..., T)`` bool: the highest-attention keys are chosen among these
             entries only (the attention statistics still read every entry); the count is capped
             at the candidates (``am_fit[preselect]``).
+        compact_keys: optional ``(..., T, D)`` the keys each entry will have if kept (e.g. as quantized
+            storage gives them back): the target is the attention of ``keys``, the kept entries'
+            features use these, so β and the values absorb the difference (with ``given``).
 
     Returns:
         A :class:`Compacted` with the same leading dims.
@@ -594,6 +598,7 @@ def fit_problems(
     n = queries.shape[-2]
     P = math.prod(batch)
     flat_keys, flat_values = keys.reshape(P, T, D), values.reshape(P, T, values.shape[-1])
+    flat_compact = None if compact_keys is None else compact_keys.reshape(P, T, D)
     flat_lm = log_mass.reshape(P, T).float() if log_mass.dtype != torch.float64 else log_mass.reshape(P, T)
     flat_q, flat_qv = queries.reshape(P, n, queries.shape[-1]), query_valid.reshape(P, n)
     scale = torch.as_tensor(scaling, dtype=torch.float64, device=keys.device).expand(batch).reshape(P)
@@ -620,7 +625,13 @@ def fit_problems(
     histories: list[tuple[Tensor, Tensor]] = []
     for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes):
         group = Group.prepare(
-            flat_keys[rows], flat_values[rows], flat_lm[rows], flat_q[rows], flat_qv[rows], scale[rows]
+            flat_keys[rows],
+            flat_values[rows],
+            flat_lm[rows],
+            flat_q[rows],
+            flat_qv[rows],
+            scale[rows],
+            None if flat_compact is None else flat_compact[rows],
         )
         res = _fit_group(
             group,

@@ -1,0 +1,101 @@
+"""Memory budgets: a fraction of the 16-bit full cache's bytes, spent on tokens × bits.
+
+A memory budget ``m`` says the compressed cache may hold ``m`` times the bytes of the full cache
+in 16 bits (the dtype a GPU user holds), whatever dtype the model computes in. The bytes an entry
+holds depend on its storage (:meth:`kvfold.runtime.quantize.QuantConfig.entry_bytes`: codes,
+scales, zero points and β), so the same ``m`` keeps about three times the tokens at 4 bits as at
+16. :func:`plan_memory` chooses the precision (unless the method's spec names one, ``@int4`` or
+``@16``) by :data:`MEMORY_RULE` and the number of tokens that fits; the compression is then
+checked against the bytes it really holds and redone smaller when it is over.
+
+The rule was chosen on an equal-bytes grid (docs/results/current.md, "Tokens or bits"):
+*More Tokens, Lower Precision* (Zhang et al., EMNLP Findings 2025) finds the same shape: at equal
+memory, more tokens at 4 bits beat fewer at 16, and 2 bits fail.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvfold.methods.core.base import ComposedMethod, Standalone
+from kvfold.runtime.budget import Budget
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig
+
+MEMORY_RULE: tuple[tuple[float, str | None], ...] = (
+    (0.5, None),
+    (0.25, "int8"),
+    (0.0, "int4"),
+)
+"""``(lowest memory, format)`` in decreasing order: the first row whose memory is at most the budget
+gives the format (None: the model's dtype, no quantization)."""
+
+MAX_RETRIES = 3
+"""Compressions redone smaller when one holds more bytes than the budget (group rounding, uneven heads)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a memory budget is spent: a token budget and a storage format (None: unquantized)."""
+
+    memory: float
+    tokens: Budget
+    quant: QuantConfig | None
+
+
+def rule_format(memory: float) -> QuantConfig | None:
+    """The storage :data:`MEMORY_RULE` gives a memory budget."""
+    for lowest, name in MEMORY_RULE:
+        if memory >= lowest:
+            return None if name is None else QuantConfig(format=name)
+    return QuantConfig()
+
+
+def stores_log_mass(method: ComposedMethod) -> bool:
+    """Whether the method's entries carry β (a folder or a standalone merges or fits them)."""
+    return method.folder is not None or isinstance(method.selector, Standalone)
+
+
+def entry_share(quant: QuantConfig | None, head_dim: int, value_dim: int, log_mass: bool) -> float:
+    """Bytes of one stored entry over one 16-bit full-cache token's (K + V at 2 bytes)."""
+    full = (head_dim + value_dim) * SIXTEEN_BIT
+    if quant is None:
+        return (full + (4 if log_mass else 0)) / full
+    return quant.entry_bytes(head_dim, value_dim, log_mass) / full
+
+
+def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, context_tokens: int) -> MemoryPlan:
+    """The token budget and storage for ``memory`` (a fraction of the 16-bit full cache's bytes).
+
+    The share of one entry's bytes (:func:`entry_share`) sets the tokens; each row's last key group
+    is on average half empty, so half a group of key scales per row is set aside first.
+
+    Raises:
+        ValueError: a cache with no compressible layer.
+    """
+    quant = method.quant if method.precision_fixed else rule_format(memory)
+    layers = [layer for _, layer in cache.folded_layers if layer.is_initialized]
+    if not layers:
+        raise ValueError("a memory budget needs a prefilled cache with full-attention layers")
+    head_dim = layers[0].head_dim
+    value_dim = layers[0].padded()[1].shape[-1] if layers[0].paged is not None else layers[0]._values.shape[-1]  # noqa: SLF001
+    share = entry_share(quant, head_dim, value_dim, stores_log_mass(method))
+    fraction = memory / share
+    if quant is not None and not quant.is_float:
+        rounding = quant.key_group / 2 * (2 * SIXTEEN_BIT * head_dim) / ((head_dim + value_dim) * SIXTEEN_BIT)
+        fraction -= rounding / max(context_tokens, 1)
+    fraction = min(1.0, max(fraction, 1.0 / max(context_tokens, 1)))
+    return MemoryPlan(memory, Budget(fraction=fraction), quant)
+
+
+def shrink(plan: MemoryPlan, measured: float) -> MemoryPlan:
+    """A smaller token budget after a compression held ``measured`` > ``plan.memory``."""
+    fraction = plan.tokens.fraction * plan.memory / measured * 0.99
+    return MemoryPlan(plan.memory, Budget(fraction=max(fraction, 1e-6)), plan.quant)
+
+
+def over_budget(cache: FoldedCache, memory: float) -> float | None:
+    """The cache's memory ratio when it exceeds ``memory`` (None when within it)."""
+    ratio = cache.memory_ratio()
+    return ratio if ratio > memory * (1 + 1e-9) and not math.isclose(memory, 1.0) else None
