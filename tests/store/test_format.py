@@ -36,6 +36,9 @@ METHODS = [
     "am_highest_fast[online=true]",
     "adakv:snapkv",
     "h2o",
+    "snapkv@int4",
+    "adakv:snapkv@int3",
+    "snapkv+keepkv@fp8[outliers=1]",
 ]
 
 
@@ -254,7 +257,7 @@ def test_an_unknown_format_version_is_refused(tmp_path):
     path = tmp_path / "doc.kvc"
     save_context(_compressed(model), path)
     _rewrite_header(path, lambda meta: meta.update(format_version=FORMAT_VERSION + 1, kvfold_version="9.0"))
-    with pytest.raises(CacheFileVersionError, match="format version 2.*upgrade kvfold"):
+    with pytest.raises(CacheFileVersionError, match=f"format version {FORMAT_VERSION + 1}.*upgrade kvfold"):
         load_cache(path, model)
 
 
@@ -348,4 +351,27 @@ def test_a_batch_a_query_aware_context_and_sliding_window_layers_round_trip(tmp_
     from_file = load_context(tmp_path / "gemma.kvc", gemma, CharTokenizer())
     assert from_file.generate(QUESTION[:6], max_new_tokens=4)[0].token_ids == (
         compressed.generate(QUESTION[:6], max_new_tokens=4)[0].token_ids
+    )
+
+
+def test_a_quantized_file_holds_its_codes_and_is_within_5_percent_of_the_counted_bytes(tmp_path):
+    model = kvfold.enable(make_tiny_model("llama", head_dim=64, num_hidden_layers=8, max_position_embeddings=1024))
+    text = (TEXT * 4)[:900]
+    context = kvfold.prefill(model, CharTokenizer(), text, use_chat_template=False, methods="snapkv")
+    compressed = context.compress("full@int4")
+    path = tmp_path / "doc.kvc"
+    size = save_context(compressed, path, source_text=text)
+    counted = compressed.kv_bytes
+    assert abs(size - counted) / counted <= 0.05
+    loaded = load_context(path, model, CharTokenizer())
+    assert loaded.cache.quant == compressed.cache.quant
+    for (_, a), (_, b) in zip(compressed.cache.folded_layers, loaded.cache.folded_layers, strict=True):
+        for name, tensor in a.quantized.tensors().items():
+            assert torch.equal(tensor, b.quantized.tensors()[name]), name
+    info = read_info(path)
+    assert info.header["kv_format"] == "int4" and info.header["format_version"] == FORMAT_VERSION
+    assert info.header["kv_bytes"] == counted
+    assert (
+        loaded.generate(QUESTION, max_new_tokens=6)[0].token_ids
+        == compressed.generate(QUESTION, max_new_tokens=6)[0].token_ids
     )

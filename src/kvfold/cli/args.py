@@ -26,6 +26,40 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
 
 
+def add_memory_args(parser: argparse.ArgumentParser) -> None:
+    """``--memory`` (in place of ``--budget``) and ``--kv-bits``, as the commands that compress one
+    context take them."""
+    parser.add_argument(
+        "--memory",
+        type=float,
+        default=None,
+        help="in place of --budget: the fraction of the 16-bit full cache's bytes the compressed cache may "
+        "hold (e.g. 0.0625); kvfold chooses how many tokens to keep at how many bits",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        default=None,
+        help="store the compressed entries as 8, 4, 3 or 2-bit integers, fp8, or 16 (the model's dtype); "
+        "default: the model's dtype, or the memory rule's choice with --memory",
+    )
+
+
+def compress_options(args: argparse.Namespace, budget: Any) -> dict[str, Any]:
+    """The keywords of :meth:`PrefilledContext.compress` for ``--budget`` / ``--memory`` / ``--kv-bits``.
+
+    Raises:
+        ValueError: both a budget and ``--memory``, or neither.
+    """
+    memory = getattr(args, "memory", None)
+    if memory is not None and budget is not None:
+        raise ValueError("give --budget or --memory, not both")
+    if memory is None and budget is None:
+        raise ValueError("give --budget (a fraction or a token count) or --memory (a fraction of the 16-bit cache)")
+    if memory is not None:
+        return {"memory": memory, "kv_format": getattr(args, "kv_bits", None)}
+    return {"budget": budget, "kv_format": getattr(args, "kv_bits", None)}
+
+
 def add_ray_args(parser: argparse.ArgumentParser, unit: str = "work item") -> None:
     """``--ray [ADDRESS]`` and the worker shape, as ``eval``, ``fidelity`` and ``bench`` take them
     (see :mod:`kvfold.evaluate.running.distributed`); ``unit`` names what one worker takes at a time."""

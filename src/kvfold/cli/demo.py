@@ -32,6 +32,9 @@ def run_demo(
     dtype: str = "auto",
     device: str = "auto",
     context_tokens: int = 3000,
+    *,
+    memory: float | None = None,
+    kv_format: str | None = None,
 ) -> int:
     """Print a table: method, answers correct, KV MB kept vs full, seconds.
 
@@ -39,11 +42,14 @@ def run_demo(
         methods: see :func:`demo_specs` (default: the full cache, ``kvzip``, ``leverage`` and the
             recommended pipeline; ``"all"``: every method).
         context_tokens: length of the built-in context.
+        memory: instead of ``budget``, a fraction of the 16-bit full cache's bytes
+            (:meth:`~kvfold.pipeline.context.PrefilledContext.compress`).
+        kv_format: the storage of the compressed entries (``--kv-bits``).
     """
     from kvfold.pipeline.context import prefill
     from kvfold.runtime.models import load_model
 
-    parsed_budget = Budget.parse(budget)
+    parsed_budget = Budget.of_memory(memory) if memory is not None else Budget.parse(budget)
     specs = demo_specs(methods)
     print(f"Loading {model_spec} ...", flush=True)
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
@@ -52,23 +58,29 @@ def run_demo(
     prefilled = prefill(model, tokenizer, context, methods=[s for s in specs if s != "full"] or None)
     print(
         f"Context: {prefilled.context_tokens} tokens, prefilled in {time.perf_counter() - start:.1f}s; "
-        f"{len(FACTS)} questions; budget {parsed_budget}\n",
+        f"{len(FACTS)} questions; {'memory' if memory is not None else 'budget'} {parsed_budget}; MB as held "
+        "here, ratio to the full cache in 16 bits\n",
         flush=True,
     )
-    header = f"{'method':<28} {'correct':>7} {'KV MB':>8} {'full MB':>8} {'ratio':>6} {'seconds':>8}"
+    header = f"{'method':<34} {'correct':>7} {'KV MB':>8} {'full MB':>8} {'of 16-bit':>9} {'seconds':>8}"
     print(header)
     print("-" * len(header))
     for spec in ["full", *[s for s in specs if s != "full"]]:
         t0 = time.perf_counter()
-        compressed = prefilled.compress(spec, 1.0 if spec == "full" else parsed_budget)
+        if spec == "full":
+            compressed = prefilled.compress(spec, 1.0)
+        else:
+            compressed = prefilled.compress(spec, parsed_budget, kv_format=kv_format)
         correct = 0
         for _, question, expected in FACTS:
             answer = compressed.answer(question, max_new_tokens=16)
             correct += expected.lower() in answer.lower()
         seconds = time.perf_counter() - t0
         kv, full = compressed.kv_bytes / 2**20, compressed.kv_bytes_full / 2**20
+        label = compressed.method.spec
         print(
-            f"{spec:<28} {correct:>3}/{len(FACTS):<3} {kv:>8.2f} {full:>8.2f} {kv / full:>6.3f} {seconds:>8.1f}",
+            f"{label:<34} {correct:>3}/{len(FACTS):<3} {kv:>8.2f} {full:>8.2f} {compressed.memory_ratio:>9.4f} "
+            f"{seconds:>8.1f}",
             flush=True,
         )
     return 0

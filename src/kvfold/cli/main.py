@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args
+from kvfold.cli.args import Handler, add_memory_args, add_model_args, compress_options
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.files import explain
 from kvfold.runtime.models import ModelLoadError
@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="compress a context and answer a question")
     add_model_args(p)
     p.add_argument("--method", default="full", help="method spec, e.g. snapkv, adakv:snapkv+grkv, zsmerge[residual=0]")
-    p.add_argument("--budget", default="1.0", help="fraction in (0, 1] of the context to keep, or a token count")
+    p.add_argument(
+        "--budget", default=None, help="fraction in (0, 1] of the context to keep, or a token count (default 1.0)"
+    )
+    add_memory_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--context", help="the context text")
@@ -83,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compress a built-in long context with a few methods and answer questions")
     add_model_args(p)
-    p.add_argument("--budget", default="0.1")
+    p.add_argument("--budget", default=None, help="fraction of the context to keep (default 0.1), or --memory")
+    add_memory_args(p)
     p.add_argument(
         "--methods",
         default=None,
@@ -125,16 +129,16 @@ def run_methods(args: argparse.Namespace) -> int:
 @command("generate")
 def run_generate(args: argparse.Namespace) -> int:
     from kvfold.methods import build_method
+    from kvfold.methods.core.base import with_format
     from kvfold.pipeline.context import prefill
-    from kvfold.runtime.budget import Budget
     from kvfold.runtime.models import load_model
 
     if args.cache is not None:  # a saved cache: no prefill
         from kvfold.cli.saved_caches import run_generate_cached
 
         return run_generate_cached(args)
-    method = build_method(args.method)
-    budget = Budget.parse(args.budget)
+    options = compress_options(args, "1.0" if args.budget is None and args.memory is None else args.budget)
+    method = build_method(with_format(args.method, options.pop("kv_format")))
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
     context = args.context if args.context is not None else _read_text(args.context_file)
@@ -147,7 +151,8 @@ def run_generate(args: argparse.Namespace) -> int:
         query_aware=args.query_aware,
         answer_prefix=args.answer_prefix if args.query_aware else "",
     )
-    compressed = prefilled.compress(method, budget, seed=args.seed)
+    compressed = prefilled.compress(method, seed=args.seed, **options)
+    budget = compressed.budget
     if args.query_aware:
         answer = compressed.generate(max_new_tokens=args.max_new_tokens)[0]
     else:
@@ -156,12 +161,11 @@ def run_generate(args: argparse.Namespace) -> int:
         )[0]
     record = {
         "answer": answer.text,
-        "method": args.method,
+        "method": compressed.method.spec,
         "budget": budget.label(),
         "query_aware": args.query_aware,
         "context_tokens": prefilled.context_tokens,
-        "kv_bytes": compressed.kv_bytes,
-        "kv_bytes_full": compressed.kv_bytes_full,
+        **compressed.memory_record(),
         "kv_ratio": compressed.kv_bytes / compressed.kv_bytes_full,
         "prefill_seconds": prefilled.prefill_seconds,
         "compress_seconds": compressed.compress_seconds,
@@ -189,7 +193,17 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from kvfold.cli.demo import run_demo as demo
 
-    return demo(args.model, args.budget, args.methods, args.dtype, args.device, args.context_tokens)
+    options = compress_options(args, "0.1" if args.budget is None and args.memory is None else args.budget)
+    return demo(
+        args.model,
+        options.get("budget"),
+        args.methods,
+        args.dtype,
+        args.device,
+        args.context_tokens,
+        memory=options.get("memory"),
+        kv_format=options.get("kv_format"),
+    )
 
 
 def _read_text(path: Path) -> str:

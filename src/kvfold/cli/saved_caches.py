@@ -42,13 +42,18 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``compress``, ``ask`` and ``chat``."""
+    from kvfold.cli.args import add_memory_args
+
     p = sub.add_parser("compress", help="prefill and compress a context once, write a cache file (.kvc)")
     _model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--context", help="the context text")
     p.add_argument("--method", required=True, help="method spec, e.g. snapkv, am_highest_fast, snapkv+keepkv")
-    p.add_argument("--budget", required=True, help="fraction in (0, 1] of the context to keep, or a token count")
+    p.add_argument(
+        "--budget", default=None, help="fraction in (0, 1] of the context to keep, or a token count (or --memory)"
+    )
+    add_memory_args(p)
     p.add_argument("--out", required=True, type=Path, help="the cache file to write (e.g. doc.kvc)")
     p.add_argument(
         "--resumable",
@@ -100,29 +105,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run_compress(args: argparse.Namespace) -> int:
     """``kvfold compress``: prefill and compress a context once, write the cache file."""
+    from kvfold.cli.args import compress_options
     from kvfold.methods import build_method
+    from kvfold.methods.core.base import with_format
     from kvfold.pipeline.context import prefill
     from kvfold.runtime.budget import Budget
     from kvfold.runtime.models import load_model
     from kvfold.store.save import save_context
 
-    method = build_method(args.method)
-    budget = Budget.parse(args.budget)
+    options = compress_options(args, args.budget)
+    method = build_method(with_format(args.method, options.pop("kv_format")))
+    if "budget" in options:
+        options["budget"] = Budget.parse(options["budget"])
     text = args.context if args.context is not None else _read_text(args.context_file)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     prefilled = prefill(model, tokenizer, text, methods=[method])
-    compressed = prefilled.compress(method, budget, seed=args.seed)
+    compressed = prefilled.compress(method, seed=args.seed, **options)
+    budget = compressed.budget
     start = time.perf_counter()
     size = save_context(compressed, args.out, source_text=text, resumable=args.resumable)
     save_seconds = time.perf_counter() - start
     record = {
         "out": str(args.out),
-        "method": args.method,
+        "method": compressed.method.spec,
         "budget": budget.label(),
         "context_tokens": prefilled.context_tokens,
         "file_bytes": size,
-        "kv_bytes": compressed.kv_bytes,
-        "kv_bytes_full": compressed.kv_bytes_full,
+        **compressed.memory_record(),
         "file_ratio": size / compressed.kv_bytes_full,
         "prefill_seconds": prefilled.prefill_seconds,
         "compress_seconds": compressed.compress_seconds,
@@ -173,9 +182,11 @@ def _answer_record(context, question: str, args: argparse.Namespace) -> dict:
 
 def run_generate_cached(args: argparse.Namespace) -> int:
     """``kvfold generate --cache doc.kvc --question Q``: the answer from a saved cache, no prefill."""
-    if args.method != "full" or str(args.budget) != "1.0" or args.query_aware:
+    compress_flags = args.budget is not None or args.memory is not None or args.kv_bits is not None
+    if args.method != "full" or compress_flags or args.query_aware:
         raise ValueError(
-            "--method, --budget and --query-aware do not apply with --cache: the file was compressed already "
+            "--method, --budget, --memory, --kv-bits and --query-aware do not apply with --cache: the file was "
+            "compressed already "
             "(its method and budget are in its header; see kvfold compress)"
         )
     if args.max_new_tokens < 1:

@@ -444,7 +444,15 @@ class FoldedLayer(CacheLayerMixin):
             ``entry_stats`` come as ``stat.<name>``, aligned the same way.
         """
         out: dict[str, torch.Tensor] = {}
-        if self.paged is not None:
+        if self.quantized is not None:
+            layout = "quantized"
+            out.update({f"q.{name}": t for name, t in self.quantized.tensors().items()})
+            n = self._length
+            out.update(keys=self._keys[:, :, :n], values=self._values[:, :, :n])
+            if self._log_mass is not None:
+                out["log_mass"] = self._log_mass[:, :, :n]
+            slot = None
+        elif self.paged is not None:
             layout = "paged"
             keys, values, log_mass, lengths = self.padded()
             slot = torch.arange(keys.shape[2], device=keys.device)[None, None, :] < lengths[..., None]
@@ -471,8 +479,11 @@ class FoldedLayer(CacheLayerMixin):
         logical_length: int,
         batch_size: int,
         num_heads: int,
+        quant: QuantConfig | None = None,
     ) -> FoldedLayer:
         """Rebuild a layer from :meth:`live_tensors` (same layout, same slots, same statistics).
+
+        A ``quantized`` layout needs its format (``quant``); its codes are taken as they are.
 
         Raises:
             ValueError: unknown layout or tensors of inconsistent shapes.
@@ -484,7 +495,17 @@ class FoldedLayer(CacheLayerMixin):
             keys.new_zeros(batch_size, num_heads, 0, head_dim), values.new_zeros(batch_size, num_heads, 0, value_dim)
         )
         stats = {name[5:]: t for name, t in tensors.items() if name.startswith("stat.")}
-        if layout == "dense":
+        if layout == "quantized":
+            if quant is None:
+                raise ValueError("quantized layer: the file names no KV format")
+            own = {name[2:]: t for name, t in tensors.items() if name.startswith("q.")}
+            layer.quantized = QuantizedRows.from_tensors(own, quant, head_dim, value_dim, keys.dtype)
+            if layer.quantized.num_rows != batch_size * num_heads:
+                raise ValueError("quantized layer: row count differs from batch × heads")
+            layer._keys, layer._values = keys, values
+            layer._length = keys.shape[2]
+            layer._log_mass = tensors.get("log_mass")
+        elif layout == "dense":
             if keys.shape[:2] != (batch_size, num_heads) or values.shape[:3] != keys.shape[:3]:
                 raise ValueError(f"dense layer: keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree")
             layer._keys, layer._values = keys, values

@@ -40,9 +40,11 @@ import torch
 from transformers import PreTrainedModel
 
 FORMAT = "kvfold-cache"
-FORMAT_VERSION = 1
-"""The version this kvfold writes; files of a higher version are refused with a clear error."""
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 2
+"""The version this kvfold writes; files of a higher version are refused with a clear error.
+Version 2 adds quantized layers (layout ``quantized``: ``q.*`` codes, scales and zero points, a
+``kv_format`` per layer) and the header's byte counts; version 1 files load as before."""
+SUPPORTED_VERSIONS = (1, 2)
 METADATA_KEY = "kvfold"
 CONFIG_KEYS = (
     "model_type",

@@ -14,6 +14,7 @@ from kvfold.pipeline.context import CompressedContext, PrefilledContext
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.models import resolve_dtype
+from kvfold.runtime.quantize import QuantConfig
 from kvfold.store.format import (
     CacheFileError,
     CacheFileInfo,
@@ -79,7 +80,8 @@ def _build_cache(
     float_types = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
     def convert(name: str, t: torch.Tensor) -> torch.Tensor:
-        if name in ("keys", "values", "captured_queries") and t.dtype != dtype and t.dtype in float_types:
+        converted = ("keys", "values", "captured_queries", "q.outlier_keys", "q.outlier_values")
+        if name in converted and t.dtype != dtype and t.dtype in float_types:
             t = t.to(dtype)
         return t.to(device)
 
@@ -97,6 +99,7 @@ def _build_cache(
                 logical_length=spec["logical_length"],
                 batch_size=spec["batch_size"],
                 num_heads=spec["num_heads"],
+                quant=QuantConfig.parse(spec["kv_format"]) if spec.get("kv_format") else None,
             )
         elif kind == "sliding" and isinstance(slot, DynamicSlidingWindowLayer):
             slot.lazy_initialization(own["keys"], own["values"])
@@ -107,6 +110,9 @@ def _build_cache(
                 f"{info.path}: layer {index} is {kind} in the file but {type(slot).__name__} in this model; "
                 "load the model the cache was made with"
             )
+    formats = {spec.get("kv_format") for spec in layers if spec.get("kind") == "folded"}
+    if len(formats) == 1 and None not in formats:
+        cache.quant = QuantConfig.parse(formats.pop())
     return cache
 
 

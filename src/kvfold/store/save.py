@@ -111,6 +111,10 @@ def save_cache(
         "layers": layers,
         "live_bytes": sum(t.numel() * t.element_size() for n, t in tensors.items() if n.startswith("layer.")),
         "kv_bytes_full": cache.full_nbytes(),
+        "kv_bytes": cache.content_nbytes(),
+        "kv_bytes_16": cache.content_nbytes(sixteen_bit=True),
+        "kv_bytes_full_16": cache.full_nbytes(sixteen_bit=True),
+        "kv_format": None if cache.quant is None else cache.quant.describe(),
         "extra": extra or {},
     }
     header["checksum"] = {"algorithm": "sha256", "value": checksum(header, tensors.items())}
@@ -134,6 +138,7 @@ def _layer_tensors(cache: FoldedCache, queries: bool) -> tuple[list[dict], dict[
                     "batch_size": layer.batch_size,
                     "num_heads": layer.num_heads,
                     "entries": int(layer.row_lengths().sum()),
+                    **({"kv_format": layer.quantized.config.describe()} if layer.quantized is not None else {}),
                 }
             )
             tensors.update({f"layer.{index}.{name}": t for name, t in content.items()})

@@ -347,3 +347,39 @@ def test_top_verbatim_options_are_checked():
         build_method("kvzip+am_fit[top_verbatim=1.5]")
     with pytest.raises(SpecError, match="without preselect"):
         build_method("kvzip+am_fit[top_verbatim=0.25,preselect=2]")
+
+
+# ---------------------------------------------------------------------------- quantized storage: the fit order
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_am_fit_fits_to_the_keys_as_stored_then_stores_the_fitted_values(monkeypatch, order):
+    """``quant_order=before`` (default): β and the values are fitted to the kept keys exactly as the
+    quantized cache then holds them; ``after``: to the keys as they were."""
+    from kvfold.methods.compaction.attention_matching import method as am_method
+
+    seen = []
+    real = am_method.fit_problems
+
+    def spy(*args, **kwargs):
+        seen.append((args[0], kwargs.get("given"), kwargs.get("compact_keys")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(am_method, "fit_problems", spy)
+    model = kvfold.enable(make_tiny_model("llama"))
+    context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
+    spec = "kvzip+am_fit@int4" if order == "before" else "kvzip+am_fit[quant_order=after]@int4"
+    small = context.compress(spec, 0.25)
+    assert len(seen) == len(small.cache.folded_layers)
+    for (_, layer), (keys, given, compact) in zip(small.cache.folded_layers, seen, strict=True):
+        assert layer.is_quantized
+        stored, _, log_mass = layer.dequantized()
+        valid = torch.isfinite(log_mass)
+        if order == "after":
+            assert compact is None
+            continue
+        d = keys.shape[-1]
+        fitted = compact.gather(2, given.clamp_min(0)[..., None].expand(-1, -1, -1, d))
+        used = given >= 0
+        assert torch.equal(fitted[used], stored[:, :, : given.shape[-1]][used & valid[:, :, : given.shape[-1]]])
+        assert not torch.equal(fitted[used], keys.gather(2, given.clamp_min(0)[..., None].expand(-1, -1, -1, d))[used])

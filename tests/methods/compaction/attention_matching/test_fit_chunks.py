@@ -179,3 +179,41 @@ def test_fit_chunk_options_are_checked():
     for spec in ("kvzip+am_fit[fit_chunk=0]", "am_highest_fast[fit_chunk=big]", "am_highest[fit_chunk=64,chunks=2]"):
         with pytest.raises(SpecError):
             build_method(spec)
+
+
+# ---------------------------------------------------------------------------- keys as stored (quantized)
+
+
+def _perturbed(keys: torch.Tensor, seed: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return keys + 0.3 * torch.randn(keys.shape, generator=g, dtype=keys.dtype)
+
+
+@pytest.mark.parametrize("fit", [chunked, unchunked], ids=["chunked", "unchunked"])
+def test_compact_keys_equal_to_the_keys_change_nothing_and_others_are_absorbed(fit):
+    """``compact_keys`` = the keys gives the plain fit bit for bit; other compact keys (as quantized
+    storage gives them back) give a fit whose attention, read with those keys, is closer to the
+    target than the plain fit's read with them (the fit absorbs the difference)."""
+    case = synthetic(2 * CHUNK, keep_every=3)
+    keys, values, beta0, ref, chunk_of, given = case
+
+    def run(compact):
+        if fit is chunked:
+            return fit_given_by_chunk(keys, values, beta0, ref, chunk_of, given, 0.5, CONFIG, compact)
+        return fit_problems(
+            keys, values, beta0, ref.queries, ref.valid, None, 0.5, CONFIG, given=given, compact_keys=compact
+        )
+
+    assert same(run(keys), fit(case))
+    stored = _perturbed(keys)
+    absorbed, plain = run(stored), fit(case)
+    q = ref.queries[0, 0]
+    target = torch.softmax(q @ keys[0, 0].mT * 0.5, -1) @ values[0, 0]
+    kept = stored[0, 0, given[0, 0]]
+
+    def error(result) -> float:
+        n = int(result.lengths.max())
+        out = torch.softmax(q @ kept[:n].mT * 0.5 + result.log_mass[0, 0, :n], -1) @ result.values[0, 0, :n]
+        return float((out - target).norm() / target.norm())
+
+    assert error(absorbed) < 0.9 * error(plain)

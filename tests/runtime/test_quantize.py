@@ -1,0 +1,302 @@
+"""Quantized storage (kvfold.runtime.quantize) and quantized folded layers: packing, error bounds
+against float64, β untouched, bytes in closed form, attention over quantized layers, batch edits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvfold
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.quantize import (
+    FP8_MAX,
+    INT_BITS,
+    QuantConfig,
+    QuantizedRows,
+    QuantSpecError,
+    dequantize_minmax,
+    minmax_params,
+    pack_codes,
+    quantize_minmax,
+    unpack_codes,
+)
+from tests.conftest import CharTokenizer, make_tiny_model
+
+R, N, D = 5, 70, 16
+
+
+def _rows(seed: int = 0, outlier_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    keys = torch.randn(R, N, D)
+    if outlier_channel:  # an outlier channel (as RoPE'd keys have) and a sink-like first entry
+        keys[:, :, 3] = keys[:, :, 3] * 10 + 40
+        keys[:, 0] *= 8
+    values = torch.randn(R, N, D)
+    log_mass = torch.randn(R, N)
+    lengths = torch.tensor([N, 1, 33, 0, 64])
+    return keys, values, log_mass, lengths
+
+
+def _valid(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.arange(width)[None, :] < lengths[:, None]
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+def test_packing_round_trips_every_code_exactly(bits):
+    codes = torch.randint(0, 1 << bits, (7, 3, 64), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 3, 64 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    # every code has its own bits: changing one code changes exactly its own unpacked value
+    codes[0, 0, 5] = (int(codes[0, 0, 5]) + 1) % (1 << bits)
+    assert torch.equal(unpack_codes(pack_codes(codes, bits), bits), codes)
+
+
+def test_packing_is_dense_and_little_endian():
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]], dtype=torch.uint8)
+    assert pack_codes(codes, 4).tolist() == [[0x21, 0x43, 0x65, 0x07]]
+    word = sum(c << (3 * i) for i, c in enumerate(codes[0].tolist()))
+    assert pack_codes(codes, 3).tolist() == [[word & 0xFF, (word >> 8) & 0xFF, word >> 16]]
+
+
+def test_minmax_grid_covers_the_range_in_float16():
+    low = torch.tensor([-3.3333, 40.1234, 0.5, 7.0])
+    high = torch.tensor([2.7182, 77.7, 0.5, 7.0001])
+    for bits in INT_BITS:
+        scale, zero = minmax_params(low, high, bits)
+        assert scale.dtype == zero.dtype == torch.float16
+        assert (zero.float() <= low).all()
+        assert (zero.float() + ((1 << bits) - 1) * scale.float() >= high).all()
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+def test_dequantized_entries_are_within_half_a_step_of_a_float64_reference(bits):
+    """Keys per channel over groups of entries, values per entry: every valid element within half a
+    step of its own group's grid, steps computed in float64 from the data (outlier channel included)."""
+    keys, values, log_mass, lengths = _rows()
+    config = QuantConfig(format=f"int{bits}", key_group=16)
+    k, v, lm = QuantizedRows.from_padded(keys, values, log_mass, lengths, config).to_padded()
+    width = int(lengths.max())
+    valid = _valid(lengths, width)
+    levels = (1 << bits) - 1
+    for r in range(R):
+        n = int(lengths[r])
+        for start in range(0, n, 16):  # key groups: per channel, float64 range
+            x = keys[r, start : min(n, start + 16)].double()
+            step = (x.amax(0) - x.amin(0)) / levels
+            err = (k[r, start : min(n, start + 16)].double() - x).abs()
+            assert (err <= step / 2 * (1 + 2e-3) + 1e-3 * x.abs().amax(0) * 2**-9 + 1e-6).all()
+        if n:
+            x = values[r, :n].double()  # values: per entry
+            step = (x.amax(1, keepdim=True) - x.amin(1, keepdim=True)) / levels
+            err = (v[r, :n].double() - x).abs()
+            assert (err <= step / 2 * (1 + 2e-3) + 1e-3 * x.abs().amax(1, keepdim=True) * 2**-9 + 1e-6).all()
+    assert (lm[~valid] == float("-inf")).all()
+
+
+def test_an_outlier_channel_does_not_coarsen_the_other_channels_of_a_key():
+    """Per-channel key scales: the other channels' error follows their own range (per-entry scales,
+    which KIVI shows fail on keys, would spread the outlier channel's range over every channel)."""
+    keys, values, log_mass, lengths = _rows()
+    k, _, _ = QuantizedRows.from_padded(keys, values, None, lengths, QuantConfig(format="int4")).to_padded()
+    plain = [c for c in range(D) if c != 3]
+    n = int(lengths[0])
+    err = (k[0, 1:n, plain] - keys[0, 1:n, plain]).abs().max()
+    own_range = keys[0, :n, plain].amax(0) - keys[0, :n, plain].amin(0)
+    outlier_range = keys[0, :n, 3].amax() - keys[0, :n, 3].amin()
+    assert err <= own_range.max() / 15 / 2 * 1.01
+    assert err < outlier_range / 15 / 8  # far below what a scale shared with channel 3 would give
+
+
+def test_fp8_stores_e4m3_with_one_scale_per_row():
+    keys, values, log_mass, lengths = _rows()
+    rows = QuantizedRows.from_padded(keys, values, log_mass, lengths, QuantConfig(format="fp8"))
+    assert rows.key_codes.dtype == torch.uint8 and rows.key_codes.shape == (int(lengths.sum()), D)
+    k, v, _ = rows.to_padded()
+    valid = _valid(lengths, k.shape[1])
+    for source, back in ((keys, k), (values, v)):
+        x = source[:, : k.shape[1]][valid].double()
+        rel = (back[valid].double() - x).abs() / x.abs().clamp_min(1e-3)
+        scale = rows.key_scale if source is keys else rows.value_scale
+        tiny = (x.abs() < 2**-6 * FP8_MAX * scale.max()).squeeze()
+        assert (rel[~tiny] <= 2**-4 + 1e-6).all()  # e4m3: 3 mantissa bits, half-ulp 1/16
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int2", "fp8"])
+def test_log_mass_is_kept_bit_for_bit(fmt):
+    keys, values, log_mass, lengths = _rows()
+    _, _, lm = QuantizedRows.from_padded(keys, values, log_mass, lengths, QuantConfig(format=fmt)).to_padded()
+    valid = _valid(lengths, lm.shape[1])
+    assert torch.equal(lm[valid], log_mass[:, : lm.shape[1]][valid])
+    assert lm.dtype == torch.float32
+
+
+def test_a_wide_fitted_value_leaves_its_neighbours_error_unchanged():
+    """Values have a scale per entry: one entry with ten times the range (a fitted value) changes no
+    other entry's stored value."""
+    keys, values, _, lengths = _rows(outlier_channel=False)
+    config = QuantConfig(format="int4")
+    _, before, _ = QuantizedRows.from_padded(keys, values, None, lengths, config).to_padded()
+    wide = values.clone()
+    wide[0, 10] *= 10
+    _, after, _ = QuantizedRows.from_padded(keys, wide, None, lengths, config).to_padded()
+    others = torch.ones(R, before.shape[1], dtype=torch.bool)
+    others[0, 10] = False
+    assert torch.equal(after[others], before[others])
+
+
+def test_outlier_entries_are_kept_exactly_and_counted_at_16_bits():
+    keys, values, log_mass, lengths = _rows()
+    config = QuantConfig(format="int4", outliers=2)
+    rows = QuantizedRows.from_padded(keys, values, log_mass, lengths, config)
+    k, v, _ = rows.to_padded()
+    assert torch.equal(k[0, 0], keys[0, 0]) and torch.equal(v[0, 0], values[0, 0])  # the sink-like entry
+    outliers = rows.outlier_keys.shape[0]
+    assert outliers == 2 + 1 + 2 + 0 + 2
+    assert rows.nbytes() - rows.gpu_nbytes() == outliers * 2 * D * (4 - 2)
+    # without the sink in its group, the group's other keys are quantized finer
+    plain = QuantizedRows.from_padded(keys, values, log_mass, lengths, QuantConfig(format="int4")).to_padded()[0]
+    assert (k[0, 1:32] - keys[0, 1:32]).abs().max() < (plain[0, 1:32] - keys[0, 1:32]).abs().max()
+
+
+def test_selecting_rows_keeps_their_codes():
+    keys, values, log_mass, lengths = _rows()
+    rows = QuantizedRows.from_padded(keys, values, log_mass, lengths, QuantConfig(format="int3", outliers=1))
+    k, v, lm = rows.to_padded()
+    picked = rows.select_rows(torch.tensor([4, 2, 2, 3]))
+    k2, v2, lm2 = picked.to_padded()
+    for new, old in enumerate([4, 2, 2, 3]):
+        n = int(lengths[old])
+        assert torch.equal(k2[new, :n], k[old, :n]) and torch.equal(v2[new, :n], v[old, :n])
+        assert torch.equal(lm2[new, :n], lm[old, :n])
+
+
+def _closed_form_bytes(lengths: torch.Tensor, config: QuantConfig, head_dim: int, with_beta: bool) -> int:
+    """Codes, scales and zero points, β and the row lengths, summed by hand."""
+    entries = int(lengths.sum())
+    groups = sum(math.ceil(int(n) / config.key_group) for n in lengths)
+    codes = entries * 2 * head_dim * config.bits // 8
+    key_params = groups * head_dim * 2 * 2
+    value_params = entries * 2 * 2
+    beta = entries * 4 if with_beta else 0
+    return codes + key_params + value_params + beta + lengths.numel() * 8
+
+
+@pytest.mark.parametrize("lengths", [[40, 40, 40, 40], [40, 3, 17, 64]], ids=["dense", "paged"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int3", "int2"])
+def test_a_quantized_layer_holds_the_closed_form_bytes(lengths, fmt):
+    torch.manual_seed(1)
+    layer_lengths = torch.tensor(lengths).view(2, 2)
+    cache = FoldedCache(num_layers=1)
+    layer = cache.layers[0]
+    n = max(lengths)
+    layer.update(torch.randn(2, 2, n, D), torch.randn(2, 2, n, D))
+    beta = torch.randn(2, 2, n)
+    layer.replace(*layer.padded()[:2], beta, lengths=layer_lengths)
+    assert (layer.paged is not None) == (len(set(lengths)) > 1)
+    config = QuantConfig(format=fmt)
+    cache.quantize(config)
+    expected = _closed_form_bytes(layer_lengths.flatten(), config, D, with_beta=True)
+    empty_tail = 0  # the full-precision tail holds nothing yet
+    assert layer.content_nbytes() == expected + empty_tail
+    assert layer.nbytes() == expected
+    assert cache.content_nbytes(sixteen_bit=True) == expected
+    assert cache.full_nbytes(sixteen_bit=True) == 2 * 2 * n * D * 2 * 2
+    assert cache.memory_ratio() == pytest.approx(expected / (2 * 2 * n * D * 2 * 2))
+
+
+def test_config_parsing_and_errors():
+    assert QuantConfig.parse("4") == QuantConfig(format="int4")
+    assert QuantConfig.parse(2) == QuantConfig(format="int2")
+    assert QuantConfig.parse("int4[key_group=64,outliers=2]") == QuantConfig("int4", key_group=64, outliers=2)
+    assert QuantConfig.parse("int4[key_group=64]").describe() == "int4[key_group=64]"
+    assert QuantConfig.parse("16") is None and QuantConfig.parse(None) is None
+    for bad in ("int5", "fp4", "int4[group=3]", "int4[key_group=x]", "int4[key_group=0]"):
+        with pytest.raises(QuantSpecError):
+            QuantConfig.parse(bad)
+
+
+def test_quantize_then_dequantize_helpers_agree():
+    x = torch.linspace(-2, 5, 33)
+    scale, zero = minmax_params(x.min(), x.max(), 4)
+    back = dequantize_minmax(quantize_minmax(x, scale, zero, 4), scale, zero, torch.float32)
+    assert (back - x).abs().max() <= scale.float() / 2 + 1e-6
+
+
+# ---------------------------------------------------------------- quantized layers in a model
+TEXT = "The vault code is 4712. Ships sail at dawn; the harbour keeps its lights on all night. " * 3
+
+
+def _context(model):
+    return kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False, methods="snapkv")
+
+
+def _next_logits(model, cache: FoldedCache, ids: list[int]) -> torch.Tensor:
+    logical = cache.get_seq_length()
+    pos = torch.arange(logical, logical + len(ids))[None]
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids]), past_key_values=cache, position_ids=pos, use_cache=True).logits
+
+
+@pytest.mark.parametrize("spec", ["snapkv@int4", "adakv:snapkv@int3", "snapkv+keepkv@int8", "full@int2"])
+def test_attention_over_a_quantized_layer_equals_attention_over_its_dequantized_entries(spec):
+    """The quantized path (dequantized entries with β, then the full-precision tail, causal among
+    the new tokens) computes what the plain path computes over the same entries stored unquantized."""
+    model = kvfold.enable(make_tiny_model("llama"))
+    small = _context(model).compress(spec, 0.3)
+    quantized = small.cache.copy()
+    plain = small.cache.copy()
+    for (_, q_layer), (_, p_layer) in zip(quantized.folded_layers, plain.folded_layers, strict=True):
+        assert q_layer.is_quantized
+        k, v, lm, lengths = q_layer.padded()
+        p_layer.quantized = None
+        p_layer.replace(k, v, lm, lengths=lengths)
+    question = [5, 9, 17, 23, 4]
+    a = _next_logits(model, quantized, question)
+    b = _next_logits(model, plain, question)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for token in (7, 11):  # decode steps append to the tail
+        torch.testing.assert_close(_next_logits(model, quantized, [token]), _next_logits(model, plain, [token]))
+    assert all(layer.is_quantized for _, layer in quantized.folded_layers)
+
+
+def test_no_quantization_leaves_caches_and_answers_bit_identical():
+    model = kvfold.enable(make_tiny_model("llama"))
+    context = _context(model)
+    for spec in ("snapkv", "adakv:snapkv", "full"):
+        plain = context.compress(spec, 0.3)
+        same = context.compress(spec + "@16", 0.3)
+        assert plain.cache.quant is None and same.cache.quant is None
+        for (_, a), (_, b) in zip(plain.cache.folded_layers, same.cache.folded_layers, strict=True):
+            for x, y in zip(a.padded(), b.padded(), strict=True):
+                assert torch.equal(x, y)
+        assert plain.answer("What is the vault code?", max_new_tokens=6) == same.answer(
+            "What is the vault code?", max_new_tokens=6
+        )
+
+
+def test_batch_edits_of_a_quantized_cache_pick_stored_rows():
+    model = kvfold.enable(make_tiny_model("llama"))
+    context = kvfold.prefill(model, CharTokenizer(), [TEXT, TEXT[:150]], use_chat_template=False, methods="snapkv")
+    small = context.compress("adakv:snapkv@int4", 0.3)
+    _, layer = small.cache.folded_layers[0]
+    k, v, lm, lengths = layer.padded()
+    one = small.cache.copy()
+    one.batch_select_indices(torch.tensor([1]))
+    k1, v1, lm1, lengths1 = one.folded_layers[0][1].padded()
+    assert torch.equal(lengths1[0], lengths[1])
+    width = int(lengths[1].max())
+    assert torch.equal(k1[0, :, :width], k[1, :, :width]) and torch.equal(lm1[0, :, :width], lm[1, :, :width])
+    # answers from a batch equal each row's own
+    answers = small.answer("What is the vault code?", max_new_tokens=5)
+    alone = kvfold.prefill(model, CharTokenizer(), TEXT[:150], use_chat_template=False, methods="snapkv")
+    assert answers[1] == alone.compress("adakv:snapkv@int4", 0.3).answer("What is the vault code?", max_new_tokens=5)
+
+
+def test_a_quantized_cache_refuses_online_policies_with_one_line():
+    model = kvfold.enable(make_tiny_model("llama"))
+    context = _context(model)
+    with pytest.raises(ValueError, match="quantized cache cannot be compressed while decoding"):
+        context.compress("h2o@int4", 0.3)
