@@ -54,9 +54,9 @@ def test_packing_round_trips_every_code_exactly(bits):
     assert torch.equal(unpack_codes(pack_codes(codes, bits), bits), codes)
 
 
-def test_packing_is_dense_and_little_endian():
+def test_packing_is_dense_by_planes_and_little_endian():
     codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]], dtype=torch.uint8)
-    assert pack_codes(codes, 4).tolist() == [[0x21, 0x43, 0x65, 0x07]]
+    assert pack_codes(codes, 4).tolist() == [[0x51, 0x62, 0x73, 0x04]]  # by planes: code j and code j + 4
     word = sum(c << (3 * i) for i, c in enumerate(codes[0].tolist()))
     assert pack_codes(codes, 3).tolist() == [[word & 0xFF, (word >> 8) & 0xFF, word >> 16]]
 
@@ -240,7 +240,18 @@ def _next_logits(model, cache: FoldedCache, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids]), past_key_values=cache, position_ids=pos, use_cache=True).logits
 
 
-@pytest.mark.parametrize("spec", ["snapkv@int4", "adakv:snapkv@int3", "snapkv+keepkv@int8", "full@int2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "snapkv@int4",
+        "adakv:snapkv@int3",
+        "snapkv+keepkv@int8",
+        "full@int2",
+        "adakv:snapkv+keepkv@int4[outliers=2]",
+        "snapkv@fp8",
+        "snapkv@int4[value_group=8]",
+    ],
+)
 def test_attention_over_a_quantized_layer_equals_attention_over_its_dequantized_entries(spec):
     """The quantized path (dequantized entries with β, then the full-precision tail, causal among
     the new tokens) computes what the plain path computes over the same entries stored unquantized."""

@@ -25,6 +25,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--methods", default="streamingllm", help="comma-separated method specs")
     p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="comma-separated memory budgets in place of --budgets: fractions of the 16-bit full cache's "
+        "bytes (e.g. 0.0625), spent on tokens x bits (a spec's @int4 / @16 fixes the precision)",
+    )
     p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
     p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=64, help="decode steps measured after warm-up")
@@ -56,7 +62,10 @@ def _grid(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
     methods = split_specs(args.methods)
     for spec in methods:
         build_method(spec)  # fail fast on unknown methods or options
-    budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
+    if getattr(args, "memory", None):
+        budgets = [Budget.of_memory(m).label() for m in args.memory.split(",") if m.strip()]
+    else:
+        budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
     return methods, budgets, _positive_ints(args.lengths, "--lengths")
 
 
@@ -75,7 +84,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--new-tokens must be ≥ 1")
     grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
     if args.ray is None:
-        result = bench(*grid, args.dtype, args.device, positions=args.positions)
+        result = bench(*grid, args.dtype, args.device, positions=args.positions, memory=bool(args.memory))
     else:
         from kvfold.evaluate.running.distributed import require_ray, run_on_ray
 
@@ -86,7 +95,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         result, ray_runner = run_on_ray(
             None,
             lambda runner: bench(
-                *grid, args.dtype, args.device, runner=runner, threads=threads, positions=args.positions
+                *grid,
+                args.dtype,
+                args.device,
+                runner=runner,
+                threads=threads,
+                positions=args.positions,
+                memory=bool(args.memory),
             ),
             **options,
         )

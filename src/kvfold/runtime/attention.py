@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.runtime.paged import PagedRows
+from kvfold.runtime.quantize import QuantizedRows, code_planes
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -131,6 +132,118 @@ def kvfold_attention(
 
 
 def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
+    """Attention over a quantized layer: its stored entries (with β), then its full-precision tail,
+    whose last ``q`` entries are the new tokens (causal among themselves), under one softmax.
+
+    Integer formats with one value scale an entry (the default) are read straight from their codes,
+    one row (batch × KV head) at a time, with the scales folded into the query and the
+    probabilities (KIVI §3.2's order of operations): a key group's logits are
+    ``codes · (q ⊙ scale) + q · zero`` and an output is ``(p ⊙ scale_v)ᵀ codes_v + pᵀ zero_v``, so
+    only codes are ever converted to numbers, never a dequantized layer. Other formats (fp8,
+    value groups within an entry) dequantize the layer first (:func:`_quantized_attention_padded`).
+
+    Returns:
+        ``(B, q, H_q, D)``.
+    """
+    stored = layer.quantized
+    if stored.config.is_float or stored.config.value_group:
+        return _quantized_attention_padded(query, layer, scaling)
+    b, h_q, q_len, d = query.shape
+    h_kv = layer.num_heads
+    acc = torch.promote_types(query.dtype, torch.float32)
+    folded = query.reshape(b, h_kv, (h_q // h_kv) * q_len, d).to(acc)
+    tail_keys, tail_values, tail_beta = _dense_views(layer)
+    fresh = _tail_logits(folded, tail_keys, tail_beta, q_len, scaling)
+    out = folded.new_empty(b, h_kv, folded.shape[2], stored.value_dim)
+    bits, size = stored.config.bits, stored.config.key_group
+    for row, (first, count, group, groups) in enumerate(stored.row_ranges()):
+        bi, hi = divmod(row, h_kv)
+        q_row, fresh_row = folded[bi, hi], fresh[bi, hi]  # (M, D), (M, n_tail)
+        logits = q_row.new_zeros(q_row.shape[0], count)  # (M, n)
+        if count:
+            scale = stored.key_scale[group : group + groups].to(acc)
+            zero = stored.key_zero[group : group + groups].to(acc)
+            planes = code_planes(stored.key_codes[first : first + count], bits)
+            width = d // len(planes)
+            for k, plane in enumerate(planes):  # a plane's channels: dequantized in their groups, one product
+                part = slice(k * width, (k + 1) * width)
+                keys_part = _grouped_affine(plane.to(acc), scale[:, part], zero[:, part], size)
+                logits.addmm_(q_row[:, part], keys_part.T)
+            logits.mul_(scaling)
+            if stored.log_mass is not None:
+                logits.add_(stored.log_mass[first : first + count].to(acc))
+        exact = _row_outliers(stored, first, count)
+        if exact is not None:  # full-precision entries: their own logits, and kept out of the coded sum
+            local, keys_exact, values_exact = exact
+            logits[:, local] = q_row @ keys_exact.to(acc).T * scaling + (
+                0.0 if stored.log_mass is None else stored.log_mass[first + local].to(acc)
+            )
+        top = torch.maximum(logits.amax(-1) if count else fresh_row.amax(-1), fresh_row.amax(-1))
+        weights = torch.exp(logits - top[:, None])  # (M, n)
+        tail_weights = torch.exp(fresh_row - top[:, None])  # (M, n_tail)
+        denom = weights.sum(-1) + tail_weights.sum(-1)
+        result = tail_weights @ tail_values[bi, hi].to(acc)
+        if count:
+            v_scale = stored.value_scale[first : first + count, 0].to(acc)
+            v_zero = stored.value_zero[first : first + count, 0].to(acc)
+            coded = weights * v_scale
+            if exact is not None:
+                coded[:, local] = 0.0
+                result += weights[:, local] @ values_exact.to(acc) - weights[:, local] @ v_zero[local, None]
+            planes = code_planes(stored.value_codes[first : first + count], bits)
+            result += torch.cat([coded @ plane.to(acc) for plane in planes], -1) + (weights @ v_zero)[:, None]
+        out[bi, hi] = result / denom[:, None]
+    return out.to(query.dtype).reshape(b, h_q, q_len, -1).transpose(1, 2)
+
+
+def _grouped_affine(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, size: int) -> torch.Tensor:
+    """``codes · scale + zero`` for ``codes`` ``(n, w)`` whose consecutive groups of ``size`` entries
+    share a row of ``scale`` and ``zero`` ``(ceil(n / size), w)``, without repeating the scales."""
+    n, width = codes.shape
+    full = n // size * size
+    out = torch.empty_like(codes)
+    if full:
+        torch.addcmul(
+            zero[: full // size, None, :],
+            codes[:full].view(-1, size, width),
+            scale[: full // size, None, :],
+            out=out[:full].view(-1, size, width),
+        )
+    if full < n:
+        torch.addcmul(zero[-1], codes[full:], scale[-1], out=out[full:])
+    return out
+
+
+def _tail_logits(
+    folded: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor | None, q_len: int, scaling: float
+) -> torch.Tensor:
+    """Scaled logits ``(B, H_kv, G·q, n)`` of the folded queries over a quantized layer's
+    full-precision tail (β added), with the future of each new token masked."""
+    fresh = torch.matmul(folded, keys.transpose(-1, -2).to(folded.dtype)).mul_(scaling)
+    if beta is not None:
+        fresh.add_(beta[:, :, None, :].to(fresh.dtype))
+    n_tail = keys.shape[2]
+    if q_len > 1:  # query i sees the tail up to its own token
+        position = torch.arange(folded.shape[2], device=folded.device) % q_len
+        future = torch.arange(n_tail, device=folded.device)[None, :] > (n_tail - q_len + position)[:, None]
+        fresh.masked_fill_(future, NEG_INF)
+    return fresh
+
+
+def _row_outliers(
+    stored: QuantizedRows, first: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The full-precision entries of one row: local positions, keys, values (None when it has none)."""
+    index = stored.outlier_index
+    if not index.numel():
+        return None
+    mine = (index >= first) & (index < first + count)
+    if not bool(mine.any()):
+        return None
+    return index[mine] - first, stored.outlier_keys[mine], stored.outlier_values[mine]
+
+
+def _quantized_attention_padded(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
     """Attention over a quantized layer: its entries dequantized for this layer only (with β), then
     its full-precision tail, whose last ``q`` entries are the new tokens (causal among themselves).
     One softmax over both parts; the G query heads of a KV head are folded into the query axis.

@@ -135,7 +135,9 @@ class QuantConfig:
 def pack_codes(codes: Tensor, bits: int) -> Tensor:
     """Pack integer codes ``(..., n)`` (each < 2**bits, n a multiple of 8) into ``(..., n·bits/8)`` bytes.
 
-    Eight codes take ``bits`` bytes, little-endian: code ``i`` of a group sits at bit ``i·bits``.
+    4 and 2 bits are packed by planes: byte ``j`` holds codes ``j``, ``j + n/p``, … (``p = 8/bits``
+    codes a byte), code ``k·n/p + j`` at bit ``k·bits``, so each plane unpacks as one contiguous
+    block (:func:`code_planes`). 3 bits: eight codes in three bytes, code ``i`` at bit ``3i``.
     """
     if bits not in INT_BITS:
         raise ValueError(f"bits must be one of {INT_BITS}")
@@ -147,10 +149,10 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
         raise ValueError(f"pack_codes needs a multiple of 8 codes per row; got {n}")
     if 8 % bits == 0:
         per = 8 // bits
-        grouped = codes.reshape(*lead, n // per, per)
-        out = grouped[..., 0].clone()
+        planes = codes.reshape(*lead, per, n // per)
+        out = planes[..., 0, :].clone()
         for i in range(1, per):
-            out |= grouped[..., i] << (i * bits)
+            out |= planes[..., i, :] << (i * bits)
         return out
     grouped = codes.reshape(*lead, n // 8, 8).to(torch.int32)
     word = grouped[..., 0].clone()
@@ -167,15 +169,25 @@ def unpack_codes(packed: Tensor, bits: int) -> Tensor:
     *lead, m = packed.shape
     mask = (1 << bits) - 1
     if 8 % bits == 0:
-        per = 8 // bits
-        shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
-        return ((packed[..., None] >> shifts) & mask).reshape(*lead, m * per)
+        return torch.cat(code_planes(packed, bits), -1)
     grouped = packed.reshape(*lead, m // bits, bits).to(torch.int32)
     word = grouped[..., 0].clone()
     for j in range(1, bits):
         word |= grouped[..., j] << (8 * j)
     shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=torch.int32)
     return ((word[..., None] >> shifts) & mask).to(torch.uint8).reshape(*lead, m // bits * 8)
+
+
+def code_planes(packed: Tensor, bits: int) -> list[Tensor]:
+    """The code planes of bytes packed by :func:`pack_codes` (4 or 2 bits): ``8/bits`` uint8 tensors
+    ``(..., m)``, plane ``k`` holding codes ``k·m … (k+1)·m − 1`` of each row (8 and 3 bits: one
+    plane, every code)."""
+    if bits == 8:
+        return [packed]
+    if 8 % bits:
+        return [unpack_codes(packed, bits)]
+    mask = (1 << bits) - 1
+    return [(packed >> (k * bits)) & mask if k else packed & mask for k in range(8 // bits)]
 
 
 # ---------------------------------------------------------------------- integer min-max
@@ -330,6 +342,18 @@ class QuantizedRows:
     def width(self) -> int:
         """Entries of the longest row."""
         return int(self.lengths.max()) if self.num_rows else 0
+
+    def row_ranges(self) -> list[tuple[int, int, int, int]]:
+        """Per row ``(first entry, entries, first key group, key groups)`` in the ragged storage."""
+        lengths = self.lengths.tolist()
+        out, entry, group = [], 0, 0
+        size = self.config.key_group
+        for n in lengths:
+            groups = -(-n // size)
+            out.append((entry, n, group, groups))
+            entry += n
+            group += groups
+        return out
 
     def to_padded(self) -> tuple[Tensor, Tensor, Tensor]:
         """Dequantized ``(keys (R, N, D), values (R, N, Dv), log_mass (R, N) float32)`` with

@@ -42,6 +42,7 @@ against the length.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
@@ -62,6 +63,7 @@ from kvfold.evaluate.bench.process import (
 )
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
+from kvfold.pipeline.memory import plan_memory
 from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
 from kvfold.runtime.models import load_model
 from kvfold.runtime.timing import device_clock
@@ -88,6 +90,9 @@ class BenchConfig:
     positions: int | None = None
     """The model's positions raised to this many (``--positions``; RoPE past the trained window:
     the answers mean nothing, the costs are the model's), or None: the model's own."""
+    memory: float | None = None
+    """A memory budget (``--memory``: a fraction of the 16-bit full cache's bytes) in place of
+    ``budget``, spent on tokens × bits by :func:`kvfold.pipeline.memory.plan_memory`."""
 
 
 def run_config(config: BenchConfig) -> dict:
@@ -114,6 +119,8 @@ def run_config(config: BenchConfig) -> dict:
     method = build_method(config.method)
     budget = 1.0 if method.is_identity else config.budget
     repeat_s = compress_peak_mb = None
+    if config.memory is not None and config.prefill_chunk:
+        raise ValueError("--memory applies to one-shot compression; leave out --prefill-chunk")
     with torch.inference_mode():
         if config.prefill_chunk:
             compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
@@ -121,12 +128,17 @@ def run_config(config: BenchConfig) -> dict:
         else:
             source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
             prefill_s = source.prefill_seconds
+            if config.memory is not None and not method.is_identity:
+                spent = plan_memory(config.memory, method, source.cache, config.length)
+                method = dataclasses.replace(method, quant=spent.quant, precision_fixed=True)
+                budget = spent.tokens
             if method.uses_repeat_pass and not method.is_identity:
                 repeat_s = time_repeat_pass(source)
             peak = PeakOver(model.device).start()
             compressed = _compress_in_place(source, method, budget)
             compress_peak_mb = peak.stop()
-        kv_bytes = compressed.cache.nbytes()
+        memory_fields = compressed.memory_record()
+        memory_fields["memory"] = config.memory
         kv_bytes_full = compressed.cache.full_nbytes()
         peak_rss = peak_rss_mb()  # the process's peak (ru_maxrss): prefill and compression, not the reference
         if config.bounded_memory:
@@ -135,7 +147,7 @@ def run_config(config: BenchConfig) -> dict:
         runs = [compressed]
         reference_length = None
         if not method.is_identity:
-            reference_length = Budget.parse(config.budget).count(config.length)
+            reference_length = Budget.parse(budget).count(config.length)
             reference_ids = context_ids(tokenizer, reference_length, config.batch).to(model.device)
             runs.append(prefill_ids(model, tokenizer, reference_ids, capture_window=0))
         speeds = _decode_interleaved(model, runs, config.new_tokens)
@@ -152,8 +164,8 @@ def run_config(config: BenchConfig) -> dict:
         "base_rss_mb": base_rss,
         "compress_peak_mb": compress_peak_mb,
         "compress_peak_over_cache": None if compress_peak_mb is None else compress_peak_mb * 2**20 / kv_bytes_full,
-        "kv_bytes": kv_bytes,
-        "kv_bytes_full": kv_bytes_full,
+        **memory_fields,
+        "kv_bytes_reserved": compressed.kv_bytes_reserved,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
     }
 
@@ -210,9 +222,7 @@ def _compress_in_place(source, method, budget):
     ctx = source.compression_context(source.cache, parsed, shared=source.shared)  # the prefill's plan: what to record
     start = device_clock(source.model.device)
     with torch.inference_mode():
-        if not method.is_identity and not parsed.is_full:
-            method.compress(ctx)
-        policy = None if parsed.is_full else method.online_policy(ctx)
+        policy = method.apply(ctx)  # compression, then the storage the method names (quantized or not)
     return CompressedContext(
         source=source,
         method=method,
@@ -283,10 +293,12 @@ def plan(
     dtype: str = "auto",
     device: str = "auto",
     positions: int | None = None,
+    memory: bool = False,
 ) -> tuple[list[BenchConfig], list[BenchConfig]]:
     """The method configurations and the ``full`` runs at every length and batch.
 
-    (``full`` at each compressed size is measured inside the method's own process.)
+    (``full`` at each compressed size is measured inside the method's own process.) With
+    ``memory`` the budgets are memory budgets (``--memory``).
     """
     runs, refs = [], {}
     bounded = prefill_chunk is not None
@@ -312,6 +324,7 @@ def plan(
                             device,
                             bounded,
                             positions,
+                            budget if memory else None,
                         )
                     )
     return runs, list(refs.values())
@@ -391,6 +404,7 @@ def bench(
     runner: Any = None,
     threads: int | None = None,
     positions: int | None = None,
+    memory: bool = False,
 ) -> dict:
     """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
 
@@ -401,7 +415,8 @@ def bench(
     by default one after the other here; :class:`kvfold.evaluate.running.distributed.RayRunner` on Ray
     workers, which adds ``ray_workers`` to the result: who measured what). ``threads`` sets each
     measuring process's threads (None: torch's default). ``positions`` raises the model's positions
-    for lengths past its window (:func:`extend_positions`; cost only).
+    for lengths past its window (:func:`extend_positions`; cost only). With ``memory`` the budgets
+    are memory budgets (fractions of the 16-bit full cache's bytes, ``--memory``).
 
     Returns:
         ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
@@ -424,6 +439,7 @@ def bench(
         dtype,
         device,
         positions,
+        memory,
     )
     folder = Path(out_dir) if out_dir is not None else None
     with DirectoryLock(folder) if folder is not None else nullcontext():
@@ -515,7 +531,9 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
         "step for step with it, so `speedup/limit` is a paired ratio. Peak RSS is each configuration's own "
         "process (prefill and compression). `repeat s` is the repeat pass alone (methods that run it); "
         "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass; "
-        "`c peak/cache` is the compression's peak memory over the prefilled process, over the full cache's bytes.",
+        "`c peak/cache` is the compression's peak memory over the prefilled process, over the full cache's bytes. "
+        "`KV MB` is what the cache holds here (codes, scales, β; capacity and page rounding apart); `of 16-bit` "
+        "is the cache's bytes over the full cache's at 16 bits (unquantized elements counted at 16 bits).",
         "",
         markdown_table(BENCH_COLUMNS, map(_bench_row, rows)),
     ]
@@ -535,7 +553,8 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
 
 BENCH_COLUMNS = (
     "method", "budget", "length", "batch", "prefill s", "compress s", "repeat s", "c/prefill", "c/repeat",
-    "decode tok/s", "speedup", "limit", "speedup/limit", "KV MB", "full KV MB", "peak RSS MB", "c peak/cache",
+    "decode tok/s", "speedup", "limit", "speedup/limit", "KV MB", "full KV MB", "of 16-bit", "format",
+    "peak RSS MB", "c peak/cache",
 )  # fmt: skip
 
 
@@ -546,8 +565,16 @@ def _bench_row(r: dict) -> list[str]:
         f"{r['compress_s']:.2f}", _cell(r.get("repeat_s")), _cell(ratios["compress_over_prefill"]),
         _cell(ratios["compress_over_repeat"]), f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
         f"{r['limit_speedup']:.2f}", f"{r['speedup_over_limit']:.2f}", f"{r['kv_bytes'] / 2**20:.1f}",
-        f"{r['kv_bytes_full'] / 2**20:.1f}", f"{r['peak_rss_mb']:.0f}", _cell(r.get("compress_peak_over_cache")),
+        f"{r['kv_bytes_full'] / 2**20:.1f}", _memory_cell(r), r.get("kv_format", "16"), f"{r['peak_rss_mb']:.0f}",
+        _cell(r.get("compress_peak_over_cache")),
     ]  # fmt: skip
+
+
+def _memory_cell(r: dict) -> str:
+    """The cache's bytes over the 16-bit full cache's (records of an older kvfold: unquantized, so
+    their ratio in the model's dtype)."""
+    ratio = r.get("memory_ratio", r["kv_bytes"] / r["kv_bytes_full"])
+    return f"{ratio:.4f}"
 
 
 def _cell(value: float | None) -> str:
