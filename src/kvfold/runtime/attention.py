@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.runtime.paged import PagedRows
-from kvfold.runtime.quantize import QuantizedRows, code_planes
+from kvfold.runtime.quantize import code_planes
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -135,65 +135,82 @@ def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float
     """Attention over a quantized layer: its stored entries (with β), then its full-precision tail,
     whose last ``q`` entries are the new tokens (causal among themselves), under one softmax.
 
-    Integer formats with one value scale an entry (the default) are read straight from their codes,
-    one row (batch × KV head) at a time, with the scales folded into the query and the
-    probabilities (KIVI §3.2's order of operations): a key group's logits are
-    ``codes · (q ⊙ scale) + q · zero`` and an output is ``(p ⊙ scale_v)ᵀ codes_v + pᵀ zero_v``, so
-    only codes are ever converted to numbers, never a dequantized layer. Other formats (fp8,
-    value groups within an entry) dequantize the layer first (:func:`_quantized_attention_padded`).
+    Integer formats with one value scale an entry (the default) are read from their codes, every row
+    (batch × KV head) of the layer at once, padded to the longest: keys are dequantized a plane of
+    channels at a time in their groups, and values never are: an output is
+    ``(p ⊙ scale_v) · codes_v + p · zero_v`` (the value scales folded into the probabilities). Other
+    formats (fp8, value groups within an entry) dequantize the layer first
+    (:func:`_quantized_attention_padded`). Nothing outlives the call.
 
     Returns:
         ``(B, q, H_q, D)``.
     """
     stored = layer.quantized
-    if stored.config.is_float or stored.config.value_group:
+    config = stored.config
+    if config.is_float or config.value_group:
         return _quantized_attention_padded(query, layer, scaling)
     b, h_q, q_len, d = query.shape
     h_kv = layer.num_heads
+    rows, m = b * h_kv, (h_q // h_kv) * q_len
     acc = torch.promote_types(query.dtype, torch.float32)
-    folded = query.reshape(b, h_kv, (h_q // h_kv) * q_len, d).to(acc)
+    folded = query.reshape(b, h_kv, m, d).to(acc)
     tail_keys, tail_values, tail_beta = _dense_views(layer)
-    fresh = _tail_logits(folded, tail_keys, tail_beta, q_len, scaling)
-    out = folded.new_empty(b, h_kv, folded.shape[2], stored.value_dim)
-    bits, size = stored.config.bits, stored.config.key_group
-    for row, (first, count, group, groups) in enumerate(stored.row_ranges()):
-        bi, hi = divmod(row, h_kv)
-        q_row, fresh_row = folded[bi, hi], fresh[bi, hi]  # (M, D), (M, n_tail)
-        logits = q_row.new_zeros(q_row.shape[0], count)  # (M, n)
-        if count:
-            scale = stored.key_scale[group : group + groups].to(acc)
-            zero = stored.key_zero[group : group + groups].to(acc)
-            planes = code_planes(stored.key_codes[first : first + count], bits)
-            width = d // len(planes)
-            for k, plane in enumerate(planes):  # a plane's channels: dequantized in their groups, one product
-                part = slice(k * width, (k + 1) * width)
-                keys_part = _grouped_affine(plane.to(acc), scale[:, part], zero[:, part], size)
-                logits.addmm_(q_row[:, part], keys_part.T)
-            logits.mul_(scaling)
-            if stored.log_mass is not None:
-                logits.add_(stored.log_mass[first : first + count].to(acc))
-        exact = _row_outliers(stored, first, count)
-        if exact is not None:  # full-precision entries: their own logits, and kept out of the coded sum
-            local, keys_exact, values_exact = exact
-            logits[:, local] = q_row @ keys_exact.to(acc).T * scaling + (
-                0.0 if stored.log_mass is None else stored.log_mass[first + local].to(acc)
-            )
-        top = torch.maximum(logits.amax(-1) if count else fresh_row.amax(-1), fresh_row.amax(-1))
-        weights = torch.exp(logits - top[:, None])  # (M, n)
-        tail_weights = torch.exp(fresh_row - top[:, None])  # (M, n_tail)
-        denom = weights.sum(-1) + tail_weights.sum(-1)
-        result = tail_weights @ tail_values[bi, hi].to(acc)
-        if count:
-            v_scale = stored.value_scale[first : first + count, 0].to(acc)
-            v_zero = stored.value_zero[first : first + count, 0].to(acc)
-            coded = weights * v_scale
-            if exact is not None:
-                coded[:, local] = 0.0
-                result += weights[:, local] @ values_exact.to(acc) - weights[:, local] @ v_zero[local, None]
-            planes = code_planes(stored.value_codes[first : first + count], bits)
-            result += torch.cat([coded @ plane.to(acc) for plane in planes], -1) + (weights @ v_zero)[:, None]
-        out[bi, hi] = result / denom[:, None]
-    return out.to(query.dtype).reshape(b, h_q, q_len, -1).transpose(1, 2)
+    fresh = _tail_logits(folded, tail_keys, tail_beta, q_len, scaling).view(rows, m, -1)
+    q_rows = folded.view(rows, m, d)
+    size, bits = config.key_group, config.bits
+    ranges = stored.row_ranges()
+    groups = max(-(-stored.width // size), 1)
+    span = groups * size
+    entries, key_groups = [r[1] for r in ranges], [r[3] for r in ranges]
+
+    def padded(flat: torch.Tensor, counts: list[int], length: int, fill: float = 0.0) -> torch.Tensor:
+        """Ragged rows (one after another) as ``(R, length, ...)``, ``fill`` past each row's end."""
+        parts = list(torch.split(flat, counts))
+        parts[0] = F.pad(parts[0], (0, 0) * (flat.dim() - 1) + (0, length - counts[0]), value=fill)
+        return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=fill)
+
+    scale = padded(stored.key_scale, key_groups, groups, 1.0).to(acc).view(rows, groups, 1, d)
+    zero = padded(stored.key_zero, key_groups, groups).to(acc).view(rows, groups, 1, d)
+    logits = q_rows.new_zeros(rows, m, span)
+    planes = code_planes(padded(stored.key_codes, entries, span), bits)
+    width = d // len(planes)
+    for k, plane in enumerate(planes):  # a plane of channels, dequantized in its groups
+        part = slice(k * width, (k + 1) * width)
+        codes = plane.view(rows, groups, size, width)
+        keys_part = torch.addcmul(zero[..., part], codes, scale[..., part]).view(rows, span, width)
+        logits.baddbmm_(q_rows[..., part], keys_part.transpose(1, 2))
+    flat_beta = stored.log_mass if stored.log_mass is not None else stored.key_scale.new_zeros(sum(entries))
+    beta = padded(flat_beta.to(acc), entries, span, NEG_INF)
+    logits.mul_(scaling).add_(beta.view(rows, 1, span))
+    exact = None
+    if stored.outlier_index.numel():  # full-precision entries: their own logits, kept out of the coded sums
+        first = torch.tensor([r[0] for r in ranges], device=query.device)
+        row_of = torch.searchsorted(first, stored.outlier_index, right=True) - 1
+        col_of = stored.outlier_index - first[row_of]
+        exact = (row_of, col_of)
+        own = torch.bmm(q_rows[row_of], stored.outlier_keys.to(acc)[:, :, None])[..., 0]  # (O, M)
+        logits[row_of, :, col_of] = own * scaling + beta[row_of, col_of][:, None]
+    top = torch.maximum(logits.amax(-1), fresh.amax(-1))[..., None]
+    weights = logits.sub_(top).exp_()  # (R, M, span)
+    tail_weights = fresh.sub_(top).exp_()
+    denom = weights.sum(-1) + tail_weights.sum(-1)
+    result = torch.bmm(tail_weights, tail_values.reshape(rows, -1, tail_values.shape[-1]).to(acc))
+    v_scale = padded(stored.value_scale[:, 0], entries, span).to(acc).view(rows, 1, span)
+    v_zero = padded(stored.value_zero[:, 0], entries, span).to(acc).view(rows, span, 1)
+    coded = weights * v_scale
+    if exact is not None:
+        row_of, col_of = exact
+        picked = weights[row_of, :, col_of]  # (O, M)
+        coded[row_of, :, col_of] = 0.0
+        exact_values = picked[..., None] * (
+            stored.outlier_values.to(acc)[:, None, :] - v_zero[row_of, col_of][..., None]
+        )
+        result.index_put_((row_of,), exact_values, accumulate=True)
+    planes = code_planes(padded(stored.value_codes, entries, span), bits)
+    result += torch.cat([torch.bmm(coded, plane.view(rows, span, -1).to(acc)) for plane in planes], -1)
+    result += torch.bmm(weights, v_zero)
+    out = result / denom[..., None]
+    return out.to(query.dtype).view(b, h_q, q_len, -1).transpose(1, 2)
 
 
 def _grouped_affine(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, size: int) -> torch.Tensor:
@@ -228,19 +245,6 @@ def _tail_logits(
         future = torch.arange(n_tail, device=folded.device)[None, :] > (n_tail - q_len + position)[:, None]
         fresh.masked_fill_(future, NEG_INF)
     return fresh
-
-
-def _row_outliers(
-    stored: QuantizedRows, first: int, count: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The full-precision entries of one row: local positions, keys, values (None when it has none)."""
-    index = stored.outlier_index
-    if not index.numel():
-        return None
-    mine = (index >= first) & (index < first + count)
-    if not bool(mine.any()):
-        return None
-    return index[mine] - first, stored.outlier_keys[mine], stored.outlier_values[mine]
 
 
 def _quantized_attention_padded(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
