@@ -86,6 +86,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="entries kept after a compaction: a token count, or a fraction of --context-file "
         "(default: the cache file's budget)",
     )
+    add_memory_args(p)
     p.add_argument(
         "--cap", type=int, default=None, help="physical entries that trigger a compaction (default 2 x budget)"
     )
@@ -250,9 +251,26 @@ def run_ask(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- chat
 
 
+def _chat_memory(model, spec: str, memory: float) -> tuple[str, float]:
+    """The method spec (with its storage) and the fraction of the document a chat under ``--memory``
+    keeps (:func:`kvfold.pipeline.memory.split_memory`)."""
+    from kvfold.methods import build_method
+    from kvfold.pipeline.memory import split_memory
+    from kvfold.runtime.budget import Budget
+
+    Budget.of_memory(memory)  # a fraction in (0, 1], or a one-line error
+    method = build_method(spec)
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fraction, quant = split_memory(memory, method, head_dim, head_dim)
+    stored = spec if method.precision_fixed else f"{spec}@{'16' if quant is None else quant.describe()}"
+    return stored, fraction
+
+
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     """``kvfold chat``: read lines from stdin; a line is a user turn unless it is a command."""
     from kvfold.methods import RECOMMENDED
+    from kvfold.methods.core.base import with_format
     from kvfold.pipeline.chat import ChatSession
     from kvfold.runtime.models import load_model
     from kvfold.store.chat import load_chat
@@ -265,18 +283,25 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
     load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}
     if args.cache is not None:
         session = load_chat(args.cache, model, tokenizer, cap=args.cap, **load_kwargs)
-        if args.budget is not None or args.method is not None:
-            print("note: --method/--budget are taken from the cache file", file=sys.stderr)
+        if args.budget is not None or args.method is not None or args.memory is not None or args.kv_bits is not None:
+            raise ValueError(
+                "--method, --budget, --memory and --kv-bits are taken from the cache file; leave them out with --cache"
+            )
     else:
-        if args.budget is None:
-            raise ValueError("give --budget: a token count (or a fraction of --context-file)")
         context = _read_text(args.context_file) if args.context_file is not None else None
-        method = RECOMMENDED if args.method is None else args.method
+        method = with_format(RECOMMENDED if args.method is None else args.method, args.kv_bits)
+        budget = args.budget
+        if args.memory is not None:
+            if args.budget is not None or context is None:
+                raise ValueError("--memory takes the place of --budget and needs --context-file (a fraction of it)")
+            method, budget = _chat_memory(model, method, args.memory)
+        elif budget is None:
+            raise ValueError("give --budget (a token count, or a fraction of --context-file) or --memory")
         session = ChatSession(
             model,
             tokenizer,
             method,
-            args.budget,
+            budget,
             cap=args.cap,
             context=context,
             system=args.system,

@@ -43,6 +43,7 @@ Saving and loading a conversation is :mod:`kvfold.store.chat` (:meth:`ChatSessio
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -131,6 +132,7 @@ def compact_history(
         budget=Budget(tokens=budget) if budget > 1 else Budget(fraction=1.0 / max(1, logical)),
         tokenizer=tokenizer,
         pinned=pinned if recompacts_by_repeat_pass(method) else None,
+        quant=method.quant or cache.quant,
     )
     with torch.inference_mode():
         _rank_for_repeat_pass(ctx, method, budget, head_limit, pinned)
@@ -279,6 +281,13 @@ class ChatSession:
         self.tokenizer = tokenizer
         self.method = build_method(method) if isinstance(method, str) else method
         check_chat_method(self.method)
+        from kvfold.pipeline.chunked import runs_online_between_chunks
+
+        if self.method.quant is not None and runs_online_between_chunks(self.method):
+            raise ValueError(
+                f"{self.method.spec}: a quantized conversation is compacted one-shot; this method keeps its budget "
+                "while decoding (write its selector with online=false, or drop the @format)"
+            )
         self.use_chat_template = (
             bool(getattr(tokenizer, "chat_template", None)) if use_chat_template is None else use_chat_template
         )
@@ -406,7 +415,7 @@ class ChatSession:
         every compaction lost a fact of the pinned document that ``kvzip`` selection kept)."""
         if self.refit_conversation or self.method.folder is None or not self.method.folder.uses_repeat_pass:
             return self.method
-        return ComposedMethod(self.method.spec, self.method.wrappers, self.method.selector, None)
+        return dataclasses.replace(self.method, folder=None)
 
     def _pinned_plan(self, keep_last: int, incoming: int) -> tuple[int, int]:
         """``(budget, head_limit)`` of a compaction after a pinned document: the document's entries
@@ -458,6 +467,9 @@ class ChatSession:
             head_limit=limit,
             pinned=self.pinned,
         )
+        quant = self.method.quant or self.cache.quant
+        if done and quant is not None:  # the compacted conversation is stored as the method names
+            self.cache.quantize(quant)
         if done:
             self.compactions += 1
             self.last_compaction = {

@@ -65,6 +65,15 @@ def entry_share(quant: QuantConfig | None, head_dim: int, value_dim: int, log_ma
     return quant.entry_bytes(head_dim, value_dim, log_mass) / full
 
 
+def split_memory(
+    memory: float, method: ComposedMethod, head_dim: int, value_dim: int
+) -> tuple[float, QuantConfig | None]:
+    """``(fraction of the tokens, storage)`` for ``memory`` by the closed form alone (no group
+    rounding): what a conversation (``kvfold chat --memory``) keeps of its document."""
+    quant = method.quant if method.precision_fixed else rule_format(memory)
+    return min(1.0, memory / entry_share(quant, head_dim, value_dim, stores_log_mass(method))), quant
+
+
 def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, context_tokens: int) -> MemoryPlan:
     """The token budget and storage for ``memory`` (a fraction of the 16-bit full cache's bytes).
 
@@ -74,14 +83,12 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     Raises:
         ValueError: a cache with no compressible layer.
     """
-    quant = method.quant if method.precision_fixed else rule_format(memory)
     layers = [layer for _, layer in cache.folded_layers if layer.is_initialized]
     if not layers:
         raise ValueError("a memory budget needs a prefilled cache with full-attention layers")
     head_dim = layers[0].head_dim
-    value_dim = layers[0].padded()[1].shape[-1] if layers[0].paged is not None else layers[0]._values.shape[-1]  # noqa: SLF001
-    share = entry_share(quant, head_dim, value_dim, stores_log_mass(method))
-    fraction = memory / share
+    value_dim = layers[0].padded()[1].shape[-1]
+    fraction, quant = split_memory(memory, method, head_dim, value_dim)
     if quant is not None and not quant.is_float:
         rounding = quant.key_group / 2 * (2 * SIXTEEN_BIT * head_dim) / ((head_dim + value_dim) * SIXTEEN_BIT)
         fraction -= rounding / max(context_tokens, 1)

@@ -100,11 +100,11 @@ def kvfold_attention(
         _capture_queries(layer, query, kvfold_cache.capture_window)
     policy = kvfold_cache.policy
     if layer.quantized is not None:
-        if policy is not None:
-            raise NotImplementedError(
-                "a quantized cache takes no decode-time (online) policy: quantize after a one-shot method"
-            )
-        return _quantized_attention(query, layer, scaling), None
+        if policy is None:
+            return _quantized_attention(query, layer, scaling), None
+        out, probs, logits = _quantized_attention_padded(query, layer, scaling, policy.needs_attention)
+        policy.after_forward(module.layer_idx, layer, query, probs, logits)  # an evicting policy is refused there
+        return out, None
     need_probs = policy is not None and policy.needs_attention
     probs = logits = None
     fresh = layer.paged is None and layer.physical_length == q_len and not layer.has_log_mass
@@ -148,7 +148,7 @@ def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float
     stored = layer.quantized
     config = stored.config
     if config.is_float or config.value_group:
-        return _quantized_attention_padded(query, layer, scaling)
+        return _quantized_attention_padded(query, layer, scaling)[0]
     b, h_q, q_len, d = query.shape
     h_kv = layer.num_heads
     rows, m = b * h_kv, (h_q // h_kv) * q_len
@@ -247,39 +247,41 @@ def _tail_logits(
     return fresh
 
 
-def _quantized_attention_padded(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
-    """Attention over a quantized layer: its entries dequantized for this layer only (with β), then
-    its full-precision tail, whose last ``q`` entries are the new tokens (causal among themselves).
-    One softmax over both parts; the G query heads of a KV head are folded into the query axis.
+def _quantized_attention_padded(
+    query: torch.Tensor, layer: FoldedLayer, scaling: float, need_probs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Attention over a quantized layer with its entries dequantized for this layer only (with β),
+    then its full-precision tail, whose last ``q`` entries are the new tokens (causal among
+    themselves): one softmax over the slots of :meth:`FoldedLayer.padded`, the G query heads of a
+    KV head folded into the query axis. The path of fp8, of value groups within an entry and of
+    policies that read the probabilities (a repeat pass over a quantized conversation).
 
     Returns:
-        ``(B, q, H_q, D)``.
+        ``(output (B, q, H_q, D), probs, logits)`` as :func:`_dense_attention` returns them.
     """
     b, h_q, q_len, d = query.shape
     q_keys, q_values, q_beta = layer.dequantized()
     tail_keys, tail_values, tail_beta = _dense_views(layer)
-    h_kv = q_keys.shape[1]
+    keys = torch.cat([q_keys, tail_keys.to(q_keys.dtype)], 2)
+    values = torch.cat([q_values, tail_values.to(q_values.dtype)], 2)
+    h_kv, n = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
     acc = torch.promote_types(query.dtype, torch.float32)
     folded = query.reshape(b, h_kv, groups * q_len, d)
-    stored = torch.matmul(folded, q_keys.transpose(-1, -2)).to(acc).mul_(scaling).add_(q_beta[:, :, None, :])
-    fresh = torch.matmul(folded, tail_keys.transpose(-1, -2)).to(acc).mul_(scaling)
-    if tail_beta is not None:
-        fresh.add_(tail_beta[:, :, None, :])
+    logits = torch.matmul(folded, keys.transpose(-1, -2)).to(acc).mul_(scaling)  # before β
     n_tail = tail_keys.shape[2]
+    tail_bias = tail_beta.float() if tail_beta is not None else q_beta.new_zeros(b, h_kv, n_tail)
+    bias = torch.cat([q_beta, tail_bias], -1)[:, :, None, :].to(acc)
     if q_len > 1:  # query i sees the tail up to its own token
         position = torch.arange(groups * q_len, device=query.device) % q_len
-        future = torch.arange(n_tail, device=query.device)[None, :] > (n_tail - q_len + position)[:, None]
-        fresh.masked_fill_(future, NEG_INF)
-    top = torch.maximum(stored.amax(-1, keepdim=True), fresh.amax(-1, keepdim=True))
-    stored = stored.sub_(top).exp_()
-    fresh = fresh.sub_(top).exp_()
-    denom = stored.sum(-1, keepdim=True) + fresh.sum(-1, keepdim=True)
-    out = torch.matmul(stored.to(q_values.dtype), q_values).to(acc) + torch.matmul(
-        fresh.to(tail_values.dtype), tail_values
-    ).to(acc)
-    out = (out / denom).to(query.dtype)
-    return out.reshape(b, h_q, q_len, d).transpose(1, 2)
+        future = torch.arange(n, device=query.device)[None, :] > (n - q_len + position)[:, None]
+        bias = bias.masked_fill(future, NEG_INF)
+    probs = torch.softmax(logits + bias, dim=-1)
+    out = torch.matmul(probs.to(values.dtype), values).to(query.dtype)
+    out = out.reshape(b, h_q, q_len, -1).transpose(1, 2)
+    if not need_probs:
+        return out, None, None
+    return out, probs.view(b, h_q, q_len, n), logits
 
 
 def _dense_attention(
