@@ -11,6 +11,7 @@ from kvfold.methods.core import repeat
 from kvfold.pipeline.chat import ChatSession, compact_history
 from tests.conftest import CharTokenizer, make_tiny_model
 
+DOC = "The vault code is 4712. Ships sail at dawn; the harbour keeps its lights on all night. " * 3
 QUESTIONS = [f"question number {i}, about item {i * 7}?" for i in range(10)]
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -323,3 +324,21 @@ def test_a_long_chat_on_smollm2_still_answers_a_fact_of_its_first_turn(smollm2):
     stats = chat.stats()
     assert stats["compactions"] == 1 and stats["entries"] == 96 and stats["logical_tokens"] > 192
     assert "4821" in answer
+
+
+@pytest.mark.parametrize("method", ["kvzip@int4", "kvzip+am_fit@int4", "knorm[online=false]@int3"])
+def test_a_quantized_chat_stores_every_compaction_quantized_and_counts_its_bytes(method):
+    """Every compaction stores the conversation in the method's format; new turns are appended in
+    full precision in between; the bytes held are the quantized ones."""
+    chat = ChatSession(_model(), CharTokenizer(), method, budget=60, cap=120, context=DOC)
+    for _ in range(3):
+        chat.ask("what is the code? " * 2, max_new_tokens=6)
+    assert chat.compactions >= 2
+    assert all(layer.is_quantized for _, layer in chat.cache.folded_layers)
+    assert chat.cache.quant is not None and chat.cache.quant.format == method.split("@")[1]
+    assert chat.cache.content_nbytes(sixteen_bit=True) < 0.5 * chat.cache.full_nbytes(sixteen_bit=True)
+
+
+def test_a_quantized_chat_refuses_a_method_that_compresses_while_decoding():
+    with pytest.raises(ValueError, match="compacted one-shot"):
+        ChatSession(_model(), CharTokenizer(), "h2o@int4", budget=60, cap=120, context=DOC)
