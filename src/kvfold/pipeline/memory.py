@@ -78,7 +78,8 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     """The token budget and storage for ``memory`` (a fraction of the 16-bit full cache's bytes).
 
     The share of one entry's bytes (:func:`entry_share`) sets the tokens; each row's last key group
-    is on average half empty, so half a group of key scales per row is set aside first.
+    is on average half full while its scales are whole, so half a group's key scales per row
+    (``0.5 · 4·D`` bytes, half a 16-bit token) is set aside first.
 
     Raises:
         ValueError: a cache with no compressible layer.
@@ -90,8 +91,8 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     value_dim = layers[0].padded()[1].shape[-1]
     fraction, quant = split_memory(memory, method, head_dim, value_dim)
     if quant is not None and not quant.is_float:
-        rounding = quant.key_group / 2 * (2 * SIXTEEN_BIT * head_dim) / ((head_dim + value_dim) * SIXTEEN_BIT)
-        fraction -= rounding / max(context_tokens, 1)
+        half_group = 0.5 * (2 * SIXTEEN_BIT * head_dim) / ((head_dim + value_dim) * SIXTEEN_BIT)  # in 16-bit tokens
+        fraction -= half_group / max(context_tokens, 1) / entry_share(quant, head_dim, value_dim, True)
     fraction = min(1.0, max(fraction, 1.0 / max(context_tokens, 1)))
     return MemoryPlan(memory, Budget(fraction=fraction), quant)
 

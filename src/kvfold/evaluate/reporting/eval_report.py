@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvfold.evaluate.reporting.memory import has_memory_axis, memory_markdown, plot_retention_memory
 from kvfold.evaluate.reporting.plots import plot_retention, plot_scores, title_suffix
 from kvfold.evaluate.reporting.tables import (
     FULL_BUDGET,
@@ -108,6 +109,8 @@ def eval_markdown(records: Sequence[Mapping[str, Any]], info: Mapping[str, Any] 
         return format_number(record.get(key) if record else None, digits)
 
     lines += _retention_section(records, methods, budgets, full)
+    if has_memory_axis(records):
+        lines += memory_markdown(records)
     lines += ["## Average score by budget", ""]
     header = ["method", *(budget_label(b) for b in budgets)] if budgets else ["method", "score"]
     rows = [[f"`{m}`", *(cell(m, b, AVERAGE_TASK) for b in budgets or [FULL_BUDGET])] for m in methods]
@@ -155,6 +158,13 @@ def write_eval_report(
     ]
     if retention[0] is not None:
         body += "\n![retention vs budget](retention.png)\n\n![retention vs compression time](retention_time.png)\n"
+    if has_memory_axis(records):
+        memory_plot = plot_retention_memory(
+            records, out_dir / "retention_memory.png", title="Retention vs memory" + suffix
+        )
+        if memory_plot is not None:
+            retention.append(memory_plot)
+            body += "\n![retention vs memory](retention_memory.png)\n"
     body += "\n![average score vs budget](scores.png)\n\n![score vs budget by task](scores_by_task.png)\n"
     atomic_write_text(report, body)
     return [

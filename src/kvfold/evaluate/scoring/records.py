@@ -197,6 +197,9 @@ def _averages(
                 "tasks": names,
                 "query_aware": query_aware,
                 "kv_ratio": _mean(r["kv_ratio"] for r in chosen),
+                "memory": chosen[0].get("memory"),
+                "memory_ratio": _mean(r.get("memory_ratio", r["kv_ratio"]) for r in chosen),
+                "kv_format": chosen[0].get("kv_format", "16"),
                 "compress_over_prefill": _mean(r["compress_over_prefill"] for r in chosen),
             }
         )
