@@ -86,6 +86,45 @@ def test_eval_ruler(capsys, loads, tmp_path: Path) -> None:
     assert tasks == {"vt", "qa_1", "average"}
 
 
+def test_eval_memory_sweep_compares_token_only_quantized_and_combined_pipelines(capsys, loads, tmp_path) -> None:
+    """One sweep under memory budgets: each method keeps as many tokens as its precision allows, the
+    quantization-only baseline runs once, every record carries the memory fields, and the report has
+    the retention-against-memory table and plot."""
+    data, out = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "run"
+    methods = "full,snapkv@16,snapkv@int4,full@int4,snapkv"
+    code, stdout, _ = run(capsys, "eval --dataset", data, f"--methods {methods} --memory 0.25,0.125 --quiet --out", out)
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert {"kv_bytes", "memory", "memory_ratio", "kv_format"} <= set(row)
+        if row["method"] not in ("full", "full@int4"):
+            assert row["memory"] in (0.25, 0.125) and row["memory_ratio"] <= row["memory"]
+    tokens = {(r["method"], r["memory"]): r["token_budget"] for r in rows if r["memory"] is not None}
+    assert tokens[("snapkv@16", 0.125)] < tokens[("snapkv@int4", 0.125)]
+    assert {r["kv_format"] for r in rows if r["method"] == "snapkv"} == {"int8", "int4"}  # the rule's choice
+    assert {r["budget"] for r in rows if r["method"] == "full@int4"} == {1.0}
+    report = (out / "report.md").read_text()
+    assert "## Retention against memory" in report and "`snapkv@int4`" in report.split("## Retention against memory")[1]
+    assert "of 16-bit" in stdout
+
+
+def test_report_reads_results_written_before_the_memory_fields(capsys, loads, tmp_path: Path) -> None:
+    data, out = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "run"
+    assert run(capsys, "eval --dataset", data, "--methods full,streamingllm --budgets 0.5 --quiet --out", out)[0] == 0
+    old = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    for row in old:
+        for key in ("memory", "memory_ratio", "kv_format", "kv_bytes_16", "kv_bytes_full_16", "token_budget"):
+            row.pop(key)
+    _write_jsonl(out / "predictions.jsonl", old)
+    results = json.loads((out / "results.json").read_text())
+    for record in results["records"]:
+        for key in ("memory", "memory_ratio", "kv_format", "kv_bytes"):
+            record.pop(key, None)
+    (out / "results.json").write_text(json.dumps(results))
+    code, stdout, err = run(capsys, "report", out, "--markdown")
+    assert code == 0 and "Traceback" not in err and "streamingllm" in stdout
+
+
 def test_fidelity_cli(capsys, loads, tmp_path: Path) -> None:
     data, out = _write_jsonl(tmp_path / "mini.jsonl", DATASET), tmp_path / "fid"
     code, stdout, _ = run(capsys, "fidelity --dataset", data, "--methods full,streamingllm --budgets 0.9,0.3 --quiet",
@@ -108,6 +147,9 @@ def test_fidelity_cli(capsys, loads, tmp_path: Path) -> None:
         ("--dataset BAD", "line 2: 'answers' must be a list of strings, got str"),
         ("--dataset MISSING", "dataset file not found:"),
         ("--samples 0", "--samples must be ≥ 1"),
+        ("--memory 1.5", "a memory budget is a fraction in (0, 1]"),
+        ("--kv-bits 5 --methods snapkv", "unknown KV format 'int5'"),
+        ("--methods snapkv@int7", "unknown KV format 'int7'"),
     ],
 )
 def test_bad_input_is_one_line_before_loading(capsys, loads, tmp_path: Path, flags: str, message: str) -> None:

@@ -103,3 +103,34 @@ def test_generate_streamingllm_json_reports_memory(capsys, smollm2, tmp_path):
         assert key in record
     assert record["context_tokens"] > 1000
     assert record["kv_bytes"] <= 0.11 * record["kv_bytes_full"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--budget", "0.1", "--memory", "0.05"], "give --budget or --memory, not both"),
+        (["--memory", "2"], "a memory budget is a fraction in (0, 1]"),
+        (["--kv-bits", "5"], "unknown KV format 'int5'"),
+        (["--method", "snapkv@int9"], "unknown KV format 'int9'"),
+    ],
+)
+def test_generate_memory_flags_bad_input_is_one_clear_line(capsys, argv, message):
+    code, _, err = run(capsys, "generate", "--context", "Some context.", "--question", "Q?", *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.model
+def test_generate_under_a_memory_budget_reports_bytes(capsys, smollm2, tmp_path):
+    _, tokenizer = smollm2
+    path = tmp_path / "context.txt"
+    path.write_text(build_logbook(tokenizer, target_tokens=1200))
+    code, out, _ = run(
+        capsys,
+        *("generate", "--method", "kvzip", "--memory", "0.0625", "--context-file", str(path)),
+        *("--question", "What is the special magic number for the cabin?", "--max-new-tokens", "16", "--json"),
+    )
+    assert code == 0
+    record = json.loads(out)
+    assert record["memory"] == 0.0625 and record["memory_ratio"] <= 0.0625 and record["kv_format"] == "int4"
+    assert record["method"] == "kvzip@int4" and 0.1 < record["token_budget"] < 0.25
+    assert "2618" in record["answer"]

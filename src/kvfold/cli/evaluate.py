@@ -286,7 +286,8 @@ def _print_summary(records: Sequence[Mapping[str, Any]]) -> None:
             kept = f"  retention {100 * retention:5.1f}%" if retention is not None else ""
             print(
                 f"{record['method']:<24} budget {record['budget']!s:<6} {record['task']:<8} "
-                f"score {record['score']:6.1f}{kept}  kv {record['kv_ratio']:.3f}  (n={record['n']})"
+                f"score {record['score']:6.1f}{kept}  "
+                f"memory {record.get('memory_ratio', record['kv_ratio']):.4f} of 16-bit  (n={record['n']})"
             )
 
 

@@ -180,9 +180,9 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(answer.text)
         print(
-            f"[{args.method} @ {budget}] context {record['context_tokens']} tokens, "
-            f"KV {record['kv_bytes'] / 2**20:.2f} MB "
-            f"of {record['kv_bytes_full'] / 2**20:.2f} MB, prefill {record['prefill_seconds']:.2f}s, "
+            f"[{record['method']} @ {budget}] context {record['context_tokens']} tokens, "
+            f"KV {record['kv_bytes'] / 2**20:.2f} MB of {record['kv_bytes_full'] / 2**20:.2f} MB "
+            f"({record['memory_ratio']:.4f} of the 16-bit cache), prefill {record['prefill_seconds']:.2f}s, "
             f"compress {record['compress_seconds']:.2f}s",
             file=sys.stderr,
         )

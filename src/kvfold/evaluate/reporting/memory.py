@@ -17,7 +17,7 @@ from typing import Any
 
 from kvfold.evaluate.reporting.plots import pyplot, save_figure
 from kvfold.evaluate.reporting.tables import budget_label, format_interval, format_number, markdown_table, ordered
-from kvfold.evaluate.scoring.records import HEADLINE_TASK, names_full
+from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK, names_full
 
 __all__ = ["has_memory_axis", "memory_markdown", "plot_retention_memory"]
 
@@ -41,10 +41,15 @@ def has_memory_axis(records: Sequence[Mapping[str, Any]]) -> bool:
 
 
 def memory_markdown(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """``## Retention against memory``: one row per method and budget, by decreasing bytes."""
-    rows = sorted(_rows(records), key=lambda r: (-_ratio(r), r["method"]))
+    """``## Retention against memory``: one row per method and budget, by decreasing bytes (the
+    average score beside the headline retention, which needs a task the full cache solves)."""
+    rows = sorted(
+        (r for r in records if r["task"] == AVERAGE_TASK and not names_full(r["method"])),
+        key=lambda r: (-_ratio(r), r["method"]),
+    )
     if not rows:
         return []
+    headline = {(r["method"], r["budget"]): r for r in records if r["task"] == HEADLINE_TASK}
     table = [
         [
             f"`{r['method']}`",
@@ -53,11 +58,19 @@ def memory_markdown(records: Sequence[Mapping[str, Any]]) -> list[str]:
             r.get("kv_format", "16"),
             format_number(_ratio(r), 4),
             f"1/{1 / _ratio(r):.1f}" if _ratio(r) > 0 else "—",
-            format_interval(r["retention"], r.get("retention_ci"), 100, 1),
+            format_interval(
+                headline.get((r["method"], r["budget"]), {}).get("retention"),
+                headline.get((r["method"], r["budget"]), {}).get("retention_ci"),
+                100,
+                1,
+            ),
+            format_number(r.get("score"), 1),
         ]
         for r in rows
     ]
-    header = ["method", "memory asked", "budget", "format", "memory / 16-bit full", "fraction", "retention %"]
+    header = [
+        "method", "memory asked", "budget", "format", "memory / 16-bit full", "fraction", "retention %", "score",
+    ]  # fmt: skip
     return [
         "## Retention against memory (bytes at 16 bits)",
         "",
