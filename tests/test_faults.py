@@ -100,14 +100,14 @@ class World:
 
     def chat(self, *extra: str) -> list[str]:
         return ["chat", "--model", self.model, "--context-file", str(self.context), "--budget", "48",
-                "--max-new-tokens", "2", *extra]  # fmt: skip
+                "--new-tokens", "2", *extra]  # fmt: skip
 
     def mergemap(self, out: Path) -> list[str]:
         return ["mergemap", "--model", self.model, "--context-file", str(self.context), "--methods", "snapkv+cam",
                 "--budget", "0.5", "--out", str(out)]  # fmt: skip
 
     def bench(self, out: Path, *extra: str) -> list[str]:
-        return ["bench", "--model", self.model, "--methods", "streamingllm", "--budgets", "0.5", "--lengths", "64",
+        return ["bench", "--model", self.model, "--methods", "streamingllm", "--budgets", "0.5", "--length", "64",
                 "--batch", "1", "--new-tokens", "2", "--out", str(out), *extra]  # fmt: skip
 
 

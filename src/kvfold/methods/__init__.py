@@ -3,6 +3,7 @@
 Importing this package registers every built-in method (:mod:`kvfold.methods.builtin`).
 """
 
+from kvfold.defaults import RECOMMENDED  # written there: the command line reads it without torch
 from kvfold.methods import builtin  # noqa: F401 - registers the built-in methods
 from kvfold.methods.core.base import (
     REGISTRY,
@@ -18,10 +19,6 @@ from kvfold.methods.core.base import (
     register,
 )
 from kvfold.methods.core.spec import SpecError, parse_spec, split_specs
-
-RECOMMENDED = "kvzip+am_fit"
-"""The pipeline recommended for query-agnostic compaction, shown by ``kvfold demo`` beside the full
-cache, ``kvzip`` and ``leverage``. The one place to change when measurements pick another (issue 24)."""
 
 __all__ = [
     "RECOMMENDED",

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvfold.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
 from kvfold.methods import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, build_prompt, encode, greedy_decode
 from kvfold.pipeline.recompact import limit_head_entries, pin_entries, recompacts_by_repeat_pass
@@ -232,9 +233,11 @@ class ChatSession:
     Args:
         model: an enabled model (:func:`kvfold.load_model`).
         tokenizer: its tokenizer (its chat template formats the turns when it has one).
-        method: the method spec that compacts the conversation.
-        budget: entries per KV head kept after a compaction: a token count, or a fraction of
-            ``context`` (then required).
+        method: the method spec that compacts the conversation (default
+            :data:`kvfold.methods.RECOMMENDED`).
+        budget: entries per KV head kept after a compaction: a token count (default
+            :data:`kvfold.defaults.DEFAULT_CHAT_BUDGET`, 512), or a fraction of ``context`` (then
+            required).
         cap: physical entries that trigger a compaction before a turn would pass them
             (default ``2 × budget``); must exceed the budget. The cache never holds more than the
             cap as long as the budget plus one turn (message and reply) fits in it; a longer turn
@@ -264,8 +267,8 @@ class ChatSession:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        method: str | ComposedMethod = "snapkv",
-        budget: float | int | str = 512,
+        method: str | ComposedMethod = RECOMMENDED,
+        budget: float | int | str = DEFAULT_CHAT_BUDGET,
         *,
         cap: int | None = None,
         context: str | None = None,

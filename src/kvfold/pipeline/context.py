@@ -1,6 +1,6 @@
 """From a user's context to answers through a compressed cache: prefill → compress → answer.
 
-Protocol (shared/guide/evaluation.md): by default **query-agnostic** — the context is prefilled
+Protocol (docs/evaluation.md): by default **query-agnostic** — the context is prefilled
 and compressed alone, then the question (and answer prefix) is appended and decoded greedily.
 With ``query_aware=True`` the question is part of what is compressed.
 
@@ -8,7 +8,7 @@ Example:
     >>> from kvfold import load_model, prefill
     >>> model, tokenizer = load_model()
     >>> context = prefill(model, tokenizer, open("report.txt").read())
-    >>> small = context.compress("snapkv", budget=0.1)
+    >>> small = context.compress()  # kvfold.methods.RECOMMENDED, keeping a tenth of the context
     >>> small.answer("Who signed the report?")
     >>> small.kv_bytes, small.kv_bytes_full
 """
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvfold.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
 from kvfold.methods.core.repeat import PLANNED_RECORDS, UNPLANNED
 from kvfold.pipeline.recompact import repeat_chunks
@@ -48,7 +49,7 @@ def check_length(model: PreTrainedModel, total_tokens: int) -> None:
     if limit is not None and total_tokens > limit:
         raise ValueError(
             f"context, question and answer need {total_tokens} tokens but the model supports {limit} positions; "
-            "shorten the context or lower --max-new-tokens"
+            "shorten the context or ask for fewer new tokens"
         )
 
 
@@ -101,16 +102,18 @@ class PrefilledContext:
 
     def compress(
         self,
-        method: str | ComposedMethod = "full",
-        budget: float | int | str | Budget = 1.0,
+        method: str | ComposedMethod = RECOMMENDED,
+        budget: float | int | str | Budget = DEFAULT_BUDGET,
         *,
         seed: int = 0,
     ) -> CompressedContext:
         """Compress a copy of the prefilled cache with a method spec and budget.
 
         Args:
-            method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, …) or a built method.
-            budget: a fraction in (0, 1] of the context to keep, or a token count.
+            method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, …) or a built method;
+                by default :data:`kvfold.methods.RECOMMENDED`. ``"full"`` keeps everything.
+            budget: a fraction in (0, 1] of the context to keep, or a token count (default
+                :data:`kvfold.defaults.DEFAULT_BUDGET`, a tenth).
             seed: seed for randomized methods.
 
         Returns:

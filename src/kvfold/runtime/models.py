@@ -33,9 +33,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from kvfold.defaults import DEFAULT_MODEL
 from kvfold.runtime.attention import enable
 
-DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
 RANDOM_PREFIX = "random:"
 """A spec ``random:DIR``: ``DIR``'s architecture and tokenizer, random weights (cost only)."""
