@@ -59,7 +59,8 @@ def test_version_is_written_once_and_printed(capsys):
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out == f"kvfold {kvfold.__version__}\n"
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert not re.search(r"^version\s*=", pyproject, flags=re.M) and 'dynamic = ["version"]' in pyproject
+    project = pyproject.split("[project]\n", 1)[1].split("\n[", 1)[0]
+    assert not re.search(r"^version\s*=", project, flags=re.M) and 'dynamic = ["version"]' in project
     assert 'version = { attr = "kvfold._version.__version__" }' in pyproject
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## [{kvfold.__version__}]" in changelog  # the version moved on with a CHANGELOG section
