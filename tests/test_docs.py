@@ -313,8 +313,7 @@ def _command_lines(text: str) -> Iterator[str]:
             line = re.sub(r"(^|\s)#.*", "", line)  # a shell comment
             for match in re.finditer(r"(?:^|[\s;&|(])kvfold\s+([a-z][\w-]*)((?:\s.*)?)$", line):
                 yield f"kvfold {match.group(1)}{match.group(2)}"
-    for span in re.findall(r"`(kvfold [a-z][\w-]*(?:\s[^`\n]*)?)`", text):
-        yield span
+    yield from re.findall(r"`(kvfold [a-z][\w-]*(?:\s[^`\n]*)?)`", text)
 
 
 def _code_blocks(text: str) -> Iterator[str]:
