@@ -55,7 +55,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--out",
         required=True,
         type=Path,
-        help="output folder (bench.json, bench.md, plots; a run again on it measures only what is missing)",
+        help="output directory (bench.json, bench.md, plots; a run again on it measures only what is missing)",
     )
     p.add_argument(
         "--positions",

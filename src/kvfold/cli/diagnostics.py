@@ -40,7 +40,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layer", type=int, default=None, help="layer drawn (default: the middle one)")
     p.add_argument("--head", type=int, default=0, help="KV head drawn")
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the methods that draw at random")
-    p.add_argument("--out", required=True, help="output folder (mergemap.json, mergemap.md and plots)")
+    p.add_argument("--out", required=True, help="output directory (mergemap.json, mergemap.md and plots)")
 
     p = sub.add_parser(
         "merged-entries", help="how much each folder changes the entries its selection kept, by where they sit"

@@ -77,7 +77,7 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="dataset and method seed")
     parser.add_argument(
-        "--out", required=True, help="output folder (its results are kept: a run again resumes what is missing)"
+        "--out", required=True, help="output directory (its results are kept: a run again resumes what is missing)"
     )
     parser.add_argument("--quiet", action="store_true", help="print no progress on stderr")
 
@@ -116,7 +116,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         type=Path,
         metavar="RUN_DIR",
-        help="folders written by kvfold eval, fidelity or bench --out; runs on different datasets or lengths "
+        help="directories written by kvfold eval, fidelity or bench --out; runs on different datasets or lengths "
         "are reported apart",
     )
     p.add_argument(
@@ -130,8 +130,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="also write the merged eval runs' report.md and plots (retention against budget and against "
-        "compression time, scores) into this folder (one subfolder per configuration when there are several), "
-        "and the bench folders' bench.md and plots",
+        "compression time, scores) into this directory (one subdirectory per configuration when there are several), "
+        "and the bench directories' bench.md and plots",
     )
 
 
@@ -342,7 +342,7 @@ def _print_fidelity(records: Sequence[Mapping[str, Any]]) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """``kvfold report FOLDER...``: the results of finished runs, those of one kind and configuration merged.
 
-    Eval runs give the tables of ``report.md``, fidelity runs those of ``fidelity.md``, bench folders
+    Eval runs give the tables of ``report.md``, fidelity runs those of ``fidelity.md``, bench directories
     that of ``bench.md`` (in that order); without ``--markdown``, the lines ``kvfold eval``,
     ``kvfold fidelity`` and ``kvfold bench`` print. Runs of different configurations (another
     dataset, length, model) are reported apart, each under a heading that names it.
@@ -390,7 +390,7 @@ def _report_group(args: argparse.Namespace, group: list, out: Path | None, sever
 
 
 def _report_benches(args: argparse.Namespace, results: list[dict], sections: list[str]) -> None:
-    """Bench folders: merged (one model), their table printed or added to ``sections``, and with
+    """Bench directories: merged (one model), their table printed or added to ``sections``, and with
     ``--out`` their ``bench.md``, ``bench.json`` and plots written there."""
     from kvfold.evaluate.bench.speed import bench_markdown, merge_bench_results, write_bench_report
 

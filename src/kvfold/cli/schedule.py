@@ -83,7 +83,7 @@ def run_head_schedule(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise ValueError(f"text file not found: {path}")
     if args.out.is_dir():
-        raise ValueError(f"--out names a file for the schedule's JSON; {args.out} is a folder")
+        raise ValueError(f"--out names a file for the schedule's JSON; {args.out} is a directory")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.text_file:
         texts = [path.read_text(encoding="utf-8") for path in args.text_file]
