@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from kvfold.evaluate.data.logbook import FACTS, build_logbook
@@ -32,6 +33,7 @@ def run_demo(
     dtype: str = "auto",
     device: str = "auto",
     context_tokens: int = 3000,
+    quiet: bool = False,
 ) -> int:
     """Print a table: method, answers correct, KV MB kept vs full, seconds.
 
@@ -39,13 +41,15 @@ def run_demo(
         methods: see :func:`demo_specs` (default: the full cache, ``kvzip``, ``leverage`` and the
             recommended pipeline; ``"all"``: every method).
         context_tokens: length of the built-in context.
+        quiet: print the table alone (no loading line; the table's rows still come as they finish).
     """
     from kvfold.pipeline.context import prefill
     from kvfold.runtime.models import load_model
 
     parsed_budget = Budget.parse(budget)
     specs = demo_specs(methods)
-    print(f"Loading {model_spec} ...", flush=True)
+    if not quiet:
+        print(f"Loading {model_spec} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
     context = build_logbook(tokenizer, target_tokens=context_tokens)
     start = time.perf_counter()

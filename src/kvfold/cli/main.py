@@ -245,7 +245,7 @@ def describe_method(spec: str) -> str:
 def run_demo(args: argparse.Namespace) -> int:
     from kvfold.cli.demo import run_demo as demo
 
-    return demo(args.model, args.budget, args.methods, args.dtype, args.device, args.length)
+    return demo(args.model, args.budget, args.methods, args.dtype, args.device, args.length, quiet=args.quiet)
 
 
 def _read_text(path: Path) -> str:
@@ -263,6 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     _load_extra_commands()
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):
+        _silence_progress_bars()
     try:
         status = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
@@ -291,6 +293,15 @@ def _is_model_load_error(err: BaseException) -> bool:
     may have been raised: the module imports torch)."""
     module = sys.modules.get("kvfold.runtime.models")
     return module is not None and isinstance(err, module.ModelLoadError)
+
+
+def _silence_progress_bars() -> None:
+    """``--quiet``: no progress bars from transformers and the hub either (loading weights, downloads)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
+    if "transformers" in sys.modules:  # already imported (a caller in this process): switch it off there
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
 
 
 def _silence_stdout() -> None:
