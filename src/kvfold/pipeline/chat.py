@@ -312,7 +312,7 @@ class ChatSession:
             self.context_open = True
             self.budget = parsed.count(prefilled.context_tokens)
         elif parsed.fraction is not None:
-            raise ValueError("a chat without a context needs --budget as a token count (e.g. 512), not a fraction")
+            raise ValueError("a chat without a context needs its budget as a token count (e.g. 512), not a fraction")
         else:
             self.budget = int(parsed.tokens)
         self.cap = 2 * self.budget if cap is None else int(cap)

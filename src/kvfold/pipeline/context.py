@@ -364,7 +364,7 @@ def prefill(
     """
     contexts = [context] if isinstance(context, str) else list(context)
     if not contexts or any(not c or not c.strip() for c in contexts):
-        raise ValueError("the context is empty; give the text to compress (--context or --context-file)")
+        raise ValueError("the context is empty; give a text to compress")
     questions = [question] * len(contexts) if isinstance(question, str) or question is None else list(question)
     if query_aware and any(not q for q in questions):
         raise ValueError("query-aware mode needs the question at prefill time")

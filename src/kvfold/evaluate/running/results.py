@@ -80,7 +80,7 @@ def read_run(run_dir: str | Path) -> Run:
     kind = next((k for k in RUN_KINDS if (path / k.rows_file).is_file()), None)
     if kind is None:
         files = " or ".join(k.rows_file for k in RUN_KINDS)
-        raise ValueError(f"{path} holds no {files}: not a folder written by kvfold eval or kvfold fidelity --out")
+        raise ValueError(f"{path} holds no {files}: not a directory written by kvfold eval, fidelity or bench --out")
     config = _read_json(path / RUN_FILE) if (path / RUN_FILE).is_file() else {}
     results = path / kind.results_file
     records = _read_json(results)["records"] if results.is_file() else None
