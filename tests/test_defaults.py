@@ -1,4 +1,4 @@
-"""Every entry point that compresses defaults to the recommended pipeline (:mod:`kvfold.defaults`):
+"""Every entry point that compresses defaults to the recommended pipeline (:mod:`kvfold.runtime.defaults`):
 ``kvfold generate``, ``kvfold compress``, ``kvfold chat``, ``kvfold bench``,
 :meth:`kvfold.PrefilledContext.compress` at a tenth of the context, and
 :class:`kvfold.pipeline.chat.ChatSession` at its own cap in entries."""
@@ -10,10 +10,10 @@ import json
 import pytest
 
 import kvfold
-from kvfold import defaults
 from kvfold.cli.main import _load_extra_commands, build_parser, main
 from kvfold.methods import RECOMMENDED
 from kvfold.pipeline.chat import ChatSession
+from kvfold.runtime import defaults
 from tests.conftest import CharTokenizer, make_tiny_model
 from tests.evaluate.bench.conftest import write_tiny_model
 

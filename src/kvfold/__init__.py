@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvfold._version import __version__
+from kvfold.runtime.version import __version__
 
 _EXPORTS = {
     "Budget": "kvfold.runtime.budget",

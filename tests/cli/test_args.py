@@ -61,7 +61,7 @@ def test_version_is_written_once_and_printed(capsys):
     pyproject = (ROOT / "pyproject.toml").read_text()
     project = pyproject.split("[project]\n", 1)[1].split("\n[", 1)[0]
     assert not re.search(r"^version\s*=", project, flags=re.M) and 'dynamic = ["version"]' in project
-    assert 'version = { attr = "kvfold._version.__version__" }' in pyproject
+    assert 'version = { attr = "kvfold.runtime.version.__version__" }' in pyproject
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## [{kvfold.__version__}]" in changelog  # the version moved on with a CHANGELOG section
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfold.defaults import DEFAULT_BUDGET, DEFAULT_MODEL, RECOMMENDED
+from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_MODEL, RECOMMENDED
 
 Handler = Callable[[argparse.Namespace], int]
 """A subcommand: parsed arguments in, exit status out."""

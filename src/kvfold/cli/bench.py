@@ -26,7 +26,7 @@ from kvfold.cli.args import (
     ray_options,
     ray_where,
 )
-from kvfold.defaults import DEFAULT_BUDGET, DEFAULT_LENGTH, RECOMMENDED
+from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_LENGTH, RECOMMENDED
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

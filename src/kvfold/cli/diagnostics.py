@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from kvfold.cli.args import Handler, add_model_args, progress
-from kvfold.defaults import DEFAULT_LENGTH
+from kvfold.runtime.defaults import DEFAULT_LENGTH
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

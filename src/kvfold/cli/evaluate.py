@@ -36,7 +36,7 @@ from kvfold.cli.args import (
     ray_options,
     ray_where,
 )
-from kvfold.defaults import DEFAULT_LENGTH
+from kvfold.runtime.defaults import DEFAULT_LENGTH
 
 if TYPE_CHECKING:  # imported by the handlers when they run: ``kvfold eval --help`` loads no torch
     from kvfold.evaluate.data.samples import Sample

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvfold._version import __version__
 from kvfold.cli.args import (
     Handler,
     HelpFormatter,
@@ -24,8 +23,9 @@ from kvfold.cli.args import (
     deprecated_alias,
     progress,
 )
-from kvfold.defaults import DEFAULT_BUDGET, RECOMMENDED
+from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.files import explain
+from kvfold.runtime.version import __version__
 
 COMMANDS: dict[str, Handler] = {}
 """Every subcommand by name: this module's own, then those of :data:`SUBCOMMAND_MODULES`."""

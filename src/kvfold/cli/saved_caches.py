@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kvfold.cli.args import add_method_args, add_model_args, add_new_tokens, deprecated_alias, progress
-from kvfold.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
+from kvfold.runtime.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:

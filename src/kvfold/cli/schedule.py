@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress
-from kvfold.defaults import DEFAULT_LENGTH
+from kvfold.runtime.defaults import DEFAULT_LENGTH
 
 DEFAULT_METHOD = "am_highest_fast"
 """The compaction whose per-head sensitivity is measured (the paper's)."""

@@ -3,7 +3,6 @@
 Importing this package registers every built-in method (:mod:`kvfold.methods.builtin`).
 """
 
-from kvfold.defaults import RECOMMENDED  # written there: the command line reads it without torch
 from kvfold.methods import builtin  # noqa: F401 - registers the built-in methods
 from kvfold.methods.core.base import (
     REGISTRY,
@@ -19,6 +18,7 @@ from kvfold.methods.core.base import (
     register,
 )
 from kvfold.methods.core.spec import SpecError, parse_spec, split_specs
+from kvfold.runtime.defaults import RECOMMENDED  # written there: the command line reads it without torch
 
 __all__ = [
     "RECOMMENDED",

@@ -48,12 +48,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvfold.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
 from kvfold.methods import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, build_prompt, encode, greedy_decode
 from kvfold.pipeline.recompact import limit_head_entries, pin_entries, recompacts_by_repeat_pass
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
 
 MARK = "\u241e"
 """A character that tokenizers and templates leave alone (as in :func:`kvfold.pipeline.context.build_prompt`)."""
@@ -236,7 +236,7 @@ class ChatSession:
         method: the method spec that compacts the conversation (default
             :data:`kvfold.methods.RECOMMENDED`).
         budget: entries per KV head kept after a compaction: a token count (default
-            :data:`kvfold.defaults.DEFAULT_CHAT_BUDGET`, 512), or a fraction of ``context`` (then
+            :data:`kvfold.runtime.defaults.DEFAULT_CHAT_BUDGET`, 512), or a fraction of ``context`` (then
             required).
         cap: physical entries that trigger a compaction before a turn would pass them
             (default ``2 × budget``); must exceed the budget. The cache never holds more than the

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvfold.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
 from kvfold.methods.core.repeat import PLANNED_RECORDS, UNPLANNED
 from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
 from kvfold.runtime.timing import device_clock
 
@@ -113,7 +113,7 @@ class PrefilledContext:
             method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, …) or a built method;
                 by default :data:`kvfold.methods.RECOMMENDED`. ``"full"`` keeps everything.
             budget: a fraction in (0, 1] of the context to keep, or a token count (default
-                :data:`kvfold.defaults.DEFAULT_BUDGET`, a tenth).
+                :data:`kvfold.runtime.defaults.DEFAULT_BUDGET`, a tenth).
             seed: seed for randomized methods.
 
         Returns:

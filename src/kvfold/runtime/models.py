@@ -34,8 +34,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kvfold.defaults import DEFAULT_MODEL
 from kvfold.runtime.attention import enable
+from kvfold.runtime.defaults import DEFAULT_MODEL
 
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
 RANDOM_PREFIX = "random:"
