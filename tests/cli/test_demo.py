@@ -42,9 +42,12 @@ def table_rows(out: str) -> list[str]:
 
 def test_demo_cli_shows_the_default_methods_side_by_side(capsys, tiny_demo_model):
     assert main(["demo"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert table_rows(out) == ["full", "kvzip", "leverage", RECOMMENDED]
     assert "/5" in out  # answers counted over the 5 questions
+    assert err.startswith("Loading ") and "Loading" not in out  # progress on stderr, the table on stdout
+    assert main(["demo", "--methods", "full", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_demo_cli_methods_all_runs_every_method(capsys, tiny_demo_model):

@@ -251,8 +251,18 @@ def test_report_prints_the_tables_of_one_run_or_of_several_merged(capsys, loads,
     methods = [line.split()[0] for line in lines.splitlines()]  # one line per method and budget
     assert code == 0 and methods == ["full"] + ["streamingllm"] * 2 + ["snapkv"] * 2
     assert run(capsys, "eval --dataset", data, "--methods snapkv --seed 1", flags, tmp_path / "seed1")[0] == 0
-    code, _, err = run(capsys, "report", first, tmp_path / "seed1")
-    assert code == 2 and "only runs on the same samples can be merged" in err
+    code, lines, _ = run(capsys, "report", first, tmp_path / "seed1")  # another configuration: reported apart
+    headings = [line for line in lines.splitlines() if line.startswith("# ")]
+    assert code == 0 and len(headings) == 2 and "seed 1" in headings[1] and "seed" not in headings[0]
+    code, markdown, _ = run(capsys, "report", first, tmp_path / "seed1", "--markdown", "--out", tmp_path / "apart")
+    assert code == 0 and markdown.count("\n## eval runs on ") + markdown.startswith("## eval runs on ") == 2
+    assert (tmp_path / "apart" / "eval-1" / "report.md").is_file()
+    assert (tmp_path / "apart" / "eval-2" / "report.md").is_file()
+    other = _write_jsonl(tmp_path / "other.jsonl", DATASET)  # another dataset: `kvfold report runs/ruler runs/mine`
+    assert run(capsys, "eval --dataset", other, "--methods full", flags, tmp_path / "other")[0] == 0
+    code, lines, _ = run(capsys, "report", first, tmp_path / "other")
+    headings = [line for line in lines.splitlines() if line.startswith("# ")]
+    assert code == 0 and [str(data) in headings[0], str(other) in headings[1]] == [True, True]
     code, _, err = run(capsys, "report", tmp_path)
     assert code == 2 and "holds no predictions.jsonl" in err
 

@@ -84,7 +84,7 @@ def test_generate_streamingllm_json_reports_memory(capsys, smollm2, tmp_path):
         str(path),
         "--question",
         "What is the special magic number for the cabin?",
-        "--max-new-tokens",
+        "--new-tokens",
         "4",
         "--json",
     )

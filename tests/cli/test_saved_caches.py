@@ -50,7 +50,7 @@ def test_compress_writes_a_file_of_the_budgets_size(saved):
 
 def test_generate_from_the_cache_equals_generate_with_the_prefill(saved, tiny_dir, capsys):
     out, _, context = saved
-    args = ["--model", str(tiny_dir), "--question", "w3 w5 w7", "--max-new-tokens", "6", "--json"]
+    args = ["--model", str(tiny_dir), "--question", "w3 w5 w7", "--new-tokens", "6", "--json"]
     code, stdout, err = run(capsys, "generate", "--cache", str(out), *args)
     assert code == 0, err
     from_file = json.loads(stdout)
@@ -76,7 +76,7 @@ def test_ask_answers_every_line_from_the_same_cache(saved, tiny_dir, capsys, mon
     out, _, _ = saved
     questions = ["w1 w2", "", "w3 w4", "w1 w2"]
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(questions) + "\n"))
-    code, stdout, err = run(capsys, "ask", "--cache", str(out), "--model", str(tiny_dir), "--max-new-tokens", "5")
+    code, stdout, err = run(capsys, "ask", "--cache", str(out), "--model", str(tiny_dir), "--new-tokens", "5")
     assert code == 0, err
     answers = stdout.splitlines()
     assert len(answers) == 3 and answers[0] == answers[2]  # a fresh copy for every question
@@ -84,7 +84,7 @@ def test_ask_answers_every_line_from_the_same_cache(saved, tiny_dir, capsys, mon
     path.write_text("w1 w2\nw3 w4\n")
     code, stdout, _ = run(
         capsys, "ask", "--cache", str(out), "--model", str(tiny_dir), "--questions", str(path),
-        "--max-new-tokens", "5", "--json",
+        "--new-tokens", "5", "--json",
     )  # fmt: skip
     records = [json.loads(line) for line in stdout.splitlines()]
     assert [r["answer"] for r in records] == [answers[0], answers[1]]
@@ -113,7 +113,7 @@ def test_chat_reads_piped_stdin_with_commands(saved, tiny_dir, tmp_path, capsys,
     monkeypatch.setattr("sys.stdin", io.StringIO(script + "\n"))
     code, stdout, err = run(
         capsys, "chat", "--model", str(tiny_dir), "--context-file", str(context), "--method", "snapkv",
-        "--budget", "24", "--cap", "64", "--max-new-tokens", "4",
+        "--budget", "24", "--cap", "64", "--new-tokens", "4",
     )  # fmt: skip
     assert code == 0, err
     output = stdout.splitlines()
@@ -125,7 +125,7 @@ def test_chat_reads_piped_stdin_with_commands(saved, tiny_dir, tmp_path, capsys,
     assert talk.is_file()
 
     monkeypatch.setattr("sys.stdin", io.StringIO(f"/load {talk}\n/stats\n{lines[4]}\n/stats\n"))
-    code, stdout, err = run(capsys, "chat", "--model", str(tiny_dir), "--cache", str(talk), "--max-new-tokens", "4")
+    code, stdout, err = run(capsys, "chat", "--model", str(tiny_dir), "--cache", str(talk), "--new-tokens", "4")
     assert code == 0, err
     stats = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert [s["turns"] for s in stats] == [4, 5]

@@ -42,7 +42,7 @@ def test_head_schedule_writes_shares_that_kvzip_reads(capsys, tiny, tmp_path: Pa
         "0.2,0.5",
         "--r0",
         "0.3",
-        "--continuation",
+        "--new-tokens",
         "8",
         "--out",
         str(out),

@@ -45,8 +45,43 @@ def test_missing_paths_and_unreachable_hub_say_how_to_provide_a_model(tmp_path, 
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no 20 s network time-out
-    with pytest.raises(ModelLoadError, match="pass a local directory"):
+    with pytest.raises(ModelLoadError, match="Pass a local directory") as err:
         load_model("nobody-here/no-such-model")
+    message = str(err.value)  # the real cause, in the one line: the class and the first line of its message
+    assert "\n" not in message and f"{type(err.value.__cause__).__name__}: " in message
+    first_line = str(err.value.__cause__).strip().splitlines()[0].strip()
+    assert first_line[:60] in message
+
+
+def test_load_model_passes_revision_token_device_map_and_more_to_transformers(tmp_path, monkeypatch):
+    """``revision`` and ``token`` reach the config, the weights and the tokenizer; ``device_map`` and
+    other keywords reach the weights; with a ``device_map`` the model stays where transformers put it."""
+    import transformers
+
+    make_tiny_model("llama").save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    seen: dict[str, dict] = {}
+    for cls in (transformers.AutoConfig, transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        original = cls.from_pretrained.__func__
+
+        def spy(klass, *args, _original=original, _name=cls.__name__, **kwargs):
+            seen.setdefault(_name, dict(kwargs))  # the first call: kvfold's (transformers calls again inside)
+            kwargs.pop("device_map", None)
+            kwargs.pop("low_cpu_mem_usage", None)
+            return _original(klass, *args, **{k: v for k, v in kwargs.items() if k not in ("revision", "token")})
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    moved = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    model, _ = load_model(str(tmp_path), revision="v1", token="hf_x", device_map="cpu", low_cpu_mem_usage=True)
+    assert model.config._attn_implementation == "kvfold"
+    for name in ("AutoConfig", "AutoModelForCausalLM", "AutoTokenizer"):
+        assert seen[name]["revision"] == "v1" and seen[name]["token"] == "hf_x", name
+    assert seen["AutoModelForCausalLM"]["device_map"] == "cpu" and seen["AutoModelForCausalLM"]["low_cpu_mem_usage"]
+    assert "device_map" not in seen["AutoTokenizer"] and not moved  # transformers placed it: not moved again
+    seen.clear()
+    load_model(str(tmp_path))
+    assert "revision" not in seen["AutoConfig"] and moved  # nothing given: nothing passed, the model moved
 
 
 def test_dtype_names():

@@ -3,27 +3,123 @@
 The command line (:mod:`kvfold.cli.main`) gathers the subcommands; a subcommand module exposes
 ``add_parsers(sub)`` and ``COMMANDS`` (name → handler) and takes what it shares with the others
 from here, so no subcommand imports the command line itself.
+
+Nothing here imports torch: ``kvfold --help`` and ``kvfold SUB --help`` build every parser and
+answer before any model code is loaded. Handlers import what they need when they run.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfold.runtime.models import DEFAULT_MODEL
+from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_MODEL, RECOMMENDED
 
 Handler = Callable[[argparse.Namespace], int]
 """A subcommand: parsed arguments in, exit status out."""
+
+ALIASES_REMOVED_IN = "0.4.0"
+"""The version whose command line drops the deprecated flag names (kept for one version)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default after its help, except where there is nothing to show.
+
+    No ``(default: None)`` (the help says what happens without the flag), no default for on/off
+    switches, and none where the help already states it.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            any(action.default is value for value in (None, False, True, argparse.SUPPRESS))
+            or action.default == ""
+            or "%(default)" in text
+            or "(default" in text
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model``, ``--dtype`` and ``--device``, as every command that loads a model takes them."""
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help="model spec: smollm2-135m, a .gguf, a directory or a hub id"
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model: smollm2-135m (embedded, 8,192 positions), a .gguf file, a local directory or a hub id",
     )
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+
+
+def add_method_args(
+    parser: argparse.ArgumentParser, *, required: bool = False, budget_default: str | None = str(DEFAULT_BUDGET)
+) -> None:
+    """``--method`` and ``--budget`` of a command that compresses one context (the recommended
+    pipeline at a tenth of the context unless given; ``budget_default=None`` when ``--memory`` may
+    take the budget's place, the tenth then applied by the command)."""
+    parser.add_argument(
+        "--method",
+        default=RECOMMENDED,
+        help="method spec, e.g. kvzip+am_fit, snapkv, adakv:snapkv+grkv; 'full' keeps everything",
+    )
+    parser.add_argument(
+        "--budget",
+        default=budget_default,
+        help="what to keep: a fraction in (0, 1] of the context's tokens, or a token count"
+        + ("" if budget_default is not None else f" (default: {DEFAULT_BUDGET}, unless --memory)"),
+    )
+
+
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress lines or bars on stderr (errors and results still print)."""
+    parser.add_argument("--quiet", action="store_true", help="print no progress on stderr")
+
+
+def add_length(parser: argparse.ArgumentParser, help: str, *, default: Any = None, type: Any = int) -> None:
+    """``--length``: context tokens, the one name every command uses for it."""
+    parser.add_argument("--length", type=type, default=default, help=help)
+
+
+def add_new_tokens(parser: argparse.ArgumentParser, help: str, *, default: int) -> None:
+    """``--new-tokens``: tokens after the context (generated, decoded or scored), the one name for them."""
+    parser.add_argument("--new-tokens", type=int, default=default, help=help)
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, **kwargs: Any) -> None:
+    """Accept ``old`` as a hidden name of ``new`` for one more version, with a note on stderr.
+
+    ``kwargs`` are those of ``new`` that change how the value is read (``type``, ``choices``).
+    """
+    dest = new.lstrip("-").replace("-", "_")
+    parser.add_argument(
+        old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, action=_Deprecated, new=new, **kwargs
+    )
+
+
+class _Deprecated(argparse.Action):
+    """Stores the value under the new name's ``dest`` and says once that the old name is going."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(
+            f"{parser.prog}: note: {option_string} is deprecated; use {self.new} "
+            f"(the old name goes in kvfold {ALIASES_REMOVED_IN})",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def progress(args: argparse.Namespace, message: str) -> None:
+    """One progress line on stderr, ``kvfold COMMAND: message``, unless ``--quiet``."""
+    if not getattr(args, "quiet", False):
+        print(f"kvfold {args.command}: {message}", file=sys.stderr, flush=True)
 
 
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -79,8 +175,8 @@ def add_ray_args(parser: argparse.ArgumentParser, unit: str = "work item") -> No
         default=None,
         help=f"Ray workers to start (default: as many as the CPUs allow, at most one per {unit})",
     )
-    group.add_argument("--ray-worker-cpus", type=float, default=1, help="CPUs (torch threads) per worker (default 1)")
-    group.add_argument("--ray-worker-gpus", type=float, default=0, help="GPUs per worker (default 0)")
+    group.add_argument("--ray-worker-cpus", type=float, default=1, help="CPUs (torch threads) per worker")
+    group.add_argument("--ray-worker-gpus", type=float, default=0, help="GPUs per worker")
 
 
 def ray_options(args: argparse.Namespace) -> dict[str, Any]:

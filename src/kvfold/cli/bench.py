@@ -1,7 +1,8 @@
 """Command line of the benchmarks: ``kvfold bench`` and ``kvfold bench --cachefile``.
 
-* ``kvfold bench --methods M --budgets B --lengths L --batch N --out DIR`` — prefill, compression
-  and decode speed and memory against ``full`` (:mod:`kvfold.evaluate.bench.speed`), serially or
+* ``kvfold bench --out DIR [--methods M --budgets B --length L --batch N]`` — prefill, compression
+  and decode speed and memory against ``full`` (by default the recommended pipeline at a tenth, at
+  2,048 tokens, batch 1) (:mod:`kvfold.evaluate.bench.speed`), serially or
   on Ray workers (``--ray``).
 * ``kvfold bench --cachefile ...`` — what a saved cache buys, and what a long chat holds
   (:mod:`kvfold.evaluate.bench.saved_caches`).
@@ -16,40 +17,66 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvfold.cli.args import add_model_args, add_ray_args, ray_options, ray_where
+from kvfold.cli.args import (
+    add_model_args,
+    add_new_tokens,
+    add_ray_args,
+    deprecated_alias,
+    progress,
+    ray_options,
+    ray_where,
+)
+from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_LENGTH, RECOMMENDED
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """The ``kvfold bench`` sub-parser (gathered by :mod:`kvfold.cli.main`)."""
     p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
     add_model_args(p)
-    p.add_argument("--methods", default="streamingllm", help="comma-separated method specs")
-    p.add_argument("--budgets", default="0.1", help="comma-separated budgets")
+    p.add_argument(
+        "--methods", default=RECOMMENDED, help="comma-separated method specs (full is always measured beside them)"
+    )
+    p.add_argument("--budgets", default=str(DEFAULT_BUDGET), help="comma-separated budgets")
     p.add_argument(
         "--memory",
         default=None,
         help="comma-separated memory budgets in place of --budgets: fractions of the 16-bit full cache's "
         "bytes (e.g. 0.0625), spent on tokens x bits (a spec's @int4 / @16 fixes the precision)",
     )
-    p.add_argument("--lengths", default="2048,4096,8192", help="comma-separated context lengths in tokens")
-    p.add_argument("--batch", default="1,4", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=64, help="decode steps measured after warm-up")
-    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill in chunks, compressing as it goes")
-    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument(
+        "--length",
+        default=str(DEFAULT_LENGTH),
+        help="context length in tokens; comma-separated for a sweep, e.g. 2048,4096,8192",
+    )
+    deprecated_alias(p, "--lengths", "--length")
+    p.add_argument("--batch", default="1", help="batch size; comma-separated for a sweep, e.g. 1,4")
+    add_new_tokens(p, "decode steps measured after warm-up", default=64)
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prefill in chunks of this many tokens, compressing as it goes (default: one prefill)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output directory (bench.json, bench.md, plots; a run again on it measures only what is missing)",
+    )
     p.add_argument(
         "--positions",
         type=int,
         default=None,
         help="raise the model's positions to N for lengths past its window (RoPE models; cost only: "
-        "the answers mean nothing there)",
+        "the answers mean nothing there; default: the model's own)",
     )
     p.add_argument(
         "--cachefile",
         action="store_true",
         help="cache files and chat memory (kvfold.evaluate.bench.saved_caches)",
     )
-    p.add_argument("--turns", type=int, default=50, help="--cachefile: turns of the measured chat (0: none)")
-    p.add_argument("--chat-budget", type=int, default=256, help="--cachefile: entries the chat keeps")
+    p.add_argument("--turns", type=int, default=50, help="with --cachefile: turns of the measured chat (0: none)")
+    p.add_argument("--chat-budget", type=int, default=256, help="with --cachefile: entries the chat keeps")
     add_ray_args(p, "length and batch")
 
 
@@ -66,7 +93,7 @@ def _grid(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
         budgets = [Budget.of_memory(m).label() for m in args.memory.split(",") if m.strip()]
     else:
         budgets = [Budget.parse(b).label() for b in args.budgets.split(",")]
-    return methods, budgets, _positive_ints(args.lengths, "--lengths")
+    return methods, budgets, _positive_ints(args.length, "--length")
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -84,7 +111,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--new-tokens must be ≥ 1")
     grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
     if args.ray is None:
-        result = bench(*grid, args.dtype, args.device, positions=args.positions, memory=bool(args.memory))
+        progress(
+            args,
+            f"{', '.join(methods)} at {', '.join(map(str, budgets))} against full, "
+            f"{', '.join(map(str, lengths))} tokens, batch {', '.join(map(str, batches))} → {args.out}",
+        )
+        result = bench(
+            *grid,
+            args.dtype,
+            args.device,
+            progress=not args.quiet,
+            positions=args.positions,
+            memory=bool(args.memory),
+        )
     else:
         from kvfold.evaluate.running.distributed import require_ray, run_on_ray
 
@@ -98,6 +137,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 *grid,
                 args.dtype,
                 args.device,
+                progress=not args.quiet,
                 runner=runner,
                 threads=threads,
                 positions=args.positions,

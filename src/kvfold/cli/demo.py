@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from kvfold.evaluate.data.logbook import FACTS, build_logbook
@@ -32,6 +33,7 @@ def run_demo(
     dtype: str = "auto",
     device: str = "auto",
     context_tokens: int = 3000,
+    quiet: bool = False,
     *,
     memory: float | None = None,
     kv_format: str | None = None,
@@ -42,6 +44,7 @@ def run_demo(
         methods: see :func:`demo_specs` (default: the full cache, ``kvzip``, ``leverage`` and the
             recommended pipeline; ``"all"``: every method).
         context_tokens: length of the built-in context.
+        quiet: print the table alone (no loading line; the table's rows still come as they finish).
         memory: instead of ``budget``, a fraction of the 16-bit full cache's bytes
             (:meth:`~kvfold.pipeline.context.PrefilledContext.compress`).
         kv_format: the storage of the compressed entries (``--kv-bits``).
@@ -51,7 +54,8 @@ def run_demo(
 
     parsed_budget = Budget.of_memory(memory) if memory is not None else Budget.parse(budget)
     specs = demo_specs(methods)
-    print(f"Loading {model_spec} ...", flush=True)
+    if not quiet:
+        print(f"Loading {model_spec} ...", file=sys.stderr, flush=True)
     model, tokenizer = load_model(model_spec, dtype=dtype, device=device)
     context = build_logbook(tokenizer, target_tokens=context_tokens)
     start = time.perf_counter()
@@ -59,7 +63,7 @@ def run_demo(
     print(
         f"Context: {prefilled.context_tokens} tokens, prefilled in {time.perf_counter() - start:.1f}s; "
         f"{len(FACTS)} questions; {'memory' if memory is not None else 'budget'} {parsed_budget}; MB as held "
-        "here, ratio to the full cache in 16 bits\n",
+        "here, 'of 16-bit' against the full cache in 16 bits\n",
         flush=True,
     )
     header = f"{'method':<34} {'correct':>7} {'KV MB':>8} {'full MB':>8} {'of 16-bit':>9} {'seconds':>8}"

@@ -17,16 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args
-from kvfold.evaluate.data.loaders import load_dataset_spec
-from kvfold.evaluate.data.ruler import RULER_TASKS
-from kvfold.evaluate.diagnostics.merged_entries import merged_entries
-from kvfold.evaluate.diagnostics.mergemap import merge_maps
-from kvfold.evaluate.diagnostics.mergemap_report import short_number
-from kvfold.methods import build_method, split_specs
-from kvfold.pipeline.context import prefill
-from kvfold.runtime import models
-from kvfold.runtime.budget import Budget
+from kvfold.cli.args import Handler, add_model_args, progress
+from kvfold.runtime.defaults import DEFAULT_LENGTH
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -36,34 +28,36 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--dataset", help="ruler[:TASKS] (synthetic), PATH.jsonl, …: the contexts of its first samples")
-    p.add_argument("--length", type=int, default=2048, help="context length in tokens for --dataset ruler (2048)")
+    p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="context length in tokens for --dataset ruler")
     p.add_argument(
         "--samples",
         type=int,
         default=1,
-        help="samples per task of --dataset; measures are averaged over their contexts (default 1)",
+        help="samples per task of --dataset; measures are averaged over their contexts",
     )
     p.add_argument("--methods", required=True, help="comma-separated specs, e.g. snapkv,snapkv+cam,snapkv+grkv")
-    p.add_argument("--budget", default="0.1", help="fraction in (0, 1] or token count (default 0.1)")
+    p.add_argument("--budget", default="0.1", help="fraction in (0, 1] or token count")
     p.add_argument("--layer", type=int, default=None, help="layer drawn (default: the middle one)")
-    p.add_argument("--head", type=int, default=0, help="KV head drawn (default 0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--head", type=int, default=0, help="KV head drawn")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the methods that draw at random")
+    p.add_argument("--out", required=True, help="output directory (mergemap.json, mergemap.md and plots)")
 
     p = sub.add_parser(
         "merged-entries", help="how much each folder changes the entries its selection kept, by where they sit"
     )
     add_model_args(p)
-    p.add_argument("--task", required=True, help=f"a synthetic RULER task: {', '.join(RULER_TASKS)}")
-    p.add_argument("--index", type=int, default=0, help="the task's sample (default 0)")
-    p.add_argument("--length", type=int, default=2048, help="the sample's length in tokens (default 2048)")
-    p.add_argument("--budget", type=float, default=0.05, help="fraction in (0, 1] of the context kept (default 0.05)")
+    p.add_argument("--task", required=True, help="a synthetic RULER task, e.g. niah_single_2 (docs/evaluation.md)")
+    p.add_argument("--index", type=int, default=0, help="the task's sample")
+    p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="the sample's length in tokens")
+    p.add_argument("--budget", type=float, default=0.05, help="fraction in (0, 1] of the context kept")
     p.add_argument("--base", required=True, help="the plain selection, e.g. kvzip")
     p.add_argument("--methods", required=True, help="comma-separated folders on it, e.g. kvzip+cam,kvzip+keepkv")
 
 
 def _checked_specs(text: str) -> list[str]:
     """The comma-separated method specs, each built once so that a typo fails before the model loads."""
+    from kvfold.methods import build_method, split_specs
+
     specs = split_specs(text)
     for spec in specs:
         build_method(spec)
@@ -72,12 +66,20 @@ def _checked_specs(text: str) -> list[str]:
 
 def run_mergemap(args: argparse.Namespace) -> int:
     """``kvfold mergemap``: write mergemap.json, mergemap.md, mergemap.png and carrier_load.png."""
+    from kvfold.evaluate.data.loaders import load_dataset_spec
+    from kvfold.evaluate.diagnostics.mergemap import merge_maps
+    from kvfold.evaluate.diagnostics.mergemap_report import short_number
+    from kvfold.pipeline.context import prefill
+    from kvfold.runtime import models
+    from kvfold.runtime.budget import Budget
+
     methods = _checked_specs(args.methods)
     budget = Budget.parse(args.budget)
     if args.samples < 1:
         raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
     if args.context_file is not None and not args.context_file.is_file():
         raise ValueError(f"context file not found: {args.context_file}")
+    progress(args, f"loading {args.model}")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.context_file is not None:
         texts = [(args.context_file.read_text(encoding="utf-8"), None)]
@@ -115,6 +117,11 @@ def run_mergemap(args: argparse.Namespace) -> int:
 
 def run_merged_entries(args: argparse.Namespace) -> int:
     """``kvfold merged-entries``: per folder, the change of the kept entries by group, and the answers."""
+    from kvfold.evaluate.data.ruler import RULER_TASKS
+    from kvfold.evaluate.diagnostics.merged_entries import merged_entries
+    from kvfold.runtime import models
+    from kvfold.runtime.budget import Budget
+
     if args.task not in RULER_TASKS:
         raise ValueError(f"--task {args.task!r} is no RULER task; valid tasks: {', '.join(RULER_TASKS)}")
     if args.index < 0:
@@ -123,6 +130,7 @@ def run_merged_entries(args: argparse.Namespace) -> int:
     base, folded = _checked_specs(args.base), _checked_specs(args.methods)
     if len(base) != 1:
         raise ValueError(f"--base takes one method spec; got {args.base!r}")
+    progress(args, f"loading {args.model}")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     lines = merged_entries(model, tokenizer, args.task, args.index, args.budget, base[0], folded, length=args.length)
     for line in lines:

@@ -25,30 +25,29 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvfold.cli.args import Handler, add_model_args, add_ray_args, ray_options, ray_where
-from kvfold.evaluate.data.jsonl import load_jsonl
-from kvfold.evaluate.data.loaders import load_dataset_spec
-from kvfold.evaluate.data.samples import Sample
-from kvfold.evaluate.reporting import eval_markdown, fidelity_markdown, write_eval_report
-from kvfold.evaluate.running.distributed import ModelLoader, require_ray, run_on_ray
-from kvfold.evaluate.running.fidelity import FidelitySweep
-from kvfold.evaluate.running.results import RUN_KINDS, merge_runs, read_run
-from kvfold.evaluate.running.runner import EvalSweep
-from kvfold.evaluate.running.sweep import ItemRunner, local_runner
-from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK
-from kvfold.methods import build_method, split_specs
-from kvfold.methods.core.base import apply_kv_bits
-from kvfold.runtime import models
-from kvfold.runtime.budget import Budget
+from kvfold.cli.args import (
+    Handler,
+    add_model_args,
+    add_new_tokens,
+    add_ray_args,
+    deprecated_alias,
+    ray_options,
+    ray_where,
+)
+from kvfold.runtime.defaults import DEFAULT_LENGTH
+
+if TYPE_CHECKING:  # imported by the handlers when they run: ``kvfold eval --help`` loads no torch
+    from kvfold.evaluate.data.samples import Sample
+    from kvfold.evaluate.running.sweep import ItemRunner
 
 DATASET_HELP = (
     "ruler[:TASKS] (synthetic, generated locally), PATH.jsonl (one {context, question, answers, ...} a line), "
     "longbench[:TASKS][@DIR_OR_REPO], xsum[@PATH_OR_REPO], ruler-official[:TASKS]@PATH_OR_REPO"
 )
 
-Runs = Callable[[Callable[[ItemRunner], Any]], Any]
+Runs = Callable[[Callable[["ItemRunner"], Any]], Any]
 """Where a sweep runs: ``runs(sweep.run)`` answers it and returns its result."""
 
 
@@ -58,8 +57,8 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--length",
         type=int,
-        default=2048,
-        help="context length in tokens (RULER), prompt limit (LongBench, XSum); default 2048",
+        default=DEFAULT_LENGTH,
+        help="context length in tokens (RULER), prompt limit (LongBench, XSum)",
     )
     parser.add_argument(
         "--samples",
@@ -74,7 +73,7 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budgets",
         default="0.5,0.2,0.1",
-        help="comma-separated fractions in (0, 1] or token counts (default 0.5,0.2,0.1)",
+        help="comma-separated fractions in (0, 1] or token counts",
     )
     parser.add_argument(
         "--memory",
@@ -90,8 +89,10 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
         "@format wins; full stays the uncompressed reference)",
     )
     parser.add_argument("--seed", type=int, default=0, help="dataset and method seed")
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--out", required=True, help="output directory (its results are kept: a run again resumes what is missing)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="print no progress on stderr")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -107,10 +108,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--continuation",
         choices=("answer", "next"),
         default="answer",
-        help="answer: question + reference answer, teacher-forced (default); next: the document's "
-        "last --next-tokens tokens",
+        help="answer: question + reference answer, teacher-forced; next: the document's last --new-tokens tokens",
     )
-    p.add_argument("--next-tokens", type=int, default=64, help="held-out tokens with --continuation next")
+    add_new_tokens(p, "tokens held out at the end of the document and scored, with --continuation next", default=64)
+    deprecated_alias(p, "--next-tokens", "--new-tokens", type=int)
     p.add_argument(
         "--online",
         action="store_true",
@@ -119,9 +120,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_ray_args(p, "context")
 
-    p = sub.add_parser("report", help="print the results of finished runs (several of one kind merged)")
+    p = sub.add_parser(
+        "report",
+        help="print the results of finished eval, fidelity and bench runs (runs of one configuration merged)",
+    )
     p.add_argument(
-        "runs", nargs="+", type=Path, metavar="RUN_DIR", help="folders written by kvfold eval or fidelity --out"
+        "runs",
+        nargs="+",
+        type=Path,
+        metavar="RUN_DIR",
+        help="directories written by kvfold eval, fidelity or bench --out; runs on different datasets or lengths "
+        "are reported apart",
     )
     p.add_argument(
         "--markdown",
@@ -134,12 +143,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="also write the merged eval runs' report.md and plots (retention against budget and against "
-        "compression time, scores) into this folder",
+        "compression time, scores) into this directory (one subdirectory per configuration when there are several), "
+        "and the bench directories' bench.md and plots",
     )
 
 
 def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     """Validate methods, budgets and counts before anything slow happens."""
+    from kvfold.methods import build_method, split_specs
+    from kvfold.methods.core.base import apply_kv_bits
+    from kvfold.runtime.budget import Budget
+
     methods = [apply_kv_bits(spec, getattr(args, "kv_bits", None)) for spec in split_specs(args.methods)]
     for spec in methods:
         build_method(spec)
@@ -164,6 +178,9 @@ def _is_jsonl(spec: str) -> bool:
 
 def _check_dataset(spec: str) -> None:
     """Fail on a malformed JSONL file or an unknown dataset form before the model loads."""
+    from kvfold.evaluate.data.jsonl import load_jsonl
+    from kvfold.evaluate.data.loaders import load_dataset_spec
+
     if _is_jsonl(spec):
         if not Path(spec).is_file():
             raise ValueError(f"dataset file not found: {spec}")
@@ -181,6 +198,8 @@ def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
     ``ruler`` ``--samples`` counts contexts: a context with several questions (the multi-query
     task) keeps all of them.
     """
+    from kvfold.evaluate.data.loaders import load_dataset_spec
+
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     spec = args.dataset
     synthetic = spec.strip().lower() == "ruler"
@@ -233,6 +252,10 @@ def _prepare(args: argparse.Namespace) -> tuple[list[str], list[Any], list[Sampl
     ``runs`` answers on it; with ``--ray`` this process reads the data only, and ``runs`` answers
     on Ray workers that each load the model (and logs their counts).
     """
+    from kvfold.evaluate.running.distributed import ModelLoader, require_ray, run_on_ray
+    from kvfold.evaluate.running.sweep import local_runner
+    from kvfold.runtime import models
+
     methods, budgets = _check_selection(args)
     if args.ray is None:
         _check_dataset(args.dataset)
@@ -259,6 +282,8 @@ def _where(args: argparse.Namespace) -> str:
 
 def run_eval(args: argparse.Namespace) -> int:
     """``kvfold eval``: write results.json, predictions.jsonl, report.md and plots to ``--out``."""
+    from kvfold.evaluate.running.runner import EvalSweep
+
     methods, budgets, samples, runs = _prepare(args)
     print(f"{describe_samples(samples)}{_where(args)} → {args.out}", file=sys.stderr)
     sweep = EvalSweep(
@@ -280,6 +305,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def _print_summary(records: Sequence[Mapping[str, Any]]) -> None:
     """One line per (method, budget): the average and headline score, retention and KV-cache ratio."""
+    from kvfold.evaluate.scoring.records import AVERAGE_TASK, HEADLINE_TASK
+
     for record in records:
         if record["task"] in (AVERAGE_TASK, HEADLINE_TASK):
             retention = record.get("retention")
@@ -293,6 +320,8 @@ def _print_summary(records: Sequence[Mapping[str, Any]]) -> None:
 
 def run_fidelity(args: argparse.Namespace) -> int:
     """``kvfold fidelity``: write fidelity.json, fidelity.md and fidelity.png to ``--out``."""
+    from kvfold.evaluate.running.fidelity import FidelitySweep
+
     methods, budgets, samples, runs = _prepare(args)
     mode = "online" if args.online else "offline"
     print(
@@ -305,7 +334,7 @@ def run_fidelity(args: argparse.Namespace) -> int:
         budgets,
         _run_config(args),
         continuation=args.continuation,
-        next_tokens=args.next_tokens,
+        next_tokens=args.new_tokens,
         online=args.online,
         seed=args.seed,
         out_dir=args.out,
@@ -329,28 +358,77 @@ def _print_fidelity(records: Sequence[Mapping[str, Any]]) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """``kvfold report RUN_DIR...``: the results of finished runs, those of one kind merged.
+    """``kvfold report FOLDER...``: the results of finished runs, those of one kind and configuration merged.
 
-    Eval runs give the tables of ``report.md``, fidelity runs those of ``fidelity.md`` (eval first);
-    without ``--markdown``, the lines ``kvfold eval`` and ``kvfold fidelity`` print.
+    Eval runs give the tables of ``report.md``, fidelity runs those of ``fidelity.md``, bench directories
+    that of ``bench.md`` (in that order); without ``--markdown``, the lines ``kvfold eval``,
+    ``kvfold fidelity`` and ``kvfold bench`` print. Runs of different configurations (another
+    dataset, length, model) are reported apart, each under a heading that names it.
     """
-    runs = [read_run(run) for run in args.runs]
-    sections = []
+    from kvfold.evaluate.bench.speed import BENCH_FILE, read_bench_run
+    from kvfold.evaluate.running.results import RUN_KINDS, group_runs, read_run
+
+    benches = [path for path in args.runs if (path / BENCH_FILE).is_file()]
+    runs = [read_run(path) for path in args.runs if path not in benches]
+    sections: list[str] = []
+    groups = group_runs(runs)
     for kind in RUN_KINDS:
-        chosen = [run for run in runs if run.kind == kind]
-        if not chosen:
-            continue
-        records, config = merge_runs(chosen)
-        if args.out is not None and kind.name == "eval":
-            args.out.mkdir(parents=True, exist_ok=True)
-            written = write_eval_report(args.out, records, config)
-            print(f"wrote {', '.join(path.name for path in written)} to {args.out}", file=sys.stderr)
-        if args.markdown:
-            sections.append((eval_markdown if kind.name == "eval" else fidelity_markdown)(records, config))
-        else:
-            (_print_summary if kind.name == "eval" else _print_fidelity)(records)
+        chosen = [group for group in groups if group[0].kind == kind]
+        for index, group in enumerate(chosen):
+            out = (
+                None if args.out is None else (args.out if len(chosen) == 1 else args.out / f"{kind.name}-{index + 1}")
+            )
+            _report_group(args, group, out, len(chosen) > 1, sections)
+    if benches:
+        _report_benches(args, [read_bench_run(path) for path in benches], sections)
     print("\n".join(sections), end="")
     return 0
+
+
+def _report_group(args: argparse.Namespace, group: list, out: Path | None, several: bool, sections: list[str]) -> None:
+    """One group of runs of one kind and configuration: merged, printed (or its Markdown added to
+    ``sections``), and with ``out`` an eval group's report written there."""
+    from kvfold.evaluate.reporting import eval_markdown, fidelity_markdown, write_eval_report
+    from kvfold.evaluate.running.results import describe_config, merge_runs
+
+    kind = group[0].kind.name
+    records, config = merge_runs(group)
+    if out is not None and kind == "eval":
+        out.mkdir(parents=True, exist_ok=True)
+        written = write_eval_report(out, records, config)
+        print(f"wrote {', '.join(path.name for path in written)} to {out}", file=sys.stderr)
+    heading = f"{kind} runs on {describe_config(config)} ({', '.join(str(run.path) for run in group)})"
+    if args.markdown:
+        title = f"## {heading}\n\n" if several else ""
+        sections.append(title + (eval_markdown if kind == "eval" else fidelity_markdown)(records, config))
+    else:
+        if several:
+            print(f"# {heading}")
+        (_print_summary if kind == "eval" else _print_fidelity)(records)
+
+
+def _report_benches(args: argparse.Namespace, results: list[dict], sections: list[str]) -> None:
+    """Bench directories: merged (one model), their table printed or added to ``sections``, and with
+    ``--out`` their ``bench.md``, ``bench.json`` and plots written there."""
+    from kvfold.evaluate.bench.speed import bench_markdown, merge_bench_results, write_bench_report
+
+    result = merge_bench_results(results)
+    if args.out is not None:
+        out = args.out / "bench" if (args.out / "results.json").exists() else args.out
+        out.mkdir(parents=True, exist_ok=True)
+        write_bench_report(result, out)
+        print(f"wrote bench.json, bench.md, bench.png to {out}", file=sys.stderr)
+    if args.markdown:
+        sections.append(bench_markdown(result))
+        return
+    for r in result["records"]:
+        print(
+            f"{r['method']:<24} budget {r['budget']!s:<6} {r['length']:>6} tokens x {r['batch']}  "
+            f"prefill {r['prefill_s']:.2f}s  compress {r['compress_s']:.2f}s  "
+            f"decode {r['decode_tokens_per_s']:.1f} tok/s  "
+            f"memory {r.get('memory_ratio', r['kv_bytes'] / r['kv_bytes_full']):.4f} of 16-bit  "
+            f"peak RSS {r['peak_rss_mb']:.0f} MB"
+        )
 
 
 COMMANDS: dict[str, Handler] = {"eval": run_eval, "fidelity": run_fidelity, "report": run_report}

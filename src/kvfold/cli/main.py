@@ -1,4 +1,9 @@
-"""The ``kvfold`` command line: ``methods``, ``generate``, ``demo`` (and the evaluation commands)."""
+"""The ``kvfold`` command line: ``methods``, ``generate``, ``demo`` (and the evaluation commands).
+
+The arguments are parsed before anything heavy is imported: ``kvfold --help``, ``kvfold SUB --help``
+and ``kvfold --version`` load no torch and answer in a fraction of a second; each handler imports
+the model code it needs when it runs.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,20 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_memory_args, add_model_args, compress_options
-from kvfold.methods.core.spec import SpecError
+from kvfold.cli.args import (
+    Handler,
+    HelpFormatter,
+    add_memory_args,
+    add_model_args,
+    add_new_tokens,
+    add_quiet,
+    compress_options,
+    deprecated_alias,
+    progress,
+)
+from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.files import explain
-from kvfold.runtime.models import ModelLoadError
+from kvfold.runtime.version import __version__
 
 COMMANDS: dict[str, Handler] = {}
 """Every subcommand by name: this module's own, then those of :data:`SUBCOMMAND_MODULES`."""
@@ -27,7 +42,8 @@ SUBCOMMAND_MODULES = (
     "kvfold.cli.saved_caches",
     "kvfold.cli.schedule",
 )
-"""Modules that each expose ``add_parsers(sub)`` and ``COMMANDS``; optional (a missing one is skipped)."""
+"""Modules that each expose ``add_parsers(sub)`` and ``COMMANDS``; optional (a missing one is skipped).
+Importing them must not import torch (``tests/cli/test_main.py`` checks it)."""
 
 
 def command(name: str) -> Callable[[Handler], Handler]:
@@ -41,7 +57,12 @@ def command(name: str) -> Callable[[Handler], Handler]:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors (an unknown option, a missing one) are one line, not the usage."""
+    """An argument parser whose errors (an unknown option, a missing one) are one line, not the usage,
+    and whose help shows every flag's default (:class:`~kvfold.cli.args.HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -57,28 +78,47 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="kvfold", description="KV-cache merging and compaction for HF causal LMs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The whole ``kvfold`` parser: this module's subcommands, then those of :data:`SUBCOMMAND_MODULES`
+    (call :func:`_load_extra_commands` first), each with ``--quiet``."""
+    parser = OneLineParser(
+        prog="kvfold",
+        description="Compress a language model's KV cache: keep a long context in a tenth of the memory "
+        f"(default pipeline {RECOMMENDED}). Run 'kvfold SUB --help' for a command's flags.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvfold {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("methods", help="list the registered methods")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = sub.add_parser("generate", help="compress a context and answer a question")
+    p = sub.add_parser(
+        "generate",
+        help=f"compress a context and answer a question (default: {RECOMMENDED} at {DEFAULT_BUDGET})",
+    )
     add_model_args(p)
-    p.add_argument("--method", default="full", help="method spec, e.g. snapkv, adakv:snapkv+grkv, zsmerge[residual=0]")
     p.add_argument(
-        "--budget", default=None, help="fraction in (0, 1] of the context to keep, or a token count (default 1.0)"
+        "--method",
+        default=None,
+        help=f"method spec, e.g. snapkv, adakv:snapkv+grkv; 'full' keeps everything (default: {RECOMMENDED}; "
+        "with --cache: the file's)",
+    )
+    p.add_argument(
+        "--budget",
+        default=None,
+        help=f"fraction in (0, 1] of the context to keep, or a token count (default: {DEFAULT_BUDGET}; "
+        "with --cache: the file's)",
     )
     add_memory_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--context", help="the context text")
     src.add_argument("--cache", type=Path, help="a cache file (kvfold compress --out): answer from it, no prefill")
-    p.add_argument("--question", required=True)
-    p.add_argument("--answer-prefix", default="")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--question", required=True, help="the question asked about the context")
+    p.add_argument("--answer-prefix", default="", help="text the answer starts with (decoding continues it)")
+    add_new_tokens(p, "the most tokens generated for the answer", default=64)
+    deprecated_alias(p, "--max-new-tokens", "--new-tokens", type=int)
     p.add_argument("--query-aware", action="store_true", help="compress the question together with the context")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the methods that draw at random")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     from kvfold.cli.saved_caches import add_cache_args
 
@@ -86,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="compress a built-in long context with a few methods and answer questions")
     add_model_args(p)
-    p.add_argument("--budget", default=None, help="fraction of the context to keep (default 0.1), or --memory")
+    p.add_argument(
+        "--budget", default=None, help=f"fraction of the context each method keeps (default: {DEFAULT_BUDGET})"
+    )
     add_memory_args(p)
     p.add_argument(
         "--methods",
@@ -94,10 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated specs, or 'all' for every method (default: kvzip, leverage and the recommended "
         "pipeline, beside the full cache)",
     )
-    p.add_argument("--context-tokens", type=int, default=3000, help="length of the built-in context")
+    p.add_argument("--length", type=int, default=3000, help="tokens of the built-in context")
+    deprecated_alias(p, "--context-tokens", "--length", type=int)
 
     for register in EXTRA_PARSERS:
         register(sub)
+    for subparser in sub.choices.values():
+        if "--quiet" not in subparser._option_string_actions:
+            add_quiet(subparser)
     return parser
 
 
@@ -128,21 +174,29 @@ def run_methods(args: argparse.Namespace) -> int:
 
 @command("generate")
 def run_generate(args: argparse.Namespace) -> int:
-    from kvfold.methods import build_method
-    from kvfold.methods.core.base import with_format
-    from kvfold.pipeline.context import prefill
-    from kvfold.runtime.models import load_model
-
+    """``kvfold generate``: prefill, compress (the recommended pipeline at a tenth unless told
+    otherwise) and answer; with ``--cache``, answer from a saved cache."""
     if args.cache is not None:  # a saved cache: no prefill
         from kvfold.cli.saved_caches import run_generate_cached
 
         return run_generate_cached(args)
-    options = compress_options(args, "1.0" if args.budget is None and args.memory is None else args.budget)
-    method = build_method(with_format(args.method, options.pop("kv_format")))
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    from kvfold.methods import build_method
+    from kvfold.methods.core.base import with_format
+    from kvfold.pipeline.context import prefill
+    from kvfold.runtime.budget import Budget
+
+    options = compress_options(args, DEFAULT_BUDGET if args.budget is None and args.memory is None else args.budget)
+    spec = with_format(RECOMMENDED if args.method is None else args.method, options.pop("kv_format"))
+    method = build_method(spec)
+    target = Budget.of_memory(options["memory"]) if "memory" in options else Budget.parse(options["budget"])
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     context = args.context if args.context is not None else _read_text(args.context_file)
+    from kvfold.runtime.models import load_model
+
+    progress(args, f"loading {args.model}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    progress(args, "prefilling the context")
     prefilled = prefill(
         model,
         tokenizer,
@@ -150,15 +204,17 @@ def run_generate(args: argparse.Namespace) -> int:
         question=args.question if args.query_aware else None,
         query_aware=args.query_aware,
         answer_prefix=args.answer_prefix if args.query_aware else "",
+        methods=[method],
     )
-    compressed = prefilled.compress(method, seed=args.seed, **options)
+    what = f"memory {target}" if target.memory is not None else str(target)
+    progress(args, f"compressing {prefilled.context_tokens} tokens with {describe_method(spec)} to {what}")
+    compressed = prefilled.compress(method, target, seed=args.seed)
     budget = compressed.budget
+    progress(args, "answering")
     if args.query_aware:
-        answer = compressed.generate(max_new_tokens=args.max_new_tokens)[0]
+        answer = compressed.generate(max_new_tokens=args.new_tokens)[0]
     else:
-        answer = compressed.generate(
-            args.question, answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens
-        )[0]
+        answer = compressed.generate(args.question, answer_prefix=args.answer_prefix, max_new_tokens=args.new_tokens)[0]
     record = {
         "answer": answer.text,
         "method": compressed.method.spec,
@@ -180,7 +236,7 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         print(answer.text)
         print(
-            f"[{record['method']} @ {budget}] context {record['context_tokens']} tokens, "
+            f"[{describe_method(record['method'])} @ {budget}] context {record['context_tokens']} tokens, "
             f"KV {record['kv_bytes'] / 2**20:.2f} MB of {record['kv_bytes_full'] / 2**20:.2f} MB "
             f"({record['memory_ratio']:.4f} of the 16-bit cache), prefill {record['prefill_seconds']:.2f}s, "
             f"compress {record['compress_seconds']:.2f}s",
@@ -189,18 +245,25 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe_method(spec: str) -> str:
+    """``"kvzip+am_fit (the recommended pipeline)"`` for the recommended spec, else the spec: what a
+    command says it compressed with."""
+    return f"{spec} (the recommended pipeline)" if spec == RECOMMENDED else spec
+
+
 @command("demo")
 def run_demo(args: argparse.Namespace) -> int:
     from kvfold.cli.demo import run_demo as demo
 
-    options = compress_options(args, "0.1" if args.budget is None and args.memory is None else args.budget)
+    options = compress_options(args, DEFAULT_BUDGET if args.budget is None and args.memory is None else args.budget)
     return demo(
         args.model,
         options.get("budget"),
         args.methods,
         args.dtype,
         args.device,
-        args.context_tokens,
+        args.length,
+        quiet=args.quiet,
         memory=options.get("memory"),
         kv_format=options.get("kv_format"),
     )
@@ -217,26 +280,49 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     So do files that cannot be written (:class:`~kvfold.runtime.files.OutputError`: the path and
     what to do); Ctrl-C prints one line (a sweep: the count of finished answers kept) and exits
-    with 130. No traceback for any of them.
+    with 130. No traceback for any of them. The arguments are parsed before torch is imported.
     """
     _load_extra_commands()
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):
+        _silence_progress_bars()
     try:
         status = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
         return status
-    except (ValueError, SpecError, ModelLoadError, FileNotFoundError, NotImplementedError) as err:
-        print(f"kvfold {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # the reader left (`kvfold methods | head`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe closed
+    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # SpecError is a ValueError
+        print(f"kvfold {args.command}: error: {err}", file=sys.stderr)
+        return 2
     except OSError as err:  # a file that cannot be written (or read): its path and what to do
         print(f"kvfold {args.command}: error: {explain(err, verb=None)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:  # Ctrl-C: a sweep says what it kept (SweepInterrupted)
         print(f"kvfold {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)
         return 130  # 128 + SIGINT
+    except RuntimeError as err:
+        if _is_model_load_error(err):
+            print(f"kvfold {args.command}: error: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _is_model_load_error(err: BaseException) -> bool:
+    """Whether ``err`` is a :class:`~kvfold.runtime.models.ModelLoadError` (imported only when one
+    may have been raised: the module imports torch)."""
+    module = sys.modules.get("kvfold.runtime.models")
+    return module is not None and isinstance(err, module.ModelLoadError)
+
+
+def _silence_progress_bars() -> None:
+    """``--quiet``: no progress bars from transformers and the hub either (loading weights, downloads)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is imported
+    if "transformers" in sys.modules:  # already imported (a caller in this process): switch it off there
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
 
 
 def _silence_stdout() -> None:

@@ -1,12 +1,12 @@
 """Command line for saved caches and chat: ``kvfold compress``, ``kvfold ask``, ``kvfold chat`` and
 ``kvfold generate --cache``.
 
-* ``kvfold compress --context-file F --method M --budget B --out doc.kvc`` — prefill and compress
-  once, write the cache file.
+* ``kvfold compress --context-file F [--method M --budget B] --out doc.kvc`` — prefill and compress
+  once (by default with the recommended pipeline at a tenth), write the cache file.
 * ``kvfold generate --cache doc.kvc --question Q`` — answer from the file, no prefill.
 * ``kvfold ask --cache doc.kvc [--questions FILE]`` — many questions (a file, or stdin), one a
   line, each answered from a fresh copy of the same loaded cache.
-* ``kvfold chat [--context-file F | --cache doc.kvc] --method M --budget B`` — a conversation kept
+* ``kvfold chat [--context-file F | --cache doc.kvc] [--method M --budget B]`` — a conversation kept
   in a cache of fixed size (:class:`kvfold.pipeline.chat.ChatSession`), read from stdin (a tty or a pipe),
   with ``/save PATH``, ``/load PATH``, ``/stats`` and ``/quit``. A ``/save`` that cannot write its file
   says so in one line and the conversation goes on; the command then ends with status 2.
@@ -25,6 +25,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from kvfold.cli.args import (
+    add_memory_args,
+    add_method_args,
+    add_model_args,
+    add_new_tokens,
+    compress_options,
+    deprecated_alias,
+    progress,
+)
+from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_CHAT_BUDGET, RECOMMENDED
+
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
     """``--cache-dtype`` / ``--cache-device``: explicit conversion of a cache file on load."""
@@ -35,40 +46,34 @@ def add_cache_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    from kvfold.cli.args import add_model_args
-
     add_model_args(parser)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``compress``, ``ask`` and ``chat``."""
-    from kvfold.cli.args import add_memory_args
-
     p = sub.add_parser("compress", help="prefill and compress a context once, write a cache file (.kvc)")
     _model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--context-file", type=Path, help="file with the context text")
     src.add_argument("--context", help="the context text")
-    p.add_argument("--method", required=True, help="method spec, e.g. snapkv, am_highest_fast, snapkv+keepkv")
-    p.add_argument(
-        "--budget", default=None, help="fraction in (0, 1] of the context to keep, or a token count (or --memory)"
-    )
+    add_method_args(p, budget_default=None)
     add_memory_args(p)
-    p.add_argument("--out", required=True, type=Path, help="the cache file to write (e.g. doc.kvc)")
+    p.add_argument("--out", required=True, type=Path, help="the cache file to write (one file, e.g. doc.kvc)")
     p.add_argument(
         "--resumable",
         action="store_true",
         help="also store the token ids and last query states, so a chat on this file can compact it again",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the methods that draw at random")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("ask", help="answer many questions from one saved cache file, no prefill")
     _model_args(p)
     p.add_argument("--cache", required=True, type=Path, help="a cache file written by kvfold compress")
     p.add_argument("--questions", type=Path, default=None, help="file with one question a line (default: stdin)")
-    p.add_argument("--answer-prefix", default="")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--answer-prefix", default="", help="text every answer starts with (decoding continues it)")
+    add_new_tokens(p, "the most tokens generated for each answer", default=64)
+    deprecated_alias(p, "--max-new-tokens", "--new-tokens", type=int)
     p.add_argument("--json", action="store_true", help="print one JSON object a line")
     add_cache_args(p)
 
@@ -78,19 +83,22 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--context-file", type=Path, help="a document the conversation is about")
     src.add_argument("--cache", type=Path, help="a cache file (kvfold compress, or /save) to continue from")
     p.add_argument(
-        "--method", default=None, help="method spec used to compact the conversation (default: the recommended one)"
+        "--method",
+        default=None,
+        help=f"method spec used to compact the conversation (default: {RECOMMENDED}; with --cache: the file's)",
     )
     p.add_argument(
         "--budget",
         default=None,
-        help="entries kept after a compaction: a token count, or a fraction of --context-file "
-        "(default: the cache file's budget)",
+        help="entries per KV head kept after a compaction: a token count, or a fraction of --context-file "
+        f"(default: {DEFAULT_CHAT_BUDGET}; with --cache: the file's)",
     )
     add_memory_args(p)
     p.add_argument(
-        "--cap", type=int, default=None, help="physical entries that trigger a compaction (default 2 x budget)"
+        "--cap", type=int, default=None, help="physical entries that trigger a compaction (default: 2 x budget)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    add_new_tokens(p, "the most tokens of each reply", default=128)
+    deprecated_alias(p, "--max-new-tokens", "--new-tokens", type=int)
     p.add_argument("--system", default=None, help="a system message (chat template permitting)")
     p.add_argument(
         "--no-pin",
@@ -106,7 +114,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run_compress(args: argparse.Namespace) -> int:
     """``kvfold compress``: prefill and compress a context once, write the cache file."""
-    from kvfold.cli.args import compress_options
     from kvfold.methods import build_method
     from kvfold.methods.core.base import with_format
     from kvfold.pipeline.context import prefill
@@ -114,15 +121,20 @@ def run_compress(args: argparse.Namespace) -> int:
     from kvfold.runtime.models import load_model
     from kvfold.store.save import save_context
 
-    options = compress_options(args, args.budget)
-    method = build_method(with_format(args.method, options.pop("kv_format")))
-    if "budget" in options:
-        options["budget"] = Budget.parse(options["budget"])
+    options = compress_options(args, DEFAULT_BUDGET if args.budget is None and args.memory is None else args.budget)
+    spec = with_format(args.method, options.pop("kv_format"))
+    method = build_method(spec)
+    target = Budget.of_memory(options["memory"]) if "memory" in options else Budget.parse(options["budget"])
     text = args.context if args.context is not None else _read_text(args.context_file)
+    progress(args, f"loading {args.model}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    progress(args, "prefilling the context")
     prefilled = prefill(model, tokenizer, text, methods=[method])
-    compressed = prefilled.compress(method, seed=args.seed, **options)
+    what = f"memory {target}" if target.memory is not None else str(target)
+    progress(args, f"compressing {prefilled.context_tokens} tokens with {_describe(spec)} to {what}")
+    compressed = prefilled.compress(method, target, seed=args.seed)
     budget = compressed.budget
+    progress(args, f"writing {args.out}")
     start = time.perf_counter()
     size = save_context(compressed, args.out, source_text=text, resumable=args.resumable)
     save_seconds = time.perf_counter() - start
@@ -143,9 +155,10 @@ def run_compress(args: argparse.Namespace) -> int:
         print(json.dumps(record, indent=2))
     else:
         print(
-            f"{args.out}: {record['context_tokens']} tokens, {args.method} @ {budget}: "
+            f"{args.out}: {record['context_tokens']} tokens, {_describe(record['method'])} @ {budget}: "
             f"{size / 2**20:.2f} MB of {record['kv_bytes_full'] / 2**20:.2f} MB full "
-            f"({100 * record['file_ratio']:.1f}%); prefill {record['prefill_seconds']:.2f}s, "
+            f"({100 * record['file_ratio']:.1f}%; the cache is {record['memory_ratio']:.4f} of the full cache in "
+            f"16 bits); prefill {record['prefill_seconds']:.2f}s, "
             f"compress {record['compress_seconds']:.2f}s, save {save_seconds:.2f}s"
         )
     return 0
@@ -172,7 +185,7 @@ def _load_saved(args: argparse.Namespace):
 
 
 def _answer_record(context, question: str, args: argparse.Namespace) -> dict:
-    answer = context.generate(question, answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens)[0]
+    answer = context.generate(question, answer_prefix=args.answer_prefix, max_new_tokens=args.new_tokens)[0]
     return {
         "question": question,
         "answer": answer.text,
@@ -183,15 +196,10 @@ def _answer_record(context, question: str, args: argparse.Namespace) -> dict:
 
 def run_generate_cached(args: argparse.Namespace) -> int:
     """``kvfold generate --cache doc.kvc --question Q``: the answer from a saved cache, no prefill."""
-    compress_flags = args.budget is not None or args.memory is not None or args.kv_bits is not None
-    if args.method != "full" or compress_flags or args.query_aware:
-        raise ValueError(
-            "--method, --budget, --memory, --kv-bits and --query-aware do not apply with --cache: the file was "
-            "compressed already "
-            "(its method and budget are in its header; see kvfold compress)"
-        )
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    _refuse_with_cache(args, "--query-aware" if args.query_aware else None)
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+    progress(args, f"loading {args.model} and {args.cache}")
     _, _, context, load_seconds = _load_saved(args)
     record = _answer_record(context, args.question, args)
     record.update(
@@ -231,8 +239,9 @@ def _questions(path: Path | None, stream: TextIO) -> Iterator[str]:
 
 def run_ask(args: argparse.Namespace) -> int:
     """``kvfold ask --cache doc.kvc``: one answer a line, each from a fresh copy of the loaded cache."""
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+    progress(args, f"loading {args.model} and {args.cache}")
     _, _, context, load_seconds = _load_saved(args)
     print(
         f"[{context.method.spec} @ {context.budget.label()} from {args.cache}] loaded in {load_seconds:.2f}s",
@@ -269,7 +278,6 @@ def _chat_memory(model, spec: str, memory: float) -> tuple[str, float]:
 
 def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     """``kvfold chat``: read lines from stdin; a line is a user turn unless it is a command."""
-    from kvfold.methods import RECOMMENDED
     from kvfold.methods.core.base import with_format
     from kvfold.pipeline.chat import ChatSession
     from kvfold.runtime.models import load_model
@@ -277,26 +285,25 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be ≥ 1; got {args.max_new_tokens}")
+    if args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+    if args.cache is not None:
+        _refuse_with_cache(args)
+    context = _read_text(args.context_file) if args.context_file is not None else None
+    progress(args, f"loading {args.model}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}
     if args.cache is not None:
         session = load_chat(args.cache, model, tokenizer, cap=args.cap, **load_kwargs)
-        if args.budget is not None or args.method is not None or args.memory is not None or args.kv_bits is not None:
-            raise ValueError(
-                "--method, --budget, --memory and --kv-bits are taken from the cache file; leave them out with --cache"
-            )
     else:
-        context = _read_text(args.context_file) if args.context_file is not None else None
         method = with_format(RECOMMENDED if args.method is None else args.method, args.kv_bits)
-        budget = args.budget
+        budget = DEFAULT_CHAT_BUDGET if args.budget is None else args.budget
         if args.memory is not None:
             if args.budget is not None or context is None:
                 raise ValueError("--memory takes the place of --budget and needs --context-file (a fraction of it)")
             method, budget = _chat_memory(model, method, args.memory)
-        elif budget is None:
-            raise ValueError("give --budget (a token count, or a fraction of --context-file) or --memory")
+        if context is not None:
+            progress(args, f"prefilling the document; the conversation is compacted with {_describe(method)}")
         session = ChatSession(
             model,
             tokenizer,
@@ -307,7 +314,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
             system=args.system,
             pin_context=not args.no_pin,
         )
-    session.max_new_tokens = args.max_new_tokens
+    session.max_new_tokens = args.new_tokens
     saved_all = True  # a failed /save ends the command with status 2 (the conversation goes on)
     interactive = stdin.isatty()
     if interactive:
@@ -332,7 +339,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
                 saved_all = _save_chat(session, rest, stdout) and saved_all
             elif command == "/load" and rest:
                 session = load_chat(rest, model, tokenizer, cap=args.cap, **load_kwargs)
-                session.max_new_tokens = args.max_new_tokens
+                session.max_new_tokens = args.new_tokens
                 print(f"loaded {rest} ({session.stats()['turns']} turns)", file=stdout, flush=True)
             else:
                 print(f"unknown command {line!r}: /save PATH, /load PATH, /stats, /quit", file=stdout, flush=True)
@@ -354,6 +361,25 @@ def _save_chat(session, path: str, stdout: TextIO) -> bool:
         return False
     print(f"saved {path} ({size} bytes)", file=stdout, flush=True)
     return True
+
+
+def _refuse_with_cache(args: argparse.Namespace, *others: str | None) -> None:
+    """``--method`` and ``--budget`` (and ``others`` given) do not apply to a saved cache: one error,
+    the same for ``generate --cache`` and ``chat --cache``."""
+    flags = (("--method", args.method), ("--budget", args.budget))
+    flags += (("--memory", getattr(args, "memory", None)), ("--kv-bits", getattr(args, "kv_bits", None)))
+    given = [flag for flag, value in flags if value is not None]
+    given += [flag for flag in others if flag]
+    if given:
+        raise ValueError(
+            f"{' and '.join(given)} do not apply with --cache: the file was compressed already "
+            "(its method and budget are in its header; see kvfold compress)"
+        )
+
+
+def _describe(spec: str) -> str:
+    """The spec, marked when it is the recommended pipeline."""
+    return f"{spec} (the recommended pipeline)" if spec == RECOMMENDED else spec
 
 
 def _read_text(path: Path) -> str:

@@ -11,49 +11,48 @@ into per-head shares, and the JSON file is read by ``am_*[schedule=F]`` and ``kv
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args
-from kvfold.evaluate.bench.process import context_ids
-from kvfold.methods import build_method
-from kvfold.methods.compaction.attention_matching.schedule import DEFAULT_RATIOS, build_head_schedule
-from kvfold.runtime import models
+from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress
+from kvfold.runtime.defaults import DEFAULT_LENGTH
 
 DEFAULT_METHOD = "am_highest_fast"
 """The compaction whose per-head sensitivity is measured (the paper's)."""
+DEFAULT_RATIOS = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4)
+"""The compaction ratios of the sensitivity curves (those of
+:data:`kvfold.methods.compaction.attention_matching.schedule.DEFAULT_RATIOS`, written here so that
+``--help`` imports no torch; a test checks they agree)."""
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the ``head-schedule`` sub-parser to the ``kvfold`` parser."""
     p = sub.add_parser("head-schedule", help="per-head budget shares for one model (Attention Matching §3.4)")
     add_model_args(p)
-    p.add_argument("--out", type=Path, required=True, help="the schedule's JSON file")
-    p.add_argument(
-        "--method",
-        default=DEFAULT_METHOD,
-        help=f"the compaction measured at each ratio, uniform over heads (default {DEFAULT_METHOD})",
-    )
+    p.add_argument("--out", type=Path, required=True, help="the schedule's JSON file (one file)")
+    p.add_argument("--method", default=DEFAULT_METHOD, help="the compaction measured at each ratio, uniform over heads")
     p.add_argument(
         "--text-file",
         type=Path,
         action="append",
         help="a calibration text (repeat the option for more); default: --texts pieces of the shipped English prose",
     )
-    p.add_argument("--texts", type=int, default=4, help="pieces of the shipped prose (default 4)")
-    p.add_argument("--length", type=int, default=2048, help="tokens of each piece of prose (default 2048)")
+    p.add_argument("--texts", type=int, default=4, help="pieces of the shipped prose")
+    p.add_argument("--length", type=int, default=DEFAULT_LENGTH, help="tokens of each piece of prose")
     p.add_argument(
         "--ratios",
         default=",".join(str(r) for r in DEFAULT_RATIOS),
         help="comma-separated compaction ratios of the sensitivity curves",
     )
-    p.add_argument("--r0", type=float, default=0.05, help="the reference ratio of Algorithm 4 (default 0.05)")
-    p.add_argument("--continuation", type=int, default=32, help="tokens of each text scored (default 32)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--r0", type=float, default=0.05, help="the reference ratio of Algorithm 4")
+    add_new_tokens(p, "tokens at the end of each text scored (the held-out continuation)", default=32)
+    deprecated_alias(p, "--continuation", "--new-tokens", type=int)
+    p.add_argument("--seed", type=int, default=0, help="seed of the methods that draw at random")
 
 
 def prose_pieces(tokenizer, count: int, length: int) -> list[str]:
     """``count`` consecutive pieces of ``length`` tokens of the shipped English prose (wrapping round)."""
+    from kvfold.evaluate.bench.process import context_ids
+
     ids = context_ids(tokenizer, count * length, 1)[0].tolist()  # the bench's prose, wrapped round
     return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(count)]
 
@@ -70,17 +69,21 @@ def _ratios(text: str) -> list[float]:
 
 def run_head_schedule(args: argparse.Namespace) -> int:
     """``kvfold head-schedule``: measure, run Algorithm 4, write the JSON (atomically)."""
+    from kvfold.methods import build_method
+    from kvfold.methods.compaction.attention_matching.schedule import build_head_schedule
+    from kvfold.runtime import models
+
     build_method(args.method)
     ratios = _ratios(args.ratios)
     if not 0 < args.r0 <= 1:
         raise ValueError(f"--r0 must be in (0, 1]; got {args.r0}")
-    if args.texts < 1 or args.length < 64 or args.continuation < 1:
-        raise ValueError("--texts must be ≥ 1, --length ≥ 64 and --continuation ≥ 1")
+    if args.texts < 1 or args.length < 64 or args.new_tokens < 1:
+        raise ValueError("--texts must be ≥ 1, --length ≥ 64 and --new-tokens ≥ 1")
     for path in args.text_file or []:
         if not path.is_file():
             raise ValueError(f"text file not found: {path}")
     if args.out.is_dir():
-        raise ValueError(f"--out names a file for the schedule's JSON; {args.out} is a folder")
+        raise ValueError(f"--out names a file for the schedule's JSON; {args.out} is a directory")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.text_file:
         texts = [path.read_text(encoding="utf-8") for path in args.text_file]
@@ -94,9 +97,9 @@ def run_head_schedule(args: argparse.Namespace) -> int:
         method=args.method,
         ratios=ratios,
         r0=args.r0,
-        continuation_tokens=args.continuation,
+        continuation_tokens=args.new_tokens,
         seed=args.seed,
-        progress=lambda line: print(f"kvfold head-schedule: {line}", file=sys.stderr, flush=True),
+        progress=lambda line: progress(args, line),
     )
     shares = [share for row in schedule.shares for share in row]
     print(

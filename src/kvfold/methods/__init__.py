@@ -18,10 +18,7 @@ from kvfold.methods.core.base import (
     register,
 )
 from kvfold.methods.core.spec import SpecError, parse_spec, split_specs
-
-RECOMMENDED = "kvzip+am_fit"
-"""The pipeline recommended for query-agnostic compaction, shown by ``kvfold demo`` beside the full
-cache, ``kvzip`` and ``leverage``. The one place to change when measurements pick another (issue 24)."""
+from kvfold.runtime.defaults import RECOMMENDED  # written there: the command line reads it without torch
 
 __all__ = [
     "RECOMMENDED",

@@ -54,6 +54,7 @@ from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, build_prompt, encod
 from kvfold.pipeline.recompact import limit_head_entries, pin_entries, recompacts_by_repeat_pass
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
 
 MARK = "\u241e"
 """A character that tokenizers and templates leave alone (as in :func:`kvfold.pipeline.context.build_prompt`)."""
@@ -234,9 +235,11 @@ class ChatSession:
     Args:
         model: an enabled model (:func:`kvfold.load_model`).
         tokenizer: its tokenizer (its chat template formats the turns when it has one).
-        method: the method spec that compacts the conversation.
-        budget: entries per KV head kept after a compaction: a token count, or a fraction of
-            ``context`` (then required).
+        method: the method spec that compacts the conversation (default
+            :data:`kvfold.methods.RECOMMENDED`).
+        budget: entries per KV head kept after a compaction: a token count (default
+            :data:`kvfold.runtime.defaults.DEFAULT_CHAT_BUDGET`, 512), or a fraction of ``context`` (then
+            required).
         cap: physical entries that trigger a compaction before a turn would pass them
             (default ``2 × budget``); must exceed the budget. The cache never holds more than the
             cap as long as the budget plus one turn (message and reply) fits in it; a longer turn
@@ -266,8 +269,8 @@ class ChatSession:
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        method: str | ComposedMethod = "snapkv",
-        budget: float | int | str = 512,
+        method: str | ComposedMethod = RECOMMENDED,
+        budget: float | int | str = DEFAULT_CHAT_BUDGET,
         *,
         cap: int | None = None,
         context: str | None = None,
@@ -318,7 +321,7 @@ class ChatSession:
             self.context_open = True
             self.budget = parsed.count(prefilled.context_tokens)
         elif parsed.fraction is not None:
-            raise ValueError("a chat without a context needs --budget as a token count (e.g. 512), not a fraction")
+            raise ValueError("a chat without a context needs its budget as a token count (e.g. 512), not a fraction")
         else:
             self.budget = int(parsed.tokens)
         self.cap = 2 * self.budget if cap is None else int(cap)

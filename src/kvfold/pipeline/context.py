@@ -1,6 +1,6 @@
 """From a user's context to answers through a compressed cache: prefill → compress → answer.
 
-Protocol (shared/guide/evaluation.md): by default **query-agnostic** — the context is prefilled
+Protocol (docs/evaluation.md): by default **query-agnostic** — the context is prefilled
 and compressed alone, then the question (and answer prefix) is appended and decoded greedily.
 With ``query_aware=True`` the question is part of what is compressed.
 
@@ -8,7 +8,7 @@ Example:
     >>> from kvfold import load_model, prefill
     >>> model, tokenizer = load_model()
     >>> context = prefill(model, tokenizer, open("report.txt").read())
-    >>> small = context.compress("snapkv", budget=0.1)
+    >>> small = context.compress()  # kvfold.methods.RECOMMENDED, keeping a tenth of the context
     >>> small.answer("Who signed the report?")
     >>> small.kv_bytes, small.kv_bytes_full
 """
@@ -29,6 +29,7 @@ from kvfold.pipeline.memory import MAX_RETRIES, over_budget, plan_memory, shrink
 from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
 from kvfold.runtime.timing import device_clock
 
@@ -50,7 +51,7 @@ def check_length(model: PreTrainedModel, total_tokens: int) -> None:
     if limit is not None and total_tokens > limit:
         raise ValueError(
             f"context, question and answer need {total_tokens} tokens but the model supports {limit} positions; "
-            "shorten the context or lower --max-new-tokens"
+            "shorten the context or ask for fewer new tokens"
         )
 
 
@@ -103,7 +104,7 @@ class PrefilledContext:
 
     def compress(
         self,
-        method: str | ComposedMethod = "full",
+        method: str | ComposedMethod = RECOMMENDED,
         budget: float | int | str | Budget | None = None,
         *,
         memory: float | None = None,
@@ -114,9 +115,10 @@ class PrefilledContext:
 
         Args:
             method: a method spec (``"snapkv"``, ``"adakv:snapkv+grkv"``, ``"kvzip@int4"``, …) or a
-                built method.
-            budget: a fraction in (0, 1] of the context to keep, or a token count (1.0 when neither
-                this nor ``memory`` is given).
+                built method; by default :data:`kvfold.methods.RECOMMENDED`. ``"full"`` keeps everything.
+            budget: a fraction in (0, 1] of the context to keep, or a token count (default
+                :data:`kvfold.runtime.defaults.DEFAULT_BUDGET`, a tenth, when neither this nor ``memory``
+                is given).
             memory: instead of ``budget``, the fraction in (0, 1] of the 16-bit full cache's bytes the
                 compressed cache may hold: the library chooses the tokens and the precision
                 (:mod:`kvfold.pipeline.memory`), unless the spec or ``kv_format`` names the precision.
@@ -136,7 +138,7 @@ class PrefilledContext:
                 raise ValueError("give a token budget or a memory budget, not both")
             target = Budget.of_memory(memory) if memory is not None else budget
             return self._compress_to_memory(composed, target, seed)
-        parsed_budget = Budget.parse(1.0 if budget is None else budget)
+        parsed_budget = Budget.parse(DEFAULT_BUDGET if budget is None else budget)
         return self._compress(composed, parsed_budget, seed)
 
     def _compress(self, composed: ComposedMethod, budget: Budget, seed: int) -> CompressedContext:
@@ -437,7 +439,7 @@ def prefill(
     """
     contexts = [context] if isinstance(context, str) else list(context)
     if not contexts or any(not c or not c.strip() for c in contexts):
-        raise ValueError("the context is empty; give the text to compress (--context or --context-file)")
+        raise ValueError("the context is empty; give a text to compress")
     questions = [question] * len(contexts) if isinstance(question, str) or question is None else list(question)
     if query_aware and any(not q for q in questions):
         raise ValueError("query-aware mode needs the question at prefill time")

@@ -1,6 +1,6 @@
 """The folded KV cache: keys, values and a per-entry log-mass β, with real per-head lengths.
 
-Every method of the seed papers ends in the same object (see ``shared/guide/architecture.md``):
+Every method of the seed papers ends in the same object (see docs/architecture.md):
 a shorter cache whose entries may stand for several tokens. An entry with log-mass β adds β to
 its attention logit, ``logits_j = q·k_j / sqrt(d) + β_j``, so one entry with β = log k attends
 exactly like k identical copies. β is ZSMerge's α·log w (§3), KeepKV's log of electoral votes

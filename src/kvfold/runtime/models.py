@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -34,8 +35,8 @@ from transformers import (
 )
 
 from kvfold.runtime.attention import enable
+from kvfold.runtime.defaults import DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
 RANDOM_PREFIX = "random:"
 """A spec ``random:DIR``: ``DIR``'s architecture and tokenizer, random weights (cost only)."""
@@ -167,43 +168,77 @@ def load_model(
     *,
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device | None = "auto",
+    revision: str | None = None,
+    token: str | bool | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, in eval mode, with the kvfold attention enabled.
 
     Args:
-        spec: ``smollm2-135m`` (default), a ``.gguf`` path, a local directory or a hub id.
+        spec: ``smollm2-135m`` (default: SmolLM2-135M-Instruct, 8,192 positions), a ``.gguf`` path,
+            a local directory or a hub id.
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        revision: a hub model's branch, tag or commit (transformers' ``revision``).
+        token: a hub token for gated or private models (transformers' ``token``).
+        device_map: passed to ``from_pretrained`` (e.g. ``"auto"`` to spread a large model over
+            the GPUs); the model is then left where it puts it, and ``device`` only picks the
+            default dtype.
+        **kwargs: passed to the model's ``from_pretrained`` (e.g. ``trust_remote_code``,
+            ``cache_dir``).
 
     Returns:
         ``(model, tokenizer)``.
 
     Raises:
-        ModelLoadError: the spec names no loadable model; the message says how to provide one.
+        ModelLoadError: the spec names no loadable model; the message gives the underlying error
+            and says how to provide one.
         ValueError: unsupported architecture, dtype or device.
 
     Example:
         >>> model, tokenizer = load_model()  # the embedded SmolLM2-135M-Instruct
+        >>> model, tokenizer = load_model("Qwen/Qwen3-0.6B", revision="main", device_map="auto")
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     location, local = resolve_spec(spec)
+    hub = {key: value for key, value in (("revision", revision), ("token", token)) if value is not None}
     try:
-        config = AutoConfig.from_pretrained(location, local_files_only=local)
+        config = AutoConfig.from_pretrained(location, local_files_only=local, **hub)
     except OSError as err:
         raise ModelLoadError(
-            f"could not load model {spec!r}: {err.__class__.__name__}. No model hub is reachable here: pass a "
-            "local directory (config.json + weights), a .gguf file, or the default 'smollm2-135m'"
+            f"could not load model {spec!r}: {cause(err)}. Pass a local directory (config.json + weights), a .gguf "
+            "file or the default 'smollm2-135m'; for a hub id, check its name, the network and the token"
         ) from err
     check_supported(config)
-    if spec.startswith(RANDOM_PREFIX):
-        model = random_model(config, torch_dtype, dev)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype, local_files_only=local)
-    tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local)
-    model.to(dev)
+    try:
+        if spec.startswith(RANDOM_PREFIX):
+            model = random_model(config, torch_dtype, dev)
+        else:
+            if device_map is not None:
+                kwargs["device_map"] = device_map
+            model = AutoModelForCausalLM.from_pretrained(
+                location, dtype=torch_dtype, local_files_only=local, **hub, **kwargs
+            )
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local, **hub)
+    except OSError as err:
+        raise ModelLoadError(
+            f"could not load the weights or tokenizer of {spec!r}: {cause(err)}. A model directory needs "
+            "config.json, the weights and the tokenizer files"
+        ) from err
+    if device_map is None:
+        model.to(dev)
     model.eval()
     return enable(model), tokenizer
+
+
+def cause(err: BaseException, limit: int = 300) -> str:
+    """The underlying error in one line: its class and the first line of its message, shortened."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+    if len(first) > limit:
+        first = first[: limit - 1] + "…"
+    return f"{err.__class__.__name__}: {first}" if first else err.__class__.__name__
 
 
 def random_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0) -> PreTrainedModel:
@@ -229,7 +264,7 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(location, local_files_only=local)
     except OSError as err:
         raise ModelLoadError(
-            f"could not load the tokenizer of {spec!r}: {err.__class__.__name__}. Pass a local directory "
+            f"could not load the tokenizer of {spec!r}: {cause(err)}. Pass a local directory "
             "(config.json, weights and tokenizer files), a .gguf file, or the default 'smollm2-135m'"
         ) from err
 

@@ -10,7 +10,7 @@ from kvfold.cli.main import main
 def test_bench_cachefile_mode_reports_file_size_speed_and_chat_memory(tiny_dir, tmp_path, capsys):
     args = [
         "bench", "--cachefile", "--model", str(tiny_dir), "--methods", "snapkv", "--budgets", "0.25",
-        "--lengths", "128", "--new-tokens", "4", "--turns", "6", "--chat-budget", "24", "--out", str(tmp_path),
+        "--length", "128", "--new-tokens", "4", "--turns", "6", "--chat-budget", "24", "--out", str(tmp_path),
     ]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out

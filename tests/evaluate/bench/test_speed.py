@@ -124,7 +124,7 @@ def test_bench_on_ray_matches_serial_with_each_length_on_one_worker(tiny_dir, se
 
     serial, _ = serial_bench
     out = tmp_path / "ray"
-    args = ["bench", "--model", str(tiny_dir), "--methods", "streamingllm", "--budgets", "0.25", "--lengths", "64"]
+    args = ["bench", "--model", str(tiny_dir), "--methods", "streamingllm", "--budgets", "0.25", "--length", "64"]
     args += ["--batch", "1,2", "--new-tokens", "3", "--out", str(out), "--ray", "--ray-workers", "2"]
     capsys.readouterr()
     assert main(args) == 0
@@ -253,5 +253,5 @@ def test_bench_measures_past_the_window_with_more_positions(tiny_dir, tmp_path):
     grid = (str(tiny_dir), ["kvzip"], [0.25], [600], [1])
     result = bench(*grid, new_tokens=2, out_dir=tmp_path / "b", progress=False, positions=1024)
     assert {r["positions"] for r in result["records"]} == {1024} and all(r["length"] == 600 for r in result["records"])
-    assert main(["bench", "--model", str(tiny_dir), "--methods", "kvzip", "--lengths", "64", "--batch", "1",
+    assert main(["bench", "--model", str(tiny_dir), "--methods", "kvzip", "--length", "64", "--batch", "1",
                  "--positions", "8", "--out", str(tmp_path / "c")]) == 2  # fmt: skip

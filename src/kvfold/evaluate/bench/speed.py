@@ -517,9 +517,48 @@ def load_finished_records(out_dir: Path) -> dict[str, dict]:
     return done
 
 
-def write_bench_report(result: dict, out_dir: Path) -> None:
-    """``bench.json``, ``bench.md`` (a table) and ``bench.png`` (throughput and memory vs length)."""
-    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=2))
+BENCH_FILE = "bench.json"
+"""The result of a finished bench, in its ``--out`` folder (``kvfold report`` reads it back)."""
+
+
+def read_bench_run(out_dir: str | Path) -> dict:
+    """The result a finished ``kvfold bench`` wrote into ``out_dir`` (``{"model", "records"}``).
+
+    Raises:
+        ValueError: no ``bench.json`` there (a bench not finished, or not a bench folder), or a
+            damaged one.
+    """
+    path = Path(out_dir) / BENCH_FILE
+    if not path.is_file():
+        raise ValueError(f"{out_dir} holds no {BENCH_FILE}: not a finished kvfold bench --out folder (rerun it)")
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): it was edited or damaged; rerun the bench") from None
+    if not isinstance(result, dict) or not isinstance(result.get("records"), list):
+        raise ValueError(f"{path} has no records: not written by kvfold bench")
+    return result
+
+
+def merge_bench_results(results: list[dict]) -> dict:
+    """Several benches of one model as one: their records together, a configuration measured twice
+    taken from the first (``full`` is measured by every bench).
+
+    Raises:
+        ValueError: benches of different models (their speeds do not compare).
+    """
+    models = list(dict.fromkeys(str(r.get("model")) for r in results))
+    if len(models) > 1:
+        raise ValueError(f"the bench folders measured different models ({', '.join(models)}); report them apart")
+    kept: dict[str, dict] = {}
+    for result in results:
+        for record in result["records"]:
+            kept.setdefault(_config_key(record), record)
+    return {"model": models[0], "records": list(kept.values())}
+
+
+def bench_markdown(result: dict) -> str:
+    """The page ``bench.md`` holds: a heading, how to read the columns, one row per configuration."""
     rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
     lines = [
         f"# kvfold bench — {result['model']}",
@@ -545,7 +584,14 @@ def write_bench_report(result: dict, out_dir: Path) -> None:
             "",
             *(f"* {what}: `{worker}`" for what, worker in result["ray_workers"].items()),
         ]
-    atomic_write_text(out_dir / "bench.md", "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def write_bench_report(result: dict, out_dir: Path) -> None:
+    """``bench.json``, ``bench.md`` (a table) and ``bench.png`` (throughput and memory vs length)."""
+    atomic_write_text(out_dir / BENCH_FILE, json.dumps(result, indent=2))
+    atomic_write_text(out_dir / "bench.md", bench_markdown(result))
+    rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
     _plot(rows, out_dir / "bench.png")
     if any(r.get("compress_peak_over_cache") is not None for r in rows):
         _plot_scaling(rows, out_dir / "scaling.png")

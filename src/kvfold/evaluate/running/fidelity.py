@@ -2,7 +2,7 @@
 
 For each sample a context is prefilled once; a **continuation** is then run, teacher-forced, in one
 forward pass (all its tokens at once) over a copy of the full cache and over each compressed
-cache, and the two runs are compared (``shared/guide/evaluation.md``, "Fidelity"):
+cache, and the two runs are compared (docs/evaluation.md, "Fidelity"):
 
 * ``rel_error`` — per layer ``‖o − o_full‖_F / ‖o_full‖_F`` of the pre-``o_proj`` attention output
   (captured by a forward pre-hook on each attention module's ``o_proj``: its input is the

@@ -29,7 +29,7 @@ from kvfold.evaluate.running.runner import PREDICTIONS_FILE, RESULTS_FILE, row_k
 from kvfold.evaluate.running.sweep import RUN_FILE, config_changes, read_predictions
 from kvfold.evaluate.scoring.records import aggregate
 
-__all__ = ["RUN_KINDS", "Run", "RunKind", "merge_runs", "read_run"]
+__all__ = ["RUN_KINDS", "Run", "RunKind", "group_runs", "merge_runs", "read_run"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def read_run(run_dir: str | Path) -> Run:
     kind = next((k for k in RUN_KINDS if (path / k.rows_file).is_file()), None)
     if kind is None:
         files = " or ".join(k.rows_file for k in RUN_KINDS)
-        raise ValueError(f"{path} holds no {files}: not a folder written by kvfold eval or kvfold fidelity --out")
+        raise ValueError(f"{path} holds no {files}: not a directory written by kvfold eval, fidelity or bench --out")
     config = _read_json(path / RUN_FILE) if (path / RUN_FILE).is_file() else {}
     results = path / kind.results_file
     records = _read_json(results)["records"] if results.is_file() else None
@@ -126,6 +126,31 @@ def merge_runs(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], dict[str, Any
     if len(runs) == 1 and first.records is not None:
         return first.records, dict(first.config)
     return first.kind.aggregate(_merged_rows(runs)), dict(first.config)
+
+
+def group_runs(runs: Sequence[Run]) -> list[list[Run]]:
+    """The runs split into groups that :func:`merge_runs` can merge: one kind and one configuration
+    (model, dataset, length, seed, ...) each, groups and runs in the order given.
+
+    ``kvfold report runs/ruler runs/mine`` on runs of two datasets gives one report per dataset.
+    """
+    groups: list[list[Run]] = []
+    for run in runs:
+        group = next((g for g in groups if g[0].kind == run.kind and not config_changes(g[0].config, run.config)), None)
+        if group is None:
+            groups.append([run])
+        else:
+            group.append(run)
+    return groups
+
+
+def describe_config(config: Mapping[str, Any]) -> str:
+    """``"ruler @ 2048 tokens, smollm2-135m, seed 0"``: what a group of runs measured, for a heading."""
+    parts = [f"{config.get('dataset', '?')} @ {config.get('length', '?')} tokens"]
+    parts += [str(config["model"])] if config.get("model") else []
+    parts += [f"seed {config['seed']}"] if config.get("seed") not in (None, 0) else []
+    parts += [f"{k} {config[k]}" for k in sorted(config) if k not in ("dataset", "length", "model", "seed")]
+    return ", ".join(parts)
 
 
 def _merged_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Quality sweeps: every sample × method × budget, prefilling each context once.
 
-The protocol of ``shared/guide/evaluation.md``: by default **query-agnostic** — a context is
+The protocol of docs/evaluation.md: by default **query-agnostic** — a context is
 prefilled once, and for every (method, budget) a copy of its full cache is compressed and asked
 every question about that context (each question decodes on its own copy). With
 ``query_aware=True`` each (context, question) pair is prefilled with the question inside the

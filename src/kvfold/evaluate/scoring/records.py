@@ -3,8 +3,8 @@
 A sweep (:mod:`kvfold.evaluate.running.runner`) writes one prediction row per sample × method ×
 budget; :func:`aggregate` turns them into the records of ``results.json``: one per (method,
 budget, task) and average rows per (method, budget), with the 95% intervals of
-:mod:`kvfold.evaluate.scoring.stats` (``shared/guide/evaluation.md``, "The headline is retention
-on tasks the full cache solves").
+:mod:`kvfold.evaluate.scoring.stats` (docs/evaluation.md, "Retention and intervals": the headline
+is retention on the tasks the full cache solves).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Retention and 95% intervals: how much of the full cache's score a method keeps, and how sure we are.
 
-The headline of an evaluation (``shared/guide/evaluation.md``, "The headline is retention on tasks
-the full cache solves") is **retention**: a method's score divided by the full cache's score on
+The headline of an evaluation (docs/evaluation.md, "Retention and intervals": on the tasks the full
+cache solves) is **retention**: a method's score divided by the full cache's score on
 the *same* samples. Both come with a 95% interval:
 
 * the score of a task whose per-sample scores are all 0 or 100 (a needle found or not) gets the

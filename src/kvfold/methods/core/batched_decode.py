@@ -2,7 +2,7 @@
 
 A decode forward hands each layer's attention to the online policy. A merging policy's step on
 one layer is some sixty to a hundred small tensor operations, and on a CPU their dispatch costs
-more than their arithmetic (issue 10, points 2 and 4). A layer's step touches only that layer,
+more than their arithmetic. A layer's step touches only that layer,
 and nothing reads the layer again before the next forward, so the policy holds each layer's step
 until the forward's last layer and a :class:`LayerBatch` runs it once for all of them: the
 per-slot state of every layer lives in stacked ``(L, B, H, …)`` tensors of which each layer's

@@ -3,7 +3,7 @@
 After each forward of a layer the policy scores the new entries, and while the layer holds
 more than its limit it removes the lowest-scored unprotected entry of every row. A single
 decode step removes one entry per row by moving the newest entry into the victim's slot, so
-the work is proportional to the budget and the cache is never copied (issue 10, point 2).
+the work is proportional to the budget and the cache is never copied.
 Entry order inside a row carries no meaning: positions are already encoded in the keys.
 With ``recent > 0`` the policy also tracks each slot's token position and never evicts the
 ``recent`` newest tokens (H2O's local window, TOVA's current token).

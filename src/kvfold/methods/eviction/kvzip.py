@@ -83,7 +83,7 @@ class KVzip(Selector):
       input layernorm), and each column multiplied by ``‖W_Oʰ v_i‖``, the entry's value through
       query head ``h``'s columns of ``o_proj``; the max then runs over the queries and the GQA
       group (:mod:`kvfold.methods.core.kvzip_plus`). Same pass, same global ranking.
-    * ``demote=f`` < 1: structure demotion (kvpress PR #288, open): the final score of every
+    * ``demote=f`` < 1: structure demotion (NVIDIA/kvpress#288, open): the final score of every
       *structure* token is multiplied by ``f``. A token is structure when its decoded text is made
       only of whitespace, punctuation and symbols (:func:`is_structure_text`), its id occurs at
       least ``demote_repeats`` times in the repeated text, and it is not glued between two
@@ -114,8 +114,8 @@ class KVzip(Selector):
         layerwise: same budget in every layer instead of one ranking over all layers.
         pool: odd max-pooling kernel over neighbouring tokens' scores (1 = none, the paper).
         plus: KVzip+'s normalized scores instead of KVzip's.
-        demote: factor in [0, 1] on the scores of structure tokens (1 = none, the paper; PR #288 uses 0.25).
-        demote_repeats: occurrences of a token id in the context that make it structure (PR #288's 4).
+        demote: factor in [0, 1] on the scores of structure tokens (1 = none, the paper; NVIDIA/kvpress#288 uses 0.25).
+        demote_repeats: occurrences of a token id in the context that make it structure (NVIDIA/kvpress#288's 4).
         scope: ``all`` (every entry scored by every repeat chunk's queries), ``chunk`` (by its own
             chunk's only; the release's cost) or ``auto`` (:meth:`resolved_scope`).
         schedule: a head-budget schedule JSON file for this model (per-head counts), or None (one
@@ -202,7 +202,7 @@ class KVzip(Selector):
 
     def demote_structure(self, scores: dict[int, Tensor], ctx: CompressionContext) -> None:
         """Multiply the scores of the structure tokens (:func:`structure_mask`) by ``demote``, in
-        place of ``scores``; every other score stays as it is (kvpress PR #288)."""
+        place of ``scores``; every other score stays as it is (NVIDIA/kvpress#288)."""
         mask = structure_mask(ctx, self.demote_repeats)
         for layer_idx, s in scores.items():
             if s.shape[-1] != mask.shape[1]:
@@ -250,7 +250,7 @@ def is_structure_text(text: str) -> bool:
 
 
 def structure_tokens(tokenizer: Any, row_ids: list[int], start: int, min_repeats: int) -> list[int]:
-    """Positions ``j ≥ start`` of ``row_ids`` that structure demotion lowers (kvpress PR #288).
+    """Positions ``j ≥ start`` of ``row_ids`` that structure demotion lowers (NVIDIA/kvpress#288).
 
     Token ``j`` is demoted when (1) its text ``tokenizer.decode([id])`` is structure
     (:func:`is_structure_text`); (2) its id occurs at least ``min_repeats`` times in

@@ -33,9 +33,9 @@ log of its total weight relative to its own, ``log(Z / e) = log(1 + Σ_e exp(u_e
 (``log(1 + n)`` with count weighting), so the averaged entry attends like the tokens it stands
 for (kvfold's β, architecture guide).
 
-Reconstruction note: the D2O paper is not in ``shared/papers``; the variance rule, the EMA
-stream over evicted tokens and the weighting are written from the paper as we read it and from
-the project's notes on the authors' release (``shared/guide/methods.md``).
+Reconstruction note: the variance rule, the EMA stream over evicted tokens and the weighting are
+written from the paper as we read it and from the authors' release; docs/methods.md lists where
+it departs.
 """
 
 from __future__ import annotations

@@ -40,9 +40,8 @@ selector already meets the budget; an evicted token merges into a kept member of
 set's pivot = its highest-attention *kept* member, or optionally the nearest kept member), and
 is evicted when its set holds no kept member. Kept entries never merge into each other.
 
-Reconstruction note: the KVMerger paper is not in ``shared/papers``; this follows the paper as we
-read it (Gaussian-kernel merging around the pivot, consecutive-similarity sets, per-layer
-thresholds) and ``shared/guide/methods.md``.
+Reconstruction note: this follows the paper as we read it (Gaussian-kernel merging around the
+pivot, consecutive-similarity sets, per-layer thresholds); docs/methods.md lists where it departs.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ DEFAULT_GROUP_BYTES = 192 << 20
 @dataclass
 class ProductCount:
     """Multiply-adds of the fits' products, counted as the groups run: a cost measure that does not
-    depend on the machine (issue 33: a fit whose cost grows linearly with the context).
+    depend on the machine (a fit whose cost grows linearly with the context keeps it linear).
 
     Per group of ``P`` problems padded to ``n`` queries, ``T`` entries of key width ``d`` and value
     width ``D``, keeping ``t``: the statistics ``P·n·T·(d + D)`` (logits, ``Φ V``), the normal

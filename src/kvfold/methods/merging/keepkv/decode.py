@@ -1,4 +1,4 @@
-"""KeepKV's decode step for every layer at once (issue 10, points 2 and 4).
+"""KeepKV's decode step for every layer at once.
 
 KeepKV's step on one layer (Tian et al. 2025, Algorithm 1: H2O's accumulated score, the EMA score
 of eq. 8, the victim, its most similar entry, the ZIP-merge of eq. 7, moving the newest entry into

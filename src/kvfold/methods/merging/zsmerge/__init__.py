@@ -1,4 +1,4 @@
-"""ZSMerge / ZeroMerge: online residual merging with compensated attention (issue 5).
+"""ZSMerge / ZeroMerge: online residual merging with compensated attention.
 
 Liu, Liu and Tang, *ZSMerge: Zero-Shot KV Cache Compression for Memory-Efficient Long-Context
 LLMs* (``papers/zsmerge.md`` §3) and its earlier version *ZeroMerge* (``papers/zeromerge.md`` §3).

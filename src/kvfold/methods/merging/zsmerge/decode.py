@@ -1,4 +1,4 @@
-"""ZSMerge's steady decode step for every layer at once (issue 10, points 2 and 4).
+"""ZSMerge's steady decode step for every layer at once.
 
 Once a layer's cache is full and its residual slots are all open, every decode step of
 Algorithm 1 (Liu, Liu and Tang 2025, §3) is the same: decay the scores and add the step's
