@@ -101,7 +101,7 @@ def test_eval_memory_sweep_compares_token_only_quantized_and_combined_pipelines(
             assert row["memory"] in (0.25, 0.125) and row["memory_ratio"] <= row["memory"]
     tokens = {(r["method"], r["memory"]): r["token_budget"] for r in rows if r["memory"] is not None}
     assert tokens[("snapkv@16", 0.125)] < tokens[("snapkv@int4", 0.125)]
-    assert {r["kv_format"] for r in rows if r["method"] == "snapkv"} == {"int8", "int4"}  # the rule's choice
+    assert {r["kv_format"] for r in rows if r["method"] == "snapkv"} == {"int4"}  # the rule's choice
     assert {r["budget"] for r in rows if r["method"] == "full@int4"} == {1.0}
     report = (out / "report.md").read_text()
     assert "## Retention against memory" in report and "`snapkv@int4`" in report.split("## Retention against memory")[1]

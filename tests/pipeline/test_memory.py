@@ -39,9 +39,9 @@ def test_a_memory_budget_is_kept_and_mostly_spent(context, spec, memory):
 
 
 def test_the_rule_quantizes_more_as_the_budget_shrinks():
-    assert rule_format(0.5) is None
-    assert rule_format(0.25) == QuantConfig(format="int8")
-    assert rule_format(0.0625) == QuantConfig(format="int4") == rule_format(1 / 64)
+    assert rule_format(1.0) is None
+    assert rule_format(0.6) == QuantConfig(format="int8")
+    assert rule_format(0.5) == rule_format(0.0625) == QuantConfig(format="int4") == rule_format(1 / 64)
     assert [row[0] for row in MEMORY_RULE] == sorted((row[0] for row in MEMORY_RULE), reverse=True)
 
 

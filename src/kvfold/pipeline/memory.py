@@ -24,12 +24,15 @@ from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig
 
 MEMORY_RULE: tuple[tuple[float, str | None], ...] = (
-    (0.5, None),
-    (0.25, "int8"),
+    (1.0, None),
+    (0.5625, "int8"),
     (0.0, "int4"),
 )
 """``(lowest memory, format)`` in decreasing order: the first row whose memory is at most the budget
-gives the format (None: the model's dtype, no quantization)."""
+gives the format (None: the model's dtype, no quantization). 4 bits below the bytes of the whole
+cache in 8 bits (0.5625 of it at 16): on the equal-bytes grid (``kvzip+am_fit`` at 8, 4, 3 and 2
+bits, memory 1/16, 1/32 and 1/64 of the 16-bit cache) 4 bits retained the most or tied at every
+budget (docs/memory.md); from 0.5625 on every token fits in 8 bits."""
 
 MAX_RETRIES = 3
 """Compressions redone smaller when one holds more bytes than the budget (group rounding, uneven heads)."""
