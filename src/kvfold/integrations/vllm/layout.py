@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -170,26 +169,18 @@ def build_layout(cache: FoldedCache, config, *, keep_positions: bool = True) -> 
 
 
 def read_cache_file(path: str | os.PathLike, config, *, verify: bool = True) -> tuple[FoldedCache, dict]:
-    """A cache file's content as a :class:`FoldedCache` and its header, without a model.
+    """A cache file's content as a :class:`FoldedCache` and its header, without a model, checked for serving.
 
-    The file's own checks (format, version, truncation, checksum) run; the model fingerprint is not
-    checked here (:func:`kvfold.integrations.vllm.requests.CacheCatalog.check` does it).
+    The file's own checks run (:func:`kvfold.store.load.read_cache`: format, version, truncation,
+    checksum); the model fingerprint is not checked here (:meth:`CacheCatalog.check
+    <kvfold.integrations.vllm.requests.CacheCatalog.check>` does it).
 
     Raises:
         kvfold.store.format.CacheFileError: a missing, damaged or altered file.
         UnservableCacheError: see :func:`check_servable`.
     """
-    from kvfold.store.format import CacheFileError, CorruptCacheFileError, read_info, read_tensors
-    from kvfold.store.load import _build_cache
+    from kvfold.store.load import read_cache
 
-    info = read_info(path)
-    tensors = read_tensors(info, verify)
-    dtype = getattr(torch, info.header["dtype"])
-    try:
-        cache = _build_cache(info, SimpleNamespace(config=config), tensors, dtype, torch.device("cpu"))
-    except (KeyError, RuntimeError, IndexError, ValueError, TypeError) as err:
-        if isinstance(err, CacheFileError):
-            raise
-        raise CorruptCacheFileError(f"{info.path}: its tensors do not fit its header ({err}); re-create it") from None
+    cache, info = read_cache(path, config, verify=verify)
     check_servable(cache, info.header)
     return cache, info.header
