@@ -24,6 +24,11 @@ ARCHITECTURE = "KvfoldLlamaForCausalLM"
 """The architecture name under which the β-carrying Llama is registered with vLLM."""
 SERVED_MODEL_TYPES = ("llama",)
 """Model families the plugin serves (its model class is vLLM's Llama)."""
+EXTRA_CACHES = "kvfold_caches"
+"""``kv_connector_extra_config`` key: the folder of cache files."""
+EXTRA_SHIFT = "kvfold_keep_positions"
+"""``kv_connector_extra_config`` key (default True): turn keys to the served positions (False only to
+show that answers depend on it)."""
 BLOCK_SIZE = 32
 """Tokens per KV block (vLLM's CPU attention takes multiples of 32; its default 128 pads more)."""
 
@@ -40,8 +45,6 @@ def engine_settings(caches: str, *, keep_positions: bool = True, prefix_caching:
     """The vLLM engine arguments that serve kvfold caches from folder ``caches`` (``vllm.LLM(**...)`` or
     ``AsyncEngineArgs``): the β-carrying architecture, float32, the connector, prefix caching salted
     per file. ``keep_positions=False`` exists for a test that shows the key rotation matters."""
-    from kvfold.integrations.vllm.connector import EXTRA_CACHES, EXTRA_SHIFT
-
     return {
         "hf_overrides": {"architectures": [ARCHITECTURE]},
         "dtype": "float32",

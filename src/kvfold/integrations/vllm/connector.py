@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvfold.integrations.vllm import EXTRA_CACHES, EXTRA_SHIFT
 from kvfold.integrations.vllm.requests import KV_KEY, CacheRequestError, cache_path
 
 if TYPE_CHECKING:
@@ -51,11 +52,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvfold.vllm")
 
-EXTRA_CACHES = "kvfold_caches"
-"""``kv_connector_extra_config`` key: the folder of cache files."""
-EXTRA_SHIFT = "kvfold_keep_positions"
-"""``kv_connector_extra_config`` key (default True): turn keys to the served positions. False exists
-only to show, in a test, that answers depend on it."""
 LAYOUTS_KEPT = 4
 """Laid-out files the worker keeps in memory (the most recently used)."""
 
