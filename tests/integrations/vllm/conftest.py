@@ -28,8 +28,14 @@ import kvfold
 from kvfold.evaluate.data.logbook import FACTS, build_logbook
 
 LOGBOOK_TOKENS = 1500
-METHODS = {"am_fit": "kvzip+am_fit", "kvzip": "kvzip", "adakv": "adakv:snapkv"}
-"""Cache name → method, each at keep 0.1 of the logbook."""
+METHODS = {
+    "am_fit": "kvzip+am_fit",
+    "kvzip": "kvzip",
+    "adakv": "adakv:snapkv",
+    "uniform": "kvzip[layerwise=true]+am_fit",
+}
+"""Cache name → method, each at keep 0.1 of the logbook. KVzip ranks all layers and heads at once, so
+its longest row nears the context (vLLM pads every row to it); ``uniform`` keeps equal counts a head."""
 BUDGET = 0.1
 ANSWER_TOKENS = 24
 PAIR = ("The secret code of the archive is {}.", ("4821", "7395"))

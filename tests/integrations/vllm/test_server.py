@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import kvfold
 from kvfold.evaluate.data.logbook import FACTS
+from kvfold.integrations.vllm.layout import read_cache_file
 from kvfold.runtime.models import resolve_spec
 from kvfold.runtime.prompts import build_prompt, encode
 from kvfold.store.format import read_info
@@ -114,16 +115,40 @@ def test_log_probabilities_agree_with_kvfold(server, saved, model_and_tokenizer,
     assert worst < LOGPROB_TOLERANCE
 
 
-def test_blocks_cover_the_compressed_length_and_the_question_not_the_context(server, saved):
-    status, body = server.ask("am_fit", FACTS[2][1])
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_blocks_cover_the_compressed_length_and_the_question(server, saved, model_and_tokenizer, name):
+    """vLLM holds ``slots`` (the longest row) + question + answer, in blocks; with equal counts a head
+    (``uniform``) that is a tenth of the context, with KVzip's global ranking nearly all of it."""
+    _, tokenizer = model_and_tokenizer
+    question = FACTS[2][1]
+    status, body = server.ask(name, question)
     assert status == 200, body
     params = body["kv_transfer_params"]
     slots, blocks, block_size = params["kvfold_slots"], params["kvfold_blocks"], params["kvfold_block_size"]
+    suffix = encode(tokenizer, build_prompt(tokenizer, "", question).suffix, special=False)
     prompt, generated = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
-    context_tokens = read_info(saved["am_fit"]).context_tokens[0]
-    assert prompt > slots and blocks == math.ceil((prompt + generated - 1) / block_size)
-    assert slots < 0.2 * context_tokens  # keep 0.1, padded to the longest row of any layer
-    assert blocks * block_size < 0.25 * context_tokens
+    assert prompt == slots + len(suffix)
+    assert blocks == math.ceil((prompt + generated - 1) / block_size)  # the last token's entry is never written
+    cache, _ = read_cache_file(saved[name], model_and_tokenizer[0].config)
+    assert slots == max(layer.physical_length for _, layer in cache.folded_layers)
+    context_tokens = read_info(saved[name]).context_tokens[0]
+    if name == "uniform":
+        assert slots <= math.ceil(0.1 * context_tokens) + 8
+        assert blocks * block_size < 0.15 * context_tokens
+
+
+def test_requests_beyond_the_kv_space_wait_or_are_preempted_and_still_answer_right(server, saved, references):
+    """More requests than the KV space holds at once (``kvzip``'s padded rows: ~1.7K slots each): vLLM
+    queues or preempts some; a preempted one reloads its file, and every answer stays kvfold's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [q for _, q, _ in FACTS] * 3
+    with ThreadPoolExecutor(len(questions)) as pool:
+        results = list(pool.map(lambda q: (q, server.ask("kvzip", q)), questions))
+    for question, (status, body) in results:
+        assert status == 200, body
+        ids = body["choices"][0]["token_ids"]
+        assert ids[: len(references["kvzip"][question])] == references["kvzip"][question]
 
 
 def test_prefix_caching_never_mixes_two_caches(server, saved, model_and_tokenizer):
