@@ -203,6 +203,12 @@ def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, saved, s
     )
     assert status == 400 and "exactly one message" in body["error"]["message"]
 
+    status, body = server.request(
+        "/v1/completions",
+        {"model": "smollm2-135m", "prompt": "x", "kv_transfer_params": {"kvfold_cache": "kvzip"}},
+    )
+    assert status == 400 and "/v1/chat/completions only" in body["error"]["message"]
+
     question = FACTS[1][1]
     status, body = server.ask("kvzip", question)  # still serving
     assert status == 200

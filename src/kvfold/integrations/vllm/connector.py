@@ -67,6 +67,7 @@ class LoadSpec:
     start: int
     count: int
     block_ids: list[int]
+    error: str | None = None
 
 
 @dataclass
@@ -83,6 +84,7 @@ class _Pending:
     slots: int
     start: int
     count: int = 0
+    error: str | None = None
 
 
 def _request_params(request: Request) -> dict[str, Any] | None:
@@ -117,16 +119,15 @@ class KvfoldConnector(KVConnectorBase_V1):
         params = _request_params(request)
         if params is None:
             return 0, False
-        slots = int(params.get("kvfold_slots", 0))
-        if slots < 1 or slots >= request.num_prompt_tokens:
-            logger.error("request %s: kvfold_slots %s does not fit its prompt", request.request_id, slots)
-            slots = 0
-        self._pending[request.request_id] = _Pending(
-            name=str(params[KV_KEY]),
-            checksum=str(params.get("kvfold_checksum")),
-            slots=slots,
-            start=num_computed_tokens,
-        )
+        slots = params.get("kvfold_slots")
+        pending = _Pending(name=str(params[KV_KEY]), checksum=str(params.get("kvfold_checksum")), slots=0, start=0)
+        if not isinstance(slots, int) or not 0 < slots < request.num_prompt_tokens:
+            # Not a prompt CacheCatalog.prepare made: claim the prompt and fail its load, so that vLLM ends the
+            # request with an error instead of computing the placeholders as text.
+            pending.error = f"kvfold_slots {slots!r} does not fit a prompt of {request.num_prompt_tokens} tokens"
+            slots = request.num_prompt_tokens - 1
+        pending.slots = slots
+        self._pending[request.request_id] = pending
         return max(0, slots - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -167,6 +168,7 @@ class KvfoldConnector(KVConnectorBase_V1):
             start=pending.start,
             count=pending.count,
             block_ids=block_ids,
+            error=pending.error,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -224,6 +226,8 @@ class KvfoldConnector(KVConnectorBase_V1):
         from vllm import _custom_ops as ops
         from vllm.model_executor.models.utils import extract_layer_index
 
+        if load.error:
+            raise ValueError(load.error)
         layout = self._layout(load.name, load.checksum)
         if layout.slots != load.slots:
             raise ValueError(f"the file holds {layout.slots} slots a row, the request {load.slots}")

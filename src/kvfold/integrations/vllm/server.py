@@ -2,6 +2,8 @@
 
 * ``GET /v1/kvfold/caches`` lists the caches the server can serve (name, method, budget, context
   tokens, file size; a file whose header cannot be read is listed with its error).
+* ``POST /v1/completions`` (or ``/v1/responses``, ``/v1/messages``) naming a cache is refused (400):
+  a cache is served through chat requests, where it is checked.
 * ``POST /v1/chat/completions`` whose ``kv_transfer_params`` name a cache (``"kvfold_cache": "doc"``)
   is rewritten by :meth:`CacheCatalog.rewrite_chat <kvfold.integrations.vllm.requests.CacheCatalog.rewrite_chat>`
   before vLLM reads it: the prompt becomes the cache's placeholder slots and the question as
@@ -29,6 +31,8 @@ ENV_MODEL = "KVFOLD_VLLM_MODEL"
 """The model spec, as ``kvfold.load_model`` takes it (to check files against it)."""
 LIST_PATH = "/v1/kvfold/caches"
 CHAT_PATH = "/v1/chat/completions"
+OTHER_PATHS = ("/v1/completions", "/v1/responses", "/v1/messages")
+"""Endpoints that take ``kv_transfer_params`` but not a cache: refused there (the checks run on chat requests)."""
 MAX_BODY = 64 << 20
 
 
@@ -51,7 +55,7 @@ class KvfoldMiddleware:
             rows = await asyncio.to_thread(self.catalog.listing)
             await _respond(send, 200, {"object": "list", "data": rows})
             return
-        if path != CHAT_PATH or method != "POST":
+        if method != "POST" or (path != CHAT_PATH and path not in OTHER_PATHS):
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
@@ -60,6 +64,10 @@ class KvfoldMiddleware:
         except ValueError:
             data = None
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if isinstance(params, dict) and params.get(KV_KEY) is not None and path != CHAT_PATH:
+            message = f"{KV_KEY} is served on {CHAT_PATH} only (one user message, the question)"
+            await _respond(send, 400, _error(message, 400))
+            return
         if isinstance(params, dict) and params.get(KV_KEY) is not None:
             try:
                 data = await asyncio.to_thread(self.catalog.rewrite_chat, data)
