@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -96,10 +97,12 @@ def main() -> None:
     caches.mkdir(parents=True, exist_ok=True)
     made = _compress(args, caches)
 
+    # without it vLLM reserves 92% of the memory; the block count is set below
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from kvfold.integrations.vllm import BLOCK_SIZE, engine_settings
     from kvfold.integrations.vllm.requests import CacheCatalog
+    from kvfold.integrations.vllm.settings import BLOCK_SIZE, engine_settings
     from kvfold.runtime.models import resolve_spec
 
     catalog = CacheCatalog(caches, "smollm2-135m")

@@ -46,7 +46,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def vllm_command(args: argparse.Namespace, model_dir: str) -> list[str]:
     """The command line of vLLM's OpenAI server that :func:`run_serve` runs."""
-    from kvfold.integrations.vllm import engine_settings
+    from kvfold.integrations.vllm.settings import engine_settings
 
     settings = engine_settings(str(args.caches.resolve()))
     command = [
@@ -92,8 +92,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--caches: no such folder: {args.caches}")
     from transformers import AutoConfig
 
-    from kvfold.integrations.vllm import SERVED_MODEL_TYPES
     from kvfold.integrations.vllm.server import ENV_CACHES, ENV_MODEL
+    from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES
     from kvfold.runtime.models import resolve_spec
 
     model_dir, local = resolve_spec(args.model)

@@ -39,8 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvfold.integrations.vllm import EXTRA_CACHES, EXTRA_SHIFT
 from kvfold.integrations.vllm.requests import KV_KEY, CacheRequestError, cache_path
+from kvfold.integrations.vllm.settings import EXTRA_CACHES, EXTRA_SHIFT
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
