@@ -92,10 +92,16 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.1)
     parser.add_argument("--fit-full", type=int, default=2, help="the KV space holds this many full requests")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--reuse", action="store_true", help="reuse the compressed file of an earlier run in --out")
     args = parser.parse_args()
     caches = args.out / "caches"
     caches.mkdir(parents=True, exist_ok=True)
-    made = _compress(args, caches)
+    made_file = args.out / "compressed.json"
+    if args.reuse and made_file.is_file() and (caches / "doc.kvc").is_file():
+        made = json.loads(made_file.read_text())
+    else:
+        made = _compress(args, caches)
+        made_file.write_text(json.dumps(made))
 
     # without it vLLM reserves 92% of the memory; the block count is set below
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -117,6 +123,7 @@ def main() -> None:
         enforce_eager=True,
         num_gpu_blocks_override=blocks,
         max_num_seqs=max(args.contexts, 2),
+        disable_log_stats=False,  # per-request timestamps (scheduled, first and last token)
         **engine_settings(str(caches), prefix_caching=False),
     )
     small_params = SamplingParams(
