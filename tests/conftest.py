@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import (
@@ -16,6 +18,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["integrations/vllm"]
+"""The vLLM tests run in vLLM's own environment (``make test`` runs them there, after this suite)."""
 
 TINY = dict(
     vocab_size=97,

@@ -41,6 +41,7 @@ SUBCOMMAND_MODULES = (
     "kvfold.cli.diagnostics",
     "kvfold.cli.saved_caches",
     "kvfold.cli.schedule",
+    "kvfold.cli.serve",
 )
 """Modules that each expose ``add_parsers(sub)`` and ``COMMANDS``; optional (a missing one is skipped).
 Importing them must not import torch (``tests/cli/test_main.py`` checks it)."""

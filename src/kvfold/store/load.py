@@ -27,7 +27,7 @@ from kvfold.store.format import (
     read_tensors,
 )
 
-__all__ = ["load_cache", "load_context", "load_file"]
+__all__ = ["load_cache", "load_context", "load_file", "read_cache"]
 
 
 def _resolve_target(
@@ -182,6 +182,32 @@ def load_file(
         ) from None
     others = {n: t.to(target_device) for n, t in tensors.items() if not n.startswith("layer.")}
     return cache, info, others
+
+
+def read_cache(path: str | os.PathLike, config, *, verify: bool = True) -> tuple[FoldedCache, CacheFileInfo]:
+    """A file's cache and header for a model config, without the model (in the file's dtype, on the CPU).
+
+    For a process that holds the model elsewhere (a vLLM worker): the file's own checks run (format,
+    version, truncation, checksum, layers against ``config``) but not the model fingerprint, which
+    needs the model's weights (:func:`load_file` checks it).
+
+    Raises:
+        CacheFileError: as :func:`load_cache`, except :class:`DtypeDeviceError`.
+    """
+    from types import SimpleNamespace
+
+    info = read_info(path)
+    tensors = read_tensors(info, verify)
+    dtype = getattr(torch, info.header["dtype"])
+    try:
+        cache = _build_cache(info, SimpleNamespace(config=config), tensors, dtype, torch.device("cpu"))
+    except CacheFileError:
+        raise
+    except (KeyError, RuntimeError, IndexError, ValueError, TypeError) as err:
+        raise CorruptCacheFileError(
+            f"{info.path}: its tensors do not fit its header ({err.__class__.__name__}: {err}); re-create it"
+        ) from None
+    return cache, info
 
 
 def load_context(

@@ -1,0 +1,240 @@
+"""``kvfold serve``: vLLM answers from saved caches as ``kvfold ask`` does (the shared server of conftest)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import kvfold
+from kvfold.evaluate.data.logbook import FACTS
+from kvfold.integrations.vllm.layout import read_cache_file
+from kvfold.runtime.models import resolve_spec
+from kvfold.runtime.prompts import build_prompt, encode
+from kvfold.store.format import read_info
+from tests.integrations.vllm.conftest import ANSWER_TOKENS, METHODS, PAIR
+
+LOGPROB_TOLERANCE = 2e-3
+"""Largest difference allowed between vLLM's and kvfold's log-probabilities (float32 both). Measured
+differences are ~1e-4: the two sum attention in another order, vLLM's RoPE table and the rotation of
+the stored keys by −(T − slots) (float64, then float32) each move a logit by a few float32 ulps of
+values up to ~30; 2e-3 is 10× the largest seen and 100× below the gap between a greedy token and the
+runner-up that these answers need to stay the same."""
+
+
+def _answer_ids(response: dict, eos: set[int]) -> list[int]:
+    ids = list(response["choices"][0]["token_ids"])
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def _eos(model, tokenizer) -> set[int]:
+    from kvfold.pipeline.context import eos_ids
+
+    return eos_ids(model, tokenizer)
+
+
+def test_the_server_lists_the_caches(server, saved):
+    status, body = server.request("/v1/kvfold/caches")
+    assert status == 200
+    rows = {row["name"]: row for row in body["data"]}
+    assert set(METHODS) <= set(rows)
+    assert rows["am_fit"]["method"] == "kvzip+am_fit" and rows["am_fit"]["budget"] == 0.1
+
+
+def test_a_full_cache_answers_as_kvfold_and_stock_transformers(server, saved, model_and_tokenizer):
+    """No compression: the same 24 greedy tokens (EOS ignored) from vLLM, kvfold and plain transformers."""
+    model, tokenizer = model_and_tokenizer
+    name = f"code{PAIR[1][0]}"
+    question = "Repeat the secret code of the archive, then describe the archive in a long sentence."
+    status, body = server.ask(name, question, max_tokens=ANSWER_TOKENS, ignore_eos=True)
+    assert status == 200, body
+    served = list(body["choices"][0]["token_ids"])
+    assert len(served) == ANSWER_TOKENS >= 16
+
+    context = kvfold.load_context(saved[name], model, tokenizer)
+    suffix = encode(tokenizer, build_prompt(tokenizer, "", question).suffix, special=False)
+    from kvfold.pipeline.context import greedy_decode
+
+    ours = greedy_decode(model, tokenizer, context.decode_cache(), suffix, ANSWER_TOKENS, stop_at_eos=False).token_ids
+
+    stock = AutoModelForCausalLM.from_pretrained(resolve_spec("smollm2-135m")[0], dtype=torch.float32).eval()
+    text = " ".join([PAIR[0].format(PAIR[1][0])] * 4)
+    ids = torch.tensor([encode(tokenizer, build_prompt(tokenizer, text, question).context, special=True) + suffix])
+    assert served == ours == _stock_greedy(stock, ids, ANSWER_TOKENS)
+
+
+@torch.inference_mode()
+def _stock_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens of plain transformers (its own cache and attention), EOS not special."""
+    out, past, step = [], None, ids
+    for _ in range(steps):
+        result = model(step, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        out.append(int(result.logits[0, -1].argmax()))
+        step = torch.tensor([[out[-1]]])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_compressed_caches_answer_the_five_questions_as_kvfold_ask(
+    server, saved, references, model_and_tokenizer, name
+):
+    model, tokenizer = model_and_tokenizer
+    eos = _eos(model, tokenizer)
+    for _, question, _ in FACTS:
+        status, body = server.ask(name, question)
+        assert status == 200, body
+        assert _answer_ids(body, eos) == references[name][question], question
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_log_probabilities_agree_with_kvfold(server, saved, model_and_tokenizer, name):
+    """Every generated step's top-5 log-probabilities, against kvfold's teacher-forced on vLLM's tokens."""
+    model, tokenizer = model_and_tokenizer
+    question = FACTS[0][1]
+    status, body = server.ask(name, question, logprobs=True, top_logprobs=5, return_tokens_as_token_ids=True)
+    assert status == 200, body
+    steps = body["choices"][0]["logprobs"]["content"]
+    served = body["choices"][0]["token_ids"]
+    context = kvfold.load_context(saved[name], model, tokenizer)
+    cache = context.decode_cache()
+    suffix = encode(tokenizer, build_prompt(tokenizer, "", question).suffix, special=False)
+    ids = torch.tensor([suffix + served[:-1]])
+    start = cache.get_seq_length()
+    with torch.inference_mode():
+        logits = model(ids, past_key_values=cache, position_ids=torch.arange(start, start + ids.shape[1])[None]).logits
+    ours = torch.log_softmax(logits[0, len(suffix) - 1 :].double(), -1)
+    worst = 0.0
+    for step, row in zip(steps, ours, strict=True):
+        for top in step["top_logprobs"]:
+            token = int(top["token"].removeprefix("token_id:"))
+            if math.isfinite(top["logprob"]):
+                worst = max(worst, abs(top["logprob"] - float(row[token])))
+    assert worst < LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_blocks_cover_the_compressed_length_and_the_question(server, saved, model_and_tokenizer, name):
+    """vLLM holds ``slots`` (the longest row) + question + answer, in blocks; with equal counts a head
+    (``uniform``) that is a tenth of the context, with KVzip's global ranking nearly all of it."""
+    _, tokenizer = model_and_tokenizer
+    question = FACTS[2][1]
+    status, body = server.ask(name, question)
+    assert status == 200, body
+    params = body["kv_transfer_params"]
+    slots, blocks, block_size = params["kvfold_slots"], params["kvfold_blocks"], params["kvfold_block_size"]
+    suffix = encode(tokenizer, build_prompt(tokenizer, "", question).suffix, special=False)
+    prompt, generated = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
+    assert prompt == slots + len(suffix)
+    assert blocks == math.ceil((prompt + generated - 1) / block_size)  # the last token's entry is never written
+    cache, _ = read_cache_file(saved[name], model_and_tokenizer[0].config)
+    assert slots == max(layer.physical_length for _, layer in cache.folded_layers)
+    context_tokens = read_info(saved[name]).context_tokens[0]
+    if name == "uniform":
+        assert slots <= math.ceil(0.1 * context_tokens) + 8
+        assert blocks * block_size < 0.15 * context_tokens
+
+
+def test_requests_beyond_the_kv_space_wait_or_are_preempted_and_still_answer_right(server, saved, references):
+    """More requests than the KV space holds at once (``kvzip``'s padded rows: ~1.7K slots each): vLLM
+    queues or preempts some; a preempted one reloads its file, and every answer stays kvfold's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    questions = [q for _, q, _ in FACTS] * 3
+    with ThreadPoolExecutor(len(questions)) as pool:
+        results = list(pool.map(lambda q: (q, server.ask("kvzip", q)), questions))
+    for question, (status, body) in results:
+        assert status == 200, body
+        ids = body["choices"][0]["token_ids"]
+        assert ids[: len(references["kvzip"][question])] == references["kvzip"][question]
+
+
+def test_prefix_caching_never_mixes_two_caches(server, saved, model_and_tokenizer):
+    """Two caches of one length give the same prompt ids; the second must still answer from its own file."""
+    model, tokenizer = model_and_tokenizer
+    eos = _eos(model, tokenizer)
+    question = "What is the secret code of the archive?"
+    answers = {}
+    for number in PAIR[1]:
+        status, body = server.ask(f"code{number}", question, max_tokens=16)
+        assert status == 200, body
+        answers[number] = tokenizer.decode(_answer_ids(body, eos))
+        context = kvfold.load_context(saved[f"code{number}"], model, tokenizer)
+        assert _answer_ids(body, eos) == context.generate(question, max_new_tokens=16)[0].token_ids
+    assert PAIR[1][0] in answers[PAIR[1][0]] and PAIR[1][1] in answers[PAIR[1][1]]
+
+
+def test_a_request_without_a_cache_is_plain_vllm(server, saved, model_and_tokenizer):
+    """The widened heads add nothing to a request without a cache: vLLM's tokens are transformers'."""
+    model, tokenizer = model_and_tokenizer
+    status, body = server.ask(None, "Name three colours.", max_tokens=12, ignore_eos=True)
+    assert status == 200, body
+    ids = torch.tensor([body["prompt_token_ids"]])
+    assert body["choices"][0]["token_ids"] == _stock_greedy(model, ids, 12)
+
+
+def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, saved, scratch_cache, tmp_path, references):
+    status, body = server.ask("no-such-cache", "Anything?")
+    assert status == 404 and "no cache named" in body["error"]["message"]
+    status, body = server.ask("../etc/passwd", "Anything?")
+    assert status == 400
+
+    damaged = scratch_cache("damaged", saved["kvzip"])
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    status, body = server.ask("damaged", "Anything?")
+    assert status == 422 and "checksum" in body["error"]["message"]
+
+    truncated = scratch_cache("truncated")
+    truncated.write_bytes(saved["kvzip"].read_bytes()[:5000])
+    status, body = server.ask("truncated", "Anything?")
+    assert status == 422 and "truncated" in body["error"]["message"]
+
+    status, body = server.request(
+        "/v1/chat/completions",
+        {
+            "model": "smollm2-135m",
+            "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}],
+            "kv_transfer_params": {"kvfold_cache": "kvzip"},
+        },
+    )
+    assert status == 400 and "exactly one message" in body["error"]["message"]
+
+    status, body = server.request(
+        "/v1/completions",
+        {"model": "smollm2-135m", "prompt": "x", "kv_transfer_params": {"kvfold_cache": "kvzip"}},
+    )
+    assert status == 400 and "/v1/chat/completions only" in body["error"]["message"]
+
+    question = FACTS[1][1]
+    status, body = server.ask("kvzip", question)  # still serving
+    assert status == 200
+    assert body["choices"][0]["token_ids"][: len(references["kvzip"][question])] == references["kvzip"][question]
+
+
+def test_caches_of_another_model_and_online_methods_are_refused(
+    server, saved, scratch_cache, model_and_tokenizer, logbook
+):
+    model, tokenizer = model_and_tokenizer
+    other = scratch_cache("other-model")
+    text = logbook[:400]
+    with torch.inference_mode():
+        original = model.model.norm.weight.clone()
+        model.model.norm.weight.mul_(1.5)  # another checkpoint of the same architecture
+        try:
+            kvfold.save_context(
+                kvfold.prefill(model, tokenizer, text).compress("full", budget=1.0), other, source_text=text
+            )
+        finally:
+            model.model.norm.weight.copy_(original)
+    status, body = server.ask("other-model", "Anything?")
+    assert status == 422 and "another model" in body["error"]["message"] and "weights" in body["error"]["message"]
+
+    online = scratch_cache("online")
+    small = kvfold.prefill(model, tokenizer, text).compress("streamingllm", budget=0.5)
+    kvfold.save_context(small, online, source_text=text)
+    status, body = server.ask("online", "Anything?")
+    assert status == 422 and "online policy" in body["error"]["message"]
