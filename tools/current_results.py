@@ -11,6 +11,7 @@ made them. A *page* marks where each table goes::
 
 and ``render`` rewrites what lies between the marks from ``docs/results/data/ruler-2k.json``.
 Table kinds: ``retention`` (method × budget, headline retention with its 95% interval),
+``memory`` (method × memory budget: retention and the bytes held, a quantization-only run at its own),
 ``cost`` (bench: compression ÷ prefill, compression peak ÷ full cache, decode speed-up, KV size by
 method and length).
 
@@ -130,7 +131,40 @@ def cost_table(summary: Mapping[str, Any]) -> str:
     return markdown_table(header, rows)
 
 
-TABLES = {"retention": retention_table, "cost": cost_table}
+def memory_table(summary: Mapping[str, Any]) -> str:
+    """Method × memory: headline retention (%) with its 95% interval and the memory the cache held
+    (a fraction of the 16-bit full cache); quantization-only runs (``full@int4``) at their own memory."""
+    from kvfold.evaluate.reporting.tables import format_interval, markdown_table
+
+    headline = [r for r in summary["records"] if r["task"] == "headline" and r.get("retention") is not None]
+    if not headline:
+        raise ValueError("no headline retention in this summary (no full run, or the full cache solves no task)")
+    asked = sorted({r["memory"] for r in headline if r.get("memory") is not None}, reverse=True)
+    index = {(r["method"], r.get("memory")): r for r in headline}
+    methods = list(dict.fromkeys(r["method"] for r in headline if r.get("memory") is not None))
+    rows = []
+    for method in methods:
+        cells = []
+        for memory in asked:
+            record = index.get((method, memory))
+            ratio = None if record is None else record.get("memory_ratio")
+            held = "" if ratio is None else f" (1/{1 / ratio:.0f})"
+            cells.append(
+                "—"
+                if record is None
+                else format_interval(record["retention"], record.get("retention_ci"), 100, 1) + held
+            )
+        rows.append([f"`{method}`", *cells])
+    quantized_only = [r for r in headline if r.get("memory") is None and r.get("kv_format", "16") != "16"]
+    for record in sorted(quantized_only, key=lambda r: -r.get("memory_ratio", 1)):
+        ratio = record.get("memory_ratio", 1.0)
+        cell = format_interval(record["retention"], record.get("retention_ci"), 100, 1) + f" at 1/{1 / ratio:.1f}"
+        rows.append([f"`{record['method']}` (every token)", *([cell] + ["" for _ in asked[1:]])])
+    header = ["method", *(f"memory 1/{1 / m:.0f}" for m in asked)]
+    return markdown_table(header, rows)
+
+
+TABLES = {"retention": retention_table, "cost": cost_table, "memory": memory_table}
 """The table kinds a page can ask for, by the name in its mark."""
 
 

@@ -3,6 +3,7 @@
 Usage: .venv/bin/python tools/mutate_merging.py [keepkv grkv grkv_solve cam d2o kvmerger zsmerge]
 Prints, per mutation, the pytest summary and the tests that fail (each must fail at least one).
 """
+
 import os
 import pathlib
 import subprocess
@@ -10,35 +11,114 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 M = {
- "keepkv": ([
-  ("src/kvfold/methods/merging/keepkv/method.py", "merge = evicted & (sim > self.threshold) & torch.isfinite(log_score)", "merge = torch.zeros_like(evicted)"),
-  ("src/kvfold/methods/merging/keepkv/online.py", "goes = goes & (torch.gather(weight, 2, victims) > 0)", "goes = goes & False"),
-  ("src/kvfold/methods/merging/keepkv/online.py", "goes = leaving & (sim > self.folder.threshold)", "goes = leaving & False"),
-  ("src/kvfold/methods/merging/keepkv/decode.py", "goes = leaving & (similarity > folder.threshold)", "goes = leaving & False"),
- ], ["tests/methods/merging/keepkv/test_keepkv.py", "tests/methods/merging/keepkv/test_decode.py"]),
- "grkv": ([
-  ("src/kvfold/methods/compaction/grkv.py", "changed = free & (result.choice != _BASE)[..., None]", "changed = free & False"),
- ], ["tests/methods/compaction/test_grkv.py"]),
- "grkv_solve": ([
-  ("src/kvfold/methods/compaction/grkv.py", "    for _ in range(steps):\n        cur_k, cur_v = best_k, best_v", "    for _ in range(0):\n        cur_k, cur_v = best_k, best_v"),
- ], ["tests/methods/compaction/test_grkv.py"]),
- "cam": ([
-  ("src/kvfold/methods/merging/cam.py", "layer.replace(keys0, new_values.to(values0.dtype), beta0, lengths=lengths)", "layer.replace(keys0, values0, beta0, lengths=lengths)"),
- ], ["tests/methods/merging/test_merging_baselines.py", "tests/methods/merging/test_merge_beats_eviction.py"]),
- "d2o": ([
-  ("src/kvfold/methods/merging/d2o.py", "take = in_stream & (stream >= threshold)", "take = in_stream & False"),
- ], ["tests/methods/merging/test_merging_baselines.py", "tests/methods/merging/test_merge_beats_eviction.py"]),
- "kvmerger": ([
-  ("src/kvfold/methods/merging/kvmerger.py", "merged = valid & ~kept & (carrier_of >= 0)", "merged = valid & ~kept & (carrier_of >= 0) & False"),
- ], ["tests/methods/merging/test_kvmerger.py", "tests/methods/merging/test_merging_baselines.py", "tests/methods/merging/test_merge_beats_eviction.py"]),
- "zsmerge": ([
-  ("src/kvfold/methods/merging/zsmerge/merge.py", "    a = act[..., None]\n", "    a = (act & (fill < b_r))[..., None]\n"),
-  ("src/kvfold/methods/merging/zsmerge/online.py", "        w_new = w + 1.0  # w_r̂ ← w_r̂ + 1\n        k_new = ((w * k_old + k_t) / w_new).unsqueeze(2)  # eq. 7\n        v_new = ((w * v_old + v_t) / w_new).unsqueeze(2)",
-   "        w_new = w\n        k_new = k_old.unsqueeze(2)\n        v_new = v_old.unsqueeze(2)"),
-  ("src/kvfold/methods/merging/zsmerge/online.py", "            added = merging.to(acc)\n", "            added = opens.to(acc)\n            k_t, v_t = k_t * opens[..., None], v_t * opens[..., None]\n"),
-  ("src/kvfold/methods/merging/zsmerge/decode.py", "        w_new = w + 1.0\n        k_new = ((w * k_old + k_t) / w_new).unsqueeze(3)\n        v_new = ((w * v_old + v_t) / w_new).unsqueeze(3)",
-   "        w_new = w\n        k_new = k_old.unsqueeze(3)\n        v_new = v_old.unsqueeze(3)"),
- ], ["tests/methods/merging/zsmerge/test_zsmerge.py", "tests/methods/merging/zsmerge/test_decode.py", "tests/methods/merging/test_merge_beats_eviction.py"]),
+    "keepkv": (
+        [
+            (
+                "src/kvfold/methods/merging/keepkv/method.py",
+                "merge = evicted & (sim > self.threshold) & torch.isfinite(log_score)",
+                "merge = torch.zeros_like(evicted)",
+            ),
+            (
+                "src/kvfold/methods/merging/keepkv/online.py",
+                "goes = goes & (torch.gather(weight, 2, victims) > 0)",
+                "goes = goes & False",
+            ),
+            (
+                "src/kvfold/methods/merging/keepkv/online.py",
+                "goes = leaving & (sim > self.folder.threshold)",
+                "goes = leaving & False",
+            ),
+            (
+                "src/kvfold/methods/merging/keepkv/decode.py",
+                "goes = leaving & (similarity > folder.threshold)",
+                "goes = leaving & False",
+            ),
+        ],
+        ["tests/methods/merging/keepkv/test_keepkv.py", "tests/methods/merging/keepkv/test_decode.py"],
+    ),
+    "grkv": (
+        [
+            (
+                "src/kvfold/methods/compaction/grkv.py",
+                "changed = free & (result.choice != _BASE)[..., None]",
+                "changed = free & False",
+            ),
+        ],
+        ["tests/methods/compaction/test_grkv.py"],
+    ),
+    "grkv_solve": (
+        [
+            (
+                "src/kvfold/methods/compaction/grkv.py",
+                "    for _ in range(steps):\n        cur_k, cur_v = best_k, best_v",
+                "    for _ in range(0):\n        cur_k, cur_v = best_k, best_v",
+            ),
+        ],
+        ["tests/methods/compaction/test_grkv.py"],
+    ),
+    "cam": (
+        [
+            (
+                "src/kvfold/methods/merging/cam.py",
+                "layer.replace(keys0, new_values.to(values0.dtype), beta0, lengths=lengths)",
+                "layer.replace(keys0, values0, beta0, lengths=lengths)",
+            ),
+        ],
+        ["tests/methods/merging/test_merging_baselines.py", "tests/methods/merging/test_merge_beats_eviction.py"],
+    ),
+    "d2o": (
+        [
+            (
+                "src/kvfold/methods/merging/d2o.py",
+                "take = in_stream & (stream >= threshold)",
+                "take = in_stream & False",
+            ),
+        ],
+        ["tests/methods/merging/test_merging_baselines.py", "tests/methods/merging/test_merge_beats_eviction.py"],
+    ),
+    "kvmerger": (
+        [
+            (
+                "src/kvfold/methods/merging/kvmerger.py",
+                "merged = valid & ~kept & (carrier_of >= 0)",
+                "merged = valid & ~kept & (carrier_of >= 0) & False",
+            ),
+        ],
+        [
+            "tests/methods/merging/test_kvmerger.py",
+            "tests/methods/merging/test_merging_baselines.py",
+            "tests/methods/merging/test_merge_beats_eviction.py",
+        ],
+    ),
+    "zsmerge": (
+        [
+            (
+                "src/kvfold/methods/merging/zsmerge/merge.py",
+                "    a = act[..., None]\n",
+                "    a = (act & (fill < b_r))[..., None]\n",
+            ),
+            (
+                "src/kvfold/methods/merging/zsmerge/online.py",
+                "        w_new = w + 1.0  # w_r̂ ← w_r̂ + 1\n        k_new = ((w * k_old + k_t) / w_new).unsqueeze(2)  # eq. 7\n        v_new = ((w * v_old + v_t) / w_new).unsqueeze(2)",
+                "        w_new = w\n        k_new = k_old.unsqueeze(2)\n        v_new = v_old.unsqueeze(2)",
+            ),
+            (
+                "src/kvfold/methods/merging/zsmerge/online.py",
+                "            added = merging.to(acc)\n",
+                "            added = opens.to(acc)\n            k_t, v_t = k_t * opens[..., None], v_t * opens[..., None]\n",
+            ),
+            (
+                "src/kvfold/methods/merging/zsmerge/decode.py",
+                "        w_new = w + 1.0\n        k_new = ((w * k_old + k_t) / w_new).unsqueeze(3)\n        v_new = ((w * v_old + v_t) / w_new).unsqueeze(3)",
+                "        w_new = w\n        k_new = k_old.unsqueeze(3)\n        v_new = v_old.unsqueeze(3)",
+            ),
+        ],
+        [
+            "tests/methods/merging/zsmerge/test_zsmerge.py",
+            "tests/methods/merging/zsmerge/test_decode.py",
+            "tests/methods/merging/test_merge_beats_eviction.py",
+        ],
+    ),
 }
 which = sys.argv[1:] or list(M)
 env = dict(os.environ, PYTHONPATH="src", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
@@ -51,8 +131,13 @@ for name in which:
             text = saved.setdefault(path, p.read_text()) if path not in saved else p.read_text()
             assert text.count(old) == 1, (name, path, old[:60], text.count(old))
             p.write_text(text.replace(old, new))
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "-rf", *tests],
-                             cwd=ROOT, env=env, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "-rf", *tests],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
     finally:
         for path, text in saved.items():
             (ROOT / path).write_text(text)
