@@ -134,9 +134,10 @@ def test_unservable_files_are_refused_in_one_line(saved, model_and_tokenizer, tm
     with pytest.raises(UnservableCacheError, match="query-aware"):
         read_cache_file(path, model.config)
     cache, header = read_cache_file(saved["kvzip"], model.config)
-    cache.layers[3].is_quantized = True
     from kvfold.integrations.vllm.layout import check_servable
+    from kvfold.runtime.quantize import QuantConfig
 
-    with pytest.raises(UnservableCacheError, match="layer 3 is stored quantized") as err:
+    cache.quantize(QuantConfig(format="int4"))  # as a file of kvfold compress --kv-bits 4 loads
+    with pytest.raises(UnservableCacheError, match="layer 0 is stored quantized") as err:
         check_servable(cache, header)
     assert "\n" not in str(err.value)
