@@ -115,7 +115,10 @@ def cost_table(summary: Mapping[str, Any]) -> str:
                 cell(ratios.get("compress_over_prefill")),
                 cell(r.get("compress_peak_over_cache")),
                 cell(r.get("speedup")),
+                cell(r.get("speedup_over_limit")),
                 f"{r['kv_bytes'] / 2**20:.1f}",
+                f"{r.get('memory_ratio', r['kv_bytes'] / r['kv_bytes_full']):.4f}",
+                r.get("kv_format", "16"),
             ]
         )
     header = [
@@ -126,7 +129,10 @@ def cost_table(summary: Mapping[str, Any]) -> str:
         "compress ÷ prefill",
         "peak ÷ full cache",
         "decode speed-up",
+        "decode ÷ same entries in full precision",
         "KV MB",
+        "of 16-bit",
+        "format",
     ]
     return markdown_table(header, rows)
 
