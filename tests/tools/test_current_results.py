@@ -70,7 +70,9 @@ def test_a_page_is_rendered_from_its_summaries_and_checked(tmp_path, capsys):
     assert rows[0] == "| `kvzip+am_fit` | 90.5 [80.5, 95.5] | 80.0 [70.0, 85.0] |"  # best first, both budgets
     assert rows[1] == "| `kvzip` | 84.0 [74.0, 89.0] | — |"  # not run at 0.05
     assert "| method | keep 0.1 | keep 0.05 |" in text
-    assert rows[3].startswith("| `kvzip` | 0.1 | 2,048 | 1 | 1.65× | 0.50× | 1.50× | — | 1.0 | 0.1000 | 16 |")  # 3.3 s / 2.0 s
+    assert rows[3].startswith(
+        "| `kvzip` | 0.1 | 2,048 | 1 | 1.65× | 0.50× | 1.50× | — | 1.0 | 0.1000 | 16 |"
+    )  # 3.3 s / 2.0 s
     assert tool.main(["render", str(page), "--data", str(data), "--check"]) == 0  # up to date
     page.write_text(PAGE.replace("speed cost", "speed plot"))
     capsys.readouterr()
