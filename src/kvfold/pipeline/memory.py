@@ -34,6 +34,9 @@ cache in 8 bits (0.5625 of it at 16): on the equal-bytes grid (``kvzip+am_fit`` 
 bits, memory 1/16, 1/32 and 1/64 of the 16-bit cache) 4 bits retained the most or tied at every
 budget (docs/memory.md); from 0.5625 on every token fits in 8 bits."""
 
+ROW_LENGTH_BYTES = 8
+"""Bytes a quantized row holds besides its entries: its length (int64)."""
+
 MAX_RETRIES = 3
 """Compressions redone smaller when one holds more bytes than the budget (group rounding, uneven heads)."""
 
@@ -82,7 +85,7 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
 
     The share of one entry's bytes (:func:`entry_share`) sets the tokens; each row's last key group
     is on average half full while its scales are whole, so half a group's key scales per row
-    (``0.5 · 4·D`` bytes, half a 16-bit token) is set aside first.
+    (``0.5 · 4·D`` bytes, half a 16-bit token) and the row's length are set aside first.
 
     Raises:
         ValueError: a cache with no compressible layer.
@@ -93,9 +96,10 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     head_dim = layers[0].head_dim
     value_dim = layers[0].padded()[1].shape[-1]
     fraction, quant = split_memory(memory, method, head_dim, value_dim)
-    if quant is not None and not quant.is_float:
-        half_group = 0.5 * (2 * SIXTEEN_BIT * head_dim) / ((head_dim + value_dim) * SIXTEEN_BIT)  # in 16-bit tokens
-        fraction -= half_group / max(context_tokens, 1) / entry_share(quant, head_dim, value_dim, True)
+    if quant is not None:
+        token = (head_dim + value_dim) * SIXTEEN_BIT  # a 16-bit token's bytes
+        per_row = ROW_LENGTH_BYTES + (0 if quant.is_float else 0.5 * 2 * SIXTEEN_BIT * head_dim)
+        fraction -= per_row / token / max(context_tokens, 1) / entry_share(quant, head_dim, value_dim, True)
     fraction = min(1.0, max(fraction, 1.0 / max(context_tokens, 1)))
     return MemoryPlan(memory, Budget(fraction=fraction), quant)
 
