@@ -78,9 +78,8 @@ def compact_history(
 ) -> bool:
     """Compress all but the last ``keep_last`` tokens of ``cache`` to ``budget`` entries, in place.
 
-    The last ``keep_last`` entries of every row (the newest tokens) are put back unchanged after the
-    compressed history; the logical length is unchanged. β of history entries is what the method
-    leaves: kept entries keep theirs (selectors), merged ones get the merged log-mass.
+    The last ``keep_last`` entries of every row are put back unchanged after the compressed history
+    (the logical length is unchanged); history entries keep the β the method leaves them.
 
     Args:
         cache: the conversation's cache (one batch row).

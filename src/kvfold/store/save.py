@@ -110,15 +110,23 @@ def save_cache(
         "tokens_sha256": _token_hash(token_ids) if token_ids is not None else None,
         "layers": layers,
         "live_bytes": sum(t.numel() * t.element_size() for n, t in tensors.items() if n.startswith("layer.")),
+        **_byte_counts(cache),
+        "extra": extra or {},
+    }
+    header["checksum"] = {"algorithm": "sha256", "value": checksum(header, tensors.items())}
+    return _write(tensors, header, Path(path))
+
+
+def _byte_counts(cache: FoldedCache) -> dict[str, Any]:
+    """The header's byte counts: what the cache holds, the full cache, both in the dtype held and at
+    16 bits, and the storage format (None: unquantized)."""
+    return {
         "kv_bytes_full": cache.full_nbytes(),
         "kv_bytes": cache.content_nbytes(),
         "kv_bytes_16": cache.content_nbytes(sixteen_bit=True),
         "kv_bytes_full_16": cache.full_nbytes(sixteen_bit=True),
         "kv_format": None if cache.quant is None else cache.quant.describe(),
-        "extra": extra or {},
     }
-    header["checksum"] = {"algorithm": "sha256", "value": checksum(header, tensors.items())}
-    return _write(tensors, header, Path(path))
 
 
 def _layer_tensors(cache: FoldedCache, queries: bool) -> tuple[list[dict], dict[str, torch.Tensor]]:

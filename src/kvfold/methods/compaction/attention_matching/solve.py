@@ -586,9 +586,8 @@ def fit_problems(
         candidates: optional ``(..., T)`` bool: the highest-attention keys are chosen among these
             entries only (the attention statistics still read every entry); the count is capped
             at the candidates (``am_fit[preselect]``).
-        compact_keys: optional ``(..., T, D)`` the keys each entry will have if kept (e.g. as quantized
-            storage gives them back): the target is the attention of ``keys``, the kept entries'
-            features use these, so β and the values absorb the difference (with ``given``).
+        compact_keys: optional ``(..., T, D)`` kept entries' keys as stored (quantized): the target
+            reads ``keys``, the kept features these, so β and the values absorb the difference.
 
     Returns:
         A :class:`Compacted` with the same leading dims.
@@ -624,22 +623,10 @@ def fit_problems(
     per_problem = _bytes_per_problem(config, scored, T, n, D, 8 if dt == torch.float64 else 4)
     histories: list[tuple[Tensor, Tensor]] = []
     for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes):
-        group = Group.prepare(
-            flat_keys[rows],
-            flat_values[rows],
-            flat_lm[rows],
-            flat_q[rows],
-            flat_qv[rows],
-            scale[rows],
-            None if flat_compact is None else flat_compact[rows],
-        )
-        res = _fit_group(
-            group,
-            counts[rows],
-            config,
-            None if given_flat is None else given_flat[rows],
-            None if cand_flat is None else cand_flat[rows],
-        )
+        inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale)
+        group = Group.prepare(*(t[rows] for t in inputs), None if flat_compact is None else flat_compact[rows])
+        chosen = [None if t is None else t[rows] for t in (given_flat, cand_flat)]
+        res = _fit_group(group, counts[rows], config, *chosen)
         _write_rows(out, rows, res)
         if res.residual_history is not None:
             histories.append((rows, res.residual_history))
