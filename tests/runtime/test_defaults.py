@@ -52,7 +52,7 @@ def test_the_commands_default_to_the_recommended_pipeline():
     generate = _parse("generate", "--context", "c", "--question", "q")
     assert (generate.method, generate.budget) == (None, None)  # resolved in run_generate: a --cache refuses them
     compress = _parse("compress", "--context", "c", "--out", "x.kvc")
-    assert (compress.method, compress.budget) == (RECOMMENDED, "0.1")
+    assert (compress.method, compress.budget) == (RECOMMENDED, None)  # a tenth unless --memory (run_compress)
     chat = _parse("chat")
     assert (chat.method, chat.budget) == (None, None)
     bench = _parse("bench", "--out", "runs/b")  # the recommended pipeline against full, at one length
