@@ -311,10 +311,3 @@ def test_a_quantized_cache_refuses_online_policies_with_one_line():
     context = _context(model)
     with pytest.raises(ValueError, match="quantized cache cannot be compressed while decoding"):
         context.compress("h2o@int4", 0.3)
-
-
-def test_rows_of_similar_lengths_are_read_together_and_the_others_apart():
-    from kvfold.runtime.attention import similar_rows
-
-    assert similar_rows([100, 95, 10, 90, 9, 0]) == [[0, 1, 3], [2, 4], [5]]
-    assert similar_rows([7, 7, 7]) == [[0, 1, 2]]

@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.runtime.paged import PagedRows
-from kvfold.runtime.quantize import QuantizedRows, code_planes
+from kvfold.runtime.quantized_attention import attend_stored, reads_codes
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -135,21 +135,17 @@ def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float
     """Attention over a quantized layer: its stored entries (with β), then its full-precision tail,
     whose last ``q`` entries are the new tokens (causal among themselves), under one softmax.
 
-    Integer formats with one value scale an entry (the default) are read from their codes, rows
-    (batch × KV head) of similar lengths together, padded to the longest of them
-    (:func:`similar_rows`: KVzip's global ranking gives one head of a layer ten times another's
-    entries, and padding every row to it would read ten times the codes): keys are dequantized a
-    plane of channels at a time in their groups, and values never are: an output is
-    ``(p ⊙ scale_v) · codes_v + p · zero_v`` (the value scales folded into the probabilities). Other
-    formats (fp8, value groups within an entry) dequantize the layer first
-    (:func:`_quantized_attention_padded`). Nothing outlives the call.
+    Integer formats with one value scale an entry (the default) are read from their codes
+    (:func:`kvfold.runtime.quantized_attention.attend_stored`: a fixed number of operations a layer,
+    the value scales folded into the probabilities); other formats (fp8, value groups within an
+    entry) dequantize the layer first (:func:`_quantized_attention_padded`). Nothing outlives the
+    call.
 
     Returns:
         ``(B, q, H_q, D)``.
     """
     stored = layer.quantized
-    config = stored.config
-    if config.is_float or config.value_group:
+    if not reads_codes(stored):
         return _quantized_attention_padded(query, layer, scaling)[0]
     b, h_q, q_len, d = query.shape
     h_kv = layer.num_heads
@@ -158,135 +154,9 @@ def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float
     folded = query.reshape(b, h_kv, m, d).to(acc)
     tail_keys, tail_values, tail_beta = _dense_views(layer)
     fresh = _tail_logits(folded, tail_keys, tail_beta, q_len, scaling).view(rows, m, -1)
-    q_rows = folded.view(rows, m, d)
     tail_values = tail_values.reshape(rows, -1, tail_values.shape[-1]).to(acc)
-    ranges = stored.row_ranges()
-    out = q_rows.new_empty(rows, m, stored.value_dim)
-    for chosen in similar_rows([r[1] for r in ranges]):
-        index = torch.tensor(chosen, device=query.device)
-        out[index] = _attend_stored_rows(
-            q_rows[index], fresh[index], tail_values[index], stored, [ranges[r] for r in chosen], scaling
-        )
+    out = attend_stored(folded.view(rows, m, d), fresh, tail_values, stored, scaling)
     return out.to(query.dtype).view(b, h_q, q_len, -1).transpose(1, 2)
-
-
-def similar_rows(lengths: list[int], slack: float = 0.8) -> list[list[int]]:
-    """Rows grouped so that each group's rows hold at least ``slack`` times its longest row's entries
-    (a group is padded to its longest), longest first; each group in row order."""
-    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
-    groups: list[list[int]] = []
-    for row in order:
-        if groups and lengths[row] >= slack * lengths[groups[-1][0]]:
-            groups[-1].append(row)
-        else:
-            groups.append([row])
-    return [sorted(group) for group in groups]
-
-
-def _attend_stored_rows(
-    q_rows: torch.Tensor,
-    fresh: torch.Tensor,
-    tail_values: torch.Tensor,
-    stored: QuantizedRows,
-    ranges: list[tuple[int, int, int, int]],
-    scaling: float,
-) -> torch.Tensor:
-    """Attention of the folded queries ``(g, M, D)`` of ``g`` rows over their stored entries
-    (``ranges``: :meth:`QuantizedRows.row_ranges` of those rows, padded to the longest) and their
-    tail (``fresh``: its scaled logits ``(g, M, n_tail)``, ``tail_values`` ``(g, n_tail, Dv)``).
-
-    Returns:
-        ``(g, M, Dv)``.
-    """
-    rows, m, d = q_rows.shape
-    acc = q_rows.dtype
-    size, bits = stored.config.key_group, stored.config.bits
-    groups = max(max(r[3] for r in ranges), 1)
-    span = groups * size
-
-    def padded(flat: torch.Tensor, spans: list[tuple[int, int]], length: int, fill: float = 0.0) -> torch.Tensor:
-        """The rows ``flat[first:first + count]`` as ``(g, length, ...)``, ``fill`` past each row's end."""
-        parts = [flat[first : first + count] for first, count in spans]
-        parts[0] = F.pad(parts[0], (0, 0) * (flat.dim() - 1) + (0, length - parts[0].shape[0]), value=fill)
-        return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=fill)
-
-    entries = [(r[0], r[1]) for r in ranges]
-    key_groups = [(r[2], r[3]) for r in ranges]
-    scale = padded(stored.key_scale, key_groups, groups, 1.0).to(acc).view(rows, groups, 1, d)
-    zero = padded(stored.key_zero, key_groups, groups).to(acc).view(rows, groups, 1, d)
-    logits = q_rows.new_zeros(rows, m, span)
-    planes = code_planes(padded(stored.key_codes, entries, span), bits)
-    width = d // len(planes)
-    for k, plane in enumerate(planes):  # a plane of channels, dequantized in its groups
-        part = slice(k * width, (k + 1) * width)
-        codes = plane.view(rows, groups, size, width)
-        keys_part = torch.addcmul(zero[..., part], codes, scale[..., part]).view(rows, span, width)
-        logits.baddbmm_(q_rows[..., part], keys_part.transpose(1, 2))
-    flat_beta = (
-        stored.log_mass if stored.log_mass is not None else stored.key_scale.new_zeros(stored.key_codes.shape[0])
-    )
-    beta = padded(flat_beta.to(acc), entries, span, NEG_INF)
-    logits.mul_(scaling).add_(beta.view(rows, 1, span))
-    exact = _stored_outliers(stored, entries)
-    if exact is not None:  # full-precision entries: their own logits, kept out of the coded sums
-        row_of, col_of, keys_exact, values_exact = exact
-        own = torch.bmm(q_rows[row_of], keys_exact.to(acc)[:, :, None])[..., 0]  # (O, M)
-        logits[row_of, :, col_of] = own * scaling + beta[row_of, col_of][:, None]
-    top = torch.maximum(logits.amax(-1), fresh.amax(-1))[..., None]
-    weights = logits.sub_(top).exp_()  # (g, M, span)
-    tail_weights = (fresh - top).exp_()
-    denom = weights.sum(-1) + tail_weights.sum(-1)
-    result = torch.bmm(tail_weights, tail_values)
-    v_scale = padded(stored.value_scale[:, 0], entries, span).to(acc).view(rows, 1, span)
-    v_zero = padded(stored.value_zero[:, 0], entries, span).to(acc).view(rows, span, 1)
-    coded = weights * v_scale
-    if exact is not None:
-        picked = weights[row_of, :, col_of]  # (O, M)
-        coded[row_of, :, col_of] = 0.0
-        shifted = values_exact.to(acc)[:, None, :] - v_zero[row_of, col_of][..., None]
-        result.index_put_((row_of,), picked[..., None] * shifted, accumulate=True)
-    planes = code_planes(padded(stored.value_codes, entries, span), bits)
-    result += torch.cat([torch.bmm(coded, plane.view(rows, span, -1).to(acc)) for plane in planes], -1)
-    result += torch.bmm(weights, v_zero)
-    return result / denom[..., None]
-
-
-def _stored_outliers(
-    stored: QuantizedRows, entries: list[tuple[int, int]]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The full-precision entries of the rows ``entries`` (first, count): their row among them, their
-    slot in it, their keys and values; None when they have none."""
-    index = stored.outlier_index
-    if not index.numel():
-        return None
-    row_of = torch.full_like(index, -1)
-    col_of = torch.zeros_like(index)
-    for row, (first, count) in enumerate(entries):
-        mine = (index >= first) & (index < first + count)
-        row_of[mine] = row
-        col_of[mine] = index[mine] - first
-    keep = row_of >= 0
-    if not bool(keep.any()):
-        return None
-    return row_of[keep], col_of[keep], stored.outlier_keys[keep], stored.outlier_values[keep]
-
-
-def _grouped_affine(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, size: int) -> torch.Tensor:
-    """``codes · scale + zero`` for ``codes`` ``(n, w)`` whose consecutive groups of ``size`` entries
-    share a row of ``scale`` and ``zero`` ``(ceil(n / size), w)``, without repeating the scales."""
-    n, width = codes.shape
-    full = n // size * size
-    out = torch.empty_like(codes)
-    if full:
-        torch.addcmul(
-            zero[: full // size, None, :],
-            codes[:full].view(-1, size, width),
-            scale[: full // size, None, :],
-            out=out[:full].view(-1, size, width),
-        )
-    if full < n:
-        torch.addcmul(zero[-1], codes[full:], scale[-1], out=out[full:])
-    return out
 
 
 def _tail_logits(

@@ -167,7 +167,20 @@ def run_config(config: BenchConfig) -> dict:
         **memory_fields,
         "kv_bytes_reserved": compressed.kv_bytes_reserved,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
+        "quantized_attention": quantized_attention_path(compressed.cache, model.device),
     }
+
+
+def quantized_attention_path(cache, device) -> str | None:
+    """How a decode step read the quantized entries: ``native`` (the compiled kernel,
+    :mod:`kvfold.runtime.native`) or ``torch (why)``; None for a cache held unquantized."""
+    if cache.quant is None:
+        return None
+    if getattr(device, "type", str(device)) != "cpu":
+        return "torch (not a CPU device)"
+    from kvfold.runtime.native import status
+
+    return status()
 
 
 def extend_positions(model, positions: int) -> None:

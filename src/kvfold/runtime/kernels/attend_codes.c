@@ -1,0 +1,113 @@
+/* Attention of a few queries over quantized rows read from their codes, in one pass a row.
+ *
+ * The stored part of kvfold's quantized attention (kvfold.runtime.quantized_attention): keys
+ * quantized per channel over groups of `group` consecutive entries of a row, values per entry
+ * (KIVI's axes, Liu et al. 2024, section 3), codes of 8, 4 or 2 bits packed by planes (byte j holds
+ * the codes of channels j, j + D/p, ..., p = 8/bits codes a byte). A key group's scales are folded
+ * into the queries (q . k = sum_c codes_c (q_c s_c) + q . z), a value's scale into its
+ * probability, so no key or value is ever dequantized.
+ *
+ * `scratch` holds the longest row's m logits an entry. For every row r and query i it writes, relative to the row's own maximum logit top[r, i]:
+ *   den[r, i]    = sum_t exp(l_t - top)
+ *   num[r, i, :] = sum_t exp(l_t - top) * value_t
+ * with l_t = scaling * q_i . k_t + beta_t. A row without entries gets top = -inf, den = 0, num = 0.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DIM 1024
+#define MAX_QUERIES 256
+
+static void unpack(const uint8_t *src, int64_t dim, int64_t bits, float *dst) {
+    if (bits == 8) {
+        for (int64_t c = 0; c < dim; ++c) dst[c] = (float)src[c];
+        return;
+    }
+    const int64_t per = 8 / bits, width = dim / per;
+    const unsigned mask = (1u << bits) - 1u;
+    for (int64_t k = 0; k < per; ++k) {
+        const unsigned shift = (unsigned)(k * bits);
+        float *d = dst + k * width;
+        for (int64_t j = 0; j < width; ++j) d[j] = (float)((src[j] >> shift) & mask);
+    }
+}
+
+int kvfold_attend_codes(int64_t rows, int64_t m, int64_t dim, int64_t vdim, int64_t bits, int64_t group,
+                        const int64_t *lengths, const uint8_t *key_codes, const float *key_scale,
+                        const float *key_zero, const uint8_t *value_codes, const float *value_scale,
+                        const float *value_zero, const float *beta, const float *queries, float scaling,
+                        float *scratch, float *top, float *den, float *num) {
+    if (dim > MAX_DIM || vdim > MAX_DIM || m > MAX_QUERIES || group < 1) return 1;
+    if (bits != 8 && bits != 4 && bits != 2) return 2;
+    const int64_t kb = dim * bits / 8, vb = vdim * bits / 8;
+    float codes[MAX_DIM];
+    float *qs = (float *)malloc(sizeof(float) * (size_t)(m * dim));
+    float *qz = (float *)malloc(sizeof(float) * (size_t)m);
+    float *zs = (float *)malloc(sizeof(float) * (size_t)m);
+    if (!qs || !qz || !zs) {
+        free(qs), free(qz), free(zs);
+        return 3;
+    }
+    int64_t entry = 0, first_group = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = lengths[r];
+        const float *q = queries + r * m * dim;
+        float *tp = top + r * m, *dn = den + r * m, *nm = num + r * m * vdim;
+        for (int64_t i = 0; i < m; ++i) tp[i] = -INFINITY, dn[i] = 0.0f;
+        memset(nm, 0, sizeof(float) * (size_t)(m * vdim));
+        /* logits: the group's scales folded into the queries, one group of entries at a time */
+        for (int64_t start = 0; start < n; start += group) {
+            const int64_t g = first_group + start / group;
+            const float *s = key_scale + g * dim, *z = key_zero + g * dim;
+            for (int64_t i = 0; i < m; ++i) {
+                float offset = 0.0f;
+                for (int64_t c = 0; c < dim; ++c) {
+                    qs[i * dim + c] = q[i * dim + c] * s[c];
+                    offset += q[i * dim + c] * z[c];
+                }
+                qz[i] = offset;
+            }
+            const int64_t stop = start + group < n ? start + group : n;
+            for (int64_t t = start; t < stop; ++t) {
+                unpack(key_codes + (entry + t) * kb, dim, bits, codes);
+                const float b = beta ? beta[entry + t] : 0.0f;
+                for (int64_t i = 0; i < m; ++i) {
+                    const float *qi = qs + i * dim;
+                    float dot = 0.0f;
+                    for (int64_t c = 0; c < dim; ++c) dot += qi[c] * codes[c];
+                    const float l = (dot + qz[i]) * scaling + b;
+                    scratch[t * m + i] = l;
+                    if (l > tp[i]) tp[i] = l;
+                }
+            }
+        }
+        /* probabilities relative to the row's maximum */
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t i = 0; i < m; ++i) {
+                const float w = tp[i] == -INFINITY ? 0.0f : expf(scratch[t * m + i] - tp[i]);
+                scratch[t * m + i] = w;
+                dn[i] += w;
+            }
+        /* values: each entry's scale folded into its probability, its zero point into a sum */
+        for (int64_t i = 0; i < m; ++i) zs[i] = 0.0f;
+        for (int64_t t = 0; t < n; ++t) {
+            unpack(value_codes + (entry + t) * vb, vdim, bits, codes);
+            const float s = value_scale[entry + t], z = value_zero[entry + t];
+            for (int64_t i = 0; i < m; ++i) {
+                const float w = scratch[t * m + i];
+                const float a = w * s;
+                float *o = nm + i * vdim;
+                zs[i] += w * z;
+                for (int64_t c = 0; c < vdim; ++c) o[c] += a * codes[c];
+            }
+        }
+        for (int64_t i = 0; i < m; ++i)
+            for (int64_t c = 0; c < vdim; ++c) nm[i * vdim + c] += zs[i];
+        entry += n;
+        first_group += (n + group - 1) / group;
+    }
+    free(qs), free(qz), free(zs);
+    return 0;
+}

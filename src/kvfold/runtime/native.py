@@ -1,0 +1,116 @@
+"""Native kernels, compiled on first use with the system's C compiler and cached.
+
+One kernel today: the stored part of the attention over quantized rows
+(``kernels/attend_codes.c``, called by :mod:`kvfold.runtime.quantized_attention`). Eager PyTorch
+reads packed codes in several passes a decode step (unpack the planes, convert, scale, multiply);
+the kernel reads each entry's codes once, with the key scales folded into the queries and the value
+scales into the probabilities. It computes what the PyTorch path computes (a test holds them equal).
+
+The shared library is built once per kernel source, compiler flags and machine into
+``$KVFOLD_CACHE_DIR/kernels`` (default ``~/.cache/kvfold/kernels``), written to a temporary name
+and renamed, so concurrent processes never load a half-written file. Without a C compiler, or with
+``KVFOLD_NATIVE=0``, :func:`attend_codes_kernel` returns None and the PyTorch path runs
+(:func:`status` says which and why; ``kvfold bench`` records it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels") / "attend_codes.c"
+FLAGS = (
+    "-O3",
+    "-march=native",
+    # vectorised sums (reassociation) without giving up infinities: β may be −inf
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
+DISABLE_ENV = "KVFOLD_NATIVE"
+"""``KVFOLD_NATIVE=0`` keeps the PyTorch path (no compiler is run)."""
+_why_not: list[str] = []
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept (``$KVFOLD_CACHE_DIR/kernels``, default ``~/.cache/kvfold/kernels``)."""
+    root = os.environ.get("KVFOLD_CACHE_DIR") or Path.home() / ".cache" / "kvfold"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _machine_tag() -> str:
+    """The CPU the library is built for (``-march=native``): its model name and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return "|".join([platform.machine(), platform.processor(), *lines])
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _machine_tag().encode()).hexdigest()[:16]
+    target = cache_dir() / f"attend_codes-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.part", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120
+        )
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@cache
+def attend_codes_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The compiled ``kvfold_attend_codes`` function, or None (see :func:`status`)."""
+    _why_not.clear()
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        _why_not.append(f"{DISABLE_ENV}=0")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _why_not.append("no C compiler found (cc, gcc or clang; or set CC)")
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        _why_not.append(f"building the kernel failed: {error} {detail.decode(errors='replace')[:200]}".strip())
+        return None
+    function = library.kvfold_attend_codes
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    function.argtypes = [i64] * 6 + [ptr] * 9 + [f32] + [ptr] * 4
+    function.restype = ctypes.c_int
+    return function
+
+
+def status() -> str:
+    """``native`` when the compiled kernel reads quantized caches, else ``torch (why)``."""
+    if attend_codes_kernel() is not None:
+        return "native"
+    return f"torch ({'; '.join(_why_not) or 'not built'})"

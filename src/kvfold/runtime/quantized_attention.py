@@ -1,0 +1,212 @@
+"""Attention over the quantized entries of a folded layer, read from their codes.
+
+The entries are stored ragged (:class:`~kvfold.runtime.quantize.QuantizedRows`: every row's entries
+one after another, KIVI's axes, Liu et al. 2024 §3): keys per channel over groups of entries,
+values per entry. This module reads them **as stored**, with a fixed number of tensor operations a
+layer whatever the rows' lengths, so a decode step costs a few passes over the layer's codes:
+
+* the keys are dequantized for the layer (``codes · scale + zero``, each entry with its key
+  group's scale), and each row's queries read their row's entries, a contiguous slice (no
+  padding); the logits of every entry of the layer then sit in one ``(E, M)`` tensor;
+* β is added, and each row's softmax runs over its own entries and its full-precision tail (a
+  segment maximum and a segment sum over the rows' entries);
+* the values are never dequantized: an output is ``(p ⊙ s_v) · codes_v + p · z_v`` (each entry's
+  value scale folded into its probability, its zero point into a sum of probabilities).
+
+Nothing outlives the call: the codes are converted to numbers one layer at a time, freed after.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfold.runtime.native import attend_codes_kernel
+from kvfold.runtime.quantize import QuantizedRows, code_planes
+
+Tensor = torch.Tensor
+
+
+def reads_codes(stored: QuantizedRows) -> bool:
+    """Whether :func:`attend_stored` reads this storage: integer codes with one value scale an entry
+    (fp8 and value groups within an entry are dequantized a layer at a time instead)."""
+    return not stored.config.is_float and not stored.config.value_group
+
+
+def attend_stored(
+    queries: Tensor, tail_logits: Tensor, tail_values: Tensor, stored: QuantizedRows, scaling: float
+) -> Tensor:
+    """Attention of the folded queries over each row's stored entries and its full-precision tail:
+    by the compiled kernel (:mod:`kvfold.runtime.native`) where it applies, else
+    :func:`attend_stored_torch` (the same computation in PyTorch operations)."""
+    kernel = attend_codes_kernel() if native_applies(queries, stored) else None
+    if kernel is None:
+        return attend_stored_torch(queries, tail_logits, tail_values, stored, scaling)
+    top, den, num = _stored_part_native(kernel, queries, stored, scaling)
+    tail_top = tail_logits.amax(-1)
+    new_top = torch.maximum(tail_top, top)
+    weights_of_tail = (tail_logits - new_top[..., None]).exp_()
+    stored_shift = (top - new_top).exp_()
+    out = torch.bmm(weights_of_tail, tail_values).add_(num * stored_shift[..., None])
+    return out.div_((weights_of_tail.sum(-1) + den * stored_shift)[..., None])
+
+
+def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
+    """Whether the compiled kernel can read these rows: float32 queries on the CPU, codes of 8, 4 or 2
+    bits with one value scale an entry, no full-precision outlier entries."""
+    return (
+        queries.device.type == "cpu"
+        and queries.dtype == torch.float32
+        and reads_codes(stored)
+        and stored.config.bits in (8, 4, 2)
+        and not stored.outlier_index.numel()
+        and stored.head_dim <= 1024
+        and stored.value_dim <= 1024
+        and queries.shape[1] <= 256
+    )
+
+
+def _stored_part_native(
+    kernel, queries: Tensor, stored: QuantizedRows, scaling: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The stored part by the compiled kernel: each row's maximum logit ``(R, M)``, its sum of
+    probabilities relative to it ``(R, M)`` and their values' sum ``(R, M, Dv)``."""
+    rows, m, dim = queries.shape
+    queries = queries.contiguous()
+    lengths = stored.lengths.to(torch.int64).contiguous()
+    longest = int(lengths.max()) if rows else 0
+    f32 = torch.float32
+    key_scale, key_zero = stored.key_scale.to(f32).contiguous(), stored.key_zero.to(f32).contiguous()
+    value_scale = stored.value_scale[:, 0].to(f32).contiguous()
+    value_zero = stored.value_zero[:, 0].to(f32).contiguous()
+    beta = None if stored.log_mass is None else stored.log_mass.to(f32).contiguous()
+    key_codes, value_codes = stored.key_codes.contiguous(), stored.value_codes.contiguous()
+    scratch = queries.new_empty(max(longest, 1) * m)
+    top, den = queries.new_empty(rows, m), queries.new_empty(rows, m)
+    num = queries.new_empty(rows, m, stored.value_dim)
+    code = kernel(
+        rows, m, dim, stored.value_dim, stored.config.bits, stored.config.key_group,
+        lengths.data_ptr(), key_codes.data_ptr(), key_scale.data_ptr(), key_zero.data_ptr(),
+        value_codes.data_ptr(), value_scale.data_ptr(), value_zero.data_ptr(),
+        0 if beta is None else beta.data_ptr(), queries.data_ptr(), scaling,
+        scratch.data_ptr(), top.data_ptr(), den.data_ptr(), num.data_ptr(),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"the quantized-attention kernel refused its arguments (code {code})")
+    return top, den, num
+
+
+def attend_stored_torch(
+    queries: Tensor, tail_logits: Tensor, tail_values: Tensor, stored: QuantizedRows, scaling: float
+) -> Tensor:
+    """Attention of the folded queries over each row's stored entries and its full-precision tail.
+
+    Args:
+        queries: ``(R, M, D)``: row ``r``'s ``M`` queries (its GQA group's heads × new tokens), in
+            the accumulation dtype (float32 or wider).
+        tail_logits: ``(R, M, n)``: their scaled logits over the row's tail (β added, the new tokens'
+            future masked with −inf; every query sees at least its own token).
+        tail_values: ``(R, n, Dv)``: the tail's values, in the queries' dtype.
+        stored: the quantized rows (``R`` of them): :func:`reads_codes` must hold.
+        scaling: the logit scale.
+
+    Returns:
+        ``(R, M, Dv)``: ``softmax([q·k·scaling + β, tail_logits]) · [values, tail_values]``.
+    """
+    acc = queries.dtype
+    rows, m, _ = queries.shape
+    lengths = stored.lengths.tolist()
+    total = sum(lengths)
+    top = tail_logits.amax(-1)  # (R, M)
+    weights_of_tail = (tail_logits - top[..., None]).exp_()
+    out = torch.bmm(weights_of_tail, tail_values)  # (R, M, Dv)
+    if not total:
+        return out / weights_of_tail.sum(-1)[..., None]
+    codes = _codes(stored.key_codes, stored.config.bits, acc)
+    k_scale, k_zero = stored.key_scale.to(acc), stored.key_zero.to(acc)
+    size = stored.config.key_group
+    logits = queries.new_empty(total, m)  # (E, M): each entry against its own row's queries
+    first = group = 0
+    for row, n in enumerate(lengths):
+        groups = -(-n // size)
+        if n:
+            keys = _row_keys(
+                codes[first : first + n], k_scale[group : group + groups], k_zero[group : group + groups], size
+            )
+            torch.mm(keys, queries[row].T, out=logits[first : first + n])
+        first, group = first + n, group + groups
+    if stored.outlier_index.numel():  # full-precision entries: their own keys' logits
+        index = stored.outlier_index
+        rows_of = torch.bucketize(index, torch.tensor(lengths, device=index.device).cumsum(0), right=True)
+        own = (queries.index_select(0, rows_of) @ stored.outlier_keys.to(acc)[:, :, None])[..., 0]
+        logits.index_copy_(0, index, own)
+    del codes
+    if stored.log_mass is not None:
+        logits = torch.addcmul(stored.log_mass.to(acc)[:, None], logits, logits.new_tensor(scaling))
+    else:
+        logits.mul_(scaling)
+    spans = []
+    first = 0
+    for n in lengths:
+        spans.append(slice(first, first + n))
+        first += n
+    new_top = torch.stack(
+        [
+            torch.maximum(top[row], logits[span].amax(0)) if span.stop > span.start else top[row]
+            for row, span in enumerate(spans)
+        ]
+    )
+    for row, span in enumerate(spans):  # each row's entries shifted by their row's maximum
+        logits[span].sub_(new_top[row])
+    weights = logits.exp_()
+    shift = (top - new_top).exp_()  # the tail's part, from its own maximum to the row's
+    out.mul_(shift[..., None])
+    denom = weights_of_tail.sum(-1).mul_(shift)
+
+    # the values, never dequantized: each entry's scale folded into its weight, its zero into a sum
+    v_codes = _codes(stored.value_codes, stored.config.bits, acc)
+    v_scale = stored.value_scale[:, 0].to(acc)
+    v_zero = stored.value_zero[:, 0].to(acc)
+    index = stored.outlier_index
+    if index.numel():  # full-precision entries: their own values · 1 + 0
+        v_codes.index_copy_(0, index, stored.outlier_values.to(acc))
+        v_scale.index_fill_(0, index, 1.0)
+        v_zero.index_fill_(0, index, 0.0)
+    sums = torch.stack([torch.ones_like(v_zero), v_zero], -1)  # (E, 2): Σp and Σ p·z_v in one product
+    coded = weights * v_scale[:, None]
+    for row, span in enumerate(spans):
+        if span.stop > span.start:
+            out[row].addmm_(coded[span].T, v_codes[span])
+            mass, zeros = (weights[span].T @ sums[span]).unbind(-1)
+            out[row] += zeros[:, None]
+            denom[row] += mass
+    return out / denom[..., None]
+
+
+def _row_keys(codes: Tensor, scale: Tensor, zero: Tensor, size: int) -> Tensor:
+    """One row's keys ``(n, D)`` from their codes, each group of ``size`` consecutive entries with
+    its row of ``scale`` and ``zero`` (the last group may be shorter)."""
+    n, dim = codes.shape
+    groups = scale.shape[0]
+    full = n // size
+    keys = torch.empty_like(codes)
+    torch.addcmul(
+        zero[:full, None],
+        codes[: full * size].view(full, size, dim),
+        scale[:full, None],
+        out=keys[: full * size].view(full, size, dim),
+    )
+    if full < groups:
+        torch.addcmul(zero[full], codes[full * size :], scale[full], out=keys[full * size :])
+    return keys
+
+
+def _codes(packed: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
+    """Packed codes ``(n, ·)`` as numbers ``(n, D)`` in ``dtype``, plane by plane."""
+    planes = code_planes(packed, bits)
+    if len(planes) == 1:
+        return planes[0].to(dtype)
+    width = planes[0].shape[-1]
+    out = torch.empty(packed.shape[0], width * len(planes), dtype=dtype, device=packed.device)
+    for k, plane in enumerate(planes):
+        out[:, k * width : (k + 1) * width] = plane
+    return out

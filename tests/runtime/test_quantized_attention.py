@@ -1,0 +1,121 @@
+"""Attention over quantized rows read from their codes (kvfold.runtime.quantized_attention): the
+compiled kernel and the PyTorch path against a float64 reference over the dequantized entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfold.runtime import native
+from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quantized_attention import attend_stored, attend_stored_torch, native_applies
+
+D = 32
+SCALING = D**-0.5
+
+
+def _case(lengths: list[int], fmt: str, beta: bool, seed: int = 0, m: int = 3, tail: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    rows, width = len(lengths), max(max(lengths), 1)
+    keys = torch.randn(rows, width, D, generator=g) * 2
+    keys[:, :, 3] += 8.0  # an outlier channel: its own key range only
+    values = torch.randn(rows, width, D, generator=g)
+    log_mass = torch.randn(rows, width, generator=g) if beta else None
+    stored = QuantizedRows.from_padded(keys, values, log_mass, torch.tensor(lengths), QuantConfig.parse(fmt))
+    queries = torch.randn(rows, m, D, generator=g)
+    tail_keys = torch.randn(rows, tail, D, generator=g)
+    tail_values = torch.randn(rows, tail, D, generator=g)
+    tail_logits = queries @ tail_keys.transpose(1, 2) * SCALING
+    tail_logits[:, 0, -1] = float("-inf")  # a query that does not see the last new token
+    return stored, queries, tail_logits, tail_values
+
+
+def _reference(stored: QuantizedRows, queries, tail_logits, tail_values) -> torch.Tensor:
+    """float64 softmax over the dequantized entries (β; −inf past each row's length) and the tail."""
+    keys, values, log_mass = (t.double() for t in stored.to_padded())
+    logits = torch.cat(
+        [queries.double() @ keys.transpose(1, 2) * SCALING + log_mass[:, None], tail_logits.double()], -1
+    )
+    weights = torch.softmax(logits, -1)
+    return weights @ torch.cat([values, tail_values.double()], 1)
+
+
+LENGTHS = {
+    "ragged": [70, 0, 33, 1, 64, 5],
+    "many rows": [int(n) for n in torch.randint(0, 90, (20,), generator=torch.Generator().manual_seed(3))],
+}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]"])
+@pytest.mark.parametrize("beta", [True, False], ids=["beta", "no-beta"])
+@pytest.mark.parametrize("shape", sorted(LENGTHS))
+def test_both_paths_equal_a_float64_reference(fmt, beta, shape):
+    stored, queries, tail_logits, tail_values = _case(LENGTHS[shape], fmt, beta)
+    expected = _reference(stored, queries, tail_logits, tail_values)
+    torch_path = attend_stored_torch(queries, tail_logits, tail_values, stored, SCALING)
+    torch.testing.assert_close(torch_path.double(), expected, rtol=2e-5, atol=2e-5)
+    either = attend_stored(queries, tail_logits, tail_values, stored, SCALING)
+    torch.testing.assert_close(either.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_the_kernel_reads_integer_codes_without_outliers_and_nothing_else():
+    plain = _case([5, 3], "int4", True)
+    assert native_applies(plain[1], plain[0])
+    assert native_applies(plain[1], _case([5, 3], "int2", True)[0])
+    assert not native_applies(plain[1], _case([5, 3], "int3", True)[0])  # 3-bit packing: PyTorch
+    assert not native_applies(plain[1], _case([5, 3], "int4[outliers=1]", True)[0])
+    assert not native_applies(plain[1].double(), plain[0])
+
+
+@pytest.mark.skipif(native.attend_codes_kernel() is None, reason=f"no native kernel here: {native.status()}")
+def test_the_kernel_is_the_one_used_where_it_applies(monkeypatch):
+    import kvfold.runtime.quantized_attention as module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch path ran where the kernel applies")
+
+    monkeypatch.setattr(module, "attend_stored_torch", refuse)
+    for fmt in ("int8", "int4", "int2"):
+        stored, queries, tail_logits, tail_values = _case([40, 0, 17, 96], fmt, True, seed=5, m=6)
+        out = attend_stored(queries, tail_logits, tail_values, stored, SCALING)
+        torch.testing.assert_close(
+            out.double(), _reference(stored, queries, tail_logits, tail_values), rtol=2e-5, atol=2e-5
+        )
+    assert native.status() == "native"
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """A kernel looked up anew, built into an empty cache directory."""
+    monkeypatch.setenv("KVFOLD_CACHE_DIR", str(tmp_path))
+    native.attend_codes_kernel.cache_clear()
+    native._why_not.clear()  # noqa: SLF001 - the test resets the module's record
+    yield tmp_path
+    native.attend_codes_kernel.cache_clear()
+    native._why_not.clear()  # noqa: SLF001
+
+
+def test_disabled_or_unbuildable_kernels_leave_the_torch_path_and_say_why(fresh_kernel, monkeypatch):
+    stored, queries, tail_logits, tail_values = _case([9, 4], "int4", True)
+    expected = _reference(stored, queries, tail_logits, tail_values)
+    monkeypatch.setenv("KVFOLD_NATIVE", "0")
+    assert native.attend_codes_kernel() is None and native.status() == "torch (KVFOLD_NATIVE=0)"
+    out = attend_stored(queries, tail_logits, tail_values, stored, SCALING)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+    native.attend_codes_kernel.cache_clear()
+    monkeypatch.delenv("KVFOLD_NATIVE")
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert native.attend_codes_kernel() is None
+    assert native.status().startswith("torch (building the kernel failed")
+    assert not list(fresh_kernel.rglob("*.part")) and not list(fresh_kernel.rglob("*.so"))  # nothing half-written
+
+
+@pytest.mark.skipif(native.attend_codes_kernel() is None, reason=f"no native kernel here: {native.status()}")
+def test_a_kernel_is_built_once_into_the_cache_directory(fresh_kernel):
+    assert native.attend_codes_kernel() is not None
+    built = list((fresh_kernel / "kernels").glob("attend_codes-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    native.attend_codes_kernel.cache_clear()
+    assert native.attend_codes_kernel() is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
