@@ -18,10 +18,14 @@ method and length).
 usage:
     python tools/current_results.py summarize NAME RUN_DIR... [--command CMD] [--data DIR]
     python tools/current_results.py render PAGE.md [--data DIR] [--check]
+    python tools/current_results.py difference RUN_DIR... --first METHOD@BUDGET --second METHOD@BUDGET
 
 ``summarize`` merges the runs as ``kvfold report`` does (eval runs of one configuration, or bench
 directories of one model) and writes ``DIR/NAME.json``; ``render --check`` changes nothing and
 exits 1 when the page is not what its summaries render (a test runs it on the repository's pages).
+``difference`` prints the headline retention of one (method, budget) minus another's on the same
+samples of eval runs, with its paired 95% interval
+(:func:`kvfold.evaluate.scoring.records.headline_difference`).
 """
 
 from __future__ import annotations
@@ -170,6 +174,37 @@ def memory_table(summary: Mapping[str, Any]) -> str:
     return markdown_table(header, rows)
 
 
+def difference(runs: Sequence[Path], first: str, second: str) -> str:
+    """One line: ``first − second`` headline retention in points, its paired 95% interval, the tasks.
+
+    ``first`` and ``second`` are ``METHOD@BUDGET`` (the budget as the runs name it: a memory run's
+    memory fraction).
+
+    Raises:
+        ValueError: a side the runs do not hold.
+    """
+    from kvfold.evaluate.running.results import read_run
+    from kvfold.evaluate.scoring.records import headline_difference
+    from kvfold.runtime.files import read_jsonl
+
+    predictions = []
+    for run in runs:
+        read_run(run)  # refuses what is not a finished eval run
+        predictions += read_jsonl(run / "predictions.jsonl")
+    sides = []
+    for side in (first, second):
+        method, _, budget = side.rpartition("@")
+        try:
+            sides.append((method, float(budget)))
+        except ValueError:
+            raise ValueError(f"{side!r}: expected METHOD@BUDGET, e.g. kvzip+am_fit@int4@0.03125") from None
+    interval, tasks = headline_difference(predictions, sides[0], sides[1])
+    return (
+        f"{first} − {second}: {100 * interval.value:+.1f} points "
+        f"[{100 * interval.low:+.1f}, {100 * interval.high:+.1f}] (paired 95%; {', '.join(tasks)})"
+    )
+
+
 TABLES = {"retention": retention_table, "cost": cost_table, "memory": memory_table}
 """The table kinds a page can ask for, by the name in its mark."""
 
@@ -206,8 +241,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("page", type=Path, help="a Markdown page with <!-- table: NAME KIND --> marks")
     p.add_argument("--data", type=Path, default=DATA, help="where summaries are kept")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 when the page is out of date")
+    p = sub.add_parser("difference", help="headline retention of one method minus another's, paired interval")
+    p.add_argument("runs", nargs="+", type=Path, help="kvfold eval run directories (one configuration)")
+    p.add_argument("--first", required=True, help="METHOD@BUDGET, e.g. kvzip+am_fit@int4@0.03125")
+    p.add_argument("--second", required=True, help="METHOD@BUDGET")
     args = parser.parse_args(argv)
     try:
+        if args.action == "difference":
+            print(difference(args.runs, args.first, args.second))
+            return 0
         if args.action == "summarize":
             args.data.mkdir(parents=True, exist_ok=True)
             out = args.data / f"{args.name}.json"

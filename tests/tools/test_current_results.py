@@ -117,6 +117,16 @@ def test_eval_runs_are_summarized_to_their_headline_and_average_records(tmp_path
     capsys.readouterr()
     assert tool.main(["summarize", "x", str(tmp_path / "run"), str(tmp_path / "bench")]) == 2
     assert "apart" in capsys.readouterr().err
+    # the paired difference of two (method, budget)s of the run (computed in test_records); its errors
+    run = str(tmp_path / "run")
+    assert tool.main(["difference", run, "--first", "streamingllm@0.25", "--second", "streamingllm@0.5"]) == 2
+    assert "no query-agnostic predictions of streamingllm at 0.25" in capsys.readouterr().err
+    assert tool.main(["difference", run, "--first", "streamingllm", "--second", "streamingllm@0.5"]) == 2
+    assert "expected METHOD@BUDGET" in capsys.readouterr().err
+    results_full = [r for r in results if r["method"] == "full" and r["task"] == "animals"]
+    if results_full[0]["score"] < 50:  # the tiny model's full cache: no headline task to compare on
+        assert tool.main(["difference", run, "--first", "streamingllm@0.5", "--second", "streamingllm@0.5"]) == 2
+        assert "no headline task" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("page", sorted((ROOT / "docs" / "results").glob("*.md")))

@@ -100,3 +100,20 @@ def test_aggregate_pairs_with_full_predictions_written_without_context_ids() -> 
 
 def test_names_full_knows_the_uncompressed_cache_and_no_other_label() -> None:
     assert names_full("full") and not names_full("snapkv") and not names_full("not a method")
+
+
+def test_headline_difference_pairs_two_methods_on_the_samples_the_full_cache_answered() -> None:
+    from kvfold.evaluate.scoring.records import headline_difference
+
+    rows = []
+    for i in range(10):
+        for method, score in (("full", 100.0), ("a", 100.0 if i < 9 else 0.0), ("b", 100.0 if i < 5 else 0.0)):
+            budget = 1.0 if method == "full" else 0.03125
+            rows.append(
+                {"sample_id": f"s{i}", "context_id": f"c{i}", "task": "niah", "method": method, "budget": budget,
+                 "query_aware": False, "score": score}
+            )  # fmt: skip
+    interval, tasks = headline_difference(rows, ("a", 0.03125), ("b", 0.03125))
+    assert tasks == ["niah"] and interval.value == pytest.approx(0.4) and interval.low > 0
+    with pytest.raises(ValueError, match="no query-agnostic predictions"):
+        headline_difference(rows, ("a", 0.5), ("b", 0.03125))

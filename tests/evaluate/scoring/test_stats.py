@@ -142,3 +142,19 @@ def test_a_task_with_one_context_has_no_bootstrap_interval() -> None:
     assert ret.value == 0.625 and math.isnan(ret.low)
     single = TaskScores(((100.0,),))  # one pass/fail question: Wilson still applies
     assert task_score(single).low > 0 and task_score(single).high == 100.0
+
+
+def test_a_paired_difference_draws_the_same_contexts_for_both_methods() -> None:
+    from kvfold.evaluate.scoring.stats import retention_difference
+
+    # the second method solves a subset of what the first solves: every draw's difference is ≥ 0
+    first = {"t": TaskScores(tuple((100.0,) if i < 8 else (0.0,) for i in range(12)))}
+    second = {"t": TaskScores(tuple((100.0,) if i < 6 else (0.0,) for i in range(12)))}
+    full = {"t": TaskScores(tuple((100.0,) for _ in range(12)))}
+    diff = retention_difference(first, second, full)
+    assert diff.value == pytest.approx(2 / 12)
+    assert diff.low >= 0  # unpaired draws would reach below 0 on these scores
+    same = retention_difference(first, first, full)
+    assert same.value == 0 and same.low == 0 and same.high == 0
+    with pytest.raises(ValueError, match="same tasks"):
+        retention_difference(first, {"u": second["t"]}, full)

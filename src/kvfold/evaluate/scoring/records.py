@@ -14,7 +14,15 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvfold.evaluate.scoring.stats import Interval, TaskScores, macro_retention, macro_score, task_retention, task_score
+from kvfold.evaluate.scoring.stats import (
+    Interval,
+    TaskScores,
+    macro_retention,
+    macro_score,
+    retention_difference,
+    task_retention,
+    task_score,
+)
 from kvfold.methods import build_method
 
 __all__ = [
@@ -23,6 +31,7 @@ __all__ = [
     "HEADLINE_TASK",
     "SUMMARY_TASKS",
     "aggregate",
+    "headline_difference",
     "names_full",
 ]
 
@@ -209,3 +218,44 @@ def _averages(
 def _mean(values: Any) -> float:
     values = [v for v in values if v is not None]
     return float(sum(values) / len(values)) if values else float("nan")
+
+
+def headline_difference(
+    predictions: Sequence[Mapping[str, Any]], first: tuple[str, Any], second: tuple[str, Any]
+) -> tuple[Interval, list[str]]:
+    """Headline retention of ``first`` minus ``second`` (each a ``(method, budget)`` as the
+    prediction rows name them), with the paired interval of
+    :func:`kvfold.evaluate.scoring.stats.retention_difference`, over the headline tasks (the full
+    cache scores at least :data:`HEADLINE_MIN_FULL_SCORE`) that both answered on the same samples.
+
+    Returns:
+        The difference (fractions) and the tasks it covers.
+
+    Raises:
+        ValueError: one side has no predictions, or no full cache answered their samples.
+    """
+    sides: list[dict[str, list[Mapping[str, Any]]]] = []
+    for method, budget in (first, second):
+        rows: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        for p in predictions:
+            if p["method"] == method and p["budget"] == budget and not p["query_aware"]:
+                rows[p["task"]].append(p)
+        if not rows:
+            raise ValueError(f"no query-agnostic predictions of {method} at {budget}")
+        sides.append(rows)
+    full_by_task = _full_predictions(predictions)
+    chosen: dict[str, tuple[TaskScores, TaskScores, TaskScores]] = {}
+    for task in sorted(set(sides[0]) & set(sides[1])):
+        a, b = sides[0][task], sides[1][task]
+        if {p["sample_id"] for p in a} != {p["sample_id"] for p in b}:
+            continue
+        full = _paired_full(a, full_by_task.get((False, task), {}))
+        if full is None or full.mean() < HEADLINE_MIN_FULL_SCORE:
+            continue
+        chosen[task] = (_task_scores(a), _task_scores(b), full)
+    if not chosen:
+        raise ValueError("no headline task where both sides and the full cache answered the same samples")
+    interval = retention_difference(
+        {t: v[0] for t, v in chosen.items()}, {t: v[1] for t, v in chosen.items()}, {t: v[2] for t, v in chosen.items()}
+    )
+    return interval, sorted(chosen)
