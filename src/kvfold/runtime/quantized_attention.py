@@ -112,38 +112,13 @@ def attend_stored_torch(
     Returns:
         ``(R, M, Dv)``: ``softmax([q·k·scaling + β, tail_logits]) · [values, tail_values]``.
     """
-    acc = queries.dtype
-    rows, m, _ = queries.shape
     lengths = stored.lengths.tolist()
-    total = sum(lengths)
     top = tail_logits.amax(-1)  # (R, M)
     weights_of_tail = (tail_logits - top[..., None]).exp_()
     out = torch.bmm(weights_of_tail, tail_values)  # (R, M, Dv)
-    if not total:
+    if not sum(lengths):
         return out / weights_of_tail.sum(-1)[..., None]
-    codes = _codes(stored.key_codes, stored.config.bits, acc)
-    k_scale, k_zero = stored.key_scale.to(acc), stored.key_zero.to(acc)
-    size = stored.config.key_group
-    logits = queries.new_empty(total, m)  # (E, M): each entry against its own row's queries
-    first = group = 0
-    for row, n in enumerate(lengths):
-        groups = -(-n // size)
-        if n:
-            keys = _row_keys(
-                codes[first : first + n], k_scale[group : group + groups], k_zero[group : group + groups], size
-            )
-            torch.mm(keys, queries[row].T, out=logits[first : first + n])
-        first, group = first + n, group + groups
-    if stored.outlier_index.numel():  # full-precision entries: their own keys' logits
-        index = stored.outlier_index
-        rows_of = torch.bucketize(index, torch.tensor(lengths, device=index.device).cumsum(0), right=True)
-        own = (queries.index_select(0, rows_of) @ stored.outlier_keys.to(acc)[:, :, None])[..., 0]
-        logits.index_copy_(0, index, own)
-    del codes
-    if stored.log_mass is not None:
-        logits = torch.addcmul(stored.log_mass.to(acc)[:, None], logits, logits.new_tensor(scaling))
-    else:
-        logits.mul_(scaling)
+    logits = _stored_logits(queries, stored, lengths, scaling)  # (E, M)
     spans = []
     first = 0
     for n in lengths:
@@ -161,8 +136,42 @@ def attend_stored_torch(
     shift = (top - new_top).exp_()  # the tail's part, from its own maximum to the row's
     out.mul_(shift[..., None])
     denom = weights_of_tail.sum(-1).mul_(shift)
+    _add_stored_values(out, denom, weights, stored, spans)
+    return out / denom[..., None]
 
-    # the values, never dequantized: each entry's scale folded into its weight, its zero into a sum
+
+def _stored_logits(queries: Tensor, stored: QuantizedRows, lengths: list[int], scaling: float) -> Tensor:
+    """``q · k · scaling + β`` ``(E, M)`` of every stored entry against its own row's queries: each row's
+    keys dequantized from their codes (a row at a time), the full-precision entries' own keys."""
+    acc = queries.dtype
+    codes = _codes(stored.key_codes, stored.config.bits, acc)
+    k_scale, k_zero = stored.key_scale.to(acc), stored.key_zero.to(acc)
+    size = stored.config.key_group
+    logits = queries.new_empty(sum(lengths), queries.shape[1])
+    first = group = 0
+    for row, n in enumerate(lengths):
+        groups = -(-n // size)
+        if n:
+            keys = _row_keys(
+                codes[first : first + n], k_scale[group : group + groups], k_zero[group : group + groups], size
+            )
+            torch.mm(keys, queries[row].T, out=logits[first : first + n])
+        first, group = first + n, group + groups
+    if stored.outlier_index.numel():  # full-precision entries: their own keys' logits
+        index = stored.outlier_index
+        rows_of = torch.bucketize(index, torch.tensor(lengths, device=index.device).cumsum(0), right=True)
+        own = (queries.index_select(0, rows_of) @ stored.outlier_keys.to(acc)[:, :, None])[..., 0]
+        logits.index_copy_(0, index, own)
+    if stored.log_mass is not None:
+        return torch.addcmul(stored.log_mass.to(acc)[:, None], logits, logits.new_tensor(scaling))
+    return logits.mul_(scaling)
+
+
+def _add_stored_values(out: Tensor, denom: Tensor, weights: Tensor, stored: QuantizedRows, spans: list[slice]) -> None:
+    """Add each row's stored values, weighted by ``weights`` ``(E, M)``, to ``out`` ``(R, M, Dv)`` and
+    the weights to ``denom`` ``(R, M)``. The values are never dequantized: each entry's scale is folded
+    into its weight, its zero point into a sum of weights."""
+    acc = weights.dtype
     v_codes = _codes(stored.value_codes, stored.config.bits, acc)
     v_scale = stored.value_scale[:, 0].to(acc)
     v_zero = stored.value_zero[:, 0].to(acc)
@@ -179,7 +188,6 @@ def attend_stored_torch(
             mass, zeros = (weights[span].T @ sums[span]).unbind(-1)
             out[row] += zeros[:, None]
             denom[row] += mass
-    return out / denom[..., None]
 
 
 def _row_keys(codes: Tensor, scale: Tensor, zero: Tensor, size: int) -> Tensor:
