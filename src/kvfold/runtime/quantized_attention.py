@@ -2,18 +2,17 @@
 
 The entries are stored ragged (:class:`~kvfold.runtime.quantize.QuantizedRows`: every row's entries
 one after another, KIVI's axes, Liu et al. 2024 §3): keys per channel over groups of entries,
-values per entry. This module reads them **as stored**, with a fixed number of tensor operations a
-layer whatever the rows' lengths, so a decode step costs a few passes over the layer's codes:
+values per entry. Two paths compute the same thing (both are tested against a float64 reference):
 
-* the keys are dequantized for the layer (``codes · scale + zero``, each entry with its key
-  group's scale), and each row's queries read their row's entries, a contiguous slice (no
-  padding); the logits of every entry of the layer then sit in one ``(E, M)`` tensor;
-* β is added, and each row's softmax runs over its own entries and its full-precision tail (a
-  segment maximum and a segment sum over the rows' entries);
-* the values are never dequantized: an output is ``(p ⊙ s_v) · codes_v + p · z_v`` (each entry's
-  value scale folded into its probability, its zero point into a sum of probabilities).
+* **the compiled kernel** (:mod:`kvfold.runtime.native`, on the CPU, 8-, 4- and 2-bit codes
+  without outlier entries): one pass over each entry's codes, a key group's scales folded into the
+  queries (``q · k = codes · (q ⊙ s) + q · z``), a value's scale into its probability;
+* **PyTorch** (:func:`attend_stored_torch`, everywhere else): each row's keys are dequantized from
+  its contiguous slice of codes (no padding) and its logits written into one ``(E, M)`` tensor of the
+  layer's entries; each row's softmax runs over its own entries and its full-precision tail; the
+  values are never dequantized: an output is ``(p ⊙ s_v) · codes_v + p · z_v``.
 
-Nothing outlives the call: the codes are converted to numbers one layer at a time, freed after.
+Nothing outlives the call: codes are converted to numbers one layer at a time, freed after.
 """
 
 from __future__ import annotations
