@@ -62,7 +62,8 @@ def test_the_kernel_reads_integer_codes_without_outliers_and_nothing_else():
     plain = _case([5, 3], "int4", True)
     assert native_applies(plain[1], plain[0])
     assert native_applies(plain[1], _case([5, 3], "int2", True)[0])
-    assert not native_applies(plain[1], _case([5, 3], "int3", True)[0])  # 3-bit packing: PyTorch
+    assert native_applies(plain[1], _case([5, 3], "int3", True)[0])
+    assert not native_applies(plain[1], _case([5, 3], "fp8", True)[0])
     assert not native_applies(plain[1], _case([5, 3], "int4[outliers=1]", True)[0])
     assert not native_applies(plain[1].double(), plain[0])
 
@@ -75,7 +76,7 @@ def test_the_kernel_is_the_one_used_where_it_applies(monkeypatch):
         raise AssertionError("the PyTorch path ran where the kernel applies")
 
     monkeypatch.setattr(module, "attend_stored_torch", refuse)
-    for fmt in ("int8", "int4", "int2"):
+    for fmt in ("int8", "int4", "int3", "int2"):
         stored, queries, tail_logits, tail_values = _case([40, 0, 17, 96], fmt, True, seed=5, m=6)
         out = attend_stored(queries, tail_logits, tail_values, stored, SCALING)
         torch.testing.assert_close(

@@ -4,7 +4,7 @@ The entries are stored ragged (:class:`~kvfold.runtime.quantize.QuantizedRows`: 
 one after another, KIVI's axes, Liu et al. 2024 §3): keys per channel over groups of entries,
 values per entry. Two paths compute the same thing (both are tested against a float64 reference):
 
-* **the compiled kernel** (:mod:`kvfold.runtime.native`, on the CPU, 8-, 4- and 2-bit codes
+* **the compiled kernel** (:mod:`kvfold.runtime.native`, on the CPU, 8-, 4-, 3- and 2-bit codes
   without outlier entries): one pass over each entry's codes, a key group's scales folded into the
   queries (``q · k = codes · (q ⊙ s) + q · z``), a value's scale into its probability;
 * **PyTorch** (:func:`attend_stored_torch`, everywhere else): each row's keys are dequantized from
@@ -50,13 +50,13 @@ def attend_stored(
 
 
 def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
-    """Whether the compiled kernel can read these rows: float32 queries on the CPU, codes of 8, 4 or 2
-    bits with one value scale an entry, no full-precision outlier entries."""
+    """Whether the compiled kernel can read these rows: float32 queries on the CPU, codes of 8, 4, 3
+    or 2 bits with one value scale an entry, no full-precision outlier entries."""
     return (
         queries.device.type == "cpu"
         and queries.dtype == torch.float32
         and reads_codes(stored)
-        and stored.config.bits in (8, 4, 2)
+        and stored.config.bits in (8, 4, 3, 2)
         and not stored.outlier_index.numel()
         and stored.head_dim <= 1024
         and stored.value_dim <= 1024

@@ -3,7 +3,8 @@
  * The stored part of kvfold's quantized attention (kvfold.runtime.quantized_attention): keys
  * quantized per channel over groups of `group` consecutive entries of a row, values per entry
  * (KIVI's axes, Liu et al. 2024, section 3), codes of 8, 4 or 2 bits packed by planes (byte j holds
- * the codes of channels j, j + D/p, ..., p = 8/bits codes a byte). A key group's scales are folded
+ * the codes of channels j, j + D/p, ..., p = 8/bits codes a byte) or of 3 bits (eight codes in three
+ * bytes, code i of the eight at bit 3i of their little-endian 24-bit word). A key group's scales are folded
  * into the queries (q . k = sum_c codes_c (q_c s_c) + q . z), a value's scale into its
  * probability, so no key or value is ever dequantized.
  *
@@ -25,6 +26,14 @@ static void unpack(const uint8_t *src, int64_t dim, int64_t bits, float *dst) {
         for (int64_t c = 0; c < dim; ++c) dst[c] = (float)src[c];
         return;
     }
+    if (bits == 3) {
+        for (int64_t g = 0; g < dim / 8; ++g) {
+            const uint8_t *b = src + 3 * g;
+            const uint32_t word = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16);
+            for (int64_t i = 0; i < 8; ++i) dst[8 * g + i] = (float)((word >> (3 * i)) & 7u);
+        }
+        return;
+    }
     const int64_t per = 8 / bits, width = dim / per;
     const unsigned mask = (1u << bits) - 1u;
     for (int64_t k = 0; k < per; ++k) {
@@ -40,7 +49,7 @@ int kvfold_attend_codes(int64_t rows, int64_t m, int64_t dim, int64_t vdim, int6
                         const float *value_zero, const float *beta, const float *queries, float scaling,
                         float *scratch, float *top, float *den, float *num) {
     if (dim > MAX_DIM || vdim > MAX_DIM || m > MAX_QUERIES || group < 1) return 1;
-    if (bits != 8 && bits != 4 && bits != 2) return 2;
+    if (bits != 8 && bits != 4 && bits != 3 && bits != 2) return 2;
     const int64_t kb = dim * bits / 8, vb = vdim * bits / 8;
     float codes[MAX_DIM];
     float *qs = (float *)malloc(sizeof(float) * (size_t)(m * dim));
