@@ -21,7 +21,7 @@ def context():
     return kvfold.prefill(model, CharTokenizer(), TEXT, use_chat_template=False, methods="snapkv")
 
 
-@pytest.mark.parametrize("memory", [0.25, 0.0625, 0.03125])
+@pytest.mark.parametrize("memory", [0.25, 0.0625, 0.03125, 0.015625])
 @pytest.mark.parametrize("spec", ["snapkv", "snapkv@int2", "snapkv@16", "adakv:snapkv+keepkv", "snapkv@fp8"])
 def test_a_memory_budget_is_kept_and_mostly_spent(context, spec, memory):
     small = context.compress(spec, memory=memory)
@@ -41,7 +41,8 @@ def test_a_memory_budget_is_kept_and_mostly_spent(context, spec, memory):
 def test_the_rule_quantizes_more_as_the_budget_shrinks():
     assert rule_format(1.0) is None
     assert rule_format(0.6) == QuantConfig(format="int8")
-    assert rule_format(0.5) == rule_format(0.0625) == QuantConfig(format="int4") == rule_format(1 / 64)
+    assert rule_format(0.5) == rule_format(0.0625) == rule_format(1 / 32) == QuantConfig(format="int4")
+    assert rule_format(1 / 64) == rule_format(1 / 128) == QuantConfig(format="int3")
     assert [row[0] for row in MEMORY_RULE] == sorted((row[0] for row in MEMORY_RULE), reverse=True)
 
 
@@ -69,6 +70,15 @@ def test_a_compression_over_its_bytes_is_redone_smaller(context, monkeypatch):
     monkeypatch.setattr(context_module, "plan_memory", generous)
     small = context.compress("snapkv", memory=0.0625)
     assert small.memory_ratio <= 0.0625
+
+
+def test_a_short_context_drops_whole_tokens_then_refuses_a_budget_no_cache_fits(context):
+    """A budget rounds up to whole tokens: on a short context a retry must keep fewer of them, and a
+    memory smaller than one entry a row is refused, never exceeded."""
+    small = context.compress("snapkv@16", memory=1 / 64)  # 6.7 tokens' bytes: 7 are over, 6 fit
+    assert small.memory_ratio <= 1 / 64
+    with pytest.raises(ValueError, match="too small for this context"):
+        context.compress("snapkv@16", memory=1 / 2048)
 
 
 def test_budget_and_memory_together_are_refused(context):

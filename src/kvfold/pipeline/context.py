@@ -152,7 +152,11 @@ class PrefilledContext:
 
     def _compress_to_memory(self, composed: ComposedMethod, target: Budget, seed: int) -> CompressedContext:
         """Compress within ``target.memory`` of the 16-bit full cache's bytes: the planned tokens and
-        precision, redone smaller while the result holds more (at most :data:`MAX_RETRIES` times)."""
+        precision, redone smaller while the result holds more (at most :data:`MAX_RETRIES` times).
+
+        Raises:
+            ValueError: no compression within the budget (a context too short for it).
+        """
         plan = plan_memory(target.memory, composed, self.cache, self.context_tokens)
         stored = dataclasses.replace(composed, quant=plan.quant, precision_fixed=True)
         if not composed.precision_fixed:
@@ -162,11 +166,17 @@ class PrefilledContext:
             result = self._compress(stored, Budget(fraction=1.0), seed)
         else:
             result = self._compress(stored, plan.tokens, seed)
-            for _ in range(MAX_RETRIES):
+            for attempt in range(MAX_RETRIES + 1):
                 measured = over_budget(result.cache, target.memory)
                 if measured is None:
                     break
-                plan = shrink(plan, measured)
+                if attempt == MAX_RETRIES or plan.tokens.count(self.context_tokens) <= 1:
+                    raise ValueError(
+                        f"memory {target.memory:g} is too small for this context of {self.context_tokens} tokens: "
+                        f"after {attempt + 1} compressions {stored.spec} still holds {measured:.4g} of the 16-bit "
+                        "full cache; give a larger memory budget"
+                    )
+                plan = shrink(plan, measured, self.context_tokens)
                 result = self._compress(stored, plan.tokens, seed)
         result.memory = target.memory
         result.token_budget = plan.tokens

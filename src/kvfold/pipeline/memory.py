@@ -8,7 +8,7 @@ scales, zero points and β), so the same ``m`` keeps about three times the token
 ``@16``) by :data:`MEMORY_RULE` and the number of tokens that fits; the compression is then
 checked against the bytes it really holds and redone smaller when it is over.
 
-The rule was chosen on an equal-bytes grid (docs/results/current.md, "Tokens or bits"):
+The rule was chosen on equal-bytes grids (docs/memory.md, "How a memory budget is split"):
 *More Tokens, Lower Precision* (Zhang et al., EMNLP Findings 2025) finds the same shape: at equal
 memory, more tokens at 4 bits beat fewer at 16, and 2 bits fail.
 """
@@ -23,16 +23,23 @@ from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig
 
+SMALLEST_FOUR_BIT_MEMORY = 2**-5.5
+"""Below this memory (about 1/45 of the 16-bit cache, halfway between 1/32 and 1/64 on a log axis)
+the rule stores 3 bits: a quarter more tokens than 4 bits in the same bytes."""
+
 MEMORY_RULE: tuple[tuple[float, str | None], ...] = (
     (1.0, None),
     (0.5625, "int8"),
-    (0.0, "int4"),
+    (SMALLEST_FOUR_BIT_MEMORY, "int4"),
+    (0.0, "int3"),
 )
 """``(lowest memory, format)`` in decreasing order: the first row whose memory is at most the budget
-gives the format (None: the model's dtype, no quantization). 4 bits below the bytes of the whole
-cache in 8 bits (0.5625 of it at 16): on the equal-bytes grid (``kvzip+am_fit`` at 8, 4, 3 and 2
-bits, memory 1/16, 1/32 and 1/64 of the 16-bit cache) 4 bits retained the most or tied at every
-budget (docs/memory.md); from 0.5625 on every token fits in 8 bits."""
+gives the format (None: the model's dtype, no quantization). Chosen on equal-bytes grids of
+``kvzip+am_fit`` on seed 1's contexts of the headline suite (docs/memory.md): from 0.5625 on every
+token fits in 8 bits; below it 4 bits retained the most or tied at 1/16 (2K: 8, 4, 3 and 2 bits);
+at 1/32 4 bits retained more at 2K (90 against 60 for 3 bits) and 3 bits a little more at 4K (81.5
+against 77.8); at 1/64 3 bits retained more at 4K (44.4 against 22.2) and tied at 2K. Below 1/64
+nothing was measured."""
 
 ROW_LENGTH_BYTES = 8
 """Bytes a quantized row holds besides its entries: its length (int64)."""
@@ -104,9 +111,12 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     return MemoryPlan(memory, Budget(fraction=fraction), quant)
 
 
-def shrink(plan: MemoryPlan, measured: float) -> MemoryPlan:
-    """A smaller token budget after a compression held ``measured`` > ``plan.memory``."""
+def shrink(plan: MemoryPlan, measured: float, context_tokens: int) -> MemoryPlan:
+    """A smaller token budget after a compression held ``measured`` > ``plan.memory``: scaled by
+    their ratio, and at least one token a row fewer (a budget rounds up to whole tokens, so on a
+    short context a scaled budget can keep the same count)."""
     fraction = plan.tokens.fraction * plan.memory / measured * 0.99
+    fraction = min(fraction, (plan.tokens.count(context_tokens) - 1) / max(context_tokens, 1))
     return MemoryPlan(plan.memory, Budget(fraction=max(fraction, 1e-6)), plan.quant)
 
 
