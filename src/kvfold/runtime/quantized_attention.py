@@ -40,9 +40,14 @@ def attend_stored(
     kernel = attend_codes_kernel() if native_applies(queries, stored) else None
     if kernel is None:
         return attend_stored_torch(queries, tail_logits, tail_values, stored, scaling)
-    top, den, num = _stored_part_native(kernel, queries, stored, scaling)
-    tail_top = tail_logits.amax(-1)
-    new_top = torch.maximum(tail_top, top)
+    return _with_tail(*_stored_part_native(kernel, queries, stored, scaling), tail_logits, tail_values)
+
+
+def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_values: Tensor) -> Tensor:
+    """The softmax over each row's stored part and its tail: the stored part as its maximum logit
+    ``top`` ``(R, M)`` (−inf for an empty row), its weights' sum ``den`` and weighted values ``num``
+    ``(R, M, Dv)`` relative to it; each part rescaled to the larger maximum, then normalized."""
+    new_top = torch.maximum(tail_logits.amax(-1), top)
     weights_of_tail = (tail_logits - new_top[..., None]).exp_()
     stored_shift = (top - new_top).exp_()
     out = torch.bmm(weights_of_tail, tail_values).add_(num * stored_shift[..., None])
@@ -111,32 +116,31 @@ def attend_stored_torch(
     Returns:
         ``(R, M, Dv)``: ``softmax([q·k·scaling + β, tail_logits]) · [values, tail_values]``.
     """
+    return _with_tail(*_stored_part_torch(queries, stored, scaling), tail_logits, tail_values)
+
+
+def _stored_part_torch(queries: Tensor, stored: QuantizedRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    """What the kernel computes, in PyTorch operations: each row's maximum stored logit ``(R, M)``, and
+    relative to it the sum of its weights ``(R, M)`` and of its weighted values ``(R, M, Dv)``."""
+    rows, m, _ = queries.shape
     lengths = stored.lengths.tolist()
-    top = tail_logits.amax(-1)  # (R, M)
-    weights_of_tail = (tail_logits - top[..., None]).exp_()
-    out = torch.bmm(weights_of_tail, tail_values)  # (R, M, Dv)
+    top = queries.new_full((rows, m), float("-inf"))
+    den = queries.new_zeros(rows, m)
+    num = queries.new_zeros(rows, m, stored.value_dim)
     if not sum(lengths):
-        return out / weights_of_tail.sum(-1)[..., None]
+        return top, den, num
     logits = _stored_logits(queries, stored, lengths, scaling)  # (E, M)
     spans = []
     first = 0
     for n in lengths:
         spans.append(slice(first, first + n))
         first += n
-    new_top = torch.stack(
-        [
-            torch.maximum(top[row], logits[span].amax(0)) if span.stop > span.start else top[row]
-            for row, span in enumerate(spans)
-        ]
-    )
     for row, span in enumerate(spans):  # each row's entries shifted by their row's maximum
-        logits[span].sub_(new_top[row])
-    weights = logits.exp_()
-    shift = (top - new_top).exp_()  # the tail's part, from its own maximum to the row's
-    out.mul_(shift[..., None])
-    denom = weights_of_tail.sum(-1).mul_(shift)
-    _add_stored_values(out, denom, weights, stored, spans)
-    return out / denom[..., None]
+        if span.stop > span.start:
+            top[row] = logits[span].amax(0)
+            logits[span].sub_(top[row])
+    _add_stored_values(num, den, logits.exp_(), stored, spans)
+    return top, den, num
 
 
 def _stored_logits(queries: Tensor, stored: QuantizedRows, lengths: list[int], scaling: float) -> Tensor:
