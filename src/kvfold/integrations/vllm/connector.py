@@ -18,9 +18,13 @@ computes the question (a synchronous load).
   again) loads only the slots past the hit.
 * Preemption: a preempted request loses its blocks and starts again from no computed token; the
   scheduler then asks the connector again, and the file is loaded again into the new blocks.
-* A load that fails (the file changed or vanished since it was checked, or does not match the
-  request) reports the request's blocks as failed, and vLLM's ``kv_load_failure_policy="fail"``
-  (``kvfold serve`` sets it) ends that request with an error; the engine goes on.
+* A load that fails (the file changed or vanished since it was checked, does not match the
+  request, or did not reach every layer of the file) reports the request's blocks as failed, and
+  vLLM's ``kv_load_failure_policy="fail"`` (``kvfold serve`` sets it) ends that request with an
+  error; the engine goes on. So does a resumed request scheduled without its block list: its blocks
+  (as allocated) are reported failed instead of its placeholders being computed as text.
+* A load is sent to the worker in the step that schedules its request. One allocated but not
+  scheduled in that step is kept until a step schedules the request or the request finishes.
 """
 
 from __future__ import annotations
@@ -79,12 +83,23 @@ class KvfoldConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Pending:
+    """A request's load as the scheduler side knows it: the file, the slots to write and, once
+    allocated, the request's blocks (``block_ids``, used to fail it when a step omits them)."""
+
     name: str
     checksum: str
     slots: int
     start: int
     count: int = 0
     error: str | None = None
+    block_ids: list[int] = field(default_factory=list)
+
+
+def _first_group(block_ids: Any) -> list[int]:
+    """The block ids of the first (only) KV cache group, from vLLM's tuple of per-group lists."""
+    if not block_ids:
+        return []
+    return [int(b) for b in block_ids[0]]
 
 
 def _request_params(request: Request) -> dict[str, Any] | None:
@@ -136,14 +151,21 @@ class KvfoldConnector(KVConnectorBase_V1):
             return
         pending.start = pending.slots - num_external_tokens
         pending.count = num_external_tokens
+        pending.block_ids = _first_group(blocks.get_block_ids(allow_none=True))
         self._to_load[request.request_id] = pending
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads: one for each request with a load to do that the step schedules.
+
+        A resumed request scheduled without its block list gets a load that fails (its blocks, as
+        allocated, are reported failed, and vLLM ends it with an error). A load whose request this
+        step does not schedule is kept for a later step (it goes when the request finishes).
+        """
         meta = KvfoldConnectorMetadata()
         for new in scheduler_output.scheduled_new_reqs:
             pending = self._to_load.pop(new.req_id, None)
             if pending is not None:
-                meta.loads.append(self._load_spec(new.req_id, pending, list(new.block_ids[0])))
+                meta.loads.append(self._load_spec(new.req_id, pending, _first_group(new.block_ids)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             pending = self._to_load.pop(req_id, None)
@@ -151,10 +173,13 @@ class KvfoldConnector(KVConnectorBase_V1):
                 continue
             block_ids = cached.new_block_ids[i]
             if req_id not in cached.resumed_req_ids or block_ids is None:
-                logger.error("request %s: kvfold load scheduled without its blocks", req_id)
+                logger.error("request %s: kvfold load scheduled without its blocks; the request fails", req_id)
+                pending.error = "the load was scheduled without the request's blocks"
+                meta.loads.append(self._load_spec(req_id, pending, list(pending.block_ids)))
                 continue
-            meta.loads.append(self._load_spec(req_id, pending, list(block_ids[0])))
-        self._to_load.clear()
+            meta.loads.append(self._load_spec(req_id, pending, _first_group(block_ids)))
+        for req_id in self._to_load:
+            logger.warning("request %s: kvfold load allocated but not scheduled; kept for a later step", req_id)
         self._pending.clear()
         return meta
 
@@ -236,11 +261,16 @@ class KvfoldConnector(KVConnectorBase_V1):
         if int(positions[-1]) // self.block_size >= len(blocks):
             raise ValueError("the request holds fewer blocks than the cache's slots")
         slot_mapping = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        written: set[int] = set()
         for layer_name, layer in forward_context.no_compile_layers.items():
+            if not hasattr(layer, "kv_cache"):
+                continue  # not an attention layer
             kv_cache = getattr(layer, "kv_cache", None)
             if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0 or not hasattr(layer, "isa"):
-                continue
+                raise ValueError(f"{layer_name}: an attention layer without a CPU KV cache to write into")
             index = extract_layer_index(layer_name)
+            if not 0 <= index < len(layout.keys) or index in written:
+                raise ValueError(f"{layer_name}: layer {index} is not one of the file's {len(layout.keys)} layers")
             keys = layout.keys[index][:, load.start : load.start + load.count].transpose(0, 1).contiguous()
             values = layout.values[index][:, load.start : load.start + load.count].transpose(0, 1).contiguous()
             num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -261,6 +291,9 @@ class KvfoldConnector(KVConnectorBase_V1):
                 v_scale=layer._v_scale_float,
                 kv_cache_dtype=layer.impl.kv_cache_dtype,
             )
+            written.add(index)
+        if len(written) != len(layout.keys):
+            raise ValueError(f"{len(written)} of the file's {len(layout.keys)} layers were written")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
