@@ -162,4 +162,3 @@ def test_a_load_that_misses_a_layer_fails(worker, case):
     else:
         layers = _layers(LAYERS + 1)
     assert _load(worker, layers) == {2, 3}
-
