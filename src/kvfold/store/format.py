@@ -104,6 +104,20 @@ class DtypeDeviceError(CacheFileError):
     """The file's dtype or device differs from the model's and no explicit conversion was asked."""
 
 
+class InvalidCacheFileError(CorruptCacheFileError):
+    """A file whose contents contradict its header or the model: a shape, a dtype, a length, a
+    non-finite scale. Its checksum may well hold (anyone who edits a file can recompute it), so
+    :mod:`kvfold.store.validate` checks every tensor before anything reads it; the message names
+    the layer and the tensor."""
+
+
+def one_line(value: object, limit: int = 300) -> str:
+    """``value`` as text on one line (runs of whitespace, newlines included, become one space),
+    cut to ``limit`` characters: how a message quotes what a file or a library said."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 # ---------------------------------------------------------------------------- fingerprint
 
 
@@ -153,14 +167,23 @@ def model_fingerprint(model: PreTrainedModel, tokenizer=None) -> dict[str, Any]:
     }
 
 
+def _numbers(value: Any) -> list[float] | None:
+    """``value`` as a list of finite floats, or None when it is not one (a damaged or crafted header)."""
+    if not isinstance(value, list) or not all(type(v) in (int, float) for v in value):
+        return None
+    return [float(v) for v in value] if all(abs(v) < float("inf") for v in value) else None
+
+
 def _fingerprint_differences(saved: dict, current: dict) -> list[str]:
     diffs = []
     if saved.get("architecture") != current["architecture"]:
-        diffs.append(f"architecture ({saved.get('architecture')} in the file, {current['architecture']} given)")
+        diffs.append(
+            f"architecture ({one_line(saved.get('architecture'), 80)} in the file, {current['architecture']} given)"
+        )
     if saved.get("config_sha256") != current["config_sha256"]:
         diffs.append("config (layers, heads, sizes or RoPE differ)")
-    a, b = saved.get("weights_sample") or [], current["weights_sample"]
-    if len(a) != len(b) or not torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-2, atol=1e-6):
+    a, b = _numbers(saved.get("weights_sample") or []), current["weights_sample"]
+    if a is None or len(a) != len(b) or not torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-2, atol=1e-6):
         diffs.append("weights")
     if saved.get("vocab_sha256") and current["vocab_sha256"] and saved["vocab_sha256"] != current["vocab_sha256"]:
         diffs.append("tokenizer vocabulary")
@@ -245,26 +268,27 @@ def read_info(path: str | os.PathLike) -> CacheFileInfo:
     try:
         index = json.loads(raw)
         meta = json.loads(index["__metadata__"][METADATA_KEY])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise CorruptCacheFileError(f"{p} is not a kvfold cache file (no kvfold header); {REDO}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CorruptCacheFileError(f"{p} is not a kvfold cache file (format {meta.get('format')!r}); {REDO}")
+        found = one_line(repr(meta.get("format") if isinstance(meta, dict) else None), 60)
+        raise CorruptCacheFileError(f"{p} is not a kvfold cache file (format {found}); {REDO}")
     version = meta.get("format_version")
     if version not in SUPPORTED_VERSIONS:
         newer = isinstance(version, int) and version > max(SUPPORTED_VERSIONS)
         hint = (
-            f"it was written by kvfold {meta.get('kvfold_version')}: upgrade kvfold to read it, or {REDO}"
+            f"it was written by kvfold {one_line(meta.get('kvfold_version'), 40)}: upgrade kvfold to read it, or {REDO}"
             if newer
             else REDO
         )
         raise CacheFileVersionError(
-            f"{p} is a kvfold cache file of format version {version!r}; this kvfold reads version(s) "
+            f"{p} is a kvfold cache file of format version {one_line(repr(version), 40)}; this kvfold reads version(s) "
             f"{', '.join(map(str, SUPPORTED_VERSIONS))}; {hint}"
         )
     names = [name for name in index if name != "__metadata__"]
     try:
         data_end = max((int(index[name]["data_offsets"][1]) for name in names), default=0)
-    except (KeyError, TypeError, ValueError, IndexError):
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError):
         raise CorruptCacheFileError(f"{p} has a damaged tensor index; {REDO}") from None
     if size < 8 + header_len + data_end:
         raise CorruptCacheFileError(
@@ -285,9 +309,10 @@ def read_tensors(info: CacheFileInfo, verify: bool) -> dict[str, torch.Tensor]:
         with safe_open(str(info.path), framework="pt", device="cpu") as handle:  # memory-mapped
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
     except Exception as err:  # safetensors raises its own error types
-        raise CorruptCacheFileError(f"{info.path} cannot be read ({err}); {REDO}") from None
+        raise CorruptCacheFileError(f"{info.path} cannot be read ({one_line(err)}); {REDO}") from None
     if verify:
-        expected = (info.header.get("checksum") or {}).get("value")
+        recorded = info.header.get("checksum")
+        expected = recorded.get("value") if isinstance(recorded, dict) else None
         if expected != checksum(info.header, tensors.items()):
             raise CorruptCacheFileError(
                 f"{info.path} fails its checksum: it was changed or damaged after it was written; {REDO}"
@@ -302,11 +327,13 @@ def check_model(info: CacheFileInfo, model: PreTrainedModel, tokenizer) -> None:
         ModelMismatchError: with what differs.
     """
     saved = info.header.get("model") or {}
+    if not isinstance(saved, dict):
+        raise InvalidCacheFileError(f"{info.path}: header model: not a model fingerprint; {REDO}")
     current = model_fingerprint(model, tokenizer)
     diffs = _fingerprint_differences(saved, current)
     if diffs:
         raise ModelMismatchError(
-            f"{info.path} was made by another model ({saved.get('name') or saved.get('architecture')}); "
+            f"{info.path} was made by another model ({one_line(saved.get('name') or saved.get('architecture'), 80)}); "
             f"the given model differs in: {', '.join(diffs)}. Load the model the cache was made with "
             "(the same --model), or compress the context again with this model"
         )

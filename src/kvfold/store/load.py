@@ -16,16 +16,20 @@ from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.models import resolve_dtype
 from kvfold.runtime.quantize import QuantConfig
 from kvfold.store.format import (
+    REDO,
     CacheFileError,
     CacheFileInfo,
     CorruptCacheFileError,
     DtypeDeviceError,
+    InvalidCacheFileError,
     ModelMismatchError,
     check_model,
     dtype_name,
+    one_line,
     read_info,
     read_tensors,
 )
+from kvfold.store.validate import Expected, validate_header, validate_tensors
 
 __all__ = ["load_cache", "load_context", "load_file", "read_cache"]
 
@@ -170,18 +174,36 @@ def load_file(
             "load it with kvfold.load_model, or call kvfold.enable(model) first"
         )
     check_model(info, model, tokenizer)
-    target_dtype, target_device = _resolve_target(info, model, dtype, device)
     tensors = read_tensors(info, verify)
+    expected = Expected.from_config(model.config)
+    _checked(info, lambda: validate_header(info.header, expected, info.file_bytes))
+    target_dtype, target_device = _resolve_target(info, model, dtype, device)
+    _checked(info, lambda: validate_tensors(info.header, tensors, expected))
+    cache = _build_checked(info, model, tensors, target_dtype, target_device)
+    others = {n: t.to(target_device) for n, t in tensors.items() if not n.startswith("layer.")}
+    return cache, info, others
+
+
+def _checked(info: CacheFileInfo, check) -> None:
+    """Run a check of :mod:`kvfold.store.validate`; its refusal names the file and what to do."""
     try:
-        cache = _build_cache(info, model, tensors, target_dtype, target_device)
+        check()
+    except InvalidCacheFileError as err:
+        raise InvalidCacheFileError(
+            f"{info.path} does not fit its header or the model ({err}): it is damaged or was crafted; {REDO}"
+        ) from None
+
+
+def _build_checked(info: CacheFileInfo, model, tensors: dict[str, torch.Tensor], dtype, device) -> FoldedCache:
+    """:func:`_build_cache` on checked tensors; anything it still refuses is a :class:`CorruptCacheFileError`."""
+    try:
+        return _build_cache(info, model, tensors, dtype, device)
     except CacheFileError:
         raise
     except (KeyError, RuntimeError, IndexError, ValueError, TypeError) as err:
         raise CorruptCacheFileError(
-            f"{info.path}: its tensors do not fit its header ({err.__class__.__name__}: {err}); re-create it"
+            f"{info.path}: its tensors do not fit its header ({err.__class__.__name__}: {one_line(err)}); {REDO}"
         ) from None
-    others = {n: t.to(target_device) for n, t in tensors.items() if not n.startswith("layer.")}
-    return cache, info, others
 
 
 def read_cache(path: str | os.PathLike, config, *, verify: bool = True) -> tuple[FoldedCache, CacheFileInfo]:
@@ -198,16 +220,11 @@ def read_cache(path: str | os.PathLike, config, *, verify: bool = True) -> tuple
 
     info = read_info(path)
     tensors = read_tensors(info, verify)
+    expected = Expected.from_config(config)
+    _checked(info, lambda: validate_header(info.header, expected, info.file_bytes))
+    _checked(info, lambda: validate_tensors(info.header, tensors, expected))
     dtype = getattr(torch, info.header["dtype"])
-    try:
-        cache = _build_cache(info, SimpleNamespace(config=config), tensors, dtype, torch.device("cpu"))
-    except CacheFileError:
-        raise
-    except (KeyError, RuntimeError, IndexError, ValueError, TypeError) as err:
-        raise CorruptCacheFileError(
-            f"{info.path}: its tensors do not fit its header ({err.__class__.__name__}: {err}); re-create it"
-        ) from None
-    return cache, info
+    return _build_checked(info, SimpleNamespace(config=config), tensors, dtype, torch.device("cpu")), info
 
 
 def load_context(
