@@ -43,6 +43,22 @@ def attend_stored(
     return _with_tail(*_stored_part_native(kernel, queries, stored, scaling), tail_logits, tail_values)
 
 
+def stored_part(queries: Tensor, stored: QuantizedRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The stored part of :func:`attend_stored` alone, by the kernel where it applies: each row's
+    maximum logit ``(R, M)`` (−inf for an empty row), its weights' sum ``(R, M)`` and weighted values
+    ``(R, M, Dv)`` relative to it. Parts of one row's pieces merge by log-sum-exp, and
+    :func:`merge_with_tail` adds the row's tail."""
+    kernel = attend_codes_kernel() if native_applies(queries, stored) else None
+    if kernel is None:
+        return _stored_part_torch(queries, stored, scaling)
+    return _stored_part_native(kernel, queries, stored, scaling)
+
+
+def merge_with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_values: Tensor) -> Tensor:
+    """The softmax over a stored part (:func:`stored_part`) and each row's full-precision tail."""
+    return _with_tail(top, den, num, tail_logits, tail_values)
+
+
 def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_values: Tensor) -> Tensor:
     """The softmax over each row's stored part and its tail: the stored part as its maximum logit
     ``top`` ``(R, M)`` (−inf for an empty row), its weights' sum ``den`` and weighted values ``num``
