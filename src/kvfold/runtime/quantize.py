@@ -544,7 +544,9 @@ def _row_lengths(tensors: dict[str, Tensor], rows: int | None) -> list[int]:
             "lengths", f"dtype {str(lengths.dtype).replace('torch.', '')} shape {_shape_text(lengths.shape)}, "
             f"expected int64 {expected}"
         )  # fmt: skip
-    stored = tensors["key_codes"].shape[0] if tensors["key_codes"].dim() else 0
+    if tensors["key_codes"].dim() != 2:
+        raise QuantizedTensorsError("key_codes", f"{tensors['key_codes'].dim()} dimensions, expected 2")
+    stored = tensors["key_codes"].shape[0]
     if lengths.numel() and (bool((lengths < 0).any()) or bool((lengths > stored).any())):
         raise QuantizedTensorsError("lengths", f"a row length is negative or past the {stored} stored entries")
     return [int(n) for n in lengths.tolist()]
@@ -586,6 +588,11 @@ def check_quantized_tensors(
     lengths = _row_lengths(tensors, rows)
     entries, count = sum(lengths), len(lengths)
     u8 = torch.uint8
+    stored = tensors["key_codes"].shape[0]
+    if entries != stored:
+        raise QuantizedTensorsError(
+            "key_codes", f"{stored} entries, but the row lengths (q.lengths) add up to {entries}"
+        )
     check_tensor("key_codes", tensors["key_codes"], (entries, -(-head_dim * config.bits // 8)), u8)
     check_tensor("value_codes", tensors["value_codes"], (entries, -(-value_dim * config.bits // 8)), u8)
     if config.is_float:

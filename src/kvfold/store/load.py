@@ -174,10 +174,10 @@ def load_file(
             "load it with kvfold.load_model, or call kvfold.enable(model) first"
         )
     check_model(info, model, tokenizer)
-    tensors = read_tensors(info, verify)
     expected = Expected.from_config(model.config)
     _checked(info, lambda: validate_header(info.header, expected, info.file_bytes))
     target_dtype, target_device = _resolve_target(info, model, dtype, device)
+    tensors = read_tensors(info, verify)
     _checked(info, lambda: validate_tensors(info.header, tensors, expected))
     cache = _build_checked(info, model, tensors, target_dtype, target_device)
     others = {n: t.to(target_device) for n, t in tensors.items() if not n.startswith("layer.")}
@@ -219,9 +219,9 @@ def read_cache(path: str | os.PathLike, config, *, verify: bool = True) -> tuple
     from types import SimpleNamespace
 
     info = read_info(path)
-    tensors = read_tensors(info, verify)
     expected = Expected.from_config(config)
     _checked(info, lambda: validate_header(info.header, expected, info.file_bytes))
+    tensors = read_tensors(info, verify)
     _checked(info, lambda: validate_tensors(info.header, tensors, expected))
     dtype = getattr(torch, info.header["dtype"])
     return _build_checked(info, SimpleNamespace(config=config), tensors, dtype, torch.device("cpu")), info
