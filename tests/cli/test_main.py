@@ -47,6 +47,8 @@ def test_a_closed_stdout_ends_the_command_quietly():
         (["--context", "   "], "the context is empty"),
         (["--model", "/nonexistent/model-dir"], "model path not found"),
         (["--model", "tests"], "without config.json"),
+        (["--new-tokens", "0"], "--new-tokens must be ≥ 1; got 0"),
+        (["--context-file", "/nonexistent/doc.txt"], "context file not found: /nonexistent/doc.txt"),
     ],
 )
 def test_generate_bad_input_is_one_clear_line(capsys, argv, message):
@@ -55,10 +57,81 @@ def test_generate_bad_input_is_one_clear_line(capsys, argv, message):
     for key, value in base.items():
         if key not in argv:
             args += [key, value]
+    if "--context-file" in argv:
+        args.remove("--context")
+        args.remove("Some context.")
     code, _, err = run(capsys, *args, *argv)
     assert code == 2
     assert message in err
     assert "Traceback" not in err
+    last = err.rstrip("\n").splitlines()[-1]  # progress lines may come first
+    assert last.startswith("kvfold generate: error: ") and message in last
+
+
+@pytest.mark.parametrize("fault", [ValueError("slot 7 is past the layer's 6 entries"), KeyError("attention_modules")])
+def test_an_internal_error_is_not_reported_as_bad_input(capsys, monkeypatch, fault):
+    """A ValueError or KeyError raised by kvfold's own code (here inside ``kvfold methods``) is a fault
+    of kvfold, not of the input: exit 1, one line that says so and names --debug, no traceback."""
+    import kvfold.methods
+
+    def broken():
+        raise fault
+
+    monkeypatch.delenv("KVFOLD_DEBUG", raising=False)
+    monkeypatch.setattr(kvfold.methods, "available_methods", broken)
+    code, out, err = run(capsys, "methods")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("kvfold methods: internal error: ")
+    assert type(fault).__name__ in err and "--debug" in err and "KVFOLD_DEBUG=1" in err
+    assert "error: slot" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("how", ["before", "after", "environment"])
+def test_debug_raises_an_internal_error_with_its_traceback(capsys, monkeypatch, how):
+    import kvfold.methods
+
+    def broken():
+        raise KeyError("attention_modules")
+
+    monkeypatch.setattr(kvfold.methods, "available_methods", broken)
+    monkeypatch.delenv("KVFOLD_DEBUG", raising=False)
+    argv = {"before": ["--debug", "methods"], "after": ["methods", "--debug"], "environment": ["methods"]}[how]
+    if how == "environment":
+        monkeypatch.setenv("KVFOLD_DEBUG", "1")
+    with pytest.raises(KeyError, match="attention_modules"):
+        main(argv)
+
+
+def test_debug_shows_the_traceback_of_an_internal_error_on_stderr():
+    """In a fresh interpreter, as a user runs it: the traceback and Python's exit status 1."""
+    code = (
+        "import sys, kvfold.methods as m\n"
+        "def broken():\n    raise KeyError('attention_modules')\n"
+        "m.available_methods = broken\n"
+        "from kvfold.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    plain = subprocess.run([sys.executable, "-c", code, "methods"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr and "internal error" in plain.stderr
+    debug = subprocess.run(
+        [sys.executable, "-c", code, "--debug", "methods"], capture_output=True, text=True, timeout=300
+    )
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.rstrip().endswith("KeyError: 'attention_modules'")
+
+
+def test_a_user_error_stays_one_line_exit_2_whatever_raises_it(capsys, monkeypatch):
+    """Bad input found deep inside a command (a UserError) is still the input's fault: one line, 2."""
+    import kvfold.methods
+    from kvfold.runtime.errors import UserError
+
+    def refuses():
+        raise UserError("the registry file names no method; give at least one")
+
+    monkeypatch.delenv("KVFOLD_DEBUG", raising=False)
+    monkeypatch.setattr(kvfold.methods, "available_methods", refuses)
+    code, _, err = run(capsys, "methods")
+    assert code == 2 and err == "kvfold methods: error: the registry file names no method; give at least one\n"
 
 
 @pytest.mark.model

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_MODEL, RECOMMENDED
+from kvfold.runtime.errors import UserError
 
 Handler = Callable[[argparse.Namespace], int]
 """A subcommand: parsed arguments in, exit status out."""
@@ -148,9 +149,9 @@ def compress_options(args: argparse.Namespace, budget: Any) -> dict[str, Any]:
     """
     memory = getattr(args, "memory", None)
     if memory is not None and budget is not None:
-        raise ValueError("give --budget or --memory, not both")
+        raise UserError("give --budget or --memory, not both")
     if memory is None and budget is None:
-        raise ValueError("give --budget (a fraction or a token count) or --memory (a fraction of the 16-bit cache)")
+        raise UserError("give --budget (a fraction or a token count) or --memory (a fraction of the 16-bit cache)")
     if memory is not None:
         return {"memory": memory, "kv_format": getattr(args, "kv_bits", None)}
     return {"budget": budget, "kv_format": getattr(args, "kv_bits", None)}
@@ -186,9 +187,9 @@ def ray_options(args: argparse.Namespace) -> dict[str, Any]:
         ValueError: a worker count or shape out of range.
     """
     if args.ray_workers is not None and args.ray_workers < 1:
-        raise ValueError(f"--ray-workers must be ≥ 1; got {args.ray_workers}")
+        raise UserError(f"--ray-workers must be ≥ 1; got {args.ray_workers}")
     if args.ray_worker_cpus <= 0 or args.ray_worker_gpus < 0:
-        raise ValueError("--ray-worker-cpus must be > 0 and --ray-worker-gpus ≥ 0")
+        raise UserError("--ray-worker-cpus must be > 0 and --ray-worker-gpus ≥ 0")
     return {
         "address": None if args.ray == "local" else args.ray,
         "workers": args.ray_workers,

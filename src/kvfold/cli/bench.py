@@ -27,6 +27,7 @@ from kvfold.cli.args import (
     ray_where,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_LENGTH, RECOMMENDED
+from kvfold.runtime.errors import UserError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -102,13 +103,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     if args.cachefile:
         if args.ray is not None:
-            raise ValueError("--ray does not apply to --cachefile")
+            raise UserError("--ray does not apply to --cachefile")
         return run_cachefile_command(args)
 
     methods, budgets, lengths = _grid(args)
     batches = _positive_ints(args.batch, "--batch")
     if args.new_tokens < 1:
-        raise ValueError("--new-tokens must be ≥ 1")
+        raise UserError("--new-tokens must be ≥ 1")
     grid = (args.model, methods, budgets, lengths, batches, args.new_tokens, args.prefill_chunk, args.out)
     if args.ray is None:
         progress(
@@ -156,7 +157,7 @@ def run_cachefile_command(args: argparse.Namespace) -> int:
 
     methods, budgets, lengths = _grid(args)
     if args.turns < 0:
-        raise ValueError("--turns must be ≥ 0")
+        raise UserError("--turns must be ≥ 0")
     result = bench_cachefile(
         args.model,
         methods,
@@ -178,9 +179,9 @@ def _positive_ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated positive integers; got {text!r}") from None
+        raise UserError(f"{flag} takes comma-separated positive integers; got {text!r}") from None
     if not values or any(v < 1 for v in values):
-        raise ValueError(f"{flag} takes comma-separated positive integers; got {text!r}")
+        raise UserError(f"{flag} takes comma-separated positive integers; got {text!r}")
     return values
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvfold.cli.args import Handler, add_model_args, progress
 from kvfold.runtime.defaults import DEFAULT_LENGTH
+from kvfold.runtime.errors import UserError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -76,9 +77,9 @@ def run_mergemap(args: argparse.Namespace) -> int:
     methods = _checked_specs(args.methods)
     budget = Budget.parse(args.budget)
     if args.samples < 1:
-        raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
+        raise UserError(f"--samples must be ≥ 1; got {args.samples}")
     if args.context_file is not None and not args.context_file.is_file():
-        raise ValueError(f"context file not found: {args.context_file}")
+        raise UserError(f"context file not found: {args.context_file}")
     progress(args, f"loading {args.model}")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.context_file is not None:
@@ -88,7 +89,7 @@ def run_mergemap(args: argparse.Namespace) -> int:
         samples = load_dataset_spec(args.dataset, tokenizer, length=args.length, samples=args.samples, seed=args.seed)
         unique = list({s.context: s for s in samples}.values())  # one per context
         if not unique:
-            raise ValueError(f"--dataset {args.dataset}: no samples")
+            raise UserError(f"--dataset {args.dataset}: no samples")
         texts = [(s.context, None if s.chat_template else False) for s in unique]
         source = f"{args.dataset} @ {args.length}"
     contexts = [
@@ -123,13 +124,13 @@ def run_merged_entries(args: argparse.Namespace) -> int:
     from kvfold.runtime.budget import Budget
 
     if args.task not in RULER_TASKS:
-        raise ValueError(f"--task {args.task!r} is no RULER task; valid tasks: {', '.join(RULER_TASKS)}")
+        raise UserError(f"--task {args.task!r} is no RULER task; valid tasks: {', '.join(RULER_TASKS)}")
     if args.index < 0:
-        raise ValueError(f"--index must be ≥ 0; got {args.index}")
+        raise UserError(f"--index must be ≥ 0; got {args.index}")
     Budget.parse(args.budget)
     base, folded = _checked_specs(args.base), _checked_specs(args.methods)
     if len(base) != 1:
-        raise ValueError(f"--base takes one method spec; got {args.base!r}")
+        raise UserError(f"--base takes one method spec; got {args.base!r}")
     progress(args, f"loading {args.model}")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     lines = merged_entries(model, tokenizer, args.task, args.index, args.budget, base[0], folded, length=args.length)

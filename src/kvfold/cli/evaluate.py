@@ -37,6 +37,7 @@ from kvfold.cli.args import (
     ray_where,
 )
 from kvfold.runtime.defaults import DEFAULT_LENGTH
+from kvfold.runtime.errors import UserError
 
 if TYPE_CHECKING:  # imported by the handlers when they run: ``kvfold eval --help`` loads no torch
     from kvfold.evaluate.data.samples import Sample
@@ -162,13 +163,13 @@ def _check_selection(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     else:
         budgets = [Budget.parse(b) for b in args.budgets.split(",") if b.strip()]
     if not budgets:
-        raise ValueError("--budgets (or --memory) is empty; give e.g. 0.5,0.2")
+        raise UserError("--budgets (or --memory) is empty; give e.g. 0.5,0.2")
     if args.samples is not None and args.samples < 1:
-        raise ValueError(f"--samples must be ≥ 1; got {args.samples}")
+        raise UserError(f"--samples must be ≥ 1; got {args.samples}")
     if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be ≥ 1; got {args.limit}")
+        raise UserError(f"--limit must be ≥ 1; got {args.limit}")
     if args.length < 1:
-        raise ValueError(f"--length must be a positive number of tokens; got {args.length}")
+        raise UserError(f"--length must be a positive number of tokens; got {args.length}")
     return methods, budgets
 
 
@@ -183,7 +184,7 @@ def _check_dataset(spec: str) -> None:
 
     if _is_jsonl(spec):
         if not Path(spec).is_file():
-            raise ValueError(f"dataset file not found: {spec}")
+            raise UserError(f"dataset file not found: {spec}")
         load_jsonl(spec)
         return
     name = spec.partition("@")[0].partition(":")[0].strip().lower()
@@ -216,7 +217,7 @@ def load_samples(args: argparse.Namespace, tokenizer: Any) -> list:
         unknown = sorted(set(tasks) - {s.task for s in samples})
         if unknown:
             found = ", ".join(dict.fromkeys(s.task for s in samples))
-            raise ValueError(f"--tasks: no samples for {', '.join(unknown)}; this dataset has: {found}")
+            raise UserError(f"--tasks: no samples for {', '.join(unknown)}; this dataset has: {found}")
         samples = [s for s in samples if s.task in tasks]
     if args.samples is not None and not (synthetic or spec.lower().startswith("ruler:")):
         per_task: dict[str, int] = {}

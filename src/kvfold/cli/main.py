@@ -3,6 +3,11 @@
 The arguments are parsed before anything heavy is imported: ``kvfold --help``, ``kvfold SUB --help``
 and ``kvfold --version`` load no torch and answer in a fraction of a second; each handler imports
 the model code it needs when it runs.
+
+Errors: bad input (:class:`~kvfold.runtime.errors.UserError`, a file that is missing or cannot be
+written) is one line and exit status 2; anything else is a fault of kvfold's own, reported in one
+line as an internal error (exit 1) with the hint to rerun with ``--debug`` (or ``KVFOLD_DEBUG=1``),
+which shows the traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from kvfold.cli.args import (
     progress,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import explain
 from kvfold.runtime.version import __version__
 
@@ -87,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default pipeline {RECOMMENDED}). Run 'kvfold SUB --help' for a command's flags.",
     )
     parser.add_argument("--version", action="version", version=f"kvfold {__version__}")
+    add_debug(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("methods", help="list the registered methods")
@@ -145,7 +152,28 @@ def build_parser() -> argparse.ArgumentParser:
     for subparser in sub.choices.values():
         if "--quiet" not in subparser._option_string_actions:
             add_quiet(subparser)
+        add_debug(subparser, default=argparse.SUPPRESS)  # kvfold SUB --debug sets the global flag
     return parser
+
+
+DEBUG_ENV = "KVFOLD_DEBUG"
+"""Set to 1 (or true, yes, on) for what ``--debug`` does: the traceback of every error."""
+
+
+def add_debug(parser: argparse.ArgumentParser, *, default: object) -> None:
+    """``--debug``: show the traceback of an error instead of its one line (also ``KVFOLD_DEBUG=1``)."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=default,
+        help=f"on an error, show its traceback instead of one line (also {DEBUG_ENV}=1)",
+    )
+
+
+def debugging(args: argparse.Namespace) -> bool:
+    """Whether ``--debug`` was given, before or after the subcommand, or ``KVFOLD_DEBUG`` is set."""
+    flag = os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(getattr(args, "debug", False)) or flag
 
 
 @command("methods")
@@ -191,7 +219,7 @@ def run_generate(args: argparse.Namespace) -> int:
     method = build_method(spec)
     target = Budget.of_memory(options["memory"]) if "memory" in options else Budget.parse(options["budget"])
     if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+        raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     context = args.context if args.context is not None else _read_text(args.context_file)
     from kvfold.runtime.models import load_model
 
@@ -272,21 +300,27 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _read_text(path: Path) -> str:
     if not path.is_file():
-        raise ValueError(f"context file not found: {path}")
+        raise UserError(f"context file not found: {path}")
     return path.read_text(encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvfold`` command; user errors print one line and exit with 2.
+    """Entry point of the ``kvfold`` command.
 
-    So do files that cannot be written (:class:`~kvfold.runtime.files.OutputError`: the path and
-    what to do); Ctrl-C prints one line (a sweep: the count of finished answers kept) and exits
-    with 130. No traceback for any of them. The arguments are parsed before torch is imported.
+    A user error (:class:`~kvfold.runtime.errors.UserError`: bad input, a damaged cache file, a model
+    that cannot be found; a missing file; a feature asked of a model or cache that lacks it, a
+    :class:`NotImplementedError` that says so) prints one line and exits with 2. So do files that
+    cannot be written (:class:`~kvfold.runtime.files.OutputError`: the path and what to do); Ctrl-C
+    prints one line (a sweep: the count of finished answers kept) and exits with 130. Any other
+    exception is kvfold's own fault, not the input's: one line that says so, with the hint to rerun
+    with ``--debug``, and exit status 1. With ``--debug`` (or ``KVFOLD_DEBUG=1``) every error but
+    Ctrl-C is raised with its traceback. The arguments are parsed before torch is imported.
     """
     _load_extra_commands()
     args = build_parser().parse_args(argv)
     if getattr(args, "quiet", False):
         _silence_progress_bars()
+    debug = debugging(args)
     try:
         status = COMMANDS[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at exit
@@ -294,27 +328,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`kvfold methods | head`): stop quietly, as cat does
         _silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a command its pipe closed
-    except (ValueError, FileNotFoundError, NotImplementedError) as err:  # SpecError is a ValueError
-        print(f"kvfold {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # a file that cannot be written (or read): its path and what to do
-        print(f"kvfold {args.command}: error: {explain(err, verb=None)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as err:  # Ctrl-C: a sweep says what it kept (SweepInterrupted)
         print(f"kvfold {args.command}: {str(err) or 'interrupted'}", file=sys.stderr)
         return 130  # 128 + SIGINT
-    except RuntimeError as err:
-        if _is_model_load_error(err):
-            print(f"kvfold {args.command}: error: {err}", file=sys.stderr)
-            return 2
-        raise
+    except Exception as err:
+        if debug:
+            raise
+        line, status = describe_error(err)
+        print(f"kvfold {args.command}: {line}", file=sys.stderr)
+        return status
 
 
-def _is_model_load_error(err: BaseException) -> bool:
-    """Whether ``err`` is a :class:`~kvfold.runtime.models.ModelLoadError` (imported only when one
-    may have been raised: the module imports torch)."""
-    module = sys.modules.get("kvfold.runtime.models")
-    return module is not None and isinstance(err, module.ModelLoadError)
+def describe_error(err: Exception) -> tuple[str, int]:
+    """The one line (after ``kvfold COMMAND: ``) and the exit status :func:`main` reports ``err`` with:
+    2 for the user's input or a file, 1 for a fault of kvfold's own (an internal error)."""
+    if isinstance(err, (UserError, FileNotFoundError)):  # ModelLoadError is a UserError
+        return f"error: {err}", 2
+    if isinstance(err, NotImplementedError) and str(err):  # a feature this model or cache lacks, said why
+        return f"error: {err}", 2
+    if isinstance(err, OSError):  # a file that cannot be written (or read): its path and what to do
+        return f"error: {explain(err, verb=None)}", 2
+    what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    first = what.splitlines()[0] if what.strip() else type(err).__name__
+    return (
+        f"internal error: {first} (a fault in kvfold, not in the input; rerun with --debug, or {DEBUG_ENV}=1, "
+        "for the traceback and report it)",
+        1,
+    )
 
 
 def _silence_progress_bars() -> None:

@@ -35,6 +35,7 @@ from kvfold.cli.args import (
     progress,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_CHAT_BUDGET, RECOMMENDED
+from kvfold.runtime.errors import UserError
 
 
 def add_cache_args(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +199,7 @@ def run_generate_cached(args: argparse.Namespace) -> int:
     """``kvfold generate --cache doc.kvc --question Q``: the answer from a saved cache, no prefill."""
     _refuse_with_cache(args, "--query-aware" if args.query_aware else None)
     if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+        raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     progress(args, f"loading {args.model} and {args.cache}")
     _, _, context, load_seconds = _load_saved(args)
     record = _answer_record(context, args.question, args)
@@ -228,7 +229,7 @@ def run_generate_cached(args: argparse.Namespace) -> int:
 def _questions(path: Path | None, stream: TextIO) -> Iterator[str]:
     if path is not None:
         if not path.is_file():
-            raise ValueError(f"questions file not found: {path}")
+            raise UserError(f"questions file not found: {path}")
         lines: Iterator[str] = iter(path.read_text(encoding="utf-8").splitlines())
     else:
         lines = (line.rstrip("\n") for line in stream)
@@ -240,7 +241,7 @@ def _questions(path: Path | None, stream: TextIO) -> Iterator[str]:
 def run_ask(args: argparse.Namespace) -> int:
     """``kvfold ask --cache doc.kvc``: one answer a line, each from a fresh copy of the loaded cache."""
     if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+        raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     progress(args, f"loading {args.model} and {args.cache}")
     _, _, context, load_seconds = _load_saved(args)
     print(
@@ -253,7 +254,7 @@ def run_ask(args: argparse.Namespace) -> int:
         print(json.dumps(record) if args.json else record["answer"], flush=True)
         count += 1
     if count == 0:
-        raise ValueError("no questions: give --questions FILE or one question a line on stdin")
+        raise UserError("no questions: give --questions FILE or one question a line on stdin")
     return 0
 
 
@@ -286,7 +287,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     if args.new_tokens < 1:
-        raise ValueError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
+        raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     if args.cache is not None:
         _refuse_with_cache(args)
     context = _read_text(args.context_file) if args.context_file is not None else None
@@ -300,7 +301,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
         budget = DEFAULT_CHAT_BUDGET if args.budget is None else args.budget
         if args.memory is not None:
             if args.budget is not None or context is None:
-                raise ValueError("--memory takes the place of --budget and needs --context-file (a fraction of it)")
+                raise UserError("--memory takes the place of --budget and needs --context-file (a fraction of it)")
             method, budget = _chat_memory(model, method, args.memory)
         if context is not None:
             progress(args, f"prefilling the document; the conversation is compacted with {_describe(method)}")
@@ -371,7 +372,7 @@ def _refuse_with_cache(args: argparse.Namespace, *others: str | None) -> None:
     given = [flag for flag, value in flags if value is not None]
     given += [flag for flag in others if flag]
     if given:
-        raise ValueError(
+        raise UserError(
             f"{' and '.join(given)} do not apply with --cache: the file was compressed already "
             "(its method and budget are in its header; see kvfold compress)"
         )
@@ -384,7 +385,7 @@ def _describe(spec: str) -> str:
 
 def _read_text(path: Path) -> str:
     if not path.is_file():
-        raise ValueError(f"context file not found: {path}")
+        raise UserError(f"context file not found: {path}")
     return path.read_text(encoding="utf-8")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress
 from kvfold.runtime.defaults import DEFAULT_LENGTH
+from kvfold.runtime.errors import UserError
 
 DEFAULT_METHOD = "am_highest_fast"
 """The compaction whose per-head sensitivity is measured (the paper's)."""
@@ -61,9 +62,9 @@ def _ratios(text: str) -> list[float]:
     try:
         ratios = sorted(float(r) for r in text.split(",") if r.strip())
     except ValueError:
-        raise ValueError(f"--ratios takes comma-separated numbers in (0, 1]; got {text!r}") from None
+        raise UserError(f"--ratios takes comma-separated numbers in (0, 1]; got {text!r}") from None
     if not ratios or not all(0 < r <= 1 for r in ratios):
-        raise ValueError(f"--ratios takes comma-separated numbers in (0, 1]; got {text!r}")
+        raise UserError(f"--ratios takes comma-separated numbers in (0, 1]; got {text!r}")
     return ratios
 
 
@@ -76,14 +77,14 @@ def run_head_schedule(args: argparse.Namespace) -> int:
     build_method(args.method)
     ratios = _ratios(args.ratios)
     if not 0 < args.r0 <= 1:
-        raise ValueError(f"--r0 must be in (0, 1]; got {args.r0}")
+        raise UserError(f"--r0 must be in (0, 1]; got {args.r0}")
     if args.texts < 1 or args.length < 64 or args.new_tokens < 1:
-        raise ValueError("--texts must be ≥ 1, --length ≥ 64 and --new-tokens ≥ 1")
+        raise UserError("--texts must be ≥ 1, --length ≥ 64 and --new-tokens ≥ 1")
     for path in args.text_file or []:
         if not path.is_file():
-            raise ValueError(f"text file not found: {path}")
+            raise UserError(f"text file not found: {path}")
     if args.out.is_dir():
-        raise ValueError(f"--out names a file for the schedule's JSON; {args.out} is a directory")
+        raise UserError(f"--out names a file for the schedule's JSON; {args.out} is a directory")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.text_file:
         texts = [path.read_text(encoding="utf-8") for path in args.text_file]

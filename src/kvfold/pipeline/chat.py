@@ -55,6 +55,7 @@ from kvfold.pipeline.recompact import limit_head_entries, pin_entries, recompact
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
+from kvfold.runtime.errors import UserError
 
 MARK = "\u241e"
 """A character that tokenizers and templates leave alone (as in :func:`kvfold.pipeline.context.build_prompt`)."""
@@ -216,13 +217,13 @@ def check_chat_method(method: ComposedMethod) -> None:
     if method.is_identity:
         return
     if not supports_chunked_prefill(method) and not recompacts_by_repeat_pass(method):
-        raise ValueError(
+        raise UserError(
             f"{method.spec} compresses a freshly prefilled context only and cannot compact a conversation again "
             f"after its first compaction; methods that can: {', '.join(chunked_methods())} (and folders after them)"
         )
     parts_off = [part for part in method.parts if getattr(part, "online", True) is False]
     if runs_online_between_chunks(method) and parts_off:
-        raise ValueError(
+        raise UserError(
             f"{method.spec} keeps its budget with its online policy, which is off here; in a chat leave "
             f"{parts_off[0].name}'s online=true (the default)"
         )
@@ -286,7 +287,7 @@ class ChatSession:
         from kvfold.pipeline.chunked import runs_online_between_chunks
 
         if self.method.quant is not None and runs_online_between_chunks(self.method):
-            raise ValueError(
+            raise UserError(
                 f"{self.method.spec}: a quantized conversation is compacted one-shot; this method keeps its budget "
                 "while decoding (write its selector with online=false, or drop the @format)"
             )
@@ -320,12 +321,12 @@ class ChatSession:
             self.context_open = True
             self.budget = parsed.count(prefilled.context_tokens)
         elif parsed.fraction is not None:
-            raise ValueError("a chat without a context needs its budget as a token count (e.g. 512), not a fraction")
+            raise UserError("a chat without a context needs its budget as a token count (e.g. 512), not a fraction")
         else:
             self.budget = int(parsed.tokens)
         self.cap = 2 * self.budget if cap is None else int(cap)
         if self.cap <= self.budget:
-            raise ValueError(f"the cap ({self.cap}) must exceed the budget ({self.budget}): compaction needs room")
+            raise UserError(f"the cap ({self.cap}) must exceed the budget ({self.budget}): compaction needs room")
         self.cache.capture_window = max(DEFAULT_SNAPSHOT_WINDOW, self.method.query_window)
         if context is not None and pin_context and recompacts_by_repeat_pass(self.method):
             self._pin_document()
@@ -343,10 +344,10 @@ class ChatSession:
             ValueError: an empty message, or a conversation past the model's positions.
         """
         if not message or not message.strip():
-            raise ValueError("the message is empty")
+            raise UserError("the message is empty")
         limit = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         if limit < 1:
-            raise ValueError(f"max_new_tokens must be ≥ 1; got {limit}")
+            raise UserError(f"max_new_tokens must be ≥ 1; got {limit}")
         first = self.cache.get_seq_length() == 0
         ids = self.pending + encode(self.tokenizer, self._turn_text(message), special=first)
         self._check_positions(len(ids) + limit)
@@ -394,7 +395,7 @@ class ChatSession:
         limit = getattr(config, "max_position_embeddings", None)
         used = self.cache.get_seq_length()
         if limit is not None and used + incoming > limit:
-            raise ValueError(
+            raise UserError(
                 f"the conversation has used {used} of the model's {limit} positions and this turn needs {incoming} "
                 "more; compaction frees memory, not positions: start a new chat (or lower max_new_tokens)"
             )
@@ -431,7 +432,7 @@ class ChatSession:
         if self.policy is not None or self.physical_length() + incoming <= self.cap:
             return
         if self.method.is_identity:
-            raise ValueError(f"method 'full' cannot compact: the conversation passes its cap of {self.cap} entries")
+            raise UserError(f"method 'full' cannot compact: the conversation passes its cap of {self.cap} entries")
         online = self.method.online_policy(self._context()) is not None
         last = 0 if online or self.context_open else self.cache.get_seq_length() - self.turn_start
         floor = self.budget if self.pinned is None else max(int(p.max()) for p in self.pinned.values()) + 1
@@ -444,7 +445,7 @@ class ChatSession:
 
     def _compact(self, keep_last: int, incoming: int = 0, head_limit: int | None = None) -> None:
         if not self.tokens_known and self.method.selector.name.startswith(READS_TOKENS):
-            raise ValueError(
+            raise UserError(
                 f"{self.method.spec} re-reads the conversation's tokens to compact it, and this cache file has none: "
                 "write it with `kvfold compress --resumable` (kvfold.save_context(..., resumable=True)), "
                 "or chat with another --method"
@@ -492,7 +493,7 @@ class ChatSession:
             have = 0 if queries is None else queries.shape[2]
             needed = min(width, layer.physical_length - keep_last)
             if have < needed:
-                raise ValueError(
+                raise UserError(
                     f"{self.method.spec} reads the last {width} query states to compact, and this conversation has "
                     f"{have} since its cache was loaded: write the cache file with `kvfold compress --resumable` "
                     f"(resumable=True), or give a larger --cap (at least the budget + {width})"
@@ -548,7 +549,7 @@ class ChatSession:
             ValueError: nothing to save yet.
         """
         if self.cache.get_seq_length() == 0:
-            raise ValueError("nothing to save yet: ask something first")
+            raise UserError("nothing to save yet: ask something first")
         if self.policy is not None:
             self.policy.export_state(self.cache)
         tensors = {}
@@ -629,7 +630,7 @@ class ChatSession:
             cap = int(state["cap"])
         session.cap = 2 * session.budget if cap is None else int(cap)
         if session.cap <= session.budget:
-            raise ValueError(f"the cap ({session.cap}) must exceed the budget ({session.budget})")
+            raise UserError(f"the cap ({session.cap}) must exceed the budget ({session.budget})")
         cache.capture_window = max(DEFAULT_SNAPSHOT_WINDOW, session.method.query_window)
         if online:  # a compressed context or a chat whose policy ran: the policy continues from its statistics
             with torch.inference_mode():

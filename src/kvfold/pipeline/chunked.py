@@ -44,6 +44,7 @@ from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, CompressedContext, 
 from kvfold.pipeline.recompact import recompacts_by_repeat_pass, streaming_step
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.timing import device_clock
 
 
@@ -157,9 +158,9 @@ def _chunked_method(method: str | ComposedMethod, chunk_size: int) -> ComposedMe
     """The built method, refused when it cannot compress between chunks (or the chunk is empty)."""
     composed = build_method(method) if isinstance(method, str) else method
     if chunk_size < 1:
-        raise ValueError(f"prefill chunk must be ≥ 1 token; got {chunk_size}")
+        raise UserError(f"prefill chunk must be ≥ 1 token; got {chunk_size}")
     if not composed.is_identity and not supports_chunked_prefill(composed) and not streams_chunks(composed):
-        raise ValueError(
+        raise UserError(
             f"{composed.spec} cannot compress during a chunked prefill; methods that can: "
             f"{', '.join(chunked_methods())}"
         )
@@ -174,7 +175,7 @@ def _policy_between_chunks(composed: ComposedMethod, ctx: CompressionContext) ->
     """
     policy = composed.online_policy(ctx)
     if policy is None:
-        raise ValueError(
+        raise UserError(
             f"{composed.spec} keeps its budget between chunks with its online (decode-time) policy, and has "
             "none here: leave online=true, and pair keepkv with a selector that runs online "
             "(h2o, h2o_cosine, streamingllm, tova, knorm)"

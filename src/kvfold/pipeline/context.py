@@ -30,6 +30,7 @@ from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
 from kvfold.runtime.timing import device_clock
 
@@ -49,7 +50,7 @@ def check_length(model: PreTrainedModel, total_tokens: int) -> None:
     """Raise a clear error when a prompt would not fit the model's positions."""
     limit = _max_positions(model)
     if limit is not None and total_tokens > limit:
-        raise ValueError(
+        raise UserError(
             f"context, question and answer need {total_tokens} tokens but the model supports {limit} positions; "
             "shorten the context or ask for fewer new tokens"
         )
@@ -135,7 +136,7 @@ class PrefilledContext:
         composed = build_method(with_format(method, kv_format)) if isinstance(method, str) else method
         if memory is not None or (isinstance(budget, Budget) and budget.memory is not None):
             if memory is not None and budget is not None:
-                raise ValueError("give a token budget or a memory budget, not both")
+                raise UserError("give a token budget or a memory budget, not both")
             target = Budget.of_memory(memory) if memory is not None else budget
             return self._compress_to_memory(composed, target, seed)
         parsed_budget = Budget.parse(DEFAULT_BUDGET if budget is None else budget)
@@ -171,7 +172,7 @@ class PrefilledContext:
                 if measured is None:
                     break
                 if attempt == MAX_RETRIES or plan.tokens.count(self.context_tokens) <= 1:
-                    raise ValueError(
+                    raise UserError(
                         f"memory {target.memory:g} is too small for this context of {self.context_tokens} tokens: "
                         f"after {attempt + 1} compressions {stored.spec} still holds {measured:.4g} of the 16-bit "
                         "full cache; give a larger memory budget"
@@ -285,10 +286,10 @@ class CompressedContext:
         """Like :meth:`answer` but returns token ids and timings per batch row."""
         src = self.source
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
+            raise UserError(f"max_new_tokens must be ≥ 1; got {max_new_tokens}")
         if src.suffixes is not None:
             if question:
-                raise ValueError("this context was prefilled query-aware; its question is already inside it")
+                raise UserError("this context was prefilled query-aware; its question is already inside it")
             suffixes = [s + answer_prefix for s in src.suffixes]
         else:
             tok = src.tokenizer
@@ -449,10 +450,10 @@ def prefill(
     """
     contexts = [context] if isinstance(context, str) else list(context)
     if not contexts or any(not c or not c.strip() for c in contexts):
-        raise ValueError("the context is empty; give a text to compress")
+        raise UserError("the context is empty; give a text to compress")
     questions = [question] * len(contexts) if isinstance(question, str) or question is None else list(question)
     if query_aware and any(not q for q in questions):
-        raise ValueError("query-aware mode needs the question at prefill time")
+        raise UserError("query-aware mode needs the question at prefill time")
     rows, suffixes = [], []
     for text, q in zip(contexts, questions, strict=True):
         if query_aware:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvfold.methods.core.base import ComposedMethod, Standalone
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig
 
 SMALLEST_FOUR_BIT_MEMORY = 2**-5.5
@@ -99,7 +100,7 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     """
     layers = [layer for _, layer in cache.folded_layers if layer.is_initialized]
     if not layers:
-        raise ValueError("a memory budget needs a prefilled cache with full-attention layers")
+        raise UserError("a memory budget needs a prefilled cache with full-attention layers")
     head_dim = layers[0].head_dim
     value_dim = layers[0].padded()[1].shape[-1]
     fraction, quant = split_memory(memory, method, head_dim, value_dim)

@@ -31,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.paged import PagedRows
 from kvfold.runtime.quantized_attention import attend_stored, reads_codes
 
@@ -527,7 +528,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
         elif getattr(module, "_kvfold_hooked", False):
             hooked += 1
     if hooked == 0:
-        raise ValueError(
+        raise UserError(
             f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`; "
             "kvfold supports Llama, Mistral, Qwen2, Qwen3 and Gemma3-style decoders"
         )

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfold.runtime.errors import UserError
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -36,7 +38,7 @@ class Budget:
         except ValueError:
             number = math.nan
         if not 0.0 < number <= 1.0:
-            raise ValueError(f"a memory budget is a fraction in (0, 1] of the 16-bit cache's bytes; got {value!r}")
+            raise UserError(f"a memory budget is a fraction in (0, 1] of the 16-bit cache's bytes; got {value!r}")
         return cls(memory=number)
 
     @classmethod
@@ -57,7 +59,7 @@ class Budget:
             number = math.nan
         is_integer_text = text.isdigit()
         if isinstance(value, bool) or math.isnan(number):
-            raise ValueError(f"budget must be a fraction in (0, 1] or a positive token count; got {value!r}")
+            raise UserError(f"budget must be a fraction in (0, 1] or a positive token count; got {value!r}")
         if is_integer_text or (isinstance(value, int) and not isinstance(value, bool)):
             count = int(number)
             if count == 1:
@@ -66,7 +68,7 @@ class Budget:
                 return cls(tokens=count)
         elif 0.0 < number <= 1.0:
             return cls(fraction=number)
-        raise ValueError(f"budget must be a fraction in (0, 1] or a positive token count; got {value!r}")
+        raise UserError(f"budget must be a fraction in (0, 1] or a positive token count; got {value!r}")
 
     def count(self, context_tokens: int) -> int:
         """Entries to keep for a context of ``context_tokens`` tokens (at least 1, at most all)."""

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.paged import NEG_INF, PagedRows, grow_capacity, paging_saves_memory
 from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig, QuantizedRows
 
@@ -599,7 +600,7 @@ class FoldedLayer(CacheLayerMixin):
         bad_kv = ~(torch.isfinite(keys).all(-1) & torch.isfinite(values).all(-1)) & slot_valid
         bad_beta = torch.isnan(log_mass) | (log_mass == float("inf"))
         if bool(bad_kv.any()) or bool(bad_beta.any()):
-            raise ValueError(
+            raise UserError(
                 "replace(): the compressed cache holds NaN or inf in keys, values or log-mass; "
                 "the method produced an invalid result (try another method or budget, or float32)"
             )

@@ -31,6 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvfold.runtime.errors import UserError
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not on POSIX: folders are not locked
@@ -371,7 +373,7 @@ def _parse_row(
         except (ValueError, TypeError) as err:
             reason = str(err)
     if reason is not None:
-        raise ValueError(
+        raise UserError(
             f"{path} line {number} is not a {what} ({reason}): the file was edited or damaged; correct or "
             "delete that line and run again (nothing was changed)"
         )

@@ -36,6 +36,7 @@ from transformers import (
 
 from kvfold.runtime.attention import enable
 from kvfold.runtime.defaults import DEFAULT_MODEL
+from kvfold.runtime.errors import UserError
 
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
 RANDOM_PREFIX = "random:"
@@ -53,8 +54,9 @@ DTYPES = {
 }
 
 
-class ModelLoadError(RuntimeError):
-    """A model spec could not be resolved to a model; the message says how to provide one."""
+class ModelLoadError(UserError, RuntimeError):
+    """A model spec could not be resolved to a model; the message says how to provide one (a user
+    error, and a RuntimeError as it always was)."""
 
 
 def cache_root() -> Path:
@@ -71,7 +73,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was requested but no CUDA device is available; use --device cpu")
+        raise UserError("device 'cuda' was requested but no CUDA device is available; use --device cpu")
     return dev
 
 
@@ -82,7 +84,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
+        raise UserError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -158,9 +160,7 @@ def check_supported(config) -> None:
     """Raise a clear error for architectures kvfold does not support."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r}; kvfold supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise UserError(f"unsupported architecture {model_type!r}; kvfold supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def load_model(

@@ -11,6 +11,12 @@ The shared library is built once per kernel source, compiler flags and machine i
 and renamed, so concurrent processes never load a half-written file. Without a C compiler, or with
 ``KVFOLD_NATIVE=0``, :func:`attend_codes_kernel` returns None and the PyTorch path runs
 (:func:`status` says which and why; ``kvfold bench`` records it).
+
+``KVFOLD_NATIVE_DEBUG=1`` builds a debug kernel instead (its own file, ``attend_codes-debug-….so``):
+``-O1 -g``, the undefined-behaviour checks that need no runtime library (a trap), and
+``KVFOLD_DEBUG``, under which the kernel checks every index it reads against the sizes its caller
+passes and returns an error code rather than read outside them. AddressSanitizer is not used: its
+runtime must be loaded before the Python interpreter, which a library opened by ``ctypes`` cannot do.
 """
 
 from __future__ import annotations
@@ -37,8 +43,29 @@ FLAGS = (
     "-shared",
     "-fPIC",
 )
+DEBUG_FLAGS = (
+    "-O1",
+    "-g",
+    "-DKVFOLD_DEBUG",
+    "-fsanitize=undefined,bounds",
+    "-fsanitize-undefined-trap-on-error",
+    "-shared",
+    "-fPIC",
+)
+"""The debug build: every index checked against its buffer's size (``KVFOLD_DEBUG``), undefined
+behaviour trapped."""
 DISABLE_ENV = "KVFOLD_NATIVE"
 """``KVFOLD_NATIVE=0`` keeps the PyTorch path (no compiler is run)."""
+DEBUG_ENV = "KVFOLD_NATIVE_DEBUG"
+"""``KVFOLD_NATIVE_DEBUG=1`` builds and loads the debug kernel (:data:`DEBUG_FLAGS`)."""
+ERRORS = {
+    1: "a dimension or the number of queries is past the kernel's limits",
+    2: "a code width it does not read",
+    3: "out of memory",
+    4: "the row lengths do not fit the codes, scales or scratch space passed",
+    5: "an index past a buffer (debug build)",
+}
+"""What the kernel's nonzero return codes mean."""
 _why_not: list[str] = []
 
 
@@ -65,10 +92,11 @@ def _machine_tag() -> str:
     return "|".join([platform.machine(), platform.processor(), *lines])
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, debug: bool = False) -> Path:
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _machine_tag().encode()).hexdigest()[:16]
-    target = cache_dir() / f"attend_codes-{digest}.so"
+    flags = DEBUG_FLAGS if debug else FLAGS
+    digest = hashlib.sha256(source + " ".join(flags).encode() + _machine_tag().encode()).hexdigest()[:16]
+    target = cache_dir() / f"attend_codes-{'debug-' if debug else ''}{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +104,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120
+            [compiler, *flags, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120
         )
         os.replace(partial, target)
     finally:
@@ -85,9 +113,28 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def debug_requested() -> bool:
+    """Whether ``KVFOLD_NATIVE_DEBUG=1`` asks for the debug kernel."""
+    return os.environ.get(DEBUG_ENV, "0") == "1"
+
+
 @cache
 def attend_codes_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The compiled ``kvfold_attend_codes`` function, or None (see :func:`status`)."""
+    """The compiled ``kvfold_attend_codes`` function (the debug build under ``KVFOLD_NATIVE_DEBUG=1``),
+    or None (see :func:`status`). Looked up once: ``attend_codes_kernel.cache_clear()`` looks again."""
+    return load_kernel(debug_requested())
+
+
+def load_kernel(debug: bool = False) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Build (once per source, flags and machine) and load the kernel, the debug build when ``debug``;
+    None when disabled or unbuildable, with why in :func:`status`.
+
+    Its C signature: ``rows, m, dim, vdim, bits, group, entries, groups, scratch_len`` (int64), then
+    the pointers ``lengths, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+    beta, queries``, ``scaling`` (float) and the outputs ``scratch, top, den, num``. ``entries``,
+    ``groups`` and ``scratch_len`` are the sizes of the buffers passed (entries the codes, value
+    scales and β hold; key groups the key scales hold; floats of scratch); the kernel reads nothing
+    past them, and returns 4 (5 in the debug build) rather than do so (:data:`ERRORS`)."""
     _why_not.clear()
     if os.environ.get(DISABLE_ENV, "1") == "0":
         _why_not.append(f"{DISABLE_ENV}=0")
@@ -97,14 +144,14 @@ def attend_codes_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defin
         _why_not.append("no C compiler found (cc, gcc or clang; or set CC)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = ctypes.CDLL(str(_build(compiler, debug)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         _why_not.append(f"building the kernel failed: {error} {detail.decode(errors='replace')[:200]}".strip())
         return None
     function = library.kvfold_attend_codes
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    function.argtypes = [i64] * 6 + [ptr] * 9 + [f32] + [ptr] * 4
+    function.argtypes = [i64] * 9 + [ptr] * 9 + [f32] + [ptr] * 4
     function.restype = ctypes.c_int
     return function
 
@@ -112,5 +159,5 @@ def attend_codes_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defin
 def status() -> str:
     """``native`` when the compiled kernel reads quantized caches, else ``torch (why)``."""
     if attend_codes_kernel() is not None:
-        return "native"
+        return "native (debug build)" if debug_requested() else "native"
     return f"torch ({'; '.join(_why_not) or 'not built'})"

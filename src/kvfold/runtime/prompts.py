@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from kvfold.runtime.errors import UserError
+
 __all__ = ["PromptParts", "build_prompt", "context_text_ids", "encode", "template_parts", "turn_ids"]
 
 
@@ -44,7 +46,7 @@ def build_prompt(
         use_chat_template = has_template
     if use_chat_template:
         if not has_template:
-            raise ValueError("this tokenizer has no chat template; pass use_chat_template=False")
+            raise UserError("this tokenizer has no chat template; pass use_chat_template=False")
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": context + marker + "\n\n" + question}],
             tokenize=False,

@@ -28,6 +28,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvfold.runtime.errors import UserError
+
 NEG_INF = float("-inf")
 INT_BITS = (8, 4, 3, 2)
 """Widths of the integer formats."""
@@ -37,7 +39,7 @@ SIXTEEN_BIT = 2
 """Bytes of an unquantized element as a GPU user holds it (bf16 / fp16)."""
 
 
-class QuantSpecError(ValueError):
+class QuantSpecError(UserError):
     """A quantization format or option that does not exist."""
 
 

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from kvfold.runtime.errors import UserError
+
 FORMAT = "kvfold-cache"
 FORMAT_VERSION = 2
 """The version this kvfold writes; files of a higher version are refused with a clear error.
@@ -84,7 +86,7 @@ def kvfold_version() -> str:
         return "unknown"
 
 
-class CacheFileError(ValueError):
+class CacheFileError(UserError):
     """A cache file cannot be used as asked; the message says what to do."""
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
 
+from kvfold.runtime.errors import UserError
+
 
 def spawn_worker(
     module: str,
@@ -56,7 +58,7 @@ def spawn_worker(
         last = lines[-1] if lines else ""
         name, _, message = last.partition(": ")
         if name.rsplit(".", 1)[-1] in user_errors:  # the user's input, not a crash: say it plainly
-            raise ValueError(f"{where}: {message}")
+            raise UserError(f"{where}: {message}")
         tail = "\n".join(lines[-5:])
         raise RuntimeError(f"{what} failed for {where}:\n{tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

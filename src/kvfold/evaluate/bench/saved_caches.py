@@ -51,7 +51,8 @@ CHAT_TURNS = [
 
 
 USER_ERRORS = (
-    "ValueError",
+    "UserError",
+    "QuantSpecError",
     "NotImplementedError",
     "ModelLoadError",
     "SpecError",

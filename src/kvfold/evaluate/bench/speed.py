@@ -64,6 +64,7 @@ from kvfold.evaluate.bench.process import (
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
 from kvfold.pipeline.memory import plan_memory
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
 from kvfold.runtime.models import load_model
 from kvfold.runtime.timing import device_clock
@@ -120,7 +121,7 @@ def run_config(config: BenchConfig) -> dict:
     budget = 1.0 if method.is_identity else config.budget
     repeat_s = compress_peak_mb = None
     if config.memory is not None and config.prefill_chunk:
-        raise ValueError("--memory applies to one-shot compression; leave out --prefill-chunk")
+        raise UserError("--memory applies to one-shot compression; leave out --prefill-chunk")
     with torch.inference_mode():
         if config.prefill_chunk:
             compressed = prefill_chunked(model, tokenizer, ids, method, budget, config.prefill_chunk)
@@ -193,9 +194,9 @@ def extend_positions(model, positions: int) -> None:
     config = model.config.get_text_config(decoder=True)
     own = getattr(config, "max_position_embeddings", None)
     if own is None or positions < own:
-        raise ValueError(f"--positions must be at least the model's {own} positions; got {positions}")
+        raise UserError(f"--positions must be at least the model's {own} positions; got {positions}")
     if not any("rotary" in name for name, _ in model.named_modules()):
-        raise ValueError("--positions needs a model with rotary positions (RoPE); this one has none")
+        raise UserError("--positions needs a model with rotary positions (RoPE); this one has none")
     config.max_position_embeddings = positions
 
 
@@ -280,7 +281,7 @@ def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
     return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
 
 
-WORKER_ERRORS = ("ValueError", "NotImplementedError", "ModelLoadError")
+WORKER_ERRORS = ("UserError", "NotImplementedError", "ModelLoadError", "SpecError", "QuantSpecError")
 """What a measuring process fails on when the input is wrong (said plainly, not as a crash)."""
 
 
@@ -543,13 +544,13 @@ def read_bench_run(out_dir: str | Path) -> dict:
     """
     path = Path(out_dir) / BENCH_FILE
     if not path.is_file():
-        raise ValueError(f"{out_dir} holds no {BENCH_FILE}: not a finished kvfold bench --out folder (rerun it)")
+        raise UserError(f"{out_dir} holds no {BENCH_FILE}: not a finished kvfold bench --out folder (rerun it)")
     try:
         result = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): it was edited or damaged; rerun the bench") from None
+        raise UserError(f"{path} is not valid JSON ({err}): it was edited or damaged; rerun the bench") from None
     if not isinstance(result, dict) or not isinstance(result.get("records"), list):
-        raise ValueError(f"{path} has no records: not written by kvfold bench")
+        raise UserError(f"{path} has no records: not written by kvfold bench")
     return result
 
 
@@ -562,7 +563,7 @@ def merge_bench_results(results: list[dict]) -> dict:
     """
     models = list(dict.fromkeys(str(r.get("model")) for r in results))
     if len(models) > 1:
-        raise ValueError(f"the bench folders measured different models ({', '.join(models)}); report them apart")
+        raise UserError(f"the bench folders measured different models ({', '.join(models)}); report them apart")
     kept: dict[str, dict] = {}
     for result in results:
         for record in result["records"]:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvfold.evaluate.data.samples import Sample
 from kvfold.evaluate.data.text import count_tokens, token_ids
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "first_rows",
@@ -95,7 +96,7 @@ def truncate_context(tokenizer: Any, context: str, question: str, max_length: in
         return context
     head = max_length // 2
     if question_tokens > max_length - head:
-        raise ValueError(f"max_length={max_length} is too small: the question alone takes {question_tokens} tokens")
+        raise UserError(f"max_length={max_length} is too small: the question alone takes {question_tokens} tokens")
     # truncate_middle(context + question) keeps `head` tokens and a tail that ends with the question;
     # the context's share of that tail is what precedes the question.
     tail = max_length - head - question_tokens

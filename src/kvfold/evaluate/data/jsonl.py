@@ -9,6 +9,7 @@ from typing import Any
 
 from kvfold.evaluate.data.samples import Sample
 from kvfold.evaluate.scoring.metrics import METRICS
+from kvfold.runtime.errors import UserError
 
 __all__ = ["load_jsonl"]
 
@@ -24,10 +25,10 @@ def _string_list(record: Mapping[str, Any], field: str, where: str) -> tuple[str
     """A field that must be a list of strings."""
     value = record[field]
     if not isinstance(value, list):
-        raise ValueError(f"{where}: {field!r} must be a list of strings, got {_type_name(value)}")
+        raise UserError(f"{where}: {field!r} must be a list of strings, got {_type_name(value)}")
     for item in value:
         if not isinstance(item, str):
-            raise ValueError(f"{where}: {field!r} must be a list of strings, got an item of type {_type_name(item)}")
+            raise UserError(f"{where}: {field!r} must be a list of strings, got an item of type {_type_name(item)}")
     return tuple(value)
 
 
@@ -35,7 +36,7 @@ def _optional_string(record: Mapping[str, Any], field: str, default: str, where:
     """An optional field that must be a string when present."""
     value = record.get(field, default)
     if not isinstance(value, str):
-        raise ValueError(f"{where}: {field!r} must be a string, got {_type_name(value)}")
+        raise UserError(f"{where}: {field!r} must be a string, got {_type_name(value)}")
     return value
 
 
@@ -44,13 +45,13 @@ def _questions(record: Mapping[str, Any], where: str) -> list[tuple[str, tuple[s
     (a list of strings) with ``answers`` as a list of answer lists, one per question."""
     if "questions" in record:
         if "question" in record:
-            raise ValueError(f"{where}: give either 'question' or 'questions', not both")
+            raise UserError(f"{where}: give either 'question' or 'questions', not both")
         questions = _string_list(record, "questions", where)
         if not questions:
-            raise ValueError(f"{where}: 'questions' must contain at least one string")
+            raise UserError(f"{where}: 'questions' must contain at least one string")
         answers = record["answers"]
         if not isinstance(answers, list) or len(answers) != len(questions):
-            raise ValueError(
+            raise UserError(
                 f"{where}: with 'questions', 'answers' must be a list of {len(questions)} answer lists "
                 f"(one per question), got {_type_name(answers)}"
                 + (f" of {len(answers)}" if isinstance(answers, list) else "")
@@ -59,39 +60,39 @@ def _questions(record: Mapping[str, Any], where: str) -> list[tuple[str, tuple[s
         for k, (question, refs) in enumerate(zip(questions, answers, strict=True)):
             refs = _string_list({"answers": refs}, "answers", f"{where} question {k + 1}")
             if not refs:
-                raise ValueError(f"{where} question {k + 1}: its answer list must contain at least one string")
+                raise UserError(f"{where} question {k + 1}: its answer list must contain at least one string")
             pairs.append((question, refs))
         return pairs
     if "question" not in record:
-        raise ValueError(f"{where}: missing required field 'question' (or 'questions')")
+        raise UserError(f"{where}: missing required field 'question' (or 'questions')")
     answers = _string_list(record, "answers", where)
     if not answers:
-        raise ValueError(f"{where}: 'answers' must contain at least one string")
+        raise UserError(f"{where}: 'answers' must contain at least one string")
     return [(_optional_string(record, "question", "", where), answers)]
 
 
 def _samples_from_record(record: Any, where: str, default_task: str, line_number: int) -> list[Sample]:
     """Validates one JSONL record and builds its samples (one per question; they share the context)."""
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: each line must be a JSON object, got {_type_name(record)}")
+        raise UserError(f"{where}: each line must be a JSON object, got {_type_name(record)}")
     missing = [field for field in _REQUIRED_FIELDS if field not in record]
     if missing:
-        raise ValueError(f"{where}: missing required field(s) {', '.join(map(repr, missing))}")
+        raise UserError(f"{where}: missing required field(s) {', '.join(map(repr, missing))}")
     context = _optional_string(record, "context", "", where)
     if not context.strip():
-        raise ValueError(f"{where}: 'context' must be a non-empty string")
+        raise UserError(f"{where}: 'context' must be a non-empty string")
     pairs = _questions(record, where)
     max_new_tokens = record.get("max_new_tokens", 32)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}")
+        raise UserError(f"{where}: 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}")
     metric = _optional_string(record, "metric", "string_match_all", where)
     if metric not in METRICS:
-        raise ValueError(f"{where}: unknown metric {metric!r}; valid metrics: {', '.join(sorted(METRICS))}")
+        raise UserError(f"{where}: unknown metric {metric!r}; valid metrics: {', '.join(sorted(METRICS))}")
     task = _optional_string(record, "task", default_task, where) or default_task
     sample_id = str(record.get("sample_id", record.get("id", f"{task}/{line_number}")))
     haystack = record.get("haystack")
     if haystack is not None and haystack not in ("noise", "prose"):
-        raise ValueError(f'{where}: \'haystack\' must be "noise" or "prose", got {haystack!r}')
+        raise UserError(f'{where}: \'haystack\' must be "noise" or "prose", got {haystack!r}')
     return [
         Sample(
             context=context,
@@ -149,8 +150,8 @@ def load_jsonl(path: str | Path) -> list[Sample]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+                raise UserError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
             samples.extend(_samples_from_record(record, where, path.stem, line_number))
     if not samples:
-        raise ValueError(f"{path}: no samples (the file is empty)")
+        raise UserError(f"{path}: no samples (the file is empty)")
     return samples

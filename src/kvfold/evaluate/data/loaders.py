@@ -21,6 +21,7 @@ from kvfold.evaluate.data.ruler import HEADLINE_TASKS, RULER_TASKS, generate_rul
 from kvfold.evaluate.data.ruler_official import load_ruler_official
 from kvfold.evaluate.data.samples import Sample
 from kvfold.evaluate.data.xsum import load_xsum
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "DEFAULT_RULER_SAMPLES",
@@ -93,7 +94,7 @@ def load_dataset_spec(
     name, tasks, location = _parse_spec(spec)
     if name == "ruler" and location is None:
         if tokenizer is None or length is None:
-            raise ValueError("the 'ruler' dataset needs the model's tokenizer and a length in tokens")
+            raise UserError("the 'ruler' dataset needs the model's tokenizer and a length in tokens")
         if tasks == ("all",):
             tasks = RULER_TASKS
         return generate_ruler(
@@ -108,4 +109,4 @@ def load_dataset_spec(
     if spec.lower().endswith(".jsonl"):
         loaded = load_jsonl(spec)
         return loaded if samples is None else loaded[:samples]
-    raise ValueError(f"unknown dataset spec {spec!r}; valid forms: {', '.join(_SPEC_FORMS)}")
+    raise UserError(f"unknown dataset spec {spec!r}; valid forms: {', '.join(_SPEC_FORMS)}")

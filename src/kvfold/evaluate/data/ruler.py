@@ -67,6 +67,7 @@ from kvfold.evaluate.data.ruler_documents import plan_qa1, plan_qa2
 from kvfold.evaluate.data.ruler_tasks import NIAH_CONFIGS, VALUE_TOKENS, Plan, plan_cwe, plan_fwe, plan_niah, plan_vt
 from kvfold.evaluate.data.samples import Sample, check_tasks
 from kvfold.evaluate.data.text import TokenizerLike, count_tokens
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "HEADLINE_TASKS",
@@ -168,7 +169,7 @@ def _fit_units(count_at: Callable[[int], int], budget: int, minimum: int, task: 
         return memo[units]
 
     if tokens(minimum) > budget:
-        raise ValueError(
+        raise UserError(
             f"length is too small for task {task!r}: its smallest context takes {tokens(minimum)} tokens, "
             f"but only {budget} are left for the context; increase length"
         )
@@ -271,9 +272,9 @@ def generate_ruler(
     """
     selected = check_tasks(tasks, RULER_TASKS, "RULER")
     if samples_per_task < 1:
-        raise ValueError(f"samples_per_task must be a positive int; got {samples_per_task}")
+        raise UserError(f"samples_per_task must be a positive int; got {samples_per_task}")
     if length < 1:
-        raise ValueError(f"length must be a positive number of tokens; got {length}")
+        raise UserError(f"length must be a positive number of tokens; got {length}")
     return [
         sample
         for task in dict.fromkeys(selected)

@@ -12,6 +12,7 @@ from typing import Any
 from kvfold.evaluate.data.hub import first_rows, hub_rows, local_rows
 from kvfold.evaluate.data.ruler import RULER_MAX_NEW_TOKENS, RULER_TASKS
 from kvfold.evaluate.data.samples import Sample
+from kvfold.runtime.errors import UserError
 
 __all__ = ["RULER_QUESTION_MARKERS", "load_ruler_official"]
 
@@ -29,7 +30,7 @@ def _ruler_split(text: str, markers: Sequence[str], where: str) -> tuple[str, st
         position = text.rfind(marker)
         if position > 0:
             return text[:position], text[position:]
-    raise ValueError(
+    raise UserError(
         f"{where}: cannot find where the question starts (looked for {list(markers)}); "
         "add 'context' and 'question' fields or pass question_marker="
     )
@@ -41,7 +42,7 @@ def _ruler_answers(row: Mapping[str, Any], where: str) -> tuple[str, ...]:
         value = row.get(field)
         if value is not None:
             return (value,) if isinstance(value, str) else tuple(str(v) for v in value)
-    raise ValueError(f"{where}: no 'outputs' (or 'answers') field")
+    raise UserError(f"{where}: no 'outputs' (or 'answers') field")
 
 
 def _ruler_official_sample(row: Mapping[str, Any], task: str, index: int, markers: Sequence[str]) -> Sample:
@@ -53,7 +54,7 @@ def _ruler_official_sample(row: Mapping[str, Any], task: str, index: int, marker
     elif isinstance(row.get("input"), str):
         context, question = _ruler_split(row["input"], markers, where)
     else:
-        raise ValueError(f"{where}: needs an 'input' string (or 'context' and 'question' fields)")
+        raise UserError(f"{where}: needs an 'input' string (or 'context' and 'question' fields)")
     base_task = next((t for t in RULER_TASKS if task.startswith(t)), task)
     length = row.get("length")
     return Sample(

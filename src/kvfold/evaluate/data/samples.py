@@ -12,6 +12,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvfold.runtime.errors import UserError
+
 __all__ = ["Sample", "check_tasks", "group_by_context"]
 
 
@@ -74,9 +76,9 @@ class Sample:
                 raise TypeError(f"Sample.{name} must be a sequence of strings, got a single str {value!r}")
             object.__setattr__(self, name, tuple(value))
         if not self.answers:
-            raise ValueError(f"Sample {self.sample_id or self.task!r} has no reference answers")
+            raise UserError(f"Sample {self.sample_id or self.task!r} has no reference answers")
         if isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int; got {self.max_new_tokens!r}")
+            raise UserError(f"max_new_tokens must be a positive int; got {self.max_new_tokens!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the sample as a JSON-serialisable dict (tuples become lists)."""
@@ -117,5 +119,5 @@ def check_tasks(tasks: Sequence[str] | None, valid: Sequence[str], benchmark: st
     selected = tuple(valid if tasks is None else tasks)
     unknown = [t for t in selected if t not in valid]
     if unknown:
-        raise ValueError(f"unknown {benchmark} task(s) {unknown}; valid tasks: {', '.join(valid)}")
+        raise UserError(f"unknown {benchmark} task(s) {unknown}; valid tasks: {', '.join(valid)}")
     return selected

@@ -51,6 +51,7 @@ from kvfold.methods import build_method
 from kvfold.pipeline.context import PrefilledContext
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock, atomic_write_text
 
 __all__ = [
@@ -328,15 +329,15 @@ def merge_maps(
     """
     contexts = [prefilled] if isinstance(prefilled, PrefilledContext) else list(prefilled)
     if not contexts or not methods:
-        raise ValueError("merge_maps needs at least one prefilled context and one method")
+        raise UserError("merge_maps needs at least one prefilled context and one method")
     parsed = Budget.parse(budget)
     folded = [i for i, _ in contexts[0].cache.folded_layers]
     layer = folded[len(folded) // 2] if layer is None else layer
     if layer not in folded:
-        raise ValueError(f"layer {layer} is not a compressed (full-attention) layer; choose one of {folded}")
+        raise UserError(f"layer {layer} is not a compressed (full-attention) layer; choose one of {folded}")
     heads = contexts[0].cache.layers[layer].num_heads
     if not 0 <= head < heads:
-        raise ValueError(f"head must be in [0, {heads}); got {head}")
+        raise UserError(f"head must be in [0, {heads}); got {head}")
     records, drawn = [], {}
     for spec in methods:
         maps = [_analyse(context, spec, parsed, seed) for context in contexts]

@@ -45,6 +45,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from kvfold.evaluate.running.sweep import SweepItem
+from kvfold.runtime.errors import UserError
 
 R = TypeVar("R")
 
@@ -64,8 +65,8 @@ LOCAL_OBJECT_STORE_BYTES = 256 * 1024**2
 """Object store of a local Ray instance: items and answers are small JSON-like objects."""
 
 
-class RayUnavailableError(ValueError):
-    """Ray is not installed (a ValueError, so the command line reports it as a one-line user error)."""
+class RayUnavailableError(UserError):
+    """Ray is not installed (a user error: the command line reports it in one line, with how to install it)."""
 
 
 def require_ray() -> ModuleType:
@@ -219,13 +220,13 @@ class RayRunner:
         kill_after: int | None = None,
     ):
         if workers is not None and workers < 1:
-            raise ValueError(f"workers must be ≥ 1; got {workers}")
+            raise UserError(f"workers must be ≥ 1; got {workers}")
         if cpus_per_worker <= 0 or gpus_per_worker < 0:
-            raise ValueError(
+            raise UserError(
                 f"cpus_per_worker must be > 0 and gpus_per_worker ≥ 0; got {cpus_per_worker}, {gpus_per_worker}"
             )
         if max_attempts < 1:
-            raise ValueError(f"max_attempts must be ≥ 1; got {max_attempts}")
+            raise UserError(f"max_attempts must be ≥ 1; got {max_attempts}")
         self.loader = loader
         self.workers = workers
         self.cpus_per_worker = cpus_per_worker
@@ -260,7 +261,7 @@ class RayRunner:
                 count = min(count, int(resources.get("GPU", 0) // self.gpus_per_worker))
             if count < 1:
                 have = f"{resources.get('CPU', 0)} CPUs and {resources.get('GPU', 0)} GPUs"
-                raise ValueError(
+                raise UserError(
                     f"the Ray cluster has {have}: not enough for one worker of {self.cpus_per_worker} CPUs "
                     f"and {self.gpus_per_worker} GPUs; lower --ray-worker-gpus or add nodes"
                 )

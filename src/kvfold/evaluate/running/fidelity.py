@@ -88,6 +88,7 @@ from kvfold.pipeline.context import PrefilledContext
 from kvfold.runtime.attention import attention_modules, attention_scalings
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.errors import UserError
 
 if TYPE_CHECKING:
     from kvfold.evaluate.running.sweep import ItemRunner
@@ -142,7 +143,7 @@ def _attention_modules(model: PreTrainedModel) -> list[tuple[int, torch.nn.Modul
     """``(layer_idx, module)`` of every attention module in layer order; raises when there is none."""
     modules = attention_modules(model)
     if not modules:
-        raise ValueError(f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`")
+        raise UserError(f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`")
     return list(modules.items())
 
 
@@ -447,11 +448,11 @@ class FidelitySweep:
             SweepInterrupted: Ctrl-C (the rows finished before it are kept in ``out_dir``).
         """
         if self.continuation not in ("answer", "next"):
-            raise ValueError(f"continuation must be 'answer' or 'next'; got {self.continuation!r}")
+            raise UserError(f"continuation must be 'answer' or 'next'; got {self.continuation!r}")
         if self.next_tokens < 2:
-            raise ValueError(f"next_tokens must be ≥ 2; got {self.next_tokens}")
+            raise UserError(f"next_tokens must be ≥ 2; got {self.next_tokens}")
         if not self.samples:
-            raise ValueError("no samples to measure")
+            raise UserError("no samples to measure")
         runs = plan_runs(self.methods, self.budgets)
         config = dict(self.run_config)
         config.update(continuation=self.continuation, online=self.online, seed=self.seed)

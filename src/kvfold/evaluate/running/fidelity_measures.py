@@ -22,6 +22,7 @@ from kvfold.evaluate.data.samples import Sample, group_by_context
 from kvfold.methods import ComposedMethod
 from kvfold.pipeline.context import PrefilledContext, build_prompt, check_length, encode, prefill
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "Continuation",
@@ -93,12 +94,12 @@ def continuations(
             suffix_ids = encode(tokenizer, suffix, special=False)
             answer_ids = encode(tokenizer, reference_answer(sample), special=False)
             if not answer_ids:
-                raise ValueError(f"sample {key!r}: the reference answer has no tokens")
+                raise UserError(f"sample {key!r}: the reference answer has no tokens")
             ids, scored = suffix_ids + answer_ids, [False] * len(suffix_ids) + [True] * len(answer_ids)
         else:
             doc = encode(tokenizer, sample.context, special=False)
             if len(doc) < next_tokens + 16:
-                raise ValueError(
+                raise UserError(
                     f"sample {key!r}: the context has {len(doc)} tokens, too few to hold out "
                     f"{next_tokens} (lower next_tokens)"
                 )

@@ -28,6 +28,7 @@ from kvfold.evaluate.running.fidelity import FIDELITY_FILE, SAMPLES_FILE, aggreg
 from kvfold.evaluate.running.runner import PREDICTIONS_FILE, RESULTS_FILE, row_key
 from kvfold.evaluate.running.sweep import RUN_FILE, config_changes, read_predictions
 from kvfold.evaluate.scoring.records import aggregate
+from kvfold.runtime.errors import UserError
 
 __all__ = ["RUN_KINDS", "Run", "RunKind", "group_runs", "merge_runs", "read_run"]
 
@@ -80,7 +81,7 @@ def read_run(run_dir: str | Path) -> Run:
     kind = next((k for k in RUN_KINDS if (path / k.rows_file).is_file()), None)
     if kind is None:
         files = " or ".join(k.rows_file for k in RUN_KINDS)
-        raise ValueError(f"{path} holds no {files}: not a directory written by kvfold eval, fidelity or bench --out")
+        raise UserError(f"{path} holds no {files}: not a directory written by kvfold eval, fidelity or bench --out")
     config = _read_json(path / RUN_FILE) if (path / RUN_FILE).is_file() else {}
     results = path / kind.results_file
     records = _read_json(results)["records"] if results.is_file() else None
@@ -93,7 +94,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): it was edited or damaged; correct it or rerun") from None
+        raise UserError(f"{path} is not valid JSON ({err}): it was edited or damaged; correct it or rerun") from None
 
 
 def merge_runs(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -109,17 +110,17 @@ def merge_runs(runs: Sequence[Run]) -> tuple[list[dict[str, Any]], dict[str, Any
             the same samples).
     """
     if not runs:
-        raise ValueError("give at least one run folder")
+        raise UserError("give at least one run folder")
     first = runs[0]
     for run in runs[1:]:
         if run.kind != first.kind:
-            raise ValueError(
+            raise UserError(
                 f"{run.path} was written by kvfold {run.kind.name}, {first.path} by kvfold {first.kind.name}: "
                 "only runs of one kind can be merged"
             )
         changed = config_changes(first.config, run.config)
         if changed:
-            raise ValueError(
+            raise UserError(
                 f"{run.path} is another configuration than {first.path} ({'; '.join(changed)}); "
                 "only runs on the same samples can be merged"
             )
@@ -162,7 +163,7 @@ def _merged_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
             earlier = first_seen.setdefault(row["sample_id"], row)
             known = [k for k in ("context_id", "answers") if earlier.get(k) is not None and row.get(k) is not None]
             if any(earlier[k] != row[k] for k in known):
-                raise ValueError(
+                raise UserError(
                     f"sample {row['sample_id']!r} of {run.path} has another context or answers than in an "
                     "earlier run: the runs are not on the same samples"
                 )

@@ -60,6 +60,7 @@ from kvfold.methods import build_method
 from kvfold.methods.core.model import model_name
 from kvfold.pipeline.context import CompressedContext, PrefilledContext, prefill
 from kvfold.runtime.budget import Budget
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "PREDICTIONS_FILE",
@@ -313,7 +314,7 @@ class EvalSweep:
             SweepInterrupted: Ctrl-C (the answers finished before it are kept in ``out_dir``).
         """
         if not self.samples:
-            raise ValueError("no samples to evaluate")
+            raise UserError("no samples to evaluate")
         runs = plan_runs(self.methods, self.budgets)
         config = dict(self.run_config)
         keys = sample_keys(self.samples)
@@ -349,7 +350,7 @@ def _check_stale_rows(path: Path, rows: Iterable[Mapping[str, Any]], samples: Ma
             "answers" in row and list(row["answers"]) != list(sample.answers)
         )
         if stale:
-            raise ValueError(
+            raise UserError(
                 f"{path} holds an answer to sample {row['sample_id']!r} written for another version of "
                 "its context or answers (the dataset changed since that run); use a new --out directory, "
                 "or delete that file's rows of the changed tasks to rerun them"

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from kvfold.evaluate.data.samples import Sample
 from kvfold.methods import build_method
 from kvfold.runtime.budget import Budget
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock, JsonlAppender, atomic_write_bytes, atomic_write_text, read_jsonl
 
 __all__ = [
@@ -65,14 +66,14 @@ def plan_runs(methods: Sequence[str], budgets: Sequence[float | int | str | Budg
         ValueError: no method or no budget, or an invalid spec or budget.
     """
     if not methods:
-        raise ValueError("give at least one method (e.g. full,streamingllm)")
+        raise UserError("give at least one method (e.g. full,streamingllm)")
     parsed = list(dict.fromkeys(Budget.parse(b) for b in budgets))
     runs: list[tuple[str, Budget]] = []
     for spec in dict.fromkeys(methods):
         if is_full(spec):
             runs.append((spec, Budget.parse(1.0)))
         elif not parsed:
-            raise ValueError("give at least one budget (e.g. 0.5,0.2)")
+            raise UserError("give at least one budget (e.g. 0.5,0.2)")
         else:
             runs.extend((spec, b) for b in parsed)
     return runs
@@ -112,12 +113,12 @@ def check_run_config(out_dir: Path, config: Mapping[str, Any]) -> None:
         try:
             before = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as err:
-            raise ValueError(
+            raise UserError(
                 f"{path} is not valid JSON ({err}): it was edited or damaged; correct it, or use a new --out directory"
             ) from None
         changed = config_changes(before, config)
         if changed:
-            raise ValueError(
+            raise UserError(
                 f"{out_dir} holds a run with another configuration ({'; '.join(changed)}); "
                 "use a new --out directory to start a new run"
             )

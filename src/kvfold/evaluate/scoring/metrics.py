@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvfold.evaluate.data.samples import Sample
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "METRICS",
@@ -56,7 +57,7 @@ def _check_answers(answers: Sequence[str]) -> None:
     if isinstance(answers, str):
         raise TypeError(f"answers must be a sequence of strings, got a single str {answers!r}")
     if not answers:
-        raise ValueError("answers must contain at least one reference string")
+        raise UserError("answers must contain at least one reference string")
 
 
 # --- RULER -------------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ def score(
     try:
         metric = METRICS[metric_name]
     except KeyError:
-        raise ValueError(f"unknown metric {metric_name!r}; valid metrics: {', '.join(sorted(METRICS))}") from None
+        raise UserError(f"unknown metric {metric_name!r}; valid metrics: {', '.join(sorted(METRICS))}") from None
     if metric is classification_score:
         return classification_score(prediction, answers, all_classes)
     return metric(prediction, answers)

@@ -24,6 +24,7 @@ from kvfold.evaluate.scoring.stats import (
     task_score,
 )
 from kvfold.methods import build_method
+from kvfold.runtime.errors import UserError
 
 __all__ = [
     "AVERAGE_TASK",
@@ -241,7 +242,7 @@ def headline_difference(
             if p["method"] == method and p["budget"] == budget and not p["query_aware"]:
                 rows[p["task"]].append(p)
         if not rows:
-            raise ValueError(f"no query-agnostic predictions of {method} at {budget}")
+            raise UserError(f"no query-agnostic predictions of {method} at {budget}")
         sides.append(rows)
     full_by_task = _full_predictions(predictions)
     chosen: dict[str, tuple[TaskScores, TaskScores, TaskScores]] = {}
@@ -254,7 +255,7 @@ def headline_difference(
             continue
         chosen[task] = (_task_scores(a), _task_scores(b), full)
     if not chosen:
-        raise ValueError("no headline task where both sides and the full cache answered the same samples")
+        raise UserError("no headline task where both sides and the full cache answered the same samples")
     interval = retention_difference(
         {t: v[0] for t, v in chosen.items()}, {t: v[1] for t, v in chosen.items()}, {t: v[2] for t, v in chosen.items()}
     )

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 
 PAD_BETA = -1.0e4
 """β of the padding entries: exp(−1e4) is 0 in float32 (and in bfloat16), so they receive no attention."""
@@ -37,7 +38,7 @@ LINEAR_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose angle is a fixed frequency times the position (so a key can be turned back)."""
 
 
-class UnservableCacheError(ValueError):
+class UnservableCacheError(UserError):
     """A cache file that the vLLM plugin cannot serve; the message says why in one line."""
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfold.runtime.errors import UserError
+
 KV_KEY = "kvfold_cache"
 """The ``kv_transfer_params`` key that names a cache."""
 PREFIX_KEY = "kvfold_answer_prefix"
@@ -33,7 +35,7 @@ SUFFIX = ".kvc"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class CacheRequestError(ValueError):
+class CacheRequestError(UserError):
     """A request naming a cache that cannot be served; ``status`` is the HTTP status to answer."""
 
     def __init__(self, message: str, status: int = 400) -> None:

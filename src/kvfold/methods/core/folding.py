@@ -20,6 +20,7 @@ from kvfold.methods.core.base import CompressionContext, Folder, gather_entries
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.scoring import compute_dtype, pool_gqa, window_attention
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -42,15 +43,15 @@ def fresh_window_queries(layer: FoldedLayer, width: int, method: str) -> Tensor:
     """
     captured = layer.captured_queries
     if captured is None:
-        raise ValueError(
+        raise UserError(
             f"{method} reads the last prefill query states, but this cache kept none; prefill with "
             "kvfold.prefill (or set cache.capture_window before the forward pass)"
         )
     if layer.physical_length != layer.logical_length:
-        raise ValueError(f"{method} compresses a freshly prefilled cache; this layer was already compressed")
+        raise UserError(f"{method} compresses a freshly prefilled cache; this layer was already compressed")
     needed = min(width, layer.physical_length)
     if captured.shape[2] < needed:
-        raise ValueError(
+        raise UserError(
             f"{method} needs the last {needed} prefill queries but the prefill kept {captured.shape[2]}; "
             f"pass methods=[...] or capture_window={width} to kvfold.prefill"
         )

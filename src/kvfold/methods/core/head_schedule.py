@@ -17,6 +17,7 @@ import torch
 
 from kvfold.methods.core.budgets import apportion
 from kvfold.methods.core.model import model_name
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import atomic_write_text
 
 Tensor = torch.Tensor
@@ -86,11 +87,11 @@ class HeadSchedule:
             data = json.loads(path.read_text(encoding="utf-8"))
             schedule = cls(**data)
         except (OSError, TypeError, ValueError) as err:
-            raise ValueError(f"cannot read the head schedule {path}: {err}") from None
+            raise UserError(f"cannot read the head schedule {path}: {err}") from None
         if model is not None:
             expected = config_hash(model.config)
             if schedule.config_hash != expected:
-                raise ValueError(
+                raise UserError(
                     f"the head schedule {path} was computed for {schedule.model!r} "
                     f"(architecture {schedule.config_hash}); "
                     f"this model is {model_name(model)!r} ({expected}). Compute one for this model with "
@@ -112,7 +113,7 @@ class HeadSchedule:
         shares = self.share_tensor()
         num_layers, heads = shares.shape
         if sorted(n_valid) != sorted(self.layers):
-            raise ValueError(f"the head schedule covers layers {self.layers}; the cache folds {sorted(n_valid)}")
+            raise UserError(f"the head schedule covers layers {self.layers}; the cache folds {sorted(n_valid)}")
         out = {i: torch.zeros_like(n_valid[i]) for i in self.layers}
         for b, budget in enumerate(row_budgets.tolist()):
             longest = max(int(n_valid[i][b].max()) for i in self.layers)

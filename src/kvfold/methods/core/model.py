@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from kvfold.methods.core.base import CompressionContext
 from kvfold.runtime.attention import attention_modules, attention_scalings
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -39,7 +40,7 @@ def attention_module(ctx: CompressionContext, layer_idx: int) -> torch.nn.Module
     if modules is None:
         modules = ctx.memo["attention_modules"] = attention_modules(ctx.model)
     if layer_idx not in modules:
-        raise ValueError(
+        raise UserError(
             f"found no attention module for layer {layer_idx} in {type(ctx.model).__name__} "
             "(expected modules with `layer_idx` and `o_proj`, as in Llama, Mistral, Qwen and Gemma3)"
         )
@@ -132,7 +133,7 @@ def pre_rope_keys(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -
     keys, _, log_mass, _ = layer.padded()
     valid = torch.isfinite(log_mass)
     if layer.paged is not None or layer.physical_length != layer.logical_length:
-        raise ValueError(
+        raise UserError(
             f"layer {layer_idx} holds {layer.physical_length} entries for {layer.logical_length} positions: "
             "pre-RoPE keys need an uncompressed prefill (slot = position); compress the full context "
             "instead of a chunked or already compressed cache"

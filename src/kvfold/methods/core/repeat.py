@@ -27,6 +27,7 @@ import torch
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.kvzip_plus import HiddenNorms, weighted_received
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import encode, template_parts
 from kvfold.runtime.timing import device_clock
 
@@ -420,7 +421,7 @@ def _chunk_spans(ctx: CompressionContext, chunk: int, cache: FoldedCache) -> lis
     """Per row, per repeat chunk, the slots ``(lo, hi)`` of the tokens that chunk repeats
     (:func:`token_chunks`), in a cache holding one slot per column of ``ctx.input_ids``."""
     if not ctx.is_fresh_prefill(cache):
-        raise ValueError(
+        raise UserError(
             "kvzip[scope=chunk] scores each entry by the repeat chunk that repeats its token and needs the cache of "
             "a fresh prefill (one entry per token); on a compacted cache use scope=all"
         )

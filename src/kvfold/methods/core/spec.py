@@ -14,10 +14,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from kvfold.runtime.errors import UserError
+
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
-class SpecError(ValueError):
+class SpecError(UserError):
     """A method spec that does not parse or names something unknown."""
 
 

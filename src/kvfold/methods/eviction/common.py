@@ -9,6 +9,7 @@ import torch
 from kvfold.methods.core.base import CompressionContext, Selector
 from kvfold.methods.core.selection import protected_mask
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -30,13 +31,13 @@ def captured_window(layer: FoldedLayer, width: int, method: str, strict: bool = 
     """
     captured = layer.captured_queries
     if captured is None:
-        raise ValueError(
+        raise UserError(
             f"{method} reads the last prefill query states, but this cache kept none; prefill with "
             "kvfold.prefill (or set cache.capture_window before the forward pass)"
         )
     needed = min(width, layer.physical_length)
     if strict and captured.shape[2] < needed:
-        raise ValueError(
+        raise UserError(
             f"{method} needs the last {needed} prefill queries but the prefill kept {captured.shape[2]}; "
             f"pass methods=[...] or capture_window={width} to kvfold.prefill"
         )

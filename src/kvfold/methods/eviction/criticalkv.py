@@ -19,6 +19,7 @@ from kvfold.methods.core.selection import as_counts, topk_keep
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import layer_content
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -159,7 +160,7 @@ class CriticalKV(Wrapper):
     def rescore(self, layer_idx: int, layer: FoldedLayer, scores: Tensor, ctx: CompressionContext) -> Tensor:
         _, values, _, valid = layer_content(layer)
         if bool((scores[valid] < 0).any()):
-            raise ValueError(
+            raise UserError(
                 "criticalkv reweights attention scores (≥ 0); the inner method gives negative scores "
                 "(use an attention-based scorer such as snapkv, h2o, tova, kvzip or expected_attention)"
             )

@@ -21,6 +21,7 @@ from kvfold.methods.core.scoring import GqaReduce, causal_probs, compute_dtype, 
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, last_valid, layer_content, online_limits
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -134,7 +135,7 @@ class H2OOnline(OnlineEviction):
     def initial_scores(self, layer_idx: int, layer: FoldedLayer, count: int) -> Tensor:
         stats = layer.entry_stats.get(H2OPrefillObserver.key)
         if stats is None or stats.shape[-1] != count:
-            raise ValueError(
+            raise UserError(
                 "online h2o continues the accumulated attention of the kept entries; compress this cache "
                 "with h2o first (its statistics are missing or no longer match the cache)"
             )

@@ -24,6 +24,7 @@ from kvfold.methods.core.scoring import pool_tokens
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 SCOPES = ("all", "chunk", "auto")
@@ -206,7 +207,7 @@ class KVzip(Selector):
         mask = structure_mask(ctx, self.demote_repeats)
         for layer_idx, s in scores.items():
             if s.shape[-1] != mask.shape[1]:
-                raise ValueError(
+                raise UserError(
                     f"kvzip[demote]: layer {layer_idx} holds {s.shape[-1]} entries for {mask.shape[1]} context "
                     "tokens; structure demotion needs the cache of a fresh prefill (one entry per token)"
                 )
@@ -280,7 +281,7 @@ def structure_mask(ctx: CompressionContext, min_repeats: int) -> Tensor:
         ValueError: no tokenizer (the tokens must be decoded).
     """
     if ctx.tokenizer is None:
-        raise ValueError("kvzip[demote]: structure demotion decodes the context tokens and needs the tokenizer")
+        raise UserError("kvzip[demote]: structure demotion decodes the context tokens and needs the tokenizer")
     prompt = RepeatPrompt.build(ctx.tokenizer)
     batch, width = ctx.input_ids.shape
     mask = torch.zeros(batch, width, dtype=torch.bool)

@@ -41,6 +41,7 @@ from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.repeat import REPEAT_CHUNK, repeat_pass, shared_repeat_pass
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import context_text_ids, turn_ids
 
 Tensor = torch.Tensor
@@ -336,7 +337,7 @@ def _model_pass_queries(
         start = logical - pads[b]  # positions continue where the row's context ended
         base = _row_cache(cache, b, batch)
         if ctx.tokenizer is None:
-            raise ValueError("self-study reference queries need the tokenizer (to write the prompts)")
+            raise UserError("self-study reference queries need the tokenizer (to write the prompts)")
         recorder.stop_after = None  # answers are sampled: every layer runs
         _, templated = context_text_ids(ctx.tokenizer, row_ids)
         for prompt in SELF_STUDY_PROMPTS:
@@ -427,7 +428,7 @@ def _context_queries(ctx: CompressionContext, layers: list[int], window: int) ->
         layer = layer_map[i]
         q = captured.get(i)
         if q is None:
-            raise ValueError(
+            raise UserError(
                 "context reference queries: this compressed cache kept no prefill queries; prefill with "
                 "kvfold.prefill(..., methods=[...]) or use queries=repeat or random"
             )

@@ -29,6 +29,7 @@ from kvfold.methods.core.head_schedule import HeadSchedule, config_hash
 from kvfold.methods.core.model import model_name
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -174,7 +175,7 @@ def head_sensitivity(
     for number, text in enumerate(texts, 1):
         ids = tokenizer(text, add_special_tokens=True).input_ids
         if len(ids) <= continuation_tokens + 8:
-            raise ValueError(
+            raise UserError(
                 f"calibration text too short: {len(ids)} tokens for a {continuation_tokens}-token continuation"
             )
         context, cont = ids[:-continuation_tokens], ids[-continuation_tokens:]

@@ -21,6 +21,7 @@ from kvfold.methods.merging.keepkv.merge import best_match, merge_first_keep, me
 from kvfold.methods.merging.keepkv.online import KeepKVOnline, LayerPolicies
 from kvfold.methods.merging.keepkv.scores import STAT_LOG_SCORE, STAT_WEIGHT, folded_scalings, window_log_scores
 from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.errors import UserError
 
 PAPER = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"
 
@@ -101,7 +102,7 @@ class KeepKV(MergingFolder):
         """``(log ŝ, weight)`` ``(B, H, N)`` of a prefilled layer from its captured queries."""
         queries = layer.captured_queries
         if queries is None:
-            raise ValueError(
+            raise UserError(
                 "keepkv scores entries with the last prefill queries, but this cache kept none; prefill with "
                 "kvfold.prefill (or set cache.capture_window before the forward pass)"
             )

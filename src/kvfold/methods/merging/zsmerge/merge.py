@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kvfold.methods.core.scoring import compute_dtype, pool_gqa, pool_tokens, window_attention
 from kvfold.methods.core.selection import topk_keep
 from kvfold.runtime.cache import NEG_INF, FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 
@@ -481,7 +482,7 @@ def fold_layers(
         for _, _, log_mass, _ in contents:
             finite = log_mass[torch.isfinite(log_mass)]
             if bool((finite != 0).any()):
-                raise ValueError(
+                raise UserError(
                     "zsmerge brings a plain (uncompressed) cache to budget; this layer already holds merged "
                     "entries. Compress a freshly prefilled cache."
                 )

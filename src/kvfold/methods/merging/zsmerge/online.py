@@ -24,6 +24,7 @@ from kvfold.methods.merging.zsmerge.merge import (
     prefill_scores,
 )
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.errors import UserError
 
 Tensor = torch.Tensor
 STEP_BLOCK = 64
@@ -271,7 +272,7 @@ class ZSMergeOnline:
         scores = []
         for layer_idx, layer in layers:
             if layer.captured_queries is None:
-                raise ValueError(
+                raise UserError(
                     "zsmerge scores a prefill with its last queries, but this cache kept none "
                     "(set cache.capture_window before the forward pass)"
                 )
