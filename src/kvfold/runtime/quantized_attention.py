@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.runtime.native import attend_codes_kernel
+from kvfold.runtime.native import ERRORS, attend_codes_kernel
 from kvfold.runtime.quantize import QuantizedRows, code_planes
 
 Tensor = torch.Tensor
@@ -103,15 +103,21 @@ def _stored_part_native(
     scratch = queries.new_empty(max(longest, 1) * m)
     top, den = queries.new_empty(rows, m), queries.new_empty(rows, m)
     num = queries.new_empty(rows, m, stored.value_dim)
+    bits = stored.config.bits
+    widths = max(1, dim * bits // 8), max(1, stored.value_dim * bits // 8)
+    per_entry = [key_codes.numel() // widths[0], value_codes.numel() // widths[1]]
+    per_entry += [value_scale.numel(), value_zero.numel()] + ([] if beta is None else [beta.numel()])
+    groups = min(key_scale.numel(), key_zero.numel()) // max(1, dim)  # what the buffers hold: read no further
     code = kernel(
-        rows, m, dim, stored.value_dim, stored.config.bits, stored.config.key_group,
+        rows, m, dim, stored.value_dim, bits, stored.config.key_group, min(per_entry), groups, scratch.numel(),
         lengths.data_ptr(), key_codes.data_ptr(), key_scale.data_ptr(), key_zero.data_ptr(),
         value_codes.data_ptr(), value_scale.data_ptr(), value_zero.data_ptr(),
         0 if beta is None else beta.data_ptr(), queries.data_ptr(), scaling,
         scratch.data_ptr(), top.data_ptr(), den.data_ptr(), num.data_ptr(),
     )  # fmt: skip
     if code:
-        raise RuntimeError(f"the quantized-attention kernel refused its arguments (code {code})")
+        why = ERRORS.get(code, "unknown")
+        raise RuntimeError(f"the quantized-attention kernel refused its arguments (code {code}: {why})")
     return top, den, num
 
 

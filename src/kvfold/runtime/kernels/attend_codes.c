@@ -42,6 +42,7 @@
 #define CHECK(cond) ((void)0)
 #endif
 
+#ifndef KVFOLD_DEBUG
 /* Whether the rows' lengths fit the buffers: 0 if they do, 4 if not. */
 static int rows_fit(int64_t rows, int64_t m, int64_t group, const int64_t *lengths, int64_t entries,
                     int64_t groups, int64_t scratch_len) {
@@ -55,6 +56,7 @@ static int rows_fit(int64_t rows, int64_t m, int64_t group, const int64_t *lengt
     }
     return 0;
 }
+#endif
 
 static void unpack(const uint8_t *src, int64_t dim, int64_t bits, float *dst) {
     if (bits == 8) {
