@@ -460,6 +460,7 @@ def supervise(
     start_message: str = "",
     ready_message: str = "",
     poll_seconds: float = 0.5,
+    grace: float = STOP_GRACE_SECONDS,
 ) -> int:
     """Run the server ``command`` until it ends; its exit status (2 when it did not start).
 
@@ -468,7 +469,8 @@ def supervise(
     on stderr (:func:`start_failure`, with the log's path) and status 2. Once ready, its output goes to
     stderr too; SIGTERM, SIGHUP and SIGINT (unless from the terminal, which sent it to the server itself)
     are passed on, and the server's exit status is returned (128 + N for signal N). Orphans the server
-    leaves are ended on the way out.
+    leaves are ended on the way out (``grace`` seconds after SIGTERM, then SIGKILL; as long for a server
+    that logged a fatal error to exit).
     """
     _become_subreaper()
     log_path = Path(log_path)
@@ -491,8 +493,7 @@ def supervise(
             if not _from_terminal(signum):
                 _signal(process.pid, signum)
 
-        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            signal.signal(signum, forward)
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
         pump = _Pump(process.stdout, log)
         pump.start()
         fatal_since: float | None = None
@@ -505,16 +506,20 @@ def supervise(
                     break
                 if fatal_since is None and _fatal_logged(log_path):
                     fatal_since = time.monotonic()
-                if fatal_since is not None and time.monotonic() - fatal_since > STOP_GRACE_SECONDS:
-                    _signal(process.pid, signal.SIGTERM)
+                if fatal_since is not None and time.monotonic() - fatal_since > grace:
+                    _signal(
+                        process.pid, signal.SIGTERM if time.monotonic() - fatal_since < 2 * grace else signal.SIGKILL
+                    )
                 time.sleep(poll_seconds)
             status = process.wait()
         finally:
             if process.poll() is None:
                 _signal(process.pid, signal.SIGKILL)
                 process.wait()
-            _end_leftovers()
+            _end_leftovers(grace)
             pump.join(timeout=5)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     if status < 0:
         status = 128 - status
     if pump.ready.is_set() or stopping:

@@ -1,14 +1,17 @@
 """One vLLM server (``kvfold serve``) and one folder of caches for every test of the plugin.
 
 The caches are made once per session on a short logbook (:func:`build_logbook` at
-:data:`LOGBOOK_TOKENS`), with the methods the issue names at keep 0.1, while the server starts;
-the references are ``kvfold ask``'s answers from the same files (:func:`kvfold.load_context`).
+:data:`LOGBOOK_TOKENS`), with the methods the issue names at keep 0.1; the references are
+``kvfold ask``'s answers from the same files (:func:`kvfold.load_context`). The shared server
+starts with no memory flag while another process holds :data:`HELD_GIB` GiB; ``test_load.py``
+starts servers of its own (:func:`start_server`) with a small KV space.
 These tests run in the environment that has vLLM (``make install-vllm``; ``make test`` runs them
 there after the main suite).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,11 +52,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Server:
-    """The running ``kvfold serve`` and helpers to call it."""
+SERVE_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+HELD_GIB = 3
+"""GiB another process holds while the shared server starts (it must size its KV space around them)."""
 
-    def __init__(self, url: str, process: subprocess.Popen, log: Path) -> None:
-        self.url, self.process, self.log = url, process, log
+
+class Server:
+    """A running ``kvfold serve`` and helpers to call it.
+
+    Attributes:
+        url: its address.
+        process: the ``kvfold serve`` process (the supervisor; vLLM runs in its process group).
+        log: ``kvfold serve``'s own output (its announcements, then vLLM's once ready).
+        vllm_log: the server's whole log (``--log``).
+        command: the command that started it.
+    """
+
+    def __init__(self, url: str, process: subprocess.Popen, log: Path, vllm_log: Path, command: list[str]) -> None:
+        self.url, self.process, self.log, self.vllm_log, self.command = url, process, log, vllm_log, command
+        self.held_rss = 0
 
     def request(self, path: str, payload: dict | None = None, timeout: float = 300) -> tuple[int, dict]:
         data = None if payload is None else json.dumps(payload).encode()
@@ -77,17 +94,94 @@ class Server:
             payload["kv_transfer_params"] = {"kvfold_cache": cache, **payload.get("kv_transfer_params", {})}
         return self.request("/v1/chat/completions", payload)
 
+    def metric(self, name: str) -> float:
+        """The sum of a Prometheus counter or gauge of vLLM's ``/metrics`` over its labels."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def tails(self) -> str:
+        """The last lines of both logs, for a failure's message."""
+        out = []
+        for path in (self.log, self.vllm_log):
+            if path.exists():
+                out.append(f"--- {path}:\n{path.read_text(errors='replace')[-3000:]}")
+        return "\n".join(out)
+
     def wait(self) -> None:
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"kvfold serve exited ({self.process.returncode}):\n{self.log.read_text()[-4000:]}")
+                raise RuntimeError(f"kvfold serve exited ({self.process.returncode}):\n{self.tails()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5):
                     return
             except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(2)
-        raise RuntimeError(f"kvfold serve did not start in {START_SECONDS}s:\n{self.log.read_text()[-4000:]}")
+                time.sleep(1)
+        raise RuntimeError(f"kvfold serve did not start in {START_SECONDS}s:\n{self.tails()}")
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """End the server and every process of its group (SIGKILL after a minute)."""
+        try:
+            os.killpg(self.process.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        _wait_group_gone(self.process.pid)
+
+
+def _wait_group_gone(pgid: int, seconds: float = 30) -> None:
+    """Wait until no process of group ``pgid`` is left (the engine after its API server), else SIGKILL."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def start_server(caches: Path, folder: Path, *flags: str, port: int | None = None) -> Server:
+    """Start ``kvfold serve`` over ``caches`` (not waiting for it): its logs in ``folder``, ``flags`` after
+    the caches (e.g. ``--kv-space``, ``--`` and vLLM's own)."""
+    port = port or _free_port()
+    log, vllm_log = folder / "serve.log", folder / "vllm.log"
+    command = [str(Path(sys.executable).with_name("kvfold")), "serve", "--caches", str(caches), "--port", str(port)]
+    command += ["--log", str(vllm_log), *flags]
+    with log.open("a") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **SERVE_ENV), start_new_session=True
+        )
+    return Server(f"http://127.0.0.1:{port}", process, log, vllm_log, command)
+
+
+HOLD_SCRIPT = (
+    "import sys, time\n"
+    "held = bytearray(int(sys.argv[1]) << 30)\n"
+    "for i in range(0, len(held), 4096):\n"
+    "    held[i] = 1\n"
+    "print('held', flush=True)\n"
+    "time.sleep(float(sys.argv[2]))\n"
+)
+
+
+def hold_memory(gib: int, seconds: float = 900) -> subprocess.Popen:
+    """A process that holds ``gib`` GiB of touched memory (for at most ``seconds``), once it says so."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SCRIPT, str(gib), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
 
 
 @pytest.fixture(scope="session")
@@ -97,22 +191,31 @@ def caches(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(caches, tmp_path_factory):
-    """``kvfold serve`` over :func:`caches`, started before the caches are written (they are read per request)."""
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    kvfold_command = [str(Path(sys.executable).with_name("kvfold"))]
-    command = kvfold_command + ["serve", "--caches", str(caches), "--port", str(port), "--kv-space", "1"]
-    command += ["--", "--enforce-eager", "--max-num-seqs", "16"]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    handle = Server(f"http://127.0.0.1:{port}", process, log)
-    yield handle
-    os.killpg(process.pid, signal.SIGTERM)
+    """``kvfold serve`` over :func:`caches` with no memory flag, started while another process holds
+    :data:`HELD_GIB` GiB (it sizes its KV space from the free memory); the caches are read per request."""
+    holder = hold_memory(HELD_GIB)
     try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        handle = start_server(
+            caches, tmp_path_factory.mktemp("server"), "--", "--enforce-eager", "--max-num-seqs", "16"
+        )
+        handle.held_rss = _rss_kib(holder.pid) << 10
+        try:
+            handle.wait()
+        except BaseException:
+            handle.stop()
+            raise
+    finally:
+        holder.kill()
+        holder.wait()
+    yield handle
+    handle.stop()
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +230,7 @@ def logbook(model_and_tokenizer) -> str:
 
 
 @pytest.fixture(scope="session")
-def saved(server, caches, model_and_tokenizer, logbook) -> dict[str, Path]:
+def saved(caches, model_and_tokenizer, logbook) -> dict[str, Path]:
     """Every cache the tests serve, written once: the methods at keep 0.1, a full cache, and the pair."""
     model, tokenizer = model_and_tokenizer
     paths = {}
@@ -141,7 +244,6 @@ def saved(server, caches, model_and_tokenizer, logbook) -> dict[str, Path]:
         paths[f"code{number}"] = caches / f"code{number}.kvc"
         short = kvfold.prefill(model, tokenizer, text)
         kvfold.save_context(short.compress("full", budget=1.0), paths[f"code{number}"], source_text=text)
-    server.wait()
     return paths
 
 

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +16,11 @@ from transformers import AutoModelForCausalLM
 
 import kvfold
 from kvfold.evaluate.data.logbook import FACTS
-from kvfold.integrations.vllm.layout import read_cache_file
+from kvfold.integrations.vllm.layout import read_cache_file, slots_of
 from kvfold.runtime.models import resolve_spec
 from kvfold.runtime.prompts import build_prompt, encode
 from kvfold.store.format import read_info
-from tests.integrations.vllm.conftest import ANSWER_TOKENS, METHODS, PAIR
+from tests.integrations.vllm.conftest import ANSWER_TOKENS, HELD_GIB, METHODS, PAIR, _free_port
 
 LOGPROB_TOLERANCE = 2e-3
 """Largest difference allowed between vLLM's and kvfold's log-probabilities (float32 both). Measured
@@ -137,29 +143,18 @@ def test_blocks_cover_the_compressed_length_and_the_question(server, saved, mode
         assert blocks * block_size < 0.15 * context_tokens
 
 
-def test_requests_beyond_the_kv_space_wait_or_are_preempted_and_still_answer_right(server, saved, references):
-    """More requests than the KV space holds at once (``kvzip``'s padded rows: ~1.7K slots each): vLLM
-    queues or preempts some; a preempted one reloads its file, and every answer stays kvfold's."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    questions = [q for _, q, _ in FACTS] * 3
-    with ThreadPoolExecutor(len(questions)) as pool:
-        results = list(pool.map(lambda q: (q, server.ask("kvzip", q)), questions))
-    for question, (status, body) in results:
-        assert status == 200, body
-        ids = body["choices"][0]["token_ids"]
-        assert ids[: len(references["kvzip"][question])] == references["kvzip"][question]
-
-
 def test_prefix_caching_never_mixes_two_caches(server, saved, model_and_tokenizer):
     """Two caches of one length give the same prompt ids; the second must still answer from its own file."""
     model, tokenizer = model_and_tokenizer
     eos = _eos(model, tokenizer)
     question = "What is the secret code of the archive?"
+    slots = {number: slots_of(read_cache_file(saved[f"code{number}"], model.config)[0]) for number in PAIR[1]}
+    assert len(set(slots.values())) == 1, slots  # the same placeholder prompt for both files
     answers = {}
     for number in PAIR[1]:
         status, body = server.ask(f"code{number}", question, max_tokens=16)
         assert status == 200, body
+        assert body["kv_transfer_params"]["kvfold_slots"] == slots[number]
         answers[number] = tokenizer.decode(_answer_ids(body, eos))
         context = kvfold.load_context(saved[f"code{number}"], model, tokenizer)
         assert _answer_ids(body, eos) == context.generate(question, max_new_tokens=16)[0].token_ids
@@ -238,3 +233,97 @@ def test_caches_of_another_model_and_online_methods_are_refused(
     kvfold.save_context(small, online, source_text=text)
     status, body = server.ask("online", "Anything?")
     assert status == 422 and "online policy" in body["error"]["message"]
+
+
+def test_the_server_started_with_no_memory_flag_while_memory_was_held(server):
+    """The shared server was started without ``--kv-space`` while another process held 3 GiB: it sized
+    its KV space from the free memory (the announcement says how) and vLLM's memory checks passed."""
+    assert "--kv-space" not in server.command
+    assert server.held_rss >= HELD_GIB << 30
+    start = server.log.read_text().splitlines()[0]
+    sized = re.search(r"KV space ([\d.]+) GiB \(at least ([\d.]+) GiB .*; ([\d.]+) GiB free", start)
+    assert sized, start
+    space, need, free = map(float, sized.groups())
+    assert need <= space <= 2.0
+    assert (
+        f"Explicitly set ({space:.2f}" in server.vllm_log.read_text() or "for KV cache" in server.vllm_log.read_text()
+    )
+
+
+def _serve(*flags: str, timeout: float = 240) -> tuple[int, list[str], float]:
+    """``kvfold serve`` over an empty folder until it exits: status, stderr's lines, seconds."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        command = [str(Path(sys.executable).with_name("kvfold")), "serve", "--caches", folder, *flags]
+        start = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_serve_env())
+        return done.returncode, done.stderr.splitlines(), time.monotonic() - start
+
+
+def _serve_env() -> dict[str, str]:
+    import os
+
+    from tests.integrations.vllm.conftest import SERVE_ENV
+
+    return dict(os.environ, **SERVE_ENV)
+
+
+def test_a_kv_space_beyond_the_memory_is_one_line_and_status_2():
+    status, lines, seconds = _serve("--port", str(_free_port()), "--kv-space", "10000")
+    assert status == 2 and len(lines) == 1 and seconds < 60, lines
+    assert lines[0].startswith("kvfold serve: error: --kv-space 10000:") and "pass a smaller --kv-space" in lines[0]
+
+
+def test_a_start_that_fails_in_vllm_is_one_line_naming_the_log(tmp_path):
+    """The port is taken: vLLM fails while starting; kvfold serve prints the cause and the flag in one line
+    after its announcement, keeps vLLM's whole log in the file it names, and exits with 2."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        log = tmp_path / "vllm.log"
+        status, lines, seconds = _serve("--port", str(port), "--kv-space", "0.5", "--log", str(log))
+    assert status == 2 and len(lines) == 2 and seconds < 120, lines
+    assert lines[0].startswith("kvfold serve: starting vLLM") and "KV space 0.5 GiB (--kv-space)" in lines[0]
+    assert (
+        lines[1]
+        == f"kvfold serve: error: the port is in use by another program: pass another --port N (full log: {log})"
+    )
+    assert "Traceback" in log.read_text() or "in use" in log.read_text()
+
+
+def _craft_row_lengths_past_the_entries(source: Path, target: Path) -> str:
+    """Copy cache file ``source`` to ``target`` with layer 0's row lengths 5 past its stored entries and
+    the checksum recomputed (as anyone who edits a file can); the tensor changed."""
+    import json
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    from kvfold.store.format import METADATA_KEY, checksum
+
+    raw = source.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(json.loads(raw[8 : 8 + length])["__metadata__"][METADATA_KEY])
+    tensors = {name: t.clone() for name, t in load_file(str(source)).items()}
+    name = next(n for n in sorted(tensors) if n.startswith("layer.0.") and n.endswith("lengths"))
+    tensors[name] = tensors[name] + 5
+    header["checksum"] = {"algorithm": "sha256", "value": checksum(header, tensors.items())}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(target), metadata={METADATA_KEY: json.dumps(header)})
+    return name
+
+
+def test_a_crafted_file_whose_rows_point_past_its_entries_is_refused_in_one_line(
+    server, saved, scratch_cache, references
+):
+    crafted = scratch_cache("crafted")
+    _craft_row_lengths_past_the_entries(saved["kvzip"], crafted)
+    status, body = server.ask("crafted", "Anything?")
+    assert status == 422, body
+    message = body["error"]["message"]
+    assert "\n" not in message and message.startswith("cache 'crafted' cannot be served:"), message
+    question = FACTS[0][1]
+    status, body = server.ask("kvzip", question)  # still serving
+    assert status == 200
+    assert body["choices"][0]["token_ids"][: len(references["kvzip"][question])] == references["kvzip"][question]

@@ -1,12 +1,23 @@
-"""The vLLM settings that serve kvfold caches: the architecture name, the connector's configuration keys
-and :func:`engine_settings` (imports neither vLLM nor torch)."""
+"""The vLLM settings that serve kvfold caches: the architecture name, the connector's configuration keys,
+:func:`engine_settings`, and the size of the KV space (:func:`plan_kv_space`; imports neither vLLM nor
+torch)."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from kvfold.runtime.errors import UserError
 
 ARCHITECTURE = "KvfoldLlamaForCausalLM"
 """The architecture name under which the β-carrying Llama is registered with vLLM."""
+POOL_ARCHITECTURE = "KvfoldPoolLlamaForCausalLM"
+"""The architecture name of Llama on kvfold's attention backend (files held at their bytes)."""
 SERVED_MODEL_TYPES = ("llama",)
 """Model families the plugin serves (its model class is vLLM's Llama)."""
 EXTRA_CACHES = "kvfold_caches"
@@ -35,3 +46,126 @@ def engine_settings(caches: str, *, keep_positions: bool = True, prefix_caching:
             "kv_connector_extra_config": {EXTRA_CACHES: str(caches), EXTRA_SHIFT: keep_positions},
         },
     }
+
+
+SERVED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM 0.32's CPU attention takes (as :data:`kvfold.integrations.vllm.layout.SUPPORTED_HEAD_SIZES`)."""
+GIB = 1 << 30
+KV_FRACTION = 0.25
+"""Share of the memory left free (after the server's own) that the default KV space takes."""
+KV_CAP = 2 * GIB
+"""Most bytes the default KV space takes (about 37K tokens of SmolLM2's widened heads: four full contexts);
+``--kv-space`` takes more."""
+SERVER_BYTES = 3 * GIB
+"""Memory the server needs besides its weights and its KV space: the API server and the engine's Python,
+torch and vLLM runtimes (measured: about 2.7 GiB for SmolLM2-135M on vLLM 0.32's CPU build)."""
+WEIGHT_COPIES = 2
+"""Copies of the weights the server holds: vLLM's engine, and the API server's transformers model that
+checks files against the model's fingerprint."""
+
+
+def served_head_size(head_dim: int) -> int:
+    """The head size vLLM runs: the smallest size its CPU attention takes above ``head_dim`` (β's
+    channel); the same rule as :func:`kvfold.integrations.vllm.layout.wide_head_size`, without torch."""
+    for size in SERVED_HEAD_SIZES:
+        if size > head_dim:
+            return size
+    raise UserError(f"head size {head_dim} has no wider size in vLLM's CPU attention")
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int = 4) -> int:
+    """Bytes of vLLM's KV cache for one token of the β-carrying model (keys and values, every layer and
+    KV head, float32 by default), from a transformers config (or anything with its attributes)."""
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return int(config.num_hidden_layers) * 2 * kv_heads * served_head_size(int(head_dim)) * dtype_bytes
+
+
+def weights_bytes(model_dir: str | os.PathLike, dtype_bytes: int = 4) -> int:
+    """Bytes of the model's weights in float32: the elements of its ``.safetensors`` files (read from
+    their headers), or twice the size of its other weight files (``.bin``, ``.pt``, ``.gguf``)."""
+    total = 0
+    for path in Path(model_dir).iterdir():
+        if path.suffix == ".safetensors":
+            with path.open("rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    total += math.prod(entry["shape"]) * dtype_bytes
+        elif path.suffix in (".bin", ".pt", ".gguf"):
+            total += 2 * path.stat().st_size
+    return total
+
+
+def available_memory() -> int:
+    """Bytes of memory free for a new process: ``MemAvailable`` of ``/proc/meminfo``, less where a
+    cgroup's limit (``memory.max`` less ``memory.current``) leaves less."""
+    free = None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+                break
+    if free is None:
+        raise OSError("/proc/meminfo has no MemAvailable line")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        current = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            free = min(free, max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+@dataclass(frozen=True)
+class KvSpace:
+    """The KV space a server gets (:func:`plan_kv_space`).
+
+    Attributes:
+        bytes: its size.
+        need: the least it must hold: one full context and the largest cache served, in whole blocks.
+        free: the memory free when it was sized.
+        server: the memory the server needs besides it (weights and runtimes).
+    """
+
+    bytes: int
+    need: int
+    free: int
+    server: int
+
+    def describe(self) -> str:
+        """One line: the size and how it was chosen."""
+        return (
+            f"KV space {self.bytes / GIB:.2f} GiB (at least {self.need / GIB:.2f} GiB for a full context and the "
+            f"largest cache; {self.free / GIB:.1f} GiB free, {self.server / GIB:.1f} GiB for the server)"
+        )
+
+
+def plan_kv_space(*, per_token: int, max_model_len: int, largest_cache_tokens: int, weights: int, free: int) -> KvSpace:
+    """The default KV space: :data:`KV_FRACTION` of the memory left after the server's own
+    (:data:`WEIGHT_COPIES` × ``weights`` + :data:`SERVER_BYTES`), at most :data:`KV_CAP`, and never less
+    than one full context (``max_model_len`` tokens) plus the largest cache served, in whole blocks.
+
+    Raises:
+        UserError: less memory is free than the server and that least KV space need (one line: what to
+            pass instead).
+    """
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
+
+    need = per_token * (blocks(max_model_len) + blocks(largest_cache_tokens))
+    server = WEIGHT_COPIES * weights + SERVER_BYTES
+    spare = free - server
+    if spare < need:
+        raise UserError(
+            f"the server needs about {server / GIB:.1f} GiB and its KV space at least {need / GIB:.2f} GiB (a full "
+            f"context of {max_model_len} tokens and the largest cache, {largest_cache_tokens} tokens), but "
+            f"{free / GIB:.1f} GiB of memory is free: free some memory, or pass --max-model-len N (a shorter "
+            "context) or --kv-space N (GiB) to try anyway"
+        )
+    size = max(need, min(KV_CAP, int(KV_FRACTION * spare)))
+    return KvSpace(bytes=size, need=need, free=free, server=server)
