@@ -20,14 +20,17 @@ Importing this package imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-from kvfold.integrations.vllm.settings import ARCHITECTURE, BLOCK_SIZE, engine_settings
+from kvfold.integrations.vllm.settings import ARCHITECTURE, BLOCK_SIZE, POOL_ARCHITECTURE, engine_settings
 
-__all__ = ["ARCHITECTURE", "BLOCK_SIZE", "engine_settings", "register"]
+__all__ = ["ARCHITECTURE", "BLOCK_SIZE", "POOL_ARCHITECTURE", "engine_settings", "register"]
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register :data:`ARCHITECTURE` with vLLM's model registry."""
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
+    supported = ModelRegistry.get_supported_archs()
+    if ARCHITECTURE not in supported:
         ModelRegistry.register_model(ARCHITECTURE, "kvfold.integrations.vllm.model:KvfoldLlamaForCausalLM")
+    if POOL_ARCHITECTURE not in supported:
+        ModelRegistry.register_model(POOL_ARCHITECTURE, "kvfold.integrations.vllm.model:KvfoldPoolLlamaForCausalLM")

@@ -86,3 +86,44 @@ class KvfoldLlamaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=KvfoldLlamaDecoderLayer)
+
+
+class KvfoldPoolLlamaAttention(LlamaAttention):
+    """:class:`LlamaAttention` whose attention layer runs kvfold's backend
+    (:class:`~kvfold.integrations.vllm.backend.KvfoldAttentionBackend`): heads keep their width, and a
+    request on a cache file reads the file's rows from its blocks."""
+
+    def __init__(self, *args, prefix: str = "", **kwargs) -> None:
+        super().__init__(*args, prefix=prefix, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        from kvfold.integrations.vllm.backend import KvfoldAttentionBackend
+
+        stock = self.attn
+        name = f"{prefix}.attn"
+        get_current_vllm_config().compilation_config.static_forward_context.pop(name, None)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.scaling,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=kwargs.get("cache_config"),
+            quant_config=kwargs.get("quant_config"),
+            per_layer_sliding_window=getattr(stock, "sliding_window", None),
+            prefix=name,
+            attn_backend=KvfoldAttentionBackend,
+        )
+
+
+class KvfoldPoolLlamaDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer with :class:`KvfoldPoolLlamaAttention`."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None, **kwargs) -> None:
+        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=KvfoldPoolLlamaAttention)
+
+
+class KvfoldPoolLlamaForCausalLM(LlamaForCausalLM):
+    """vLLM's Llama on kvfold's attention backend; served as architecture ``KvfoldPoolLlamaForCausalLM``."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=KvfoldPoolLlamaDecoderLayer)

@@ -1,0 +1,93 @@
+"""A quantized cache file laid out for vLLM's blocks at its own bytes: its rows packed into chunks of
+one block of one layer (:mod:`kvfold.runtime.row_pool`), a request's blocks of every layer one pool.
+
+A request on such a file holds ``ceil(chunks / layers)`` blocks for the file, and its prompt is that
+many blocks of placeholder tokens (:attr:`ServedPool.placeholders`) before the question. The keys keep
+their stored positions; the backend turns the question's queries instead
+(:mod:`kvfold.integrations.vllm.backend`). Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvfold.integrations.vllm.layout import UnservableCacheError, rope_inverse_frequencies
+from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.quantize import QuantizedRows
+from kvfold.runtime.row_pool import PoolError, PoolPlan, pack_pool
+
+
+@dataclass(frozen=True)
+class ServedPool:
+    """A cache file as one request holds it.
+
+    Attributes:
+        plan: where its rows lie in the chunks.
+        logical_length: T, the positions the context had.
+        placeholders: P, the request's placeholder tokens (its file blocks × block size).
+        inv_freq: ``(D/2,)`` float64 RoPE frequencies (to turn the queries by ``T − P``).
+        block_bytes: bytes one block holds over every layer (the unit a request is charged in).
+    """
+
+    plan: PoolPlan
+    logical_length: int
+    placeholders: int
+    inv_freq: torch.Tensor
+    block_bytes: int
+
+    @property
+    def file_blocks(self) -> int:
+        return math.ceil(self.plan.num_chunks / len(self.plan.rows_per_layer))
+
+
+def chunk_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of one layer in vLLM's CPU cache: keys and values of ``block_size`` tokens
+    for every KV head, in ``dtype``."""
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads * block_size * 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def pool_rows(cache: FoldedCache) -> list[QuantizedRows]:
+    """Each layer's quantized rows of a one-context file.
+
+    Raises:
+        UnservableCacheError: a layer that is not quantized, holds full-precision entries after its
+            quantized ones, or a batch of several contexts.
+    """
+    rows = []
+    for index, layer in enumerate(cache.layers):
+        if not isinstance(layer, FoldedLayer) or layer.quantized is None:
+            raise UnservableCacheError(f"layer {index} is not stored quantized")
+        if layer.batch_size != 1:
+            raise UnservableCacheError(f"the file holds a batch of {layer.batch_size} contexts; serve one a file")
+        if layer.physical_length != layer.quantized.width:
+            raise UnservableCacheError(f"layer {index} holds full-precision entries after its quantized ones")
+        rows.append(layer.quantized)
+    return rows
+
+
+def served_pool(cache: FoldedCache, config, block_size: int, dtype: torch.dtype) -> tuple[ServedPool, torch.Tensor]:
+    """The file as a request holds it, and its chunks' bytes ``(chunks, chunk_bytes)`` uint8.
+
+    Raises:
+        UnservableCacheError: see :func:`pool_rows`; or a format the pool does not hold.
+    """
+    size = chunk_bytes(config, block_size, dtype)
+    try:
+        plan, chunks = pack_pool(pool_rows(cache), size)
+    except PoolError as err:
+        raise UnservableCacheError(str(err)) from None
+    layers = len(plan.rows_per_layer)
+    placeholders = math.ceil(plan.num_chunks / layers) * block_size
+    served = ServedPool(
+        plan=plan,
+        logical_length=int(cache.layers[0].logical_length),
+        placeholders=placeholders,
+        inv_freq=rope_inverse_frequencies(config),
+        block_bytes=size * layers,
+    )
+    return served, chunks
