@@ -263,16 +263,23 @@ def run_ask(args: argparse.Namespace) -> int:
 
 def _chat_memory(model, spec: str, memory: float) -> tuple[str, float]:
     """The method spec (with its storage) and the fraction of the document a chat under ``--memory``
-    keeps (:func:`kvfold.pipeline.memory.split_memory`)."""
+    keeps (:func:`kvfold.pipeline.memory.split_memory`); ``full`` keeps all of it in the widest storage
+    that fits (:func:`kvfold.pipeline.memory.full_formats`) or is refused in one line."""
     from kvfold.methods import build_method
-    from kvfold.pipeline.memory import split_memory
+    from kvfold.pipeline.memory import full_formats, full_out_of_reach, split_memory
     from kvfold.runtime.budget import Budget
 
     Budget.of_memory(memory)  # a fraction in (0, 1], or a one-line error
     method = build_method(spec)
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    fraction, quant = split_memory(memory, method, head_dim, head_dim)
+    if method.is_identity:
+        formats = full_formats(memory, method, head_dim, head_dim)
+        if not formats:
+            raise full_out_of_reach(memory, method, head_dim, head_dim)
+        fraction, quant = 1.0, formats[0]
+    else:
+        fraction, quant = split_memory(memory, method, head_dim, head_dim)
     stored = spec if method.precision_fixed else f"{spec}@{'16' if quant is None else quant.describe()}"
     return stored, fraction
 

@@ -25,13 +25,22 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method, with_format
 from kvfold.methods.core.repeat import PLANNED_RECORDS, UNPLANNED
-from kvfold.pipeline.memory import MAX_RETRIES, over_budget, plan_memory, shrink
+from kvfold.pipeline.memory import (
+    MAX_RETRIES,
+    cache_dims,
+    full_formats,
+    full_out_of_reach,
+    over_budget,
+    plan_memory,
+    shrink,
+)
 from kvfold.pipeline.recompact import repeat_chunks
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
+from kvfold.runtime.quantize import QuantConfig
 from kvfold.runtime.timing import device_clock
 
 DEFAULT_SNAPSHOT_WINDOW = 64
@@ -154,34 +163,61 @@ class PrefilledContext:
     def _compress_to_memory(self, composed: ComposedMethod, target: Budget, seed: int) -> CompressedContext:
         """Compress within ``target.memory`` of the 16-bit full cache's bytes: the planned tokens and
         precision, redone smaller while the result holds more (at most :data:`MAX_RETRIES` times).
+        ``full`` keeps every token in the widest storage that holds within the budget
+        (:meth:`_full_to_memory`).
 
         Raises:
-            ValueError: no compression within the budget (a context too short for it).
+            UserError: no compression within the budget (a context too short for it, or ``full`` at a
+                memory no storage of every token reaches).
         """
+        if composed.is_identity:
+            return self._full_to_memory(composed, target, seed)
         plan = plan_memory(target.memory, composed, self.cache, self.context_tokens)
-        stored = dataclasses.replace(composed, quant=plan.quant, precision_fixed=True)
-        if not composed.precision_fixed:
-            suffix = "@16" if plan.quant is None else f"@{plan.quant.describe()}"
-            stored = dataclasses.replace(stored, spec=composed.spec + suffix)
-        if stored.is_identity or plan.tokens.is_full:
-            result = self._compress(stored, Budget(fraction=1.0), seed)
-        else:
+        stored = _stored_as(composed, plan.quant)
+        result = self._compress(stored, plan.tokens, seed)
+        for attempt in range(MAX_RETRIES + 1):
+            measured = over_budget(result.cache, target.memory)
+            if measured is None:
+                break
+            if attempt == MAX_RETRIES or plan.tokens.count(self.context_tokens) <= 1:
+                raise UserError(
+                    f"memory {target.memory:g} is too small for this context of {self.context_tokens} tokens: "
+                    f"after {attempt + 1} compressions {stored.spec} still holds {measured:.4g} of the 16-bit "
+                    "full cache; give a larger memory budget"
+                )
+            plan = shrink(plan, measured, self.context_tokens)
             result = self._compress(stored, plan.tokens, seed)
-            for attempt in range(MAX_RETRIES + 1):
-                measured = over_budget(result.cache, target.memory)
-                if measured is None:
-                    break
-                if attempt == MAX_RETRIES or plan.tokens.count(self.context_tokens) <= 1:
-                    raise UserError(
-                        f"memory {target.memory:g} is too small for this context of {self.context_tokens} tokens: "
-                        f"after {attempt + 1} compressions {stored.spec} still holds {measured:.4g} of the 16-bit "
-                        "full cache; give a larger memory budget"
-                    )
-                plan = shrink(plan, measured, self.context_tokens)
-                result = self._compress(stored, plan.tokens, seed)
         result.memory = target.memory
         result.token_budget = plan.tokens
         return result
+
+    def _full_to_memory(self, composed: ComposedMethod, target: Budget, seed: int) -> CompressedContext:
+        """``full`` within ``target.memory``: every token, in the widest storage whose bytes hold within
+        the budget (:func:`~kvfold.pipeline.memory.full_formats`, each checked on the bytes it holds).
+
+        Raises:
+            UserError: no storage of every token holds within the budget (what ``full`` can reach and
+                the advice to use a method that keeps fewer tokens).
+        """
+        head_dim, value_dim = cache_dims(self.cache)
+        held = None
+        for quant in full_formats(target.memory, composed, head_dim, value_dim):
+            result = self._compress(_stored_as(composed, quant), Budget(fraction=1.0), seed)
+            held = over_budget(result.cache, target.memory)
+            if held is None:
+                result.memory = target.memory
+                result.token_budget = Budget(fraction=1.0)
+                return result
+        raise full_out_of_reach(target.memory, composed, head_dim, value_dim, held)
+
+
+def _stored_as(composed: ComposedMethod, quant: QuantConfig | None) -> ComposedMethod:
+    """The method stored in ``quant``; a spec that named no storage gets it appended (``kvzip@int4``)."""
+    stored = dataclasses.replace(composed, quant=quant, precision_fixed=True)
+    if not composed.precision_fixed:
+        suffix = "@16" if quant is None else f"@{quant.describe()}"
+        stored = dataclasses.replace(stored, spec=composed.spec + suffix)
+    return stored
 
 
 @dataclass

@@ -8,6 +8,12 @@ scales, zero points and β), so the same ``m`` keeps about three times the token
 ``@16``) by :data:`MEMORY_RULE` and the number of tokens that fits; the compression is then
 checked against the bytes it really holds and redone smaller when it is over.
 
+``full`` keeps every token, so under a memory budget it has bits alone to spend: it is stored in
+the widest of :data:`FULL_FORMATS` that holds within the budget (:func:`full_formats`), and a
+budget that even its narrowest cannot reach is refused (:func:`full_out_of_reach`) rather than
+exceeded: 3 bits hold about a quarter of the 16-bit cache, so a budget of 1/20 needs a method that
+keeps fewer tokens.
+
 The rule was chosen on equal-bytes grids (docs/memory.md, "How a memory budget is split"):
 *More Tokens, Lower Precision* (Zhang et al., EMNLP Findings 2025) finds the same shape: at equal
 memory, more tokens at 4 bits beat fewer at 16, and 2 bits fail.
@@ -47,6 +53,11 @@ ROW_LENGTH_BYTES = 8
 
 MAX_RETRIES = 3
 """Compressions redone smaller when one holds more bytes than the budget (group rounding, uneven heads)."""
+
+FULL_FORMATS: tuple[str | None, ...] = (None, "int8", "int4", "int3")
+"""The storages ``full`` (every token) may be given under a memory budget, widest first: the model's
+dtype, then the rule's formats down to its narrowest, 3 bits. Two bits are used only when the spec
+names them (``full@int2``): *More Tokens, Lower Precision* finds that 2 bits fail."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,60 @@ def split_memory(
     return min(1.0, memory / entry_share(quant, head_dim, value_dim, stores_log_mass(method))), quant
 
 
+def cache_dims(cache: FoldedCache) -> tuple[int, int]:
+    """``(head_dim, value_dim)`` of the cache's compressible layers.
+
+    Raises:
+        UserError: a cache with no compressible (full-attention) layer.
+    """
+    layers = [layer for _, layer in cache.folded_layers if layer.is_initialized]
+    if not layers:
+        raise UserError("a memory budget needs a prefilled cache with full-attention layers")
+    return layers[0].head_dim, layers[0].padded()[1].shape[-1]
+
+
+def full_share(quant: QuantConfig | None, head_dim: int, value_dim: int) -> float:
+    """The memory (a fraction of the 16-bit cache) ``full`` holds in storage ``quant``, by the closed
+    form: every entry, no β (row lengths and the rounding of the last key group apart)."""
+    return entry_share(quant, head_dim, value_dim, log_mass=False)
+
+
+def full_formats(memory: float, method: ComposedMethod, head_dim: int, value_dim: int) -> list[QuantConfig | None]:
+    """The storages, widest first, in which ``full`` (every token) may fit ``memory`` by the closed
+    form: of :data:`FULL_FORMATS`, or only the one the spec names (``full@int4``, ``--kv-bits``).
+    Empty when none can; the compression still checks the bytes it holds (:func:`over_budget`)."""
+    named = [method.quant] if method.precision_fixed else [QuantConfig.parse(f) for f in FULL_FORMATS]
+    return [quant for quant in named if full_share(quant, head_dim, value_dim) <= memory * (1 + 1e-9)]
+
+
+def full_out_of_reach(
+    memory: float, method: ComposedMethod, head_dim: int, value_dim: int, held: float | None = None
+) -> UserError:
+    """The one-line refusal of a memory budget that ``full`` cannot reach by quantizing alone: what it
+    can reach, and that a method which keeps fewer tokens is needed.
+
+    Args:
+        held: the memory the narrowest storage really held, when it was compressed and measured.
+    """
+    if method.precision_fixed:
+        storage = "16 bits" if method.quant is None else method.quant.describe()
+        share = full_share(method.quant, head_dim, value_dim) if held is None else held
+        reach = f"{method.spec} keeps every token in {storage}: {share:.3g} of the 16-bit cache"
+    else:
+        narrowest = QuantConfig.parse(FULL_FORMATS[-1])
+        share = full_share(narrowest, head_dim, value_dim) if held is None else held
+        two = full_share(QuantConfig(format="int2"), head_dim, value_dim)
+        reach = (
+            f"'full' keeps every token and can only quantize them: in {narrowest.bits} bits they hold {share:.3g} "
+            f"of the 16-bit cache (full@int2: {two:.3g})"
+        )
+    least = math.ceil(share * 1.01 * 1000) / 1000  # room for the row lengths and the last key groups
+    return UserError(
+        f"{reach}, so memory {memory:g} is out of its reach; give a memory of at least {least:g}, or a method "
+        "that keeps fewer tokens (e.g. --method kvzip+am_fit)"
+    )
+
+
 def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, context_tokens: int) -> MemoryPlan:
     """The token budget and storage for ``memory`` (a fraction of the 16-bit full cache's bytes).
 
@@ -96,13 +161,9 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     (``0.5 · 4·D`` bytes, half a 16-bit token) and the row's length are set aside first.
 
     Raises:
-        ValueError: a cache with no compressible layer.
+        UserError: a cache with no compressible layer.
     """
-    layers = [layer for _, layer in cache.folded_layers if layer.is_initialized]
-    if not layers:
-        raise UserError("a memory budget needs a prefilled cache with full-attention layers")
-    head_dim = layers[0].head_dim
-    value_dim = layers[0].padded()[1].shape[-1]
+    head_dim, value_dim = cache_dims(cache)
     fraction, quant = split_memory(memory, method, head_dim, value_dim)
     if quant is not None:
         token = (head_dim + value_dim) * SIXTEEN_BIT  # a 16-bit token's bytes
