@@ -499,7 +499,7 @@ class QuantizedRows:
 
 
 # ------------------------------------------------------------------------------ checks
-class QuantizedTensorsError(ValueError):
+class QuantizedTensorsError(UserError):
     """Tensors of quantized rows that contradict their format or each other (a damaged or crafted
     cache file). ``tensor`` names the one at fault (``key_scale``), ``problem`` says what is wrong."""
 

@@ -227,6 +227,26 @@ def read_cache(path: str | os.PathLike, config, *, verify: bool = True) -> tuple
     return _build_checked(info, SimpleNamespace(config=config), tensors, dtype, torch.device("cpu")), info
 
 
+def _check_online(method, cache: FoldedCache) -> None:
+    """Refuse a cache that a method compressing while decoding cannot continue: a layer that is not
+    dense (such a method edits entries in place), or one without the statistics its prefill
+    observers record, one a slot (it continues from them).
+
+    Raises:
+        InvalidCacheFileError: naming the layer (no path: :func:`load_context` adds it).
+    """
+    keys = [observer.key for observer in method.prefill_observers()]
+    for index, layer in cache.folded_layers:
+        if layer.paged is not None or layer.quantized is not None:
+            kind = "paged" if layer.paged is not None else "quantized"
+            raise InvalidCacheFileError(f"layer {index} is {kind}; a method that compresses while decoding needs dense")
+        slots = (layer.batch_size, layer.num_heads, layer.physical_length)
+        for key in keys:
+            stat = layer.entry_stats.get(key)
+            if stat is None or tuple(stat.shape) != slots:
+                raise InvalidCacheFileError(f"layer {index} stat.{key}: missing or not one a slot {slots}")
+
+
 def load_context(
     path: str | os.PathLike,
     model: PreTrainedModel,
@@ -282,8 +302,16 @@ def load_context(
             budget=budget,
             tokenizer=tokenizer,
         )
-        with torch.inference_mode():
-            policy = method.online_policy(ctx)
+        try:
+            with torch.inference_mode():
+                policy = method.online_policy(ctx)
+            if policy is not None:
+                _check_online(method, cache)
+        except ValueError as err:  # the header's method cannot continue these tensors
+            raise InvalidCacheFileError(
+                f"{info.path}: its method {one_line(repr(method.spec), 80)} cannot continue its cache "
+                f"({one_line(err)}): it is damaged or was crafted; {REDO}"
+            ) from None
     return CompressedContext(
         source=source, method=method, budget=budget, cache=cache, policy=policy, compress_seconds=0.0
     )

@@ -114,7 +114,7 @@ def validate_header(header: dict[str, Any], expected: Expected, file_bytes: int 
     Raises:
         InvalidCacheFileError: one line naming the field (``header dtype``, ``layer 2 num_heads``).
     """
-    if header.get("dtype") not in DTYPES:
+    if not isinstance(header.get("dtype"), str) or header["dtype"] not in DTYPES:
         _fail("header dtype", f"{one_line(repr(header.get('dtype')), 40)} is not one of {', '.join(DTYPES)}")
     device = header.get("device")
     try:
