@@ -11,7 +11,7 @@ import torch
 
 from kvfold.runtime.quantize import QuantConfig, QuantizedRows
 from kvfold.runtime.quantized_attention import attend_stored
-from kvfold.runtime.row_pool import PoolError, attend_layer, chunk_rows, pack_pool, plan_pool
+from kvfold.runtime.row_pool import FloatRows, PoolError, attend_layer, chunk_rows, pack_pool, plan_pool
 
 D = 64
 SCALING = D**-0.5
@@ -105,3 +105,31 @@ def test_formats_the_pool_does_not_hold_are_refused():
             plan_pool([torch.tensor([3])], QuantConfig.parse(fmt), D, D, CHUNK, beta=True)
     with pytest.raises(PoolError, match="cannot hold one entry"):
         plan_pool([torch.tensor([3])], QuantConfig.parse("int4"), D, D, 64, beta=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_at_full_precision_pack_at_their_own_bytes_and_attend_as_a_float64_softmax(dtype):
+    g = torch.Generator().manual_seed(4)
+    layers = []
+    for lengths in RAGGED:
+        width = max(max(lengths), 1)
+        log_mass = torch.randn(3, width, generator=g)
+        log_mass[torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]] = float("-inf")
+        keys = torch.randn(3, width, D, generator=g).to(dtype)
+        layers.append(FloatRows.from_padded(keys, torch.randn(3, width, D, generator=g).to(dtype), log_mass))
+    plan, chunks = pack_pool(layers, CHUNK)
+    rows_bytes = sum(rows.nbytes() for rows in layers)
+    assert plan.num_chunks > len(layers) and plan.nbytes <= 1.06 * rows_bytes + plan.chunk_bytes
+    for index, rows in enumerate(layers):
+        queries = torch.randn(3, 2, D, generator=g)
+        tail_keys, tail_values = torch.randn(3, 4, D, generator=g), torch.randn(3, 4, D, generator=g)
+        tail_logits = queries @ tail_keys.transpose(1, 2) * SCALING
+        got = attend_layer(queries, tail_logits, tail_values, list(chunks), plan, index, SCALING)
+        for row, (first, n, _, _) in enumerate(rows.row_ranges()):
+            keys = rows.keys[first : first + n].double()
+            beta = torch.zeros(n, dtype=torch.float64) if rows.log_mass is None else rows.log_mass[first : first + n]
+            logits = torch.cat(
+                [queries[row].double() @ keys.T * SCALING + beta.double(), tail_logits[row].double()], -1
+            )
+            values = torch.cat([rows.values[first : first + n].double(), tail_values[row].double()])
+            torch.testing.assert_close(got[row].double(), torch.softmax(logits, -1) @ values, rtol=2e-5, atol=2e-5)

@@ -22,6 +22,9 @@ parts (each part's maximum logit, weights' sum and weighted values, as the kerne
 then of the row's full-precision tail (:func:`attend_layer`). The codes are read where they lie:
 nothing is dequantized and nothing is copied but the scales the kernel takes as float32.
 
+Rows kept at full precision (a file stored unquantized) pack the same way as :class:`FloatRows`:
+their chunks hold the segments' lengths, keys and values in the rows' own dtype, and β (flag bit 1).
+
 The plan (which segment lies where) is a function of the rows' lengths and the chunk size
 (:func:`plan_pool`), so whoever holds the file recomputes it; the lengths are in the chunks too.
 """
@@ -44,10 +47,65 @@ HEADER_BYTES = 16
 ALIGN = 16
 """Every array of a chunk starts on a multiple of this many bytes (so a view of it is aligned)."""
 FLAG_BETA = 1
+FLAG_FLOAT = 2
 
 
 class PoolError(ValueError):
     """Rows that cannot be packed (a format the chunks do not hold, or a chunk too small)."""
+
+
+@dataclass
+class FloatRows:
+    """Entries of ``R`` rows kept at full precision, stored one row after another (as
+    :class:`~kvfold.runtime.quantize.QuantizedRows` stores codes).
+
+    Attributes:
+        lengths: ``(R,)`` long, entries per row (E = Σ lengths).
+        keys, values: ``(E, D)`` and ``(E, Dv)`` in the rows' dtype.
+        log_mass: ``(E,)`` float32 β, None when every β is 0.
+    """
+
+    lengths: Tensor
+    keys: Tensor
+    values: Tensor
+    log_mass: Tensor | None
+
+    @classmethod
+    def from_padded(cls, keys: Tensor, values: Tensor, log_mass: Tensor) -> FloatRows:
+        """Rows from padded ``(R, N, D)`` keys and values whose entries are where β ``(R, N)`` is finite."""
+        valid = torch.isfinite(log_mass)
+        beta = log_mass[valid].float()
+        return cls(
+            lengths=valid.sum(-1).long(),
+            keys=keys[valid].contiguous(),
+            values=values[valid].contiguous(),
+            log_mass=None if bool((beta == 0).all()) else beta.contiguous(),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.keys.shape[-1])
+
+    @property
+    def value_dim(self) -> int:
+        return int(self.values.shape[-1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    def row_ranges(self) -> list[tuple[int, int, int, int]]:
+        """Per row ``(first entry, entries, 0, 0)`` (no key groups)."""
+        out, entry = [], 0
+        for n in self.lengths.tolist():
+            out.append((entry, n, 0, 0))
+            entry += n
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor held."""
+        held = [self.lengths, self.keys, self.values] + ([] if self.log_mass is None else [self.log_mass])
+        return sum(t.untyped_storage().nbytes() for t in held)
 
 
 def _aligned(n: int) -> int:
@@ -90,10 +148,11 @@ class ChunkLayout:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """How a cache's quantized rows are packed into chunks (:func:`plan_pool`).
+    """How a cache's rows are packed into chunks (:func:`plan_pool`).
 
     Attributes:
-        config: the rows' format.
+        config: the quantized rows' format; None for rows at full precision (:class:`FloatRows`).
+        dtype: the full-precision rows' dtype (unused for quantized rows).
         head_dim, value_dim: the rows' key and value widths.
         chunk_bytes: bytes a chunk holds.
         rows_per_layer: rows (batch × KV head) of each layer.
@@ -101,7 +160,8 @@ class PoolPlan:
         chunks: each chunk's layout, in order.
     """
 
-    config: QuantConfig
+    config: QuantConfig | None
+    dtype: torch.dtype
     head_dim: int
     value_dim: int
     chunk_bytes: int
@@ -128,38 +188,64 @@ class PoolPlan:
         return out
 
 
-def _chunk_offsets(config: QuantConfig, head_dim: int, value_dim: int, segments: int, entries: int, groups: int,
-                   beta: bool) -> dict[str, tuple[int, int]]:  # fmt: skip
-    """Each array's (first byte, bytes) in a chunk holding these counts (module docstring's order)."""
-    sizes = [
-        ("lengths", segments * 8),
-        ("key_codes", entries * (head_dim * config.bits // 8)),
-        ("value_codes", entries * (value_dim * config.bits // 8)),
-        ("key_scale", groups * head_dim * 2),
-        ("key_zero", groups * head_dim * 2),
-        ("value_scale", entries * 2),
-        ("value_zero", entries * 2),
-    ]
-    if beta:
-        sizes.append(("log_mass", entries * 4))
-    offsets, at = {}, HEADER_BYTES
-    for name, size in sizes:
-        offsets[name] = (at, size)
-        at = _aligned(at + size)
-    return offsets
+@dataclass(frozen=True)
+class _Format:
+    """What one entry, key group and segment of a chunk cost: the arrays' names and sizes."""
+
+    config: QuantConfig | None
+    dtype: torch.dtype
+    head_dim: int
+    value_dim: int
+    beta: bool
+
+    @property
+    def group(self) -> int | None:
+        """Entries a key group (None: full-precision rows have no groups)."""
+        return None if self.config is None else self.config.key_group
+
+    def groups(self, entries: int) -> int:
+        return 0 if self.group is None else math.ceil(entries / self.group)
+
+    def offsets(self, segments: int, entries: int, groups: int) -> dict[str, tuple[int, int]]:
+        """Each array's (first byte, bytes) in a chunk holding these counts (module docstring's order)."""
+        sizes = [("lengths", segments * 8)]
+        if self.config is None:
+            element = torch.empty(0, dtype=self.dtype).element_size()
+            sizes += [("keys", entries * self.head_dim * element), ("values", entries * self.value_dim * element)]
+        else:
+            bits = self.config.bits
+            sizes += [
+                ("key_codes", entries * (self.head_dim * bits // 8)),
+                ("value_codes", entries * (self.value_dim * bits // 8)),
+                ("key_scale", groups * self.head_dim * 2),
+                ("key_zero", groups * self.head_dim * 2),
+                ("value_scale", entries * 2),
+                ("value_zero", entries * 2),
+            ]
+        if self.beta:
+            sizes.append(("log_mass", entries * 4))
+        offsets, at = {}, HEADER_BYTES
+        for name, size in sizes:
+            offsets[name] = (at, size)
+            at = _aligned(at + size)
+        return offsets
+
+    def used(self, segments: int, entries: int, groups: int) -> int:
+        return max(start + size for start, size in self.offsets(segments, entries, groups).values())
+
+    @property
+    def flags(self) -> int:
+        return (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0)
 
 
-def _chunk_bytes_used(config, head_dim, value_dim, segments, entries, groups, beta) -> int:
-    offsets = _chunk_offsets(config, head_dim, value_dim, segments, entries, groups, beta)
-    return max(start + size for start, size in offsets.values())
-
-
-def check_poolable(config: QuantConfig) -> None:
+def check_poolable(config: QuantConfig | None) -> None:
     """Refuse a format whose rows the chunks do not hold.
 
     Raises:
         PoolError: fp8, value groups within an entry, or full-precision outlier entries.
     """
+    if config is None:
+        return
     if config.is_float or config.value_group:
         raise PoolError(f"format {config.describe()}: the pool holds integer codes with one value scale an entry")
     if config.outliers:
@@ -167,24 +253,32 @@ def check_poolable(config: QuantConfig) -> None:
 
 
 def plan_pool(
-    lengths: Sequence[Tensor], config: QuantConfig, head_dim: int, value_dim: int, chunk_bytes: int, *, beta: bool
+    lengths: Sequence[Tensor],
+    config: QuantConfig | None,
+    head_dim: int,
+    value_dim: int,
+    chunk_bytes: int,
+    *,
+    beta: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> PoolPlan:
     """Cut every row into segments and pack them, layer after layer, row after row, into chunks.
 
     Args:
         lengths: per layer, ``(R,)`` entries of each row.
-        config: the rows' format (:func:`check_poolable`).
+        config: the rows' format (:func:`check_poolable`); None for rows at full precision.
         head_dim, value_dim: key and value widths.
         chunk_bytes: bytes of one chunk (one block of one layer in the engine).
         beta: whether the chunks store β (any layer has it).
+        dtype: the full-precision rows' dtype.
 
     Raises:
         PoolError: a format the pool does not hold, or a chunk that cannot hold one entry.
     """
     check_poolable(config)
-    group = config.key_group
-    if _chunk_bytes_used(config, head_dim, value_dim, 1, 1, 1, beta) > chunk_bytes:
-        raise PoolError(f"a chunk of {chunk_bytes} bytes cannot hold one entry of format {config.describe()}")
+    form = _Format(config, dtype, head_dim, value_dim, beta)
+    if form.used(1, 1, form.groups(1)) > chunk_bytes:
+        raise PoolError(f"a chunk of {chunk_bytes} bytes cannot hold one entry of these rows")
     chunks: list[ChunkLayout] = []
     current: list[Segment] = []
     entries = groups = 0
@@ -192,21 +286,18 @@ def plan_pool(
     def close() -> None:
         nonlocal current, entries, groups
         if current:
-            offsets = _chunk_offsets(config, head_dim, value_dim, len(current), entries, groups, beta)
-            chunks.append(ChunkLayout(tuple(current), entries, groups, offsets))
+            chunks.append(ChunkLayout(tuple(current), entries, groups, form.offsets(len(current), entries, groups)))
         current, entries, groups = [], 0, 0
 
     def fits(n: int) -> bool:
-        used = _chunk_bytes_used(config, head_dim, value_dim, len(current) + 1, entries + n,
-                                 groups + math.ceil(n / group), beta)  # fmt: skip
-        return used <= chunk_bytes
+        return form.used(len(current) + 1, entries + n, groups + form.groups(n)) <= chunk_bytes
 
     for layer, layer_lengths in enumerate(lengths):
         for row, length in enumerate(int(n) for n in layer_lengths.tolist()):
             first = 0
             while first < length:
-                phase = first % group
-                limit = length - first if phase == 0 else min(length - first, group - phase)
+                phase = 0 if form.group is None else first % form.group
+                limit = length - first if phase == 0 else min(length - first, form.group - phase)
                 if not fits(1):
                     close()
                     continue
@@ -216,15 +307,18 @@ def plan_pool(
                     low, high = (mid, high) if fits(mid) else (low, mid - 1)
                 current.append(Segment(layer, row, first, low, len(chunks)))
                 entries += low
-                groups += math.ceil(low / group)
+                groups += form.groups(low)
                 first += low
     close()
     rows = tuple(int(t.numel()) for t in lengths)
-    return PoolPlan(config, head_dim, value_dim, chunk_bytes, rows, beta, tuple(chunks))
+    return PoolPlan(config, dtype, head_dim, value_dim, chunk_bytes, rows, beta, tuple(chunks))
 
 
-def pack_pool(layers: Sequence[QuantizedRows], chunk_bytes: int) -> tuple[PoolPlan, Tensor]:
-    """Pack every layer's quantized rows into chunks.
+Rows = QuantizedRows | FloatRows
+
+
+def pack_pool(layers: Sequence[Rows], chunk_bytes: int) -> tuple[PoolPlan, Tensor]:
+    """Pack every layer's rows (all quantized in one format, or all at full precision) into chunks.
 
     Returns:
         The plan and the chunks' bytes, ``(num_chunks, chunk_bytes)`` uint8 (unused ends zero).
@@ -234,40 +328,53 @@ def pack_pool(layers: Sequence[QuantizedRows], chunk_bytes: int) -> tuple[PoolPl
     """
     if not layers:
         raise PoolError("no layers to pack")
-    first = layers[0]
-    for stored in layers:
-        if (stored.config, stored.head_dim, stored.value_dim) != (first.config, first.head_dim, first.value_dim):
-            raise PoolError("every layer of a pool has one format and one head size")
-    beta = any(stored.log_mass is not None for stored in layers)
-    plan = plan_pool([s.lengths for s in layers], first.config, first.head_dim, first.value_dim, chunk_bytes,
-                     beta=beta)  # fmt: skip
+
+    def kind(rows: Rows) -> tuple:
+        config = rows.config if isinstance(rows, QuantizedRows) else None
+        dtype = rows.dtype if config is None else None
+        return config, dtype, rows.head_dim, rows.value_dim
+
+    if len({kind(rows) for rows in layers}) != 1:
+        raise PoolError("every layer of a pool has one format and one head size")
+    config, dtype, head_dim, value_dim = kind(layers[0])
+    beta = any(rows.log_mass is not None for rows in layers)
+    plan = plan_pool([rows.lengths for rows in layers], config, head_dim, value_dim, chunk_bytes, beta=beta,
+                     dtype=dtype or torch.float32)  # fmt: skip
     out = torch.zeros(plan.num_chunks, chunk_bytes, dtype=torch.uint8)
-    ranges = [s.row_ranges() for s in layers]
+    ranges = [rows.row_ranges() for rows in layers]
     for index, chunk in enumerate(plan.chunks):
         _write_chunk(out[index], chunk, layers, ranges, plan)
     return plan, out
 
 
-def _write_chunk(target: Tensor, chunk: ChunkLayout, layers, ranges, plan: PoolPlan) -> None:
-    header = torch.tensor([CHUNK_MAGIC, len(chunk.segments), FLAG_BETA if plan.beta else 0, 0], dtype=torch.int64)
+def _form(plan: PoolPlan) -> _Format:
+    return _Format(plan.config, plan.dtype, plan.head_dim, plan.value_dim, plan.beta)
+
+
+def _write_chunk(target: Tensor, chunk: ChunkLayout, layers: Sequence[Rows], ranges, plan: PoolPlan) -> None:
+    form = _form(plan)
+    header = torch.tensor([CHUNK_MAGIC, len(chunk.segments), form.flags, 0], dtype=torch.int64)
     target[:HEADER_BYTES] = header.to(torch.int32).view(torch.uint8)
-    group = plan.config.key_group
     parts: dict[str, list[Tensor]] = {name: [] for name in chunk.offsets}
     for seg in chunk.segments:
-        stored = layers[seg.layer]
+        rows = layers[seg.layer]
         entry0, _, group0, _ = ranges[seg.layer][seg.row]
         entries = slice(entry0 + seg.first, entry0 + seg.first + seg.entries)
-        first_group = group0 + seg.first // group
-        groups = slice(first_group, first_group + math.ceil(seg.entries / group))
         parts["lengths"].append(torch.tensor([seg.entries], dtype=torch.int64))
-        parts["key_codes"].append(stored.key_codes[entries])
-        parts["value_codes"].append(stored.value_codes[entries])
-        parts["key_scale"].append(stored.key_scale[groups].to(torch.float16))
-        parts["key_zero"].append(stored.key_zero[groups].to(torch.float16))
-        parts["value_scale"].append(stored.value_scale[entries, 0].to(torch.float16))
-        parts["value_zero"].append(stored.value_zero[entries, 0].to(torch.float16))
+        if isinstance(rows, FloatRows):
+            parts["keys"].append(rows.keys[entries])
+            parts["values"].append(rows.values[entries])
+        else:
+            first_group = group0 + seg.first // form.group
+            groups = slice(first_group, first_group + form.groups(seg.entries))
+            parts["key_codes"].append(rows.key_codes[entries])
+            parts["value_codes"].append(rows.value_codes[entries])
+            parts["key_scale"].append(rows.key_scale[groups].to(torch.float16))
+            parts["key_zero"].append(rows.key_zero[groups].to(torch.float16))
+            parts["value_scale"].append(rows.value_scale[entries, 0].to(torch.float16))
+            parts["value_zero"].append(rows.value_zero[entries, 0].to(torch.float16))
         if plan.beta:
-            beta = stored.log_mass
+            beta = rows.log_mass
             parts["log_mass"].append(
                 torch.zeros(seg.entries, dtype=torch.float32) if beta is None else beta[entries].float()
             )
@@ -277,9 +384,9 @@ def _write_chunk(target: Tensor, chunk: ChunkLayout, layers, ranges, plan: PoolP
             target[start : start + size] = data
 
 
-def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 0, count: int | None = None
-               ) -> QuantizedRows:  # fmt: skip
-    """Segments ``first … first + count − 1`` of a chunk as :class:`QuantizedRows`, views of its bytes.
+def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 0, count: int | None = None) -> Rows:
+    """Segments ``first … first + count − 1`` of a chunk as rows (:class:`QuantizedRows` or
+    :class:`FloatRows`), views of its bytes.
 
     Args:
         chunk: the chunk's ``chunk_bytes`` uint8 bytes (from :func:`pack_pool`, or an engine's block).
@@ -289,16 +396,15 @@ def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 
     Raises:
         PoolError: the chunk's header does not match its layout (another chunk, or damaged bytes).
     """
+    form = _form(plan)
     count = len(layout.segments) - first if count is None else count
     header = chunk[:HEADER_BYTES].view(torch.int32).tolist()
-    if header[0] != _as_int32(CHUNK_MAGIC) or header[1] != len(layout.segments):
+    if header[:3] != [_as_int32(CHUNK_MAGIC), len(layout.segments), form.flags]:
         raise PoolError("a chunk's header does not match the pool's plan (not this cache's chunk)")
-    group = plan.config.key_group
     sizes = [s.entries for s in layout.segments]
     entry0, entries = sum(sizes[:first]), sum(sizes[first : first + count])
-    group0 = sum(math.ceil(n / group) for n in sizes[:first])
-    groups = sum(math.ceil(n / group) for n in sizes[first : first + count])
-    kb, vb = plan.head_dim * plan.config.bits // 8, plan.value_dim * plan.config.bits // 8
+    group0 = sum(form.groups(n) for n in sizes[:first])
+    groups = sum(form.groups(n) for n in sizes[first : first + count])
 
     def array(name: str, dtype: torch.dtype, start: int, n: int, width: int = 1) -> Tensor:
         offset = layout.offsets[name][0]
@@ -306,6 +412,15 @@ def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 
         return chunk[offset + start * item : offset + (start + n) * item].view(dtype).view(n, width)
 
     lengths = array("lengths", torch.int64, first, count)[:, 0]
+    log_mass = array("log_mass", torch.float32, entry0, entries)[:, 0] if plan.beta else None
+    if plan.config is None:
+        return FloatRows(
+            lengths=lengths,
+            keys=array("keys", plan.dtype, entry0, entries, plan.head_dim),
+            values=array("values", plan.dtype, entry0, entries, plan.value_dim),
+            log_mass=log_mass,
+        )
+    kb, vb = plan.head_dim * plan.config.bits // 8, plan.value_dim * plan.config.bits // 8
     return QuantizedRows(
         config=plan.config,
         lengths=lengths,
@@ -315,7 +430,7 @@ def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 
         key_zero=array("key_zero", torch.float16, group0, groups, plan.head_dim),
         value_scale=array("value_scale", torch.float16, entry0, entries),
         value_zero=array("value_zero", torch.float16, entry0, entries),
-        log_mass=array("log_mass", torch.float32, entry0, entries)[:, 0] if plan.beta else None,
+        log_mass=log_mass,
         outlier_index=torch.zeros(0, dtype=torch.long),
         outlier_keys=torch.zeros(0, plan.head_dim),
         outlier_values=torch.zeros(0, plan.value_dim),
@@ -327,6 +442,28 @@ def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 
 
 def _as_int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def float_part(queries: Tensor, rows: FloatRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+    """What :func:`~kvfold.runtime.quantized_attention.stored_part` gives for rows at full precision:
+    each row's maximum logit ``(R, M)``, and relative to it its weights' sum ``(R, M)`` and weighted
+    values ``(R, M, Dv)``, computed in the queries' dtype."""
+    count, m, _ = queries.shape
+    top = queries.new_full((count, m), float("-inf"))
+    den = queries.new_zeros(count, m)
+    num = queries.new_zeros(count, m, rows.value_dim)
+    first = 0
+    for row, n in enumerate(rows.lengths.tolist()):
+        if n:
+            logits = queries[row] @ rows.keys[first : first + n].to(queries.dtype).T * scaling
+            if rows.log_mass is not None:
+                logits += rows.log_mass[first : first + n].to(queries.dtype)
+            top[row] = logits.amax(-1)
+            weights = (logits - top[row][:, None]).exp_()
+            den[row] = weights.sum(-1)
+            num[row] = weights @ rows.values[first : first + n].to(queries.dtype)
+        first += n
+    return top, den, num
 
 
 def attend_layer(
@@ -360,8 +497,12 @@ def attend_layer(
         layout = plan.chunks[index]
         stored = chunk_rows(chunks[index], layout, plan, first, count)
         owners = torch.tensor([s.row for s in layout.segments[first : first + count]], dtype=torch.long)
-        part_top, part_den, part_num = stored_part(queries.index_select(0, owners), stored, scaling)
-        _merge_parts(top, den, num, owners, part_top, part_den, part_num)
+        mine = queries.index_select(0, owners)
+        if isinstance(stored, FloatRows):
+            part = float_part(mine, stored, scaling)
+        else:
+            part = stored_part(mine, stored, scaling)
+        _merge_parts(top, den, num, owners, *part)
     return merge_with_tail(top, den, num, tail_logits, tail_values)
 
 

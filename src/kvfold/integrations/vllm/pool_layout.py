@@ -1,4 +1,4 @@
-"""A quantized cache file laid out for vLLM's blocks at its own bytes: its rows packed into chunks of
+"""A cache file laid out for vLLM's blocks at its own bytes: its rows packed into chunks of
 one block of one layer (:mod:`kvfold.runtime.row_pool`), a request's blocks of every layer one pool.
 
 A request on such a file holds ``ceil(chunks / layers)`` blocks for the file, and its prompt is that
@@ -17,7 +17,7 @@ import torch
 from kvfold.integrations.vllm.layout import UnservableCacheError, rope_inverse_frequencies
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.quantize import QuantizedRows
-from kvfold.runtime.row_pool import PoolError, PoolPlan, pack_pool
+from kvfold.runtime.row_pool import FloatRows, PoolError, PoolPlan, pack_pool
 
 
 @dataclass(frozen=True)
@@ -51,34 +51,42 @@ def chunk_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     return heads * block_size * 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-def pool_rows(cache: FoldedCache) -> list[QuantizedRows]:
-    """Each layer's quantized rows of a one-context file.
+def pool_rows(cache: FoldedCache) -> list[QuantizedRows] | list[FloatRows]:
+    """Each layer's rows of a one-context file: its quantized rows, or its rows at full precision.
 
     Raises:
-        UnservableCacheError: a layer that is not quantized, holds full-precision entries after its
-            quantized ones, or a batch of several contexts.
+        UnservableCacheError: layers some quantized and some not, a quantized layer with
+            full-precision entries after its quantized ones, or a batch of several contexts.
     """
-    rows = []
+    rows: list = []
     for index, layer in enumerate(cache.layers):
-        if not isinstance(layer, FoldedLayer) or layer.quantized is None:
-            raise UnservableCacheError(f"layer {index} is not stored quantized")
+        if not isinstance(layer, FoldedLayer) or not layer.is_initialized:
+            raise UnservableCacheError(f"layer {index} is a sliding-window layer or empty")
         if layer.batch_size != 1:
             raise UnservableCacheError(f"the file holds a batch of {layer.batch_size} contexts; serve one a file")
-        if layer.physical_length != layer.quantized.width:
+        if layer.quantized is None:
+            keys, values, log_mass, _ = layer.padded()
+            rows.append(FloatRows.from_padded(keys[0], values[0], log_mass[0]))
+        elif layer.physical_length != layer.quantized.width:
             raise UnservableCacheError(f"layer {index} holds full-precision entries after its quantized ones")
-        rows.append(layer.quantized)
+        else:
+            rows.append(layer.quantized)
+    if len({isinstance(r, QuantizedRows) for r in rows}) > 1:
+        raise UnservableCacheError("some layers are stored quantized and others not")
     return rows
 
 
 def served_pool(cache: FoldedCache, config, block_size: int, dtype: torch.dtype) -> tuple[ServedPool, torch.Tensor]:
-    """The file as a request holds it, and its chunks' bytes ``(chunks, chunk_bytes)`` uint8.
+    """The file as a request holds it, and its chunks' bytes ``(chunks, chunk_bytes)`` uint8 (rows at full
+    precision in ``dtype``, the engine's).
 
     Raises:
         UnservableCacheError: see :func:`pool_rows`; or a format the pool does not hold.
     """
     size = chunk_bytes(config, block_size, dtype)
+    rows = [_in_dtype(r, dtype) for r in pool_rows(cache)]
     try:
-        plan, chunks = pack_pool(pool_rows(cache), size)
+        plan, chunks = pack_pool(rows, size)
     except PoolError as err:
         raise UnservableCacheError(str(err)) from None
     layers = len(plan.rows_per_layer)
@@ -91,3 +99,11 @@ def served_pool(cache: FoldedCache, config, block_size: int, dtype: torch.dtype)
         block_bytes=size * layers,
     )
     return served, chunks
+
+
+def _in_dtype(rows, dtype: torch.dtype):
+    """Rows at full precision in the engine's dtype (a float32 file served in bfloat16 holds 16-bit rows);
+    quantized rows as they are."""
+    if isinstance(rows, FloatRows) and rows.dtype != dtype:
+        return FloatRows(rows.lengths, rows.keys.to(dtype), rows.values.to(dtype), rows.log_mass)
+    return rows
