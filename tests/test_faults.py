@@ -478,6 +478,14 @@ def bad_inputs(w: World, tmp: Path) -> list[tuple[list[str], str]]:
         (with_(base["eval"], "--dataset", str(w.long_data)), too_long),
         (with_(base["fidelity"], "--dataset", str(w.long_data)), too_long),
     ]
+    full_out_of_reach = "so memory 0.05 is out of its reach; give a memory of at least"
+    memory_full = ["--method", "full", "--memory", "0.05"]
+    cases += [
+        (["compress", "--model", w.model, "--context-file", str(w.context), *memory_full, "--out", str(tmp / "x.kvc")],
+         full_out_of_reach),
+        (["generate", "--model", w.model, "--context-file", str(w.context), "--question", "w1", *memory_full],
+         full_out_of_reach),
+    ]  # fmt: skip
     for cache, says in ((w.garbage, "is truncated"), (w.flipped, "checksum")):
         cases += [
             (["generate", "--model", w.model, "--cache", str(cache), "--question", "w1"], says),
@@ -495,6 +503,27 @@ def test_bad_input_is_one_line_and_status_2_for_every_command(world: World, tmp_
         line = error_line(err, argv[0])
         assert code == 2 and says in line, (argv, err)
         assert not (tmp_path / "x.kvc").exists()
+
+
+@pytest.mark.parametrize("fault", [KeyError("layer 3"), ValueError("slot 9 past the row's 8 entries")])
+def test_a_fault_of_kvfold_is_an_internal_error_not_bad_input(world, tmp_path, capsys, monkeypatch, fault) -> None:
+    """A KeyError or a plain ValueError from kvfold's own code (here the compression) is no fault of the
+    input: one line that says it is an internal error and how to see its traceback, status 1, no file."""
+    from kvfold.pipeline.context import PrefilledContext
+
+    def broken(*args, **kwargs):
+        raise fault
+
+    monkeypatch.delenv("KVFOLD_DEBUG", raising=False)
+    monkeypatch.setattr(PrefilledContext, "_compress", broken)
+    code, _, err = call(capsys, world.compress(tmp_path / "x.kvc"))
+    line = error_line(err, "compress")
+    assert code == 1 and line.startswith(f"kvfold compress: internal error: {type(fault).__name__}: "), err
+    assert "rerun with --debug, or KVFOLD_DEBUG=1, for the traceback" in line
+    assert not (tmp_path / "x.kvc").exists()
+    with pytest.raises(type(fault)):
+        main([*world.compress(tmp_path / "x.kvc"), "--debug"])
+    capsys.readouterr()
 
 
 # ----------------------------------------------------------------------------- failed I/O
