@@ -173,3 +173,21 @@ def test_validate_layer_checks_raw_tensors_for_a_serving_backend(files, model):
     with pytest.raises(InvalidCacheFileError, match=r"^layer 1 row_lengths: they add up to"):
         validate_layer(1, header["layers"][1], own, expected, torch.float32)
     assert issubclass(InvalidCacheFileError, CacheFileError)
+
+
+def test_a_sliding_window_layer_holds_at_most_its_window(tmp_path):
+    gemma = kvfold.enable(make_tiny_model("gemma3"))
+    compressed = kvfold.prefill(gemma, CharTokenizer(), TEXT[:60], use_chat_template=False).compress("snapkv", 0.5)
+    good = tmp_path / "gemma.kvc"
+    kvfold.save_context(compressed, good)
+    assert load_context(good, gemma, CharTokenizer()).generate("code?", max_new_tokens=2)[0].token_ids
+
+    def wider(content: dict) -> None:
+        for name in ("layer.0.keys", "layer.0.values"):
+            content[name] = torch.cat([content[name]] * 3, 2)
+
+    assert "layer 0 keys: " in _refused(craft(good, tmp_path / "wide.kvc", tensors=wider), gemma)
+    bad = craft(good, tmp_path / "nan.kvc", tensors=poke("layer.2.values", NAN))
+    assert "layer 2 values: holds NaN" in _refused(bad, gemma)
+    bad = craft(good, tmp_path / "extra.kvc", tensors=lambda c: c.update({"layer.0.log_mass": torch.zeros(1)}))
+    assert "layer 0 log_mass: not a tensor of a sliding-window layer" in _refused(bad, gemma)
