@@ -38,6 +38,7 @@ _EXPORTS = {
     "save_chat": "kvfold.store.chat",
     "save_context": "kvfold.store.save",
     "split_specs": "kvfold.methods",
+    "UserError": "kvfold.runtime.errors",
 }
 """Each public name and the module it lives in."""
 
@@ -62,6 +63,7 @@ __all__ = [
     "save_chat",
     "save_context",
     "split_specs",
+    "UserError",
     "__version__",
 ]
 
@@ -71,6 +73,7 @@ if TYPE_CHECKING:  # what static tools see; at run time :func:`__getattr__` impo
     from kvfold.runtime.attention import enable
     from kvfold.runtime.budget import Budget
     from kvfold.runtime.cache import FoldedCache, FoldedLayer
+    from kvfold.runtime.errors import UserError
     from kvfold.runtime.models import load_model, prepare_model
     from kvfold.store.chat import load_chat, save_chat
     from kvfold.store.format import CacheFileError
