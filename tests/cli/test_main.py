@@ -70,6 +70,18 @@ def test_generate_bad_input_is_one_clear_line(capsys, argv, message):
     assert last.startswith("kvfold generate: error: ") and message in last
 
 
+def test_a_context_file_that_is_not_text_is_bad_input(capsys, tmp_path):
+    """A binary file's UnicodeDecodeError is a ValueError that kvfold did not raise: it is still the
+    input's fault, said with the file's name."""
+    path = tmp_path / "doc.bin"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    code, _, err = run(capsys, "generate", "--context-file", str(path), "--question", "Q?")
+    assert code == 2 and err.splitlines()[-1] == (
+        f"kvfold generate: error: context file {path} is not UTF-8 text (invalid start byte at byte 0); "
+        "give a text file"
+    )
+
+
 @pytest.mark.parametrize("fault", [ValueError("slot 7 is past the layer's 6 entries"), KeyError("attention_modules")])
 def test_an_internal_error_is_not_reported_as_bad_input(capsys, monkeypatch, fault):
     """A ValueError or KeyError raised by kvfold's own code (here inside ``kvfold methods``) is a fault

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_MODEL, RECOMMENDED
@@ -73,6 +74,18 @@ def add_method_args(
         help="what to keep: a fraction in (0, 1] of the context's tokens, or a token count"
         + ("" if budget_default is not None else f" (default: {DEFAULT_BUDGET}, unless --memory)"),
     )
+
+
+def read_text_file(path: Path, what: str = "context file") -> str:
+    """The UTF-8 text of a file the user named; a missing file, or one that is not UTF-8 text, is a
+    one-line :class:`~kvfold.runtime.errors.UserError` that names it (``what``: how the message calls it)."""
+    if not path.is_file():
+        raise UserError(f"{what} not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        where = f"{err.reason} at byte {err.start}"
+        raise UserError(f"{what} {path} is not UTF-8 text ({where}); give a text file") from None
 
 
 def add_quiet(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args, progress
+from kvfold.cli.args import Handler, add_model_args, progress, read_text_file
 from kvfold.runtime.defaults import DEFAULT_LENGTH
 from kvfold.runtime.errors import UserError
 
@@ -83,7 +83,7 @@ def run_mergemap(args: argparse.Namespace) -> int:
     progress(args, f"loading {args.model}")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.context_file is not None:
-        texts = [(args.context_file.read_text(encoding="utf-8"), None)]
+        texts = [(read_text_file(args.context_file, "context file"), None)]
         source = str(args.context_file)
     else:
         samples = load_dataset_spec(args.dataset, tokenizer, length=args.length, samples=args.samples, seed=args.seed)

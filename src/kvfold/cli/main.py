@@ -29,6 +29,7 @@ from kvfold.cli.args import (
     compress_options,
     deprecated_alias,
     progress,
+    read_text_file,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.errors import UserError
@@ -299,9 +300,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise UserError(f"context file not found: {path}")
-    return path.read_text(encoding="utf-8")
+    return read_text_file(path, "context file")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from kvfold.cli.args import (
     compress_options,
     deprecated_alias,
     progress,
+    read_text_file,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_CHAT_BUDGET, RECOMMENDED
 from kvfold.runtime.errors import UserError
@@ -228,9 +229,7 @@ def run_generate_cached(args: argparse.Namespace) -> int:
 
 def _questions(path: Path | None, stream: TextIO) -> Iterator[str]:
     if path is not None:
-        if not path.is_file():
-            raise UserError(f"questions file not found: {path}")
-        lines: Iterator[str] = iter(path.read_text(encoding="utf-8").splitlines())
+        lines: Iterator[str] = iter(read_text_file(path, "questions file").splitlines())
     else:
         lines = (line.rstrip("\n") for line in stream)
     for line in lines:
@@ -391,9 +390,7 @@ def _describe(spec: str) -> str:
 
 
 def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise UserError(f"context file not found: {path}")
-    return path.read_text(encoding="utf-8")
+    return read_text_file(path, "context file")
 
 
 COMMANDS = {"compress": run_compress, "ask": run_ask, "chat": run_chat}

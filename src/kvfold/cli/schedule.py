@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress
+from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress, read_text_file
 from kvfold.runtime.defaults import DEFAULT_LENGTH
 from kvfold.runtime.errors import UserError
 
@@ -87,7 +87,7 @@ def run_head_schedule(args: argparse.Namespace) -> int:
         raise UserError(f"--out names a file for the schedule's JSON; {args.out} is a directory")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.text_file:
-        texts = [path.read_text(encoding="utf-8") for path in args.text_file]
+        texts = [read_text_file(path, "text file") for path in args.text_file]
     else:
         texts = prose_pieces(tokenizer, args.texts, args.length)
     schedule = build_head_schedule(
