@@ -50,6 +50,8 @@ def test_a_closed_stdout_ends_the_command_quietly():
         (["--model", "/nonexistent/model-dir"], "model path not found"),
         (["--model", "tests"], "without config.json"),
         (["--new-tokens", "0"], "--new-tokens must be ≥ 1; got 0"),
+        (["--device", "gpu0"], "unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"),
+        (["--dtype", "int7"], "unknown dtype 'int7'; choose one of: auto,"),
         (["--context-file", "/nonexistent/doc.txt"], "context file not found: /nonexistent/doc.txt"),
     ],
 )

@@ -71,7 +71,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """``auto`` picks CUDA when present, else CPU; an unavailable CUDA request is an error."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' was requested but no CUDA device is available; use --device cpu")
     return dev
