@@ -341,7 +341,7 @@ class ChatSession:
         """Append a user turn, compacting first if it would pass the cap; return the reply.
 
         Raises:
-            ValueError: an empty message, or a conversation past the model's positions.
+            UserError: an empty message, or a conversation past the model's positions.
         """
         if not message or not message.strip():
             raise UserError("the message is empty")
@@ -546,7 +546,7 @@ class ChatSession:
             window (``turn_queries.<layer>``).
 
         Raises:
-            ValueError: nothing to save yet.
+            UserError: nothing to save yet.
         """
         if self.cache.get_seq_length() == 0:
             raise UserError("nothing to save yet: ask something first")

@@ -140,7 +140,7 @@ class PrefilledContext:
             A :class:`CompressedContext` that answers questions; this object is unchanged.
 
         Raises:
-            ValueError: both ``budget`` and ``memory``, or an invalid one.
+            UserError: both ``budget`` and ``memory``, or an invalid one.
         """
         composed = build_method(with_format(method, kv_format)) if isinstance(method, str) else method
         if memory is not None or (isinstance(budget, Budget) and budget.memory is not None):

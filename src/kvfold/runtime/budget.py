@@ -31,7 +31,7 @@ class Budget:
         """A memory budget: ``0.0625`` = a sixteenth of the 16-bit full cache's bytes.
 
         Raises:
-            ValueError: anything but a fraction in (0, 1].
+            UserError: anything but a fraction in (0, 1].
         """
         try:
             number = float(str(value).strip())
@@ -48,7 +48,7 @@ class Budget:
         ``1`` and ``1.0`` mean the whole context. A value with a decimal point is a fraction.
 
         Raises:
-            ValueError: anything else, with what is accepted.
+            UserError: anything else, with what is accepted.
         """
         if isinstance(value, Budget):
             return value

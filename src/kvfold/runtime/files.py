@@ -338,7 +338,7 @@ def read_jsonl(
         what: what a row is, for the message (``"line 3 is not a prediction row"``).
 
     Raises:
-        ValueError: a damaged line (its number, and what to do).
+        UserError: a damaged line (its number, and what to do).
         OutputError: the repair cannot be written.
     """
     path = Path(path)
