@@ -4,6 +4,8 @@
   tokens, file size; a file whose header cannot be read is listed with its error).
 * ``POST /v1/completions`` (or ``/v1/responses``, ``/v1/messages``) naming a cache is refused (400):
   a cache is served through chat requests, where it is checked.
+* A ``POST`` to those endpoints whose body is not JSON gets a one-line 400 (vLLM's own answer is a
+  validation report over several lines), and one over :data:`MAX_BODY` a 413.
 * ``POST /v1/chat/completions`` whose ``kv_transfer_params`` name a cache (``"kvfold_cache": "doc"``)
   is rewritten by :meth:`CacheCatalog.rewrite_chat <kvfold.integrations.vllm.requests.CacheCatalog.rewrite_chat>`
   before vLLM reads it: the prompt becomes the cache's placeholder slots and the question as
@@ -58,11 +60,17 @@ class KvfoldMiddleware:
         if method != "POST" or (path != CHAT_PATH and path not in OTHER_PATHS):
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
+        body, whole = await _read_body(receive)
+        if not whole:
+            message = f"the request body is over {MAX_BODY >> 20} MiB"
+            await _respond(send, 413, _error(message, 413, param=None))
+            return
         try:
             data = json.loads(body) if body else None
-        except ValueError:
-            data = None
+        except ValueError as err:  # vLLM's own answer is a validation report over several lines
+            message = f"the request body is not valid JSON: {str(err).splitlines()[0]}"
+            await _respond(send, 400, _error(message, 400, param=None))
+            return
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if isinstance(params, dict) and params.get(KV_KEY) is not None and path != CHAT_PATH:
             message = f"{KV_KEY} is served on {CHAT_PATH} only (one user message, the question)"
@@ -81,7 +89,8 @@ class KvfoldMiddleware:
         await self.app(scope, _replay(body, receive), send)
 
 
-async def _read_body(receive) -> bytes:
+async def _read_body(receive) -> tuple[bytes, bool]:
+    """The request's body, and whether it came whole (False: over :data:`MAX_BODY`)."""
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -90,11 +99,11 @@ async def _read_body(receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY:
-            break
+            return b"", False
         chunks.append(chunk)
         if not message.get("more_body", False):
             break
-    return b"".join(chunks)
+    return b"".join(chunks), True
 
 
 def _replay(body: bytes, receive):
@@ -111,9 +120,10 @@ def _replay(body: bytes, receive):
     return replay
 
 
-def _error(message: str, status: int) -> dict[str, Any]:
-    kind = {404: "NotFoundError", 422: "UnprocessableEntityError"}.get(status, "BadRequestError")
-    return {"error": {"message": message, "type": kind, "param": KV_KEY, "code": status}}
+def _error(message: str, status: int, param: str | None = KV_KEY) -> dict[str, Any]:
+    """An OpenAI-style error body: one line of ``message``, the type for ``status``."""
+    kinds = {404: "NotFoundError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError"}
+    return {"error": {"message": message, "type": kinds.get(status, "BadRequestError"), "param": param, "code": status}}
 
 
 async def _respond(send, status: int, payload: dict[str, Any]) -> None:
