@@ -20,8 +20,10 @@ checking a file (:func:`read_info`, :func:`read_tensors`, :func:`check_model`). 
 :mod:`kvfold.store.save` (:func:`~kvfold.store.save.save_cache`, :func:`~kvfold.store.save.save_context`);
 loading (:func:`~kvfold.store.load.load_cache`, :func:`~kvfold.store.load.load_context`) reads and
 checks the header before any tensor, memory-maps the file (``safetensors.safe_open``), verifies the
-checksum, and builds a new cache; every failure raises a :class:`CacheFileError` (a ``ValueError``)
-whose message says what to do, and nothing is returned half-built.
+checksum, checks every tensor against the header and the model (:mod:`kvfold.store.validate`: the
+checksum proves integrity, not safety, since whoever edits a file can recompute it), and builds a
+new cache; every failure raises a :class:`CacheFileError` (a ``ValueError``) whose message, one
+line, says what to do, and nothing is returned half-built.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Loading saved caches (:func:`load_cache`, :func:`load_context`): the file format and its checks live
-in :mod:`kvfold.store.format`, writing in :mod:`kvfold.store.save`; this module builds the objects."""
+in :mod:`kvfold.store.format`, the check of every tensor against the header and the model in
+:mod:`kvfold.store.validate`, writing in :mod:`kvfold.store.save`; this module builds the objects."""
 
 from __future__ import annotations
 
@@ -147,8 +148,10 @@ def load_cache(
         verify: check the SHA-256 checksum (reads every byte once).
 
     Raises:
-        CorruptCacheFileError, CacheFileVersionError, ModelMismatchError, DtypeDeviceError: see
-        their docstrings; every one is a :class:`CacheFileError` (``ValueError``).
+        CorruptCacheFileError, InvalidCacheFileError, CacheFileVersionError, ModelMismatchError,
+        DtypeDeviceError: see their docstrings; every one is a :class:`CacheFileError` (``ValueError``).
+        A file is checked against its header and the model (:mod:`kvfold.store.validate`) before
+        anything reads its tensors: a crafted file whose checksum was recomputed is refused too.
     """
     return load_file(path, model, tokenizer, dtype=dtype, device=device, verify=verify)[0]
 
