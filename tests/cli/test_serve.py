@@ -73,8 +73,7 @@ def test_without_vllm_it_runs_itself_again_in_the_vllm_environment(capsys, monke
     _no_vllm(monkeypatch)
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text("#!/bin/sh\n")
-    python.chmod(0o755)
+    python.symlink_to(Path(sys.executable).resolve())  # as in a virtual environment: this same interpreter
     monkeypatch.setenv(serve.ENV_VLLM_PYTHON, str(python))
     monkeypatch.delenv(serve.ENV_RERUN, raising=False)
     ran = {}
@@ -89,7 +88,7 @@ def test_without_vllm_it_runs_itself_again_in_the_vllm_environment(capsys, monke
     assert ran["path"] == str(python)
     assert ran["argv"] == [
         *(str(python), "-m", "kvfold.cli", "serve", "--model", "smollm2-135m", "--caches", str(tmp_path.resolve())),
-        *("--host", "127.0.0.1", "--port", "8123", "--kv-space", "2.0", "--", "--max-num-seqs", "4"),
+        *("--host", "127.0.0.1", "--port", "8123", "--kv-space", "2", "--", "--max-num-seqs", "4"),
     ]
     assert ran["env"][serve.ENV_RERUN] == "1"
     assert "running in" in capsys.readouterr().err

@@ -61,6 +61,10 @@ STOP_GRACE_SECONDS = 20
 """How long a server that reported a fatal error, or a leftover process, gets to exit before SIGKILL."""
 
 
+SERVED_DTYPES = ("float32", "bfloat16", "float16")
+"""Dtypes ``kvfold serve`` runs vLLM in (vLLM's CPU attention takes these three)."""
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Register ``serve``."""
     from kvfold.cli.args import DEFAULT_MODEL
@@ -71,6 +75,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the server listens on")
     p.add_argument("--port", type=int, default=8000, help="port the server listens on")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM's context limit (default: the model's)")
+    p.add_argument(
+        "--dtype",
+        choices=SERVED_DTYPES,
+        default="float32",
+        help="the dtype vLLM computes and holds its KV cache in (answers equal kvfold ask's in float32)",
+    )
     p.add_argument(
         "--kv-space",
         type=float,
@@ -94,7 +104,7 @@ def vllm_command(args: argparse.Namespace, model_dir: str, kv_bytes: int | None 
     as ``--kv-cache-memory-bytes``; None leaves it to vLLM)."""
     from kvfold.integrations.vllm.settings import engine_settings
 
-    settings = engine_settings(str(args.caches.resolve()))
+    settings = engine_settings(str(args.caches.resolve()), dtype=getattr(args, "dtype", "float32"))
     command = [
         sys.executable,
         "-m",
@@ -139,7 +149,7 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.kv_space is not None:
-        argv += ["--kv-space", repr(args.kv_space)]
+        argv += ["--kv-space", f"{args.kv_space:g}"]
     if getattr(args, "log", None) is not None:
         argv += ["--log", str(Path(args.log).resolve())]
     if getattr(args, "quiet", False):
@@ -166,10 +176,11 @@ def vllm_python_candidates() -> list[Path]:
 
 
 def find_vllm_python() -> Path | None:
-    """The first of :func:`vllm_python_candidates` that exists and is not this Python."""
-    here = Path(sys.executable).resolve()
+    """The first of :func:`vllm_python_candidates` that exists and is not this environment's Python
+    (compared by environment: every virtual environment's ``python`` links to the same interpreter)."""
+    here = Path(sys.prefix).resolve()
     for candidate in vllm_python_candidates():
-        if candidate.is_file() and os.access(candidate, os.X_OK) and candidate.resolve() != here:
+        if candidate.is_file() and os.access(candidate, os.X_OK) and candidate.parent.parent.resolve() != here:
             return candidate
     return None
 
@@ -209,7 +220,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--kv-space must be a positive number of GiB; got {args.kv_space:g}")
     from transformers import AutoConfig
 
-    from kvfold.integrations.vllm.server import ENV_CACHES, ENV_MODEL
+    from kvfold.integrations.vllm.server import ENV_CACHES, ENV_DTYPE, ENV_MODEL
     from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES
     from kvfold.runtime.models import resolve_spec
 
@@ -220,12 +231,13 @@ def run_serve(args: argparse.Namespace) -> int:
     model_type = getattr(config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
         raise UserError(
-            f"kvfold serve serves {', '.join(SERVED_MODEL_TYPES)} models (its β-carrying model class is vLLM's "
+            f"kvfold serve serves {', '.join(SERVED_MODEL_TYPES)} models (its model class is vLLM's "
             f"Llama); {args.model} is {model_type!r}"
         )
     env = dict(os.environ)
     env[ENV_CACHES] = str(args.caches.resolve())
     env[ENV_MODEL] = args.model
+    env[ENV_DTYPE] = args.dtype
     env.pop(ENV_RERUN, None)
     if args.kv_space is not None:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
@@ -287,7 +299,7 @@ def kv_space_bytes(args: argparse.Namespace, config: Any, model_dir: str) -> tup
     if max_len <= 0:
         raise UserError(f"{args.model}'s config has no max_position_embeddings: pass --max-model-len N")
     plan = plan_kv_space(
-        per_token=kv_bytes_per_token(config),
+        per_token=kv_bytes_per_token(config, 4 if args.dtype == "float32" else 2),
         max_model_len=max_len,
         largest_cache_tokens=largest_cache_tokens(args.caches),
         weights=weights_bytes(model_dir),
