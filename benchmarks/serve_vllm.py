@@ -1,31 +1,36 @@
-"""Serving benchmark: vLLM (CPU) answering N compressed contexts against the same N full contexts.
+"""Serving benchmark: how many requests on saved files vLLM runs at once, at the files' own bytes.
 
 Run in vLLM's environment (``make install-vllm``)::
 
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind .venv-vllm/bin/python benchmarks/serve_vllm.py \\
-        --out runs/serve-vllm [--contexts 10] [--tokens 3000] [--method 'kvzip[layerwise=true]+am_fit']
+        --out runs/serve-vllm [--tokens 5000] [--dtype bfloat16] [--requests 30]
 
-One logbook (``kvfold demo``'s, ``--tokens`` long) is compressed once at keep ``--budget`` and saved;
-one vLLM engine (``kvfold.integrations.vllm.engine_settings``, prefix caching off so that every
-request holds its own blocks) then serves, in a KV space of exactly ``--fit-full`` full requests
-(``num_gpu_blocks_override``):
+One logbook (``kvfold demo``'s facts, ``--tokens`` long) is compressed once with the recommended
+pipeline under each ``--memory`` budget (``kvzip+am_fit``: 4 bits at 1/16 and 1/32) and saved. Then,
+in one process:
 
-* N requests on the saved compressed file, all at once;
-* the same N requests as plain prompts (the whole context and the question, prefilled), all at once;
-* one request alone of each, for the time to the first token: from the saved file (loaded by the
-  connector, no prefill of the context) against a fresh prefill.
+* **kvfold's engine** (``kvfold.integrations.vllm.engine_settings``, prefix caching off so that every
+  request holds its own blocks) in a KV space of exactly ``--fit-full`` full contexts in ``--dtype``
+  (``num_gpu_blocks_override``) serves, for each file, ``--requests`` requests at once (the logbook's
+  questions in turn), then one alone for the time to the first token; every answer is checked against
+  ``kvfold ask`` on the same file, in the same dtype. Then ``--plain`` plain requests (no file) at once.
+* **stock vLLM's Llama** (no plugin, no connector), in the same KV space, serves the same plain
+  requests: their tokens/s against the plugin's.
 
-It writes ``results.json``, ``results.md`` (a table) and ``serving.png`` (a plot) under ``--out``.
+It writes ``results.json``, ``results.md`` (tables) and ``serving.png`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
 import time
 from pathlib import Path
+
+MEMORY = (1 / 16, 1 / 32)
 
 
 def _max_overlap(spans: list[tuple[float, float]]) -> int:
@@ -37,26 +42,28 @@ def _max_overlap(spans: list[tuple[float, float]]) -> int:
     return best
 
 
-def _run(llm, prompts, params) -> dict:
+def _run(llm, prompts, params) -> tuple[dict, list]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     spans = [(o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outputs if o.metrics is not None]
-    ttft = [o.metrics.first_token_ts - o.metrics.scheduled_ts for o in outputs if o.metrics is not None]
-    return {
+    ttft = sorted(o.metrics.first_token_ts - o.metrics.scheduled_ts for o in outputs if o.metrics is not None)
+    summary = {
         "requests": len(outputs),
         "seconds": wall,
-        "requests_per_second": len(outputs) / wall,
         "tokens_per_second": tokens / wall,
         "max_running_at_once": _max_overlap(spans) if spans else None,
         "preemptions": sum(o.metrics.num_preemptions for o in outputs if o.metrics is not None),
-        "first_token_seconds_median": sorted(ttft)[len(ttft) // 2] if ttft else None,
-        "answers": [o.outputs[0].text for o in outputs[:3]],
+        "first_token_seconds_median": ttft[len(ttft) // 2] if ttft else None,
+        "blocks_per_request": sorted({(o.kv_transfer_params or {}).get("kvfold_blocks") for o in outputs} - {None}),
     }
+    return summary, outputs
 
 
-def _compress(args, caches: Path) -> dict:
+def _files(args, caches: Path) -> dict:
+    """The logbook compressed under each memory budget, saved; kvfold ask's answers from each file in
+    ``--dtype`` (token ids), and the full prompt's ids."""
     import torch
 
     import kvfold
@@ -66,115 +73,163 @@ def _compress(args, caches: Path) -> dict:
     torch.set_num_threads(1)
     model, tokenizer = kvfold.load_model()
     text = build_logbook(tokenizer, args.tokens)
-    start = time.perf_counter()
     context = kvfold.prefill(model, tokenizer, text, methods=[args.method])
-    prefill = time.perf_counter() - start
-    small = context.compress(args.method, budget=args.budget)
-    kvfold.save_context(small, caches / "doc.kvc", source_text=text)
-    question = FACTS[0][1]
-    parts = build_prompt(tokenizer, text, question)
-    full_ids = encode(tokenizer, parts.context, special=True) + encode(tokenizer, parts.suffix, special=False)
-    return {
-        "context_tokens": context.context_tokens,
-        "prefill_seconds_kvfold": prefill,
-        "compress_seconds": small.compress_seconds,
-        "question": question,
-        "full_prompt_ids": full_ids,
-    }
+    made = {"context_tokens": context.context_tokens, "files": {}}
+    for memory in MEMORY:
+        name = f"mem{round(1 / memory)}"
+        small = context.compress(args.method, memory=memory)
+        kvfold.save_context(small, caches / f"{name}.kvc", source_text=text)
+        made["files"][name] = {"memory": memory, "compress_seconds": small.compress_seconds}
+    served, _ = kvfold.load_model(dtype=args.dtype)
+    for name in made["files"]:
+        loaded = kvfold.load_context(caches / f"{name}.kvc", served, tokenizer)
+        made["files"][name]["answers"] = {
+            q: loaded.generate(q, max_new_tokens=args.max_tokens)[0].token_ids for _, q, _ in FACTS
+        }
+    made["questions"] = [q for _, q, _ in FACTS]
+    parts = build_prompt(tokenizer, text, FACTS[0][1])
+    made["full_prompt_tokens"] = len(encode(tokenizer, parts.context, special=True)) + len(
+        encode(tokenizer, parts.suffix, special=False)
+    )
+    return made
+
+
+def _engine(args, blocks: int, *, plugin: bool, caches: Path):
+    from vllm import LLM
+
+    from kvfold.integrations.vllm.settings import BLOCK_SIZE, engine_settings
+    from kvfold.runtime.models import resolve_spec
+
+    settings = engine_settings(str(caches), prefix_caching=False, dtype=args.dtype)
+    if not plugin:  # stock vLLM: its own Llama, no connector
+        settings = {k: v for k, v in settings.items() if k not in ("hf_overrides", "kv_transfer_config")}
+    return LLM(
+        model=resolve_spec("smollm2-135m")[0],
+        max_model_len=min(8192, math.ceil((args.tokens + 512) / BLOCK_SIZE) * BLOCK_SIZE),
+        enforce_eager=True,
+        num_gpu_blocks_override=blocks,
+        max_num_seqs=max(args.requests, args.plain, 2),
+        disable_log_stats=False,  # per-request timestamps (scheduled, first and last token)
+        **settings,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--contexts", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=3000)
-    parser.add_argument("--method", default="kvzip[layerwise=true]+am_fit")
-    parser.add_argument("--budget", type=float, default=0.1)
-    parser.add_argument("--fit-full", type=int, default=2, help="the KV space holds this many full requests")
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--reuse", action="store_true", help="reuse the compressed file of an earlier run in --out")
+    parser.add_argument("--tokens", type=int, default=5000, help="the logbook's length in tokens")
+    parser.add_argument("--method", default="kvzip+am_fit")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--fit-full", type=int, default=2, help="the KV space holds this many full contexts")
+    parser.add_argument("--requests", type=int, default=30, help="requests on each file, sent at once")
+    parser.add_argument("--plain", type=int, default=16, help="plain requests (no file), sent at once")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--reuse", action="store_true", help="reuse the files of an earlier run in --out")
     args = parser.parse_args()
     caches = args.out / "caches"
     caches.mkdir(parents=True, exist_ok=True)
-    made_file = args.out / "compressed.json"
-    if args.reuse and made_file.is_file() and (caches / "doc.kvc").is_file():
+    made_file = args.out / "files.json"
+    if args.reuse and made_file.is_file():
         made = json.loads(made_file.read_text())
     else:
-        made = _compress(args, caches)
+        made = _files(args, caches)
         made_file.write_text(json.dumps(made))
 
-    # without it vLLM reserves 92% of the memory; the block count is set below
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the block count is set below
+    from vllm import SamplingParams
 
     from kvfold.integrations.vllm.requests import CacheCatalog
-    from kvfold.integrations.vllm.settings import BLOCK_SIZE, engine_settings
-    from kvfold.runtime.models import resolve_spec
+    from kvfold.integrations.vllm.settings import BLOCK_SIZE
 
-    catalog = CacheCatalog(caches, "smollm2-135m")
-    prepared = catalog.prepare("doc", made["question"], max_tokens=args.max_tokens)
-    full_ids = made["full_prompt_ids"]
-    per_full = math.ceil((len(full_ids) + args.max_tokens) / BLOCK_SIZE)
-    per_small = math.ceil((len(prepared.prompt_token_ids) + args.max_tokens) / BLOCK_SIZE)
-    blocks = args.fit_full * per_full
-    llm = LLM(
-        model=resolve_spec("smollm2-135m")[0],
-        max_model_len=per_full * BLOCK_SIZE,
-        enforce_eager=True,
-        num_gpu_blocks_override=blocks,
-        max_num_seqs=max(args.contexts, 2),
-        disable_log_stats=False,  # per-request timestamps (scheduled, first and last token)
-        **engine_settings(str(caches), prefix_caching=False),
-    )
-    small_params = SamplingParams(
-        temperature=0, max_tokens=args.max_tokens, extra_args={"kv_transfer_params": prepared.kv_transfer_params}
-    )
-    plain_params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    small_prompt = {"prompt_token_ids": prepared.prompt_token_ids, "cache_salt": prepared.cache_salt}
-    full_prompt = {"prompt_token_ids": full_ids}
-    one_token_small = SamplingParams(temperature=0, max_tokens=1, **_extra(prepared))
-    _run(llm, [small_prompt], small_params)  # warm both paths once
-    _run(llm, [full_prompt], plain_params)
+    full_blocks = math.ceil((made["context_tokens"] + args.max_tokens) / BLOCK_SIZE)
+    blocks = args.fit_full * full_blocks
+    catalog = CacheCatalog(caches, "smollm2-135m", args.dtype)
     results = {
         "settings": {**vars(args), "out": str(args.out), "block_size": BLOCK_SIZE, "kv_blocks": blocks},
         "context_tokens": made["context_tokens"],
-        "slots": prepared.cache.slots,
-        "compress_seconds": made["compress_seconds"],
-        "blocks_per_request": {"compressed": per_small, "full": per_full},
-        "fit_in_kv_space": {"compressed": blocks // per_small, "full": blocks // per_full},
-        "compressed": _run(llm, [small_prompt] * args.contexts, small_params),
-        "full": _run(llm, [full_prompt] * args.contexts, plain_params),
-        "first_token_alone": {
-            "from_saved_file": _run(llm, [small_prompt], one_token_small)["seconds"],
-            "fresh_prefill": _run(llm, [full_prompt], SamplingParams(temperature=0, max_tokens=1))["seconds"],
-        },
+        "full_context_blocks": full_blocks,
+        "files": {},
     }
+    llm = _engine(args, blocks, plugin=True, caches=caches)
+    questions = made["questions"]
+    for name, info in made["files"].items():
+        prepared = [catalog.prepare(name, q, max_tokens=args.max_tokens) for q in questions]
+        prompts = [{"prompt_token_ids": p.prompt_token_ids, "cache_salt": p.cache_salt} for p in prepared]
+        params = [
+            SamplingParams(
+                temperature=0, max_tokens=args.max_tokens, extra_args={"kv_transfer_params": p.kv_transfer_params}
+            )
+            for p in prepared
+        ]
+        _run(llm, prompts[:1], params[:1])  # warm
+        order = [i % len(questions) for i in range(args.requests)]
+        summary, outputs = _run(llm, [prompts[i] for i in order], [params[i] for i in order])
+        expected = [info["answers"][questions[i]] for i in order]
+        summary["answers_as_kvfold_ask"] = sum(
+            _answer(o) == e[: len(_answer(o))] and len(_answer(o)) >= min(len(e), 1)
+            for o, e in zip(outputs, expected, strict=True)
+        )
+        one = SamplingParams(
+            temperature=0, max_tokens=1, extra_args={"kv_transfer_params": prepared[0].kv_transfer_params}
+        )
+        summary["first_token_alone_seconds"] = _run(llm, prompts[:1], [one])[0]["seconds"]
+        params_out = outputs[0].kv_transfer_params or {}
+        summary["file_blocks"] = params_out.get("kvfold_slots", 0) // BLOCK_SIZE
+        summary["block_bytes"] = params_out.get("kvfold_block_bytes")
+        summary["fit_in_kv_space"] = blocks // max(summary["blocks_per_request"] or [1])
+        results["files"][name] = {**{k: v for k, v in info.items() if k != "answers"}, **summary}
+    plain_prompts = [{"prompt": f"Write one sentence about the number {i}."} for i in range(args.plain)]
+    plain_params = SamplingParams(temperature=0, max_tokens=4 * args.max_tokens, ignore_eos=True)
+    _run(llm, plain_prompts[:2], plain_params)  # warm
+    results["plain_plugin"], plugin_out = _run(llm, plain_prompts, plain_params)
+    del llm
+    gc.collect()
+    stock = _engine(args, blocks, plugin=False, caches=caches)
+    _run(stock, plain_prompts[:2], plain_params)
+    results["plain_stock"], stock_out = _run(stock, plain_prompts, plain_params)
+    results["plain_same_answers"] = sum(
+        list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(plugin_out, stock_out, strict=True)
+    )
+    results["plain_tokens_per_second_ratio"] = (
+        results["plain_plugin"]["tokens_per_second"] / results["plain_stock"]["tokens_per_second"]
+    )
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     (args.out / "results.md").write_text(_table(results))
     _plot(results, args.out / "serving.png")
     print(_table(results))
 
 
-def _extra(prepared) -> dict:
-    return {"extra_args": {"kv_transfer_params": prepared.kv_transfer_params}}
+def _answer(output) -> list[int]:
+    return [int(t) for t in output.outputs[0].token_ids]
 
 
 def _table(r: dict) -> str:
-    c, f = r["compressed"], r["full"]
+    s = r["settings"]
     rows = [
-        "| | compressed (saved file) | full (prefilled) |",
+        f"KV space: {s['kv_blocks']} blocks of {s['block_size']} tokens ({s['fit_full']} full contexts of "
+        f"{r['context_tokens']} tokens, {s['dtype']}).",
+        "",
+        "| file | blocks for the file | blocks a request holds | fit in the KV space | ran at once (measured) | "
+        "answers as kvfold ask | tokens / s | first token alone (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for f in r["files"].values():
+        rows.append(
+            f"| `{s['method']}`, `--memory 1/{round(1 / f['memory'])}` | {f['file_blocks']} | "
+            f"{', '.join(map(str, f['blocks_per_request']))} | {f['fit_in_kv_space']} | {f['max_running_at_once']} | "
+            f"{f['answers_as_kvfold_ask']} of {f['requests']} | {f['tokens_per_second']:.1f} | "
+            f"{f['first_token_alone_seconds']:.2f} |"
+        )
+    full = r["full_context_blocks"]
+    rows.append(f"| full context (prefilled) | {full} | {full} | {s['fit_full']} | | | | |")
+    p, q = r["plain_plugin"], r["plain_stock"]
+    rows += [
+        "",
+        "| plain requests (no file) | tokens / s | same tokens as stock |",
         "|---|---:|---:|",
-        f"| entries a request holds (context {r['context_tokens']} tokens) | {r['slots']} | {r['context_tokens']} |",
-        f"| KV blocks a request holds | {r['blocks_per_request']['compressed']} | {r['blocks_per_request']['full']} |",
-        f"| requests that fit in the KV space ({r['settings']['kv_blocks']} blocks) | "
-        f"{r['fit_in_kv_space']['compressed']} | {r['fit_in_kv_space']['full']} |",
-        f"| requests running at once (measured) | {c['max_running_at_once']} | {f['max_running_at_once']} |",
-        f"| {c['requests']} requests: seconds | {c['seconds']:.1f} | {f['seconds']:.1f} |",
-        f"| requests / s | {c['requests_per_second']:.2f} | {f['requests_per_second']:.2f} |",
-        f"| generated tokens / s | {c['tokens_per_second']:.1f} | {f['tokens_per_second']:.1f} |",
-        f"| preemptions | {c['preemptions']} | {f['preemptions']} |",
-        f"| one request alone, time to first token (s) | {r['first_token_alone']['from_saved_file']:.2f} | "
-        f"{r['first_token_alone']['fresh_prefill']:.2f} |",
+        f"| kvfold's engine | {p['tokens_per_second']:.1f} | {r['plain_same_answers']} of {p['requests']} |",
+        f"| stock vLLM Llama | {q['tokens_per_second']:.1f} | |",
+        f"| ratio | {r['plain_tokens_per_second_ratio']:.3f} | |",
     ]
     return "\n".join(rows) + "\n"
 
@@ -185,22 +240,15 @@ def _plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
-    labels = ["compressed", "full"]
-    panels = [
-        ("requests at once", [r["compressed"]["max_running_at_once"], r["full"]["max_running_at_once"]]),
-        ("generated tokens / s", [r["compressed"]["tokens_per_second"], r["full"]["tokens_per_second"]]),
-        (
-            "first token, alone (s)",
-            [r["first_token_alone"]["from_saved_file"], r["first_token_alone"]["fresh_prefill"]],
-        ),
-    ]
-    for ax, (title, values) in zip(axes, panels, strict=True):
-        ax.bar(labels, values, color=["tab:green", "tab:gray"])
-        ax.set_title(title, fontsize=10)
-    fig.suptitle(
-        f"vLLM CPU, {r['context_tokens']}-token context, {r['settings']['method']} @ {r['settings']['budget']}"
-    )
+    names = list(r["files"])
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    labels = [f"1/{round(1 / r['files'][n]['memory'])}" for n in names] + ["full"]
+    axes[0].bar(labels, [r["files"][n]["max_running_at_once"] for n in names] + [r["settings"]["fit_full"]],
+                color=["tab:green"] * len(names) + ["tab:gray"])  # fmt: skip
+    axes[0].set_title("requests at once in the same KV space", fontsize=10)
+    axes[1].bar(labels[:-1], [r["files"][n]["tokens_per_second"] for n in names], color="tab:green")
+    axes[1].set_title("generated tokens / s", fontsize=10)
+    fig.suptitle(f"vLLM CPU ({r['settings']['dtype']}), {r['context_tokens']}-token logbook, {r['settings']['method']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -40,6 +40,11 @@ METHODS = {
 """Cache name → method, each at keep 0.1 of the logbook. KVzip ranks all layers and heads at once, so
 its longest row nears the context (vLLM pads every row to it); ``uniform`` keeps equal counts a head."""
 BUDGET = 0.1
+MEMORY = {"mem16": 1 / 16, "mem32": 1 / 32, "mem64": 1 / 64}
+"""Cache name → the fraction of the 16-bit full cache's bytes ``kvzip+am_fit`` keeps (``--memory``: 4 bits
+at 1/16 and 1/32, 3 bits at 1/64)."""
+SERVED = (*METHODS, *MEMORY)
+"""Every compressed file the tests serve."""
 ANSWER_TOKENS = 24
 PAIR = ("The secret code of the archive is {}.", ("4821", "7395"))
 """Two short contexts of the same length that differ in one number (prefix-cache mixing)."""
@@ -238,6 +243,9 @@ def saved(caches, model_and_tokenizer, logbook) -> dict[str, Path]:
     for name, method in METHODS.items():
         paths[name] = caches / f"{name}.kvc"
         kvfold.save_context(context.compress(method, budget=BUDGET), paths[name], source_text=logbook)
+    for name, memory in MEMORY.items():
+        paths[name] = caches / f"{name}.kvc"
+        kvfold.save_context(context.compress(METHODS["am_fit"], memory=memory), paths[name], source_text=logbook)
     template, numbers = PAIR
     for number in numbers:
         text = " ".join([template.format(number)] * 4)
@@ -252,7 +260,7 @@ def references(saved, model_and_tokenizer) -> dict[str, dict[str, list[int]]]:
     """``kvfold ask``'s greedy answers (token ids) from each method's file, per question."""
     model, tokenizer = model_and_tokenizer
     out = {}
-    for name in METHODS:
+    for name in SERVED:
         context = kvfold.load_context(saved[name], model, tokenizer)
         out[name] = {q: context.generate(q, max_new_tokens=ANSWER_TOKENS)[0].token_ids for _, q, _ in FACTS}
     return out

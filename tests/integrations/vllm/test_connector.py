@@ -4,7 +4,9 @@
   dropped when the request finishes;
 * a resumed request scheduled without its blocks fails: its blocks, as allocated, are reported as
   load errors (vLLM then ends it with an error);
-* a load that does not write every layer of the file fails the same way.
+* a load that does not fit the model's layers or the request's slots fails the same way;
+* chunk ``c`` of a file lands in block ``c // L`` of layer ``c % L``, and every scheduled request on a
+  file is sent (and published to the backend) by its first block.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from kvfold.integrations.vllm.connector import KvfoldConnector, KvfoldConnectorMetadata, LoadSpec
+from kvfold.integrations.vllm.connector import FileRef, KvfoldConnector, KvfoldConnectorMetadata, LoadSpec
 from kvfold.integrations.vllm.settings import EXTRA_CACHES, EXTRA_SHIFT
 
 BLOCK = 32
@@ -26,7 +28,11 @@ def _connector(tmp_path, role: KVConnectorRole) -> KvfoldConnector:
     config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config={EXTRA_CACHES: str(tmp_path), EXTRA_SHIFT: True}),
         cache_config=SimpleNamespace(block_size=BLOCK),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace()),
+        model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(
+                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=WIDTH
+            )
+        ),
     )
     return KvfoldConnector(config, role)
 
@@ -101,38 +107,50 @@ def test_a_resumed_request_with_its_blocks_loads_into_the_new_ones(tmp_path):
     assert load.block_ids == [11, 12] and load.error is None
 
 
+def test_every_scheduled_request_on_a_file_is_sent_by_its_first_block(tmp_path):
+    conn = _connector(tmp_path, KVConnectorRole.SCHEDULER)
+    _allocate(conn, "a", [7, 8])
+    meta = conn.build_connector_meta(_output(new={"a": [7, 8]}))
+    assert {first: ref.name for first, ref in meta.active.items()} == {7: "doc"}
+    assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active.keys() == {7}  # still running
+    assert conn.build_connector_meta(_output()).active == {}  # not scheduled this step
+    # preempted, then resumed in new blocks: sent by its new first block
+    meta = conn.build_connector_meta(_output(cached=["a"], resumed=["a"], cached_blocks=[([11, 12],)]))
+    assert meta.active.keys() == {11}
+    conn.request_finished(_request("a"), [11, 12])
+    assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active == {}
+
+
 class _Layer:
     def __init__(self, blocks: int = 4, cache: bool = True) -> None:
         self.kv_cache = torch.zeros(blocks, HEADS, BLOCK, 2 * WIDTH) if cache else torch.tensor([])
-        self.isa = "vec"
-        self._k_scale_float = self._v_scale_float = 1.0
-        self.impl = SimpleNamespace(kv_cache_dtype="auto")
 
 
-def _layout() -> SimpleNamespace:
-    keys = [torch.full((HEADS, SLOTS, WIDTH), float(i + 1)) for i in range(LAYERS)]
-    return SimpleNamespace(slots=SLOTS, keys=keys, values=[k.clone() for k in keys])
+CHUNK = HEADS * BLOCK * 2 * WIDTH * 4
+CHUNKS = 2 * LAYERS - 1
+
+
+def _pool() -> tuple[SimpleNamespace, torch.Tensor]:
+    """A file of :data:`CHUNKS` chunks, chunk ``c`` all bytes ``c + 1``."""
+    served = SimpleNamespace(
+        placeholders=SLOTS,
+        file_blocks=2,
+        plan=SimpleNamespace(rows_per_layer=(HEADS,) * LAYERS, num_chunks=CHUNKS),
+    )
+    chunks = torch.arange(1, CHUNKS + 1, dtype=torch.uint8)[:, None].expand(CHUNKS, CHUNK).contiguous()
+    return served, chunks
 
 
 @pytest.fixture
 def worker(tmp_path, monkeypatch):
-    """A worker-side connector whose file is :func:`_layout` and whose cache write is recorded."""
-    from vllm import _custom_ops
-
+    """A worker-side connector whose file is :func:`_pool`."""
     conn = _connector(tmp_path, KVConnectorRole.WORKER)
-    monkeypatch.setattr(conn, "_layout", lambda name, checksum: _layout())
-    written: list[float] = []
-
-    def write(keys, values, key_cache, value_cache, slot_mapping, isa, **kw):
-        written.append(float(keys[0, 0, 0]))
-
-    monkeypatch.setattr(_custom_ops, "cpu_attn_reshape_and_cache", write, raising=False)
-    return conn, written
+    monkeypatch.setattr(conn, "_pool", lambda name, checksum: _pool())
+    return conn
 
 
-def _load(worker: tuple[KvfoldConnector, list[float]], layers: dict) -> set[int]:
-    conn = worker[0]
-    spec = LoadSpec(req_id="a", name="doc", checksum="abc", slots=SLOTS, start=0, count=SLOTS, block_ids=[2, 3])
+def _load(conn: KvfoldConnector, layers: dict, slots: int = SLOTS) -> set[int]:
+    spec = LoadSpec(req_id="a", name="doc", checksum="abc", slots=slots, start=0, count=slots, block_ids=[2, 3])
     conn.bind_connector_metadata(KvfoldConnectorMetadata(loads=[spec]))
     conn.start_load_kv(SimpleNamespace(no_compile_layers=layers))
     return conn.get_block_ids_with_load_errors()
@@ -142,23 +160,37 @@ def _layers(count: int = LAYERS, **bad) -> dict:
     return {f"model.layers.{i}.self_attn.attn": bad.get(str(i), _Layer()) for i in range(count)}
 
 
-def test_every_layer_of_the_file_is_written(worker):
-    assert _load(worker, {"model.norm": torch.nn.Identity(), **_layers()}) == set()
-    assert worker[1] == [1.0, 2.0, 3.0]
+def test_chunk_c_is_written_to_block_c_over_layers_of_layer_c_mod_layers(worker):
+    layers = _layers()
+    assert _load(worker, {"model.norm": torch.nn.Identity(), **layers}) == set()
+    caches = [layer.kv_cache for layer in layers.values()]
+    for index in range(CHUNKS):
+        block = caches[index % LAYERS][[2, 3][index // LAYERS]]
+        assert bool((block.view(-1).view(torch.uint8) == index + 1).all()), index
+    assert float(caches[LAYERS - 1][3].abs().sum()) == 0  # past the last chunk: untouched
+    assert all(float(cache[[0, 1]].abs().sum()) == 0 for cache in caches)  # other blocks: untouched
 
 
-@pytest.mark.parametrize(
-    "case", ["a-layer-missing", "a-layer-without-cache", "a-layer-without-isa", "a-layer-the-file-lacks"]
-)
-def test_a_load_that_misses_a_layer_fails(worker, case):
+def test_the_requests_on_files_are_published_to_the_backend(worker, monkeypatch):
+    from kvfold.integrations.vllm import backend
+
+    seen = {}
+    monkeypatch.setattr(backend, "publish", lambda active: seen.update(active))
+    ref = FileRef("doc", "abc", SLOTS)
+    worker.bind_connector_metadata(KvfoldConnectorMetadata(active={7: ref, 9: FileRef("doc", "abc", SLOTS + 32)}))
+    worker.start_load_kv(SimpleNamespace(no_compile_layers=_layers()))
+    assert list(seen) == [7]  # a request whose slots do not match the file is not read as that file
+
+
+@pytest.mark.parametrize("case", ["a-layer-missing", "a-layer-without-cache", "a-layer-the-file-lacks", "slots"])
+def test_a_load_that_does_not_fit_the_model_or_the_request_fails(worker, case):
+    slots = SLOTS
     if case == "a-layer-missing":
         layers = _layers(LAYERS - 1)
     elif case == "a-layer-without-cache":
         layers = _layers(**{"1": _Layer(cache=False)})
-    elif case == "a-layer-without-isa":
-        layer = _Layer()
-        del layer.isa
-        layers = _layers(**{"1": layer})
+    elif case == "slots":
+        layers, slots = _layers(), SLOTS + 32
     else:
         layers = _layers(LAYERS + 1)
-    assert _load(worker, layers) == {2, 3}
+    assert _load(worker, layers, slots) == {2, 3}

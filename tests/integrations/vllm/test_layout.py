@@ -1,12 +1,17 @@
-"""The layout a cache file is served in, checked through kvfold's own attention (no vLLM needed).
+"""What is served, and how a file is laid into a request's blocks (no vLLM needed).
 
-A cache rebuilt from the layout (narrow keys, β read back from the widened channel, logical length
-= slots) must answer as the file does; and each thing the layout does must matter: without the key
-rotation (positions from C instead of T), without β, or with the padding attended, some of the
-five answers change. vLLM runs this same layout (``test_server`` checks its answers).
+* The RoPE turn: the backend turns the question's queries by ``T − P`` instead of the keys by
+  ``−(T − P)``; both give the same logits, and a question left at the placeholders' positions (no
+  turn) answers otherwise.
+* A file is held at its own bytes: its chunks fill ``ceil(chunks / layers)`` blocks, within 5% of
+  the rows' bytes (plus the last block), in float32 and in bfloat16; the API server's plan equals the
+  worker's.
+* What cannot be served is refused in one line.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -14,40 +19,25 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvfold.evaluate.data.logbook import FACTS
 from kvfold.integrations.vllm.layout import (
-    PAD_BETA,
-    ServedLayout,
     UnservableCacheError,
-    build_layout,
+    check_servable,
     read_cache_file,
     rope_inverse_frequencies,
     rotate_keys,
-    wide_head_size,
 )
+from kvfold.integrations.vllm.pool_layout import chunk_bytes, pool_rows, served_plan, served_pool
+from kvfold.integrations.vllm.settings import BLOCK_SIZE
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.prompts import build_prompt, encode
-
-
-def _as_cache(layout: ServedLayout, config) -> FoldedCache:
-    """A FoldedCache that holds what vLLM holds: ``slots`` entries a row at positions 0…slots−1."""
-    cache = FoldedCache(config)
-    dim = config.head_dim
-    for index, layer in enumerate(cache.layers):
-        keys, values = layout.keys[index][None], layout.values[index][None]
-        beta = keys[..., dim].float() * dim**-0.5
-        narrow_k, narrow_v = keys[..., :dim].contiguous(), values[..., :dim].contiguous()
-        layer.update(narrow_k, narrow_v)
-        layer.logical_length = layout.slots
-        layer.replace(narrow_k, narrow_v, beta)
-    return cache
+from kvfold.runtime.quantize import QuantConfig
+from tests.integrations.vllm.conftest import MEMORY, METHODS
 
 
 @torch.inference_mode()
 def _answers_agree(model, tokenizer, cache: FoldedCache, answers: dict[str, list[int]]) -> list[bool]:
-    """Per question, whether greedy decoding from ``cache`` gives ``answers[question]`` (kvfold ask's).
-
-    Teacher-forced in one forward: greedy decoding reproduces the answer exactly when every step's
-    argmax is the answer's next token (up to the first step that differs, the two read the same prefix).
-    """
+    """Per question, whether greedy decoding from ``cache`` gives ``answers[question]`` (kvfold ask's),
+    teacher-forced in one forward (greedy decoding reproduces the answer exactly when every step's
+    argmax is the answer's next token)."""
     agree = []
     for _, question, _ in FACTS:
         suffix = encode(tokenizer, build_prompt(tokenizer, "", question).suffix, special=False)
@@ -58,13 +48,6 @@ def _answers_agree(model, tokenizer, cache: FoldedCache, answers: dict[str, list
         logits = model(ids, past_key_values=work, position_ids=positions).logits[0, len(suffix) - 1 : -1]
         agree.append(logits.argmax(-1).tolist() == answers[question])
     return agree
-
-
-def test_a_wider_head_has_room_for_beta():
-    assert wide_head_size(64) == 80
-    assert wide_head_size(128) == 160
-    with pytest.raises(UnservableCacheError):
-        wide_head_size(512)
 
 
 def test_rotating_keys_moves_their_rope_position(model_and_tokenizer):
@@ -81,46 +64,56 @@ def test_rotating_keys_moves_their_rope_position(model_and_tokenizer):
     assert torch.allclose(rotate_keys(rotate_keys(at_100, -37, inv_freq), 37, inv_freq), at_100, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["am_fit", "adakv"])
-def test_the_layout_answers_as_the_file(saved, references, model_and_tokenizer, name):
-    model, tokenizer = model_and_tokenizer
-    cache, _ = read_cache_file(saved[name], model.config)
-    layout = build_layout(cache, model.config)
-    assert layout.slots < layout.logical_length
-    assert all(_answers_agree(model, tokenizer, cache, references[name]))
-    assert all(_answers_agree(model, tokenizer, _as_cache(layout, model.config), references[name]))
+def test_turning_the_queries_forward_equals_turning_the_keys_back(model_and_tokenizer):
+    inv_freq = rope_inverse_frequencies(model_and_tokenizer[0].config)
+    g = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(4, 64, generator=g, dtype=torch.float64), torch.randn(7, 64, generator=g).double()
+    turned_queries = rotate_keys(queries, 1507, inv_freq) @ keys.T
+    turned_keys = queries @ rotate_keys(keys, -1507, inv_freq).T
+    torch.testing.assert_close(turned_queries, turned_keys, rtol=1e-10, atol=1e-10)
 
 
-def test_positions_from_c_instead_of_t_change_the_answers(saved, references, model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    cache, _ = read_cache_file(saved["uniform"], model.config)
-    unturned = build_layout(cache, model.config, keep_positions=False)
-    assert unturned.logical_length - unturned.slots > 1000
-    assert not all(_answers_agree(model, tokenizer, _as_cache(unturned, model.config), references["uniform"]))
-
-
-def test_dropping_beta_changes_the_answers(saved, references, model_and_tokenizer):
+def test_a_question_left_at_the_placeholders_positions_answers_otherwise(saved, references, model_and_tokenizer):
+    """The mutation the turn guards against: the file's entries seen from position P, not T."""
     model, tokenizer = model_and_tokenizer
     cache, _ = read_cache_file(saved["am_fit"], model.config)
-    layout = build_layout(cache, model.config)
-    dim = model.config.head_dim
-    for keys in layout.keys:
-        real = keys[..., dim] > PAD_BETA / dim**-0.5 / 2  # entries, not padding
-        keys[..., dim] = torch.where(real, torch.zeros_like(keys[..., dim]), keys[..., dim])
-    assert not all(_answers_agree(model, tokenizer, _as_cache(layout, model.config), references["am_fit"]))
+    served = served_plan(cache, model.config, BLOCK_SIZE, torch.float32)
+    assert served.logical_length - served.placeholders > 1000
+    assert all(_answers_agree(model, tokenizer, cache, references["am_fit"]))
+    for layer in cache.layers:
+        layer.logical_length = served.placeholders
+    assert not all(_answers_agree(model, tokenizer, cache, references["am_fit"]))
 
 
-def test_attending_the_padding_changes_the_answers(saved, references, model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    cache, _ = read_cache_file(saved["adakv"], model.config)
-    layout = build_layout(cache, model.config)
-    dim = model.config.head_dim
-    padded = sum(int((keys[..., dim] < 0.5 * PAD_BETA / dim**-0.5).sum()) for keys in layout.keys)
-    total = sum(keys[..., dim].numel() for keys in layout.keys)
-    assert 0.1 < padded / total < 0.9  # per-head budgets: rows of different lengths
-    for keys in layout.keys:
-        keys[..., dim] = keys[..., dim].clamp(min=0.0)
-    assert not all(_answers_agree(model, tokenizer, _as_cache(layout, model.config), references["adakv"]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", [*METHODS, *MEMORY])
+def test_a_file_is_held_at_its_own_bytes(saved, model_and_tokenizer, name, dtype):
+    model, _ = model_and_tokenizer
+    cache, _ = read_cache_file(saved[name], model.config)
+    served, chunks = served_pool(cache, model.config, BLOCK_SIZE, dtype)
+    planned = served_plan(cache, model.config, BLOCK_SIZE, dtype)  # the API server's, without the bytes
+    assert (planned.plan, planned.placeholders, planned.block_bytes) == (
+        served.plan,
+        served.placeholders,
+        served.block_bytes,
+    )
+    layers = model.config.num_hidden_layers
+    assert served.block_bytes == chunk_bytes(model.config, BLOCK_SIZE, dtype) * layers == chunks.shape[1] * layers
+    assert served.placeholders == math.ceil(chunks.shape[0] / layers) * BLOCK_SIZE
+    rows = pool_rows(cache)
+    element = torch.empty(0, dtype=dtype).element_size()
+    held = sum(  # the rows' bytes as the engine holds them: codes as stored, full-precision rows in its dtype
+        r.nbytes() if hasattr(r, "config") else r.lengths.numel() * 8 + r.keys.numel() * element * 2 + 4 * len(r.keys)
+        for r in rows
+    )
+    blocks = served.placeholders // BLOCK_SIZE
+    assert held <= blocks * served.block_bytes <= 1.05 * held + served.block_bytes
+    context = cache.layers[0].logical_length
+    full_blocks = math.ceil(context / BLOCK_SIZE)
+    if name in MEMORY:  # a fraction of the 16-bit cache: of the float32 blocks, half of it
+        assert blocks <= math.ceil(full_blocks * MEMORY[name] * (2 if dtype == torch.float32 else 1) * 1.1) + 1
+    else:  # keep 0.1: a tenth of the context's blocks, whatever the rows' lengths
+        assert blocks <= math.ceil(full_blocks * 0.1 * 1.1) + 1
 
 
 def test_unservable_files_are_refused_in_one_line(saved, model_and_tokenizer, tmp_path, logbook):
@@ -134,10 +127,12 @@ def test_unservable_files_are_refused_in_one_line(saved, model_and_tokenizer, tm
     with pytest.raises(UnservableCacheError, match="query-aware"):
         read_cache_file(path, model.config)
     cache, header = read_cache_file(saved["kvzip"], model.config)
-    from kvfold.integrations.vllm.layout import check_servable
-    from kvfold.runtime.quantize import QuantConfig
-
-    cache.quantize(QuantConfig(format="int4"))  # as a file of kvfold compress --kv-bits 4 loads
-    with pytest.raises(UnservableCacheError, match="layer 0 is stored quantized") as err:
-        check_servable(cache, header)
+    check_servable(cache, header)
+    cache.layers[3].quantize(QuantConfig(format="int4"))
+    with pytest.raises(UnservableCacheError, match="some layers are stored quantized") as err:
+        served_plan(cache, model.config, BLOCK_SIZE, torch.float32)
+    assert "\n" not in str(err.value)
+    cache.quantize(QuantConfig(format="int4", outliers=1))
+    with pytest.raises(UnservableCacheError, match="outlier") as err:
+        served_plan(cache, model.config, BLOCK_SIZE, torch.float32)
     assert "\n" not in str(err.value)

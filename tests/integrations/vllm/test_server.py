@@ -16,16 +16,18 @@ from transformers import AutoModelForCausalLM
 
 import kvfold
 from kvfold.evaluate.data.logbook import FACTS
-from kvfold.integrations.vllm.layout import read_cache_file, slots_of
+from kvfold.integrations.vllm.layout import read_cache_file
+from kvfold.integrations.vllm.pool_layout import pool_rows, served_plan
+from kvfold.integrations.vllm.settings import BLOCK_SIZE
 from kvfold.runtime.models import resolve_spec
 from kvfold.runtime.prompts import build_prompt, encode
 from kvfold.store.format import read_info
-from tests.integrations.vllm.conftest import ANSWER_TOKENS, HELD_GIB, METHODS, PAIR, _free_port
+from tests.integrations.vllm.conftest import ANSWER_TOKENS, HELD_GIB, MEMORY, METHODS, PAIR, SERVED, _free_port
 
 LOGPROB_TOLERANCE = 2e-3
 """Largest difference allowed between vLLM's and kvfold's log-probabilities (float32 both). Measured
-differences are ~1e-4: the two sum attention in another order, vLLM's RoPE table and the rotation of
-the stored keys by −(T − slots) (float64, then float32) each move a logit by a few float32 ulps of
+differences are ~1e-4: the two sum attention in another order, vLLM's RoPE table and the turn of the
+question's queries by T − P (float64, then float32) each move a logit by a few float32 ulps of
 values up to ~30; 2e-3 is 10× the largest seen and 100× below the gap between a greedy token and the
 runner-up that these answers need to stay the same."""
 
@@ -83,7 +85,7 @@ def _stock_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", sorted(SERVED))
 def test_compressed_caches_answer_the_five_questions_as_kvfold_ask(
     server, saved, references, model_and_tokenizer, name
 ):
@@ -95,7 +97,7 @@ def test_compressed_caches_answer_the_five_questions_as_kvfold_ask(
         assert _answer_ids(body, eos) == references[name][question], question
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
+@pytest.mark.parametrize("name", sorted(SERVED))
 def test_log_probabilities_agree_with_kvfold(server, saved, model_and_tokenizer, name):
     """Every generated step's top-5 log-probabilities, against kvfold's teacher-forced on vLLM's tokens."""
     model, tokenizer = model_and_tokenizer
@@ -121,26 +123,32 @@ def test_log_probabilities_agree_with_kvfold(server, saved, model_and_tokenizer,
     assert worst < LOGPROB_TOLERANCE
 
 
-@pytest.mark.parametrize("name", sorted(METHODS))
-def test_blocks_cover_the_compressed_length_and_the_question(server, saved, model_and_tokenizer, name):
-    """vLLM holds ``slots`` (the longest row) + question + answer, in blocks; with equal counts a head
-    (``uniform``) that is a tenth of the context, with KVzip's global ranking nearly all of it."""
-    _, tokenizer = model_and_tokenizer
+@pytest.mark.parametrize("name", sorted(SERVED))
+def test_a_request_holds_its_files_bytes_and_its_questions_blocks(server, saved, model_and_tokenizer, name):
+    """vLLM's own block count for a request: ceil(file bytes / block bytes) for the file (within 5% of
+    its rows' bytes, plus the last block), then the question's and answer's. A tenth of the context at
+    keep 0.1, whatever the rows' lengths; ``--memory`` files at their fraction of the bytes."""
+    model, tokenizer = model_and_tokenizer
     question = FACTS[2][1]
     status, body = server.ask(name, question)
     assert status == 200, body
     params = body["kv_transfer_params"]
     slots, blocks, block_size = params["kvfold_slots"], params["kvfold_blocks"], params["kvfold_block_size"]
+    block_bytes = params["kvfold_block_bytes"]
     suffix = encode(tokenizer, build_prompt(tokenizer, "", question).suffix, special=False)
     prompt, generated = body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]
-    assert prompt == slots + len(suffix)
-    assert blocks == math.ceil((prompt + generated - 1) / block_size)  # the last token's entry is never written
-    cache, _ = read_cache_file(saved[name], model_and_tokenizer[0].config)
-    assert slots == max(layer.physical_length for _, layer in cache.folded_layers)
+    assert prompt == slots + len(suffix) and slots % block_size == 0
+    own = math.ceil((len(suffix) + generated - 1) / block_size)  # the last token's entry is never written
+    assert blocks == slots // block_size + own
+    cache, _ = read_cache_file(saved[name], model.config)
+    served = served_plan(cache, model.config, BLOCK_SIZE, torch.float32)
+    assert served.block_bytes == block_bytes and served.placeholders == slots
+    file_bytes = sum(rows.nbytes() for rows in pool_rows(cache))  # float32 rows, as served here
+    assert file_bytes <= (slots // block_size) * block_bytes <= 1.05 * file_bytes + block_bytes
     context_tokens = read_info(saved[name]).context_tokens[0]
-    if name == "uniform":
-        assert slots <= math.ceil(0.1 * context_tokens) + 8
-        assert blocks * block_size < 0.15 * context_tokens
+    full_blocks = math.ceil(context_tokens / block_size)
+    fraction = 2 * MEMORY[name] if name in MEMORY else 0.1  # float32 blocks: a 16-bit fraction is half of them
+    assert slots // block_size <= math.ceil(1.1 * fraction * full_blocks) + 1
 
 
 def test_prefix_caching_never_mixes_two_caches(server, saved, model_and_tokenizer):
@@ -148,7 +156,12 @@ def test_prefix_caching_never_mixes_two_caches(server, saved, model_and_tokenize
     model, tokenizer = model_and_tokenizer
     eos = _eos(model, tokenizer)
     question = "What is the secret code of the archive?"
-    slots = {number: slots_of(read_cache_file(saved[f"code{number}"], model.config)[0]) for number in PAIR[1]}
+    slots = {
+        number: served_plan(
+            read_cache_file(saved[f"code{number}"], model.config)[0], model.config, BLOCK_SIZE, torch.float32
+        ).placeholders
+        for number in PAIR[1]
+    }
     assert len(set(slots.values())) == 1, slots  # the same placeholder prompt for both files
     answers = {}
     for number in PAIR[1]:
@@ -161,13 +174,20 @@ def test_prefix_caching_never_mixes_two_caches(server, saved, model_and_tokenize
     assert PAIR[1][0] in answers[PAIR[1][0]] and PAIR[1][1] in answers[PAIR[1][1]]
 
 
-def test_a_request_without_a_cache_is_plain_vllm(server, saved, model_and_tokenizer):
-    """The widened heads add nothing to a request without a cache: vLLM's tokens are transformers'."""
+def test_a_request_without_a_cache_is_plain_vllm_at_stock_bytes(server, saved, model_and_tokenizer):
+    """A request without a cache: vLLM's tokens are transformers'; and every block of the engine holds
+    what stock vLLM's Llama holds (vLLM's own KV tensors' bytes over its block count, as a file's
+    request reports them): keys and values of 64 channels, no channel added for β."""
     model, tokenizer = model_and_tokenizer
     status, body = server.ask(None, "Name three colours.", max_tokens=12, ignore_eos=True)
     assert status == 200, body
     ids = torch.tensor([body["prompt_token_ids"]])
     assert body["choices"][0]["token_ids"] == _stock_greedy(model, ids, 12)
+    status, body = server.ask("kvzip", FACTS[0][1], max_tokens=2)
+    assert status == 200, body
+    config = model.config
+    stock = BLOCK_SIZE * config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    assert body["kv_transfer_params"]["kvfold_block_bytes"] == stock == 1_474_560
 
 
 def test_bad_requests_get_an_error_and_the_server_keeps_serving(server, saved, scratch_cache, tmp_path, references):

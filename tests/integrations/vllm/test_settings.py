@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 from kvfold.integrations.vllm import settings
-from kvfold.integrations.vllm.layout import SUPPORTED_HEAD_SIZES, wide_head_size
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.models import resolve_spec
 
@@ -15,14 +14,10 @@ GIB = settings.GIB
 SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
 
 
-def test_the_head_sizes_are_the_layouts():
-    assert settings.SERVED_HEAD_SIZES == SUPPORTED_HEAD_SIZES
-    assert all(settings.served_head_size(d) == wide_head_size(d) for d in (32, 48, 64, 100, 128))
-
-
-def test_a_token_of_smollm2_takes_57600_bytes():
-    """30 layers × keys and values × 3 KV heads × 80 channels (64 widened for β) × 4 bytes."""
-    assert settings.kv_bytes_per_token(SMOLLM2) == 30 * 2 * 3 * 80 * 4 == 57_600
+def test_a_token_of_smollm2_takes_46080_bytes():
+    """30 layers × keys and values × 3 KV heads × 64 channels × 4 bytes: stock vLLM's (no widened head)."""
+    assert settings.kv_bytes_per_token(SMOLLM2) == 30 * 2 * 3 * 64 * 4 == 46_080
+    assert settings.kv_bytes_per_token(SMOLLM2, 2) == 23_040
 
 
 def test_the_weights_are_counted_in_float32():

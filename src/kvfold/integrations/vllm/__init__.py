@@ -5,11 +5,13 @@ only registers the model architecture ``KvfoldLlamaForCausalLM`` (nothing change
 does not ask for it). ``kvfold serve`` starts vLLM's OpenAI server with
 :func:`~kvfold.integrations.vllm.settings.engine_settings`:
 
-* :mod:`.model` — Llama with heads widened by one channel that carries β (the stock CPU kernel then
-  adds β to the logits);
-* :mod:`.layout` — a cache file laid out for vLLM: one length for every row (padding with β that
-  receives no attention), keys turned to the served positions;
-* :mod:`.connector` — the KV connector that loads the file's entries into the request's blocks;
+* :mod:`.model` — vLLM's Llama whose attention layers run kvfold's backend;
+* :mod:`.backend` — the attention backend: vLLM's ``CPU_ATTN`` for every request, kvfold's attention
+  over the file's rows for requests on a cache file;
+* :mod:`.layout` — what is served, and the RoPE turn that puts the question at the context's positions;
+* :mod:`.pool_layout` — a cache file laid out in a request's blocks at its own bytes (its rows packed
+  into chunks of one block of one layer, every layer's blocks one pool);
+* :mod:`.connector` — the KV connector that writes the file's chunks into the request's blocks;
 * :mod:`.requests` — which caches a folder holds, their checks, the prompt that continues a cache as
   ``kvfold ask`` does;
 * :mod:`.server` — the middleware that lists the caches and rewrites chat requests naming one;
@@ -20,17 +22,14 @@ Importing this package imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-from kvfold.integrations.vllm.settings import ARCHITECTURE, BLOCK_SIZE, POOL_ARCHITECTURE, engine_settings
+from kvfold.integrations.vllm.settings import ARCHITECTURE, BLOCK_SIZE, engine_settings
 
-__all__ = ["ARCHITECTURE", "BLOCK_SIZE", "POOL_ARCHITECTURE", "engine_settings", "register"]
+__all__ = ["ARCHITECTURE", "BLOCK_SIZE", "engine_settings", "register"]
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register :data:`ARCHITECTURE` with vLLM's model registry."""
     from vllm import ModelRegistry
 
-    supported = ModelRegistry.get_supported_archs()
-    if ARCHITECTURE not in supported:
+    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "kvfold.integrations.vllm.model:KvfoldLlamaForCausalLM")
-    if POOL_ARCHITECTURE not in supported:
-        ModelRegistry.register_model(POOL_ARCHITECTURE, "kvfold.integrations.vllm.model:KvfoldPoolLlamaForCausalLM")

@@ -1,26 +1,33 @@
-"""The KV connector that loads a kvfold cache file into vLLM's paged KV cache.
+"""The KV connector that writes a kvfold cache file into a request's blocks, at the file's bytes.
 
 vLLM loads it from ``kv_transfer_config.kv_connector_module_path`` (set by ``kvfold serve``). A
 request whose ``kv_transfer_params`` name a cache (:data:`~kvfold.integrations.vllm.requests.KV_KEY`,
 with its checksum and slot count, as :meth:`CacheCatalog.prepare
 <kvfold.integrations.vllm.requests.CacheCatalog.prepare>` writes them) has a prompt of ``slots``
-placeholder tokens followed by the question. The scheduler side reports those ``slots`` tokens as
-matched externally (``get_num_new_matched_tokens``), so vLLM allocates blocks for them without
-computing them; the worker side then writes the file's entries into those slots, layer by layer,
-with the backend's own cache write (``cpu_attn_reshape_and_cache``), before the forward that
-computes the question (a synchronous load).
+placeholder tokens followed by the question: ``slots`` is the file's blocks × block size
+(:attr:`~kvfold.integrations.vllm.pool_layout.ServedPool.placeholders`). The scheduler side reports
+those tokens as matched externally (``get_num_new_matched_tokens``), so vLLM allocates their blocks
+without computing them; the worker side then copies the file's chunks (:mod:`kvfold.runtime.row_pool`:
+codes, scales, zero points, β, row lengths, as the library holds them) into those blocks, chunk ``c``
+into block ``c // L`` of layer ``c % L``, before the forward that computes the question (a
+synchronous load). kvfold's attention backend (:mod:`kvfold.integrations.vllm.backend`) reads them there.
 
-* Blocks: a request holds ``ceil((slots + question + answer) / block_size)`` blocks, the compressed
-  length padded to the longest row, not the context's. ``request_finished`` reports the count in the
-  response's ``kv_transfer_params`` (``kvfold_blocks``).
-* Prefix caching: the placeholder ids are the same for every cache of one length, so requests are
+* Blocks: a request holds ``ceil(file bytes / block bytes over every layer)`` blocks for its file,
+  plus its question's and answer's. ``request_finished`` reports vLLM's count in the response's
+  ``kv_transfer_params`` (``kvfold_blocks``) with ``kvfold_block_bytes``, the bytes one block holds
+  over every layer.
+* Every step, the scheduler side sends the first block of each scheduled request on a file; the
+  worker side publishes them to the backend (:func:`kvfold.integrations.vllm.backend.publish`), which
+  recomputes those requests' attention. A request's first block is its own while it runs.
+* Prefix caching: the placeholder ids are the same for every file of one size, so requests are
   salted with their file's checksum (``cache_salt``); a local prefix hit (the same file, asked
-  again) loads only the slots past the hit.
+  again) shares the blocks that hold it.
 * Preemption: a preempted request loses its blocks and starts again from no computed token; the
-  scheduler then asks the connector again, and the file is loaded again into the new blocks.
+  scheduler then asks the connector again, the file is written again into the new blocks, and the
+  new first block is sent.
 * A load that fails (the file changed or vanished since it was checked, does not match the
-  request, or did not reach every layer of the file) reports the request's blocks as failed, and
-  vLLM's ``kv_load_failure_policy="fail"`` (``kvfold serve`` sets it) ends that request with an
+  request, or the model's layers do not match the file's) reports the request's blocks as failed,
+  and vLLM's ``kv_load_failure_policy="fail"`` (``kvfold serve`` sets it) ends that request with an
   error; the engine goes on. So does a resumed request scheduled without its block list: its blocks
   (as allocated) are reported failed instead of its placeholders being computed as text.
 * A load is sent to the worker in the step that schedules its request. One allocated but not
@@ -32,7 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +63,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvfold.vllm")
 
-LAYOUTS_KEPT = 4
-"""Laid-out files the worker keeps in memory (the most recently used)."""
+POOLS_KEPT = 4
+"""Files whose chunks the worker keeps in memory (the most recently used)."""
 
 
 @dataclass
@@ -74,11 +81,21 @@ class LoadSpec:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class FileRef:
+    """A request's file as the scheduler side knows it: name, checksum and placeholder slots."""
+
+    name: str
+    checksum: str
+    slots: int
+
+
 @dataclass
 class KvfoldConnectorMetadata(KVConnectorMetadata):
-    """The loads of one step."""
+    """The loads of one step, and the scheduled requests on files by their first block."""
 
     loads: list[LoadSpec] = field(default_factory=list)
+    active: dict[int, FileRef] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,11 +138,14 @@ class KvfoldConnector(KVConnectorBase_V1):
         self.keep_positions = bool(extra.get(EXTRA_SHIFT, True))
         self.block_size = vllm_config.cache_config.block_size
         self.hf_config = vllm_config.model_config.hf_config
+        self.dtype = getattr(vllm_config.model_config, "dtype", torch.float32)
         # scheduler side
         self._pending: dict[str, _Pending] = {}
         self._to_load: dict[str, _Pending] = {}
+        self._files: dict[str, FileRef] = {}  # every request on a file, until it finishes
+        self._first_block: dict[str, int] = {}
         # worker side
-        self._layouts: OrderedDict[tuple[Path, str, bool], Any] = OrderedDict()
+        self._pools: OrderedDict[tuple[Path, str, bool], Any] = OrderedDict()
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
 
@@ -143,6 +163,7 @@ class KvfoldConnector(KVConnectorBase_V1):
             slots = request.num_prompt_tokens - 1
         pending.slots = slots
         self._pending[request.request_id] = pending
+        self._files[request.request_id] = FileRef(pending.name, pending.checksum, slots)
         return max(0, slots - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -181,7 +202,24 @@ class KvfoldConnector(KVConnectorBase_V1):
         for req_id in self._to_load:
             logger.warning("request %s: kvfold load allocated but not scheduled; kept for a later step", req_id)
         self._pending.clear()
+        self._publish_first_blocks(scheduler_output, meta)
         return meta
+
+    def _publish_first_blocks(self, scheduler_output: SchedulerOutput, meta: KvfoldConnectorMetadata) -> None:
+        """Record the first block of each request on a file (new, or resumed with new blocks) and send
+        those of the requests this step schedules."""
+        for new in scheduler_output.scheduled_new_reqs:
+            blocks = _first_group(new.block_ids)
+            if new.req_id in self._files and blocks:
+                self._first_block[new.req_id] = blocks[0]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            blocks = _first_group(cached.new_block_ids[i]) if req_id in cached.resumed_req_ids else []
+            if req_id in self._files and blocks:
+                self._first_block[req_id] = blocks[0]
+        for req_id in [new.req_id for new in scheduler_output.scheduled_new_reqs] + list(cached.req_ids):
+            if req_id in self._files and req_id in self._first_block:
+                meta.active[self._first_block[req_id]] = self._files[req_id]
 
     @staticmethod
     def _load_spec(req_id: str, pending: _Pending, block_ids: list[int]) -> LoadSpec:
@@ -198,8 +236,8 @@ class KvfoldConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = _request_params(request)
-        self._pending.pop(request.request_id, None)
-        self._to_load.pop(request.request_id, None)
+        for kept in (self._pending, self._to_load, self._files, self._first_block):
+            kept.pop(request.request_id, None)
         if params is None:
             return False, None
         return False, {
@@ -207,38 +245,66 @@ class KvfoldConnector(KVConnectorBase_V1):
             "kvfold_slots": params.get("kvfold_slots"),
             "kvfold_blocks": len(block_ids),
             "kvfold_block_size": self.block_size,
+            "kvfold_block_bytes": self._block_bytes(),
         }
 
+    def _block_bytes(self) -> int:
+        """Bytes one block holds over every layer: vLLM's own (its KV cache tensors' bytes over its block
+        count), else the same from the model's config."""
+        config = getattr(self, "_kv_cache_config", None)
+        if config is not None and getattr(config, "num_blocks", 0) and getattr(config, "kv_cache_tensors", None):
+            return sum(int(t.size) for t in config.kv_cache_tensors) // int(config.num_blocks)
+        from kvfold.integrations.vllm.pool_layout import chunk_bytes
+
+        return chunk_bytes(self.hf_config, self.block_size, self.dtype) * int(self.hf_config.num_hidden_layers)
+
     # ================================================================ worker side
-    def _layout(self, name: str, checksum: str):
-        """The laid-out file (kept for the next request on it).
+    def _pool(self, name: str, checksum: str):
+        """The file as a request holds it and its chunks' bytes (kept for the next request on it).
 
         Raises:
-            ValueError: the file is missing, damaged, or not the one the request was checked against.
+            ValueError: the file is missing, damaged, not the one the request was checked against, or
+                not servable.
         """
-        from kvfold.integrations.vllm.layout import build_layout, read_cache_file
+        from kvfold.integrations.vllm.layout import read_cache_file
+        from kvfold.integrations.vllm.pool_layout import served_pool
 
         path = cache_path(self.directory, name)
         key = (path, checksum, self.keep_positions)
         with self._lock:
-            if key in self._layouts:
-                self._layouts.move_to_end(key)
-                return self._layouts[key]
+            if key in self._pools:
+                self._pools.move_to_end(key)
+                return self._pools[key]
         cache, header = read_cache_file(path, self.hf_config)
         found = str((header.get("checksum") or {}).get("value"))
         if found != checksum:
             raise ValueError(f"{path} changed since the request was checked (checksum {found[:12]}…)")
-        layout = build_layout(cache, self.hf_config, keep_positions=self.keep_positions)
+        served, chunks = served_pool(cache, self.hf_config, self.block_size, self.dtype)
+        if not self.keep_positions:  # the queries stay at the served positions (a test's mutation)
+            served = replace(served, logical_length=served.placeholders)
         with self._lock:
-            self._layouts[key] = layout
-            while len(self._layouts) > LAYOUTS_KEPT:
-                self._layouts.popitem(last=False)
-        return layout
+            self._pools[key] = (served, chunks)
+            while len(self._pools) > POOLS_KEPT:
+                self._pools.popitem(last=False)
+        return served, chunks
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        from kvfold.integrations.vllm.backend import publish
+
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KvfoldConnectorMetadata) or not meta.loads:
+        if not isinstance(meta, KvfoldConnectorMetadata):
+            publish({})
             return
+        active = {}
+        for first, ref in meta.active.items():
+            try:
+                served, _ = self._pool(ref.name, ref.checksum)
+            except (ValueError, OSError) as err:  # its load fails too, and vLLM ends the request
+                logger.error("kvfold cache %r not served: %s", ref.name, err)
+                continue
+            if served.placeholders == ref.slots:
+                active[first] = served
+        publish(active)
         for load in meta.loads:
             try:
                 self._load(forward_context, load)
@@ -248,52 +314,25 @@ class KvfoldConnector(KVConnectorBase_V1):
                     self._failed_blocks.update(load.block_ids)
 
     def _load(self, forward_context: ForwardContext, load: LoadSpec) -> None:
-        from vllm import _custom_ops as ops
-        from vllm.model_executor.models.utils import extract_layer_index
+        """Copy the file's chunks into the request's first blocks, over every layer."""
+        from kvfold.integrations.vllm.backend import layer_caches
 
         if load.error:
             raise ValueError(load.error)
-        layout = self._layout(load.name, load.checksum)
-        if layout.slots != load.slots:
-            raise ValueError(f"the file holds {layout.slots} slots a row, the request {load.slots}")
-        positions = torch.arange(load.start, load.start + load.count)
-        blocks = torch.tensor(load.block_ids, dtype=torch.long)
-        if int(positions[-1]) // self.block_size >= len(blocks):
-            raise ValueError("the request holds fewer blocks than the cache's slots")
-        slot_mapping = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-        written: set[int] = set()
-        for layer_name, layer in forward_context.no_compile_layers.items():
-            if not hasattr(layer, "kv_cache"):
-                continue  # not an attention layer
-            kv_cache = getattr(layer, "kv_cache", None)
-            if not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0 or not hasattr(layer, "isa"):
-                raise ValueError(f"{layer_name}: an attention layer without a CPU KV cache to write into")
-            index = extract_layer_index(layer_name)
-            if not 0 <= index < len(layout.keys) or index in written:
-                raise ValueError(f"{layer_name}: layer {index} is not one of the file's {len(layout.keys)} layers")
-            keys = layout.keys[index][:, load.start : load.start + load.count].transpose(0, 1).contiguous()
-            values = layout.values[index][:, load.start : load.start + load.count].transpose(0, 1).contiguous()
-            num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-            if keys.shape[1:] != (num_kv_heads, kv_cache.shape[-1] // 2):
-                raise ValueError(
-                    f"{layer_name}: the file's entries are {tuple(keys.shape[1:])}, the cache's "
-                    f"{(num_kv_heads, kv_cache.shape[-1] // 2)}"
-                )
-            key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                keys.to(kv_cache.dtype),
-                values.to(kv_cache.dtype),
-                key_cache,
-                value_cache,
-                slot_mapping.to(kv_cache.device),
-                layer.isa,
-                k_scale=layer._k_scale_float,
-                v_scale=layer._v_scale_float,
-                kv_cache_dtype=layer.impl.kv_cache_dtype,
-            )
-            written.add(index)
-        if len(written) != len(layout.keys):
-            raise ValueError(f"{len(written)} of the file's {len(layout.keys)} layers were written")
+        served, chunks = self._pool(load.name, load.checksum)
+        if served.placeholders != load.slots:
+            raise ValueError(f"the file takes {served.placeholders} placeholder slots, the request {load.slots}")
+        caches = layer_caches(forward_context)
+        layers = len(served.plan.rows_per_layer)
+        if len(caches) != layers:
+            raise ValueError(f"the model has {len(caches)} attention layers with a KV cache, the file {layers}")
+        if len(load.block_ids) < served.file_blocks:
+            raise ValueError("the request holds fewer blocks than the file's chunks")
+        for index in range(served.plan.num_chunks):
+            target = caches[index % layers][load.block_ids[index // layers]].view(-1).view(torch.uint8)
+            if target.numel() != chunks.shape[1]:
+                raise ValueError(f"a block of one layer holds {target.numel()} bytes, a chunk {chunks.shape[1]}")
+            target.copy_(chunks[index])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

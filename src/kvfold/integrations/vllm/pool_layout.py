@@ -17,7 +17,7 @@ import torch
 from kvfold.integrations.vllm.layout import UnservableCacheError, rope_inverse_frequencies
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.quantize import QuantizedRows
-from kvfold.runtime.row_pool import FloatRows, PoolError, PoolPlan, pack_pool
+from kvfold.runtime.row_pool import FloatRows, PoolError, PoolPlan, pack_pool, plan_pool
 
 
 @dataclass(frozen=True)
@@ -83,22 +83,42 @@ def served_pool(cache: FoldedCache, config, block_size: int, dtype: torch.dtype)
     Raises:
         UnservableCacheError: see :func:`pool_rows`; or a format the pool does not hold.
     """
-    size = chunk_bytes(config, block_size, dtype)
     rows = [_in_dtype(r, dtype) for r in pool_rows(cache)]
     try:
-        plan, chunks = pack_pool(rows, size)
+        plan, chunks = pack_pool(rows, chunk_bytes(config, block_size, dtype))
     except PoolError as err:
         raise UnservableCacheError(str(err)) from None
+    return _served(plan, cache, config, block_size), chunks
+
+
+def served_plan(cache: FoldedCache, config, block_size: int, dtype: torch.dtype) -> ServedPool:
+    """:func:`served_pool` without writing the chunks: where the rows will lie, and the placeholders a
+    request on the file takes (the API server's check).
+
+    Raises:
+        UnservableCacheError: as :func:`served_pool`.
+    """
+    rows = [_in_dtype(r, dtype) for r in pool_rows(cache)]
+    first = rows[0]
+    config_q = first.config if isinstance(first, QuantizedRows) else None
+    try:
+        plan = plan_pool([r.lengths for r in rows], config_q, first.head_dim, first.value_dim,
+                         chunk_bytes(config, block_size, dtype), beta=any(r.log_mass is not None for r in rows),
+                         dtype=dtype if config_q is None else torch.float32)  # fmt: skip
+    except PoolError as err:
+        raise UnservableCacheError(str(err)) from None
+    return _served(plan, cache, config, block_size)
+
+
+def _served(plan: PoolPlan, cache: FoldedCache, config, block_size: int) -> ServedPool:
     layers = len(plan.rows_per_layer)
-    placeholders = math.ceil(plan.num_chunks / layers) * block_size
-    served = ServedPool(
+    return ServedPool(
         plan=plan,
         logical_length=int(cache.layers[0].logical_length),
-        placeholders=placeholders,
+        placeholders=math.ceil(plan.num_chunks / layers) * block_size,
         inv_freq=rope_inverse_frequencies(config),
-        block_bytes=size * layers,
+        block_bytes=plan.chunk_bytes * layers,
     )
-    return served, chunks
 
 
 def _in_dtype(rows, dtype: torch.dtype):

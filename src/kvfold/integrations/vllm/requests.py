@@ -99,11 +99,16 @@ class CacheCatalog:
     Args:
         directory: the folder of ``.kvc`` files.
         model: the model spec (``kvfold.load_model``'s), the one vLLM serves.
+        dtype: the dtype vLLM serves in (``float32``, ``bfloat16``, ``float16``): a block's bytes, so
+            the placeholders a file takes, depend on it.
     """
 
-    def __init__(self, directory: str | os.PathLike, model: str) -> None:
+    def __init__(self, directory: str | os.PathLike, model: str, dtype: str = "float32") -> None:
+        import torch
+
         self.directory = Path(directory)
         self.model_spec = model
+        self.dtype = getattr(torch, dtype)
         self._model = None
         self._tokenizer = None
         self._verdicts: dict[Path, tuple[tuple[int, int], CheckedCache | CacheRequestError]] = {}
@@ -164,7 +169,9 @@ class CacheCatalog:
         return verdict
 
     def _check(self, name: str, path: Path) -> CheckedCache | CacheRequestError:
-        from kvfold.integrations.vllm.layout import UnservableCacheError, check_servable, slots_of
+        from kvfold.integrations.vllm.layout import UnservableCacheError, check_servable
+        from kvfold.integrations.vllm.pool_layout import served_plan
+        from kvfold.integrations.vllm.settings import BLOCK_SIZE
         from kvfold.store.format import CacheFileError
         from kvfold.store.load import load_context
 
@@ -180,6 +187,7 @@ class CacheCatalog:
 
             header = read_info(path).header
             check_servable(context.cache, header)
+            served = served_plan(context.cache, model.config, BLOCK_SIZE, self.dtype)
         except (CacheFileError, UnservableCacheError) as err:
             return CacheRequestError(f"cache {name!r} cannot be served: {err}", status=422)
         return CheckedCache(
@@ -187,7 +195,7 @@ class CacheCatalog:
             path=path,
             checksum=str((header.get("checksum") or {}).get("value")),
             logical_length=int(context.cache.layers[0].logical_length),
-            slots=slots_of(context.cache),
+            slots=served.placeholders,
             method=context.method.spec,
             budget=context.budget.label(),
         )

@@ -29,6 +29,8 @@ from kvfold.integrations.vllm.requests import KV_KEY, CacheCatalog, CacheRequest
 
 ENV_CACHES = "KVFOLD_VLLM_CACHES"
 """The folder of ``.kvc`` files the server serves."""
+ENV_DTYPE = "KVFOLD_VLLM_DTYPE"
+"""The dtype vLLM serves in (``float32`` when unset): the placeholders a file takes depend on it."""
 ENV_MODEL = "KVFOLD_VLLM_MODEL"
 """The model spec, as ``kvfold.load_model`` takes it (to check files against it)."""
 LIST_PATH = "/v1/kvfold/caches"
@@ -46,7 +48,7 @@ class KvfoldMiddleware:
         caches, model = os.environ.get(ENV_CACHES), os.environ.get(ENV_MODEL)
         if not caches or not model:
             raise RuntimeError(f"KvfoldMiddleware needs {ENV_CACHES} and {ENV_MODEL} (kvfold serve sets them)")
-        self.catalog = CacheCatalog(caches, model)
+        self.catalog = CacheCatalog(caches, model, os.environ.get(ENV_DTYPE) or "float32")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope.get("type") != "http":

@@ -15,27 +15,28 @@ from typing import Any
 from kvfold.runtime.errors import UserError
 
 ARCHITECTURE = "KvfoldLlamaForCausalLM"
-"""The architecture name under which the β-carrying Llama is registered with vLLM."""
-POOL_ARCHITECTURE = "KvfoldPoolLlamaForCausalLM"
-"""The architecture name of Llama on kvfold's attention backend (files held at their bytes)."""
+"""The architecture name under which Llama on kvfold's attention backend is registered with vLLM."""
 SERVED_MODEL_TYPES = ("llama",)
 """Model families the plugin serves (its model class is vLLM's Llama)."""
 EXTRA_CACHES = "kvfold_caches"
 """``kv_connector_extra_config`` key: the folder of cache files."""
 EXTRA_SHIFT = "kvfold_keep_positions"
-"""``kv_connector_extra_config`` key (default True): turn keys to the served positions (False only to
-show that answers depend on it)."""
+"""``kv_connector_extra_config`` key (default True): turn the question's queries to the context's
+positions for the file's entries (False only to show that answers depend on it)."""
 BLOCK_SIZE = 32
 """Tokens per KV block (vLLM's CPU attention takes multiples of 32; its default 128 pads more)."""
 
 
-def engine_settings(caches: str, *, keep_positions: bool = True, prefix_caching: bool = True) -> dict[str, Any]:
+def engine_settings(
+    caches: str, *, keep_positions: bool = True, prefix_caching: bool = True, dtype: str = "float32"
+) -> dict[str, Any]:
     """The vLLM engine arguments that serve kvfold caches from folder ``caches`` (``vllm.LLM(**...)`` or
-    ``AsyncEngineArgs``): the β-carrying architecture, float32, the connector, prefix caching salted
-    per file. ``keep_positions=False`` exists for a test that shows the key rotation matters."""
+    ``AsyncEngineArgs``): Llama on kvfold's attention backend, ``dtype`` (float32 by default), the
+    connector, prefix caching salted per file. ``keep_positions=False`` exists for a test that shows the
+    queries' turn matters."""
     return {
         "hf_overrides": {"architectures": [ARCHITECTURE]},
-        "dtype": "float32",
+        "dtype": dtype,
         "block_size": BLOCK_SIZE,
         "enable_prefix_caching": prefix_caching,
         "kv_transfer_config": {
@@ -48,13 +49,11 @@ def engine_settings(caches: str, *, keep_positions: bool = True, prefix_caching:
     }
 
 
-SERVED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""Head sizes vLLM 0.32's CPU attention takes (as :data:`kvfold.integrations.vllm.layout.SUPPORTED_HEAD_SIZES`)."""
 GIB = 1 << 30
 KV_FRACTION = 0.25
 """Share of the memory left free (after the server's own) that the default KV space takes."""
 KV_CAP = 2 * GIB
-"""Most bytes the default KV space takes (about 37K tokens of SmolLM2's widened heads: four full contexts);
+"""Most bytes the default KV space takes (about 46K tokens of SmolLM2 in float32: five full contexts);
 ``--kv-space`` takes more."""
 SERVER_BYTES = 3 * GIB
 """Memory the server needs besides its weights and its KV space: the API server and the engine's Python,
@@ -64,22 +63,14 @@ WEIGHT_COPIES = 2
 checks files against the model's fingerprint."""
 
 
-def served_head_size(head_dim: int) -> int:
-    """The head size vLLM runs: the smallest size its CPU attention takes above ``head_dim`` (β's
-    channel); the same rule as :func:`kvfold.integrations.vllm.layout.wide_head_size`, without torch."""
-    for size in SERVED_HEAD_SIZES:
-        if size > head_dim:
-            return size
-    raise UserError(f"head size {head_dim} has no wider size in vLLM's CPU attention")
-
-
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 4) -> int:
-    """Bytes of vLLM's KV cache for one token of the β-carrying model (keys and values, every layer and
-    KV head, float32 by default), from a transformers config (or anything with its attributes)."""
+    """Bytes of vLLM's KV cache for one token (keys and values, every layer and KV head, float32 by
+    default), from a transformers config (or anything with its attributes): stock vLLM's, since the
+    plugin keeps the heads' width."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    return int(config.num_hidden_layers) * 2 * kv_heads * served_head_size(int(head_dim)) * dtype_bytes
+    return int(config.num_hidden_layers) * 2 * kv_heads * int(head_dim) * dtype_bytes
 
 
 def weights_bytes(model_dir: str | os.PathLike, dtype_bytes: int = 4) -> int:
