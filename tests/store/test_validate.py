@@ -98,6 +98,12 @@ CASES = [
     ("outliers", set_tensor("layer.1.q.outlier_values", lambda t: t[:-1]), None, "layer 1 q.outlier_values"),
     ("outliers", None, lambda h: h["layers"][0].update(kv_format="int4[key_group=8]"), "q.outlier_index"),
     ("outliers", poke("layer.0.q.key_scale", -1.0), None, "layer 0 q.key_scale: holds scales that are not positive"),
+    (
+        "outliers",
+        None,
+        lambda h: h.update(context_tokens=[9]) or h["layers"][1].update(logical_length=9),
+        "1 q.lengths",
+    ),
     ("fp8", poke("layer.0.q.key_scale", NAN), None, "layer 0 q.key_scale"),
     ("fp8", set_tensor("layer.0.q.value_scale", lambda t: t.half()), None, "layer 0 q.value_scale: dtype"),
     ("fp8", lambda c: c.update({"layer.0.q.key_zero": torch.zeros(2, 16)}), None, "layer 0 q.key_zero"),
@@ -106,6 +112,13 @@ CASES = [
     ("fp8", lambda c: c.update({"layer.0.keys": torch.zeros(1, 2, 3, 16)}), None, "layer 0 values: shape"),
     # statistics, queries, token ids, logits, extra tensors
     ("h2o", poke("layer.0.stat.h2o", NAN), None, "layer 0 stat.h2o: holds NaN"),
+    ("dense", lambda c: c.update({"layer.0.stat.x": torch.zeros(3)}), None, "layer 0 stat.x: float32 (3,), expected"),
+    (
+        "dense",
+        lambda c: c.update({"layer.1.bogus": torch.zeros(3)}),
+        None,
+        "layer 1 bogus: not a tensor of a dense layer",
+    ),
     ("h2o", set_tensor("layer.0.stat.h2o", lambda t: t[..., 1:]), None, "layer 0 stat.h2o"),
     ("h2o", lambda c: c.pop("layer.1.stat.h2o"), None, "layer 1 stat.h2o: missing"),
     ("h2o", set_tensor("layer.0.captured_queries", lambda t: t[:, :2]), None, "layer 0 captured_queries"),
@@ -153,6 +166,13 @@ def test_a_header_that_claims_more_than_the_file_is_refused_before_any_tensor_is
     for edit in ({"entries": 2**40}, {"logical_length": 2**40}, {"batch_size": 2**40}):
         bad = craft(files["dense"], tmp_path / "big.kvc", header=lambda h, e=edit: h["layers"][0].update(e))
         assert next(iter(edit)) in _refused(bad, model)
+
+    def every_layer(meta: dict) -> None:  # consistent with itself: only the file's size refutes it
+        meta.update(context_tokens=None)
+        for spec in meta["layers"]:
+            spec.update(batch_size=2**40)
+
+    assert "layer 0 batch_size" in _refused(craft(files["dense"], tmp_path / "rows.kvc", header=every_layer), model)
 
 
 def test_the_vllm_reader_refuses_the_same_files(files, model, tmp_path):
