@@ -342,3 +342,14 @@ def _state(pid: int) -> str:
 def test_the_spec_runs_only_from_kvfold_serve(capsys):
     assert serve._main([]) == 2
     assert "kvfold serve runs it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--gpu-memory-utilization", "--kv-cache-memory-bytes=1000000000"])
+def test_vllms_own_memory_flags_are_left_to_it(monkeypatch, llama, tmp_path, flag):
+    monkeypatch.setattr(settings, "available_memory", lambda: 20 * GIB)
+    argv = ["serve", "--model", str(llama), "--caches", str(tmp_path), "--", flag]
+    if "=" not in flag:
+        argv.append("0.5")
+    _, spec = _serve_until_exec(monkeypatch, argv)
+    assert "--kv-cache-memory-bytes" not in spec["command"]  # kvfold's own size is not added
+    assert "set by vLLM's " + flag.split("=")[0] in spec["start"]

@@ -56,6 +56,8 @@ ENV_RERUN = "KVFOLD_SERVE_RERUN"
 """Set when ``kvfold serve`` runs itself again in the vLLM environment (so that it does so once)."""
 VLLM_VENV = ".venv-vllm"
 """The environment ``make install-vllm`` makes, in the repository's root."""
+VLLM_MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--num-gpu-blocks-override")
+"""vLLM's own flags that size the KV space: given after ``--``, ``kvfold serve`` leaves the size to them."""
 HEALTH_PATH = "/health"
 STOP_GRACE_SECONDS = 20
 """How long a server that reported a fatal error, or a leftover process, gets to exit before SIGKILL."""
@@ -268,8 +270,8 @@ def _new_log() -> Path:
 
 
 def kv_space_bytes(args: argparse.Namespace, config: Any, model_dir: str) -> tuple[int | None, str]:
-    """The KV space to ask vLLM for and how it was chosen: ``--kv-space`` GiB; none (vLLM's own
-    ``VLLM_CPU_KVCACHE_SPACE`` decides) when that is set; else
+    """The KV space to ask vLLM for and how it was chosen: ``--kv-space`` GiB; none when vLLM's own
+    flags (:data:`VLLM_MEMORY_FLAGS`, after ``--``) or ``VLLM_CPU_KVCACHE_SPACE`` set it; else
     :func:`~kvfold.integrations.vllm.settings.plan_kv_space` from the model, the caches and the free memory.
 
     Raises:
@@ -277,6 +279,8 @@ def kv_space_bytes(args: argparse.Namespace, config: Any, model_dir: str) -> tup
     """
     from kvfold.integrations.vllm.settings import (
         GIB,
+        SERVER_BYTES,
+        WEIGHT_COPIES,
         available_memory,
         kv_bytes_per_token,
         plan_kv_space,
@@ -284,15 +288,19 @@ def kv_space_bytes(args: argparse.Namespace, config: Any, model_dir: str) -> tup
     )
 
     free = available_memory()
+    weights = weights_bytes(model_dir)
     if args.kv_space is not None:
         asked = int(args.kv_space * GIB)
         if asked > free:
+            room = max(free - WEIGHT_COPIES * weights - SERVER_BYTES, 0) / GIB
             raise UserError(
                 f"--kv-space {args.kv_space:g}: {free / GIB:.1f} GiB of memory is free; pass a smaller --kv-space "
-                f"(at most {max(free - 3 * GIB, 0) // GIB} leaves room for the server), or leave it out to size it "
-                "from the free memory"
+                f"(at most {room:.1f} leaves room for the server), or leave it out to size it from the free memory"
             )
         return asked, f"KV space {args.kv_space:g} GiB (--kv-space)"
+    own = [flag for flag in VLLM_MEMORY_FLAGS if any(a.split("=")[0] == flag for a in _extra_args(args))]
+    if own:
+        return None, f"KV space set by vLLM's {own[0]}"
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None, f"KV space {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB (VLLM_CPU_KVCACHE_SPACE)"
     max_len = args.max_model_len or int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -302,7 +310,7 @@ def kv_space_bytes(args: argparse.Namespace, config: Any, model_dir: str) -> tup
         per_token=kv_bytes_per_token(config, 4 if args.dtype == "float32" else 2),
         max_model_len=max_len,
         largest_cache_tokens=largest_cache_tokens(args.caches),
-        weights=weights_bytes(model_dir),
+        weights=weights,
         free=free,
     )
     return plan.bytes, plan.describe()
