@@ -6,7 +6,7 @@
   load errors (vLLM then ends it with an error);
 * a load that does not fit the model's layers or the request's slots fails the same way;
 * chunk ``c`` of a file lands in block ``c // L`` of layer ``c % L``, and every scheduled request on a
-  file is sent (and published to the backend) by its first block.
+  file is sent by its first block, and given to the backend from the metadata bound for the step.
 """
 
 from __future__ import annotations
@@ -171,15 +171,16 @@ def test_chunk_c_is_written_to_block_c_over_layers_of_layer_c_mod_layers(worker)
     assert all(float(cache[[0, 1]].abs().sum()) == 0 for cache in caches)  # other blocks: untouched
 
 
-def test_the_requests_on_files_are_published_to_the_backend(worker, monkeypatch):
-    from kvfold.integrations.vllm import backend
-
-    seen = {}
-    monkeypatch.setattr(backend, "publish", lambda active: seen.update(active))
+def test_the_requests_on_files_are_given_to_the_backend_from_the_bound_metadata(worker):
+    assert worker.active_pools() == {}  # no metadata bound
     ref = FileRef("doc", "abc", SLOTS)
     worker.bind_connector_metadata(KvfoldConnectorMetadata(active={7: ref, 9: FileRef("doc", "abc", SLOTS + 32)}))
-    worker.start_load_kv(SimpleNamespace(no_compile_layers=_layers()))
-    assert list(seen) == [7]  # a request whose slots do not match the file is not read as that file
+    active = worker.active_pools()
+    assert list(active) == [7]  # a request whose slots do not match the file is not read as that file
+    assert active[7].placeholders == SLOTS
+    worker.clear_connector_metadata()
+    worker.bind_connector_metadata(KvfoldConnectorMetadata())
+    assert worker.active_pools() == {}  # the next step's metadata, not the last one's
 
 
 @pytest.mark.parametrize("case", ["a-layer-missing", "a-layer-without-cache", "a-layer-the-file-lacks", "slots"])

@@ -15,14 +15,17 @@ keep the positions the context gave them: the question's queries, at served posi
 turned by ``T − P`` to the positions ``T + j`` they have in ``kvfold ask`` (RoPE logits depend only on
 the difference of positions). A request that names no file is vLLM's own attention, at vLLM's bytes.
 
-Which requests are on files: the connector's worker side publishes, each step, the first block of
-every scheduled request on a file (:func:`publish`); a request's first block is its own while it runs.
+Which requests are on files: the scheduler side of the connector sends, every step, the first block of
+each scheduled request on a file, in the connector metadata vLLM binds to the worker before the
+forward; the backend asks the connector (:meth:`KvfoldConnector.active_pools
+<kvfold.integrations.vllm.connector.KvfoldConnector.active_pools>`). A request's first block is its
+own while it runs. (vLLM starts a step's connector work after the forward when the step has no load
+to wait for, so nothing may be handed over there.)
 """
 
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
@@ -31,25 +34,18 @@ from kvfold.integrations.vllm.layout import rotate_keys
 from kvfold.integrations.vllm.pool_layout import ServedPool
 from kvfold.runtime.row_pool import attend_layer
 
-__all__ = ["KvfoldAttentionBackend", "KvfoldAttentionImpl", "publish"]
+__all__ = ["KvfoldAttentionBackend", "KvfoldAttentionImpl", "layer_caches"]
 
 
-_lock = threading.Lock()
-_active: dict[int, ServedPool] = {}
-_step = 0
+def _active_pools() -> dict[int, ServedPool]:
+    """This step's requests on files, by their first block, from the bound connector metadata."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-
-def publish(active: dict[int, ServedPool]) -> None:
-    """This step's requests on files, by their first block (the connector's worker side calls it)."""
-    global _active, _step
-    with _lock:
-        _active = dict(active)
-        _step += 1
-
-
-def _published() -> tuple[int, dict[int, ServedPool]]:
-    with _lock:
-        return _step, _active
+    if not has_kv_transfer_group():
+        return {}
+    connector = get_kv_transfer_group()
+    active = getattr(connector, "active_pools", None)
+    return active() if active is not None else {}
 
 
 class _BlockReader:
@@ -132,7 +128,7 @@ class KvfoldAttentionImpl(CPUAttentionBackendImpl):
                               output_block_scale)  # fmt: skip
         if attn_metadata is None:
             return out
-        _, active = _published()
+        active = _active_pools()
         if not active:
             return out
         files = self._requests_on_files(attn_metadata, active)

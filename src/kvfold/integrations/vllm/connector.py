@@ -17,7 +17,7 @@ synchronous load). kvfold's attention backend (:mod:`kvfold.integrations.vllm.ba
   ``kv_transfer_params`` (``kvfold_blocks``) with ``kvfold_block_bytes``, the bytes one block holds
   over every layer.
 * Every step, the scheduler side sends the first block of each scheduled request on a file; the
-  worker side publishes them to the backend (:func:`kvfold.integrations.vllm.backend.publish`), which
+  backend asks the worker side for them (:meth:`KvfoldConnector.active_pools`) during the forward and
   recomputes those requests' attention. A request's first block is its own while it runs.
 * Prefix caching: the placeholder ids are the same for every file of one size, so requests are
   salted with their file's checksum (``cache_salt``); a local prefix hit (the same file, asked
@@ -146,6 +146,8 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._first_block: dict[str, int] = {}
         # worker side
         self._pools: OrderedDict[tuple[Path, str, bool], Any] = OrderedDict()
+        self._active_for: KVConnectorMetadata | None = None  # the metadata self._active was built for
+        self._active: dict[int, Any] = {}
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
 
@@ -288,23 +290,33 @@ class KvfoldConnector(KVConnectorBase_V1):
                 self._pools.popitem(last=False)
         return served, chunks
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        from kvfold.integrations.vllm.backend import publish
-
-        meta = self._get_connector_metadata()
+    def active_pools(self) -> dict[int, Any]:
+        """The requests on files of the step whose metadata is bound, by first block: each one's
+        :class:`~kvfold.integrations.vllm.pool_layout.ServedPool` (a file that cannot be read, or whose
+        placeholders differ from the request's, is left out: its load fails, and vLLM ends the request)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, KvfoldConnectorMetadata):
-            publish({})
-            return
+            return {}
+        with self._lock:
+            if self._active_for is meta:
+                return self._active
         active = {}
         for first, ref in meta.active.items():
             try:
                 served, _ = self._pool(ref.name, ref.checksum)
-            except (ValueError, OSError) as err:  # its load fails too, and vLLM ends the request
+            except (ValueError, OSError) as err:
                 logger.error("kvfold cache %r not served: %s", ref.name, err)
                 continue
             if served.placeholders == ref.slots:
                 active[first] = served
-        publish(active)
+        with self._lock:
+            self._active_for, self._active = meta, active
+        return active
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvfoldConnectorMetadata):
+            return
         for load in meta.loads:
             try:
                 self._load(forward_context, load)
