@@ -195,3 +195,68 @@ def test_a_load_that_does_not_fit_the_model_or_the_request_fails(worker, case):
     else:
         layers = _layers(LAYERS + 1)
     assert _load(worker, layers, slots) == {2, 3}
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """A worker-side connector over real files ``docN.kvc`` in ``tmp_path`` whose text is their checksum
+    (read and laid out by fakes): ``write(name, checksum)`` replaces one."""
+    from kvfold.integrations.vllm import layout, pool_layout
+
+    reads: list[str] = []
+
+    def read(path, config):
+        reads.append(path.stem)
+        return None, {"checksum": {"value": path.read_text()}}
+
+    monkeypatch.setattr(layout, "read_cache_file", read)
+    monkeypatch.setattr(pool_layout, "served_pool", lambda cache, config, block, dtype: _pool())
+
+    def write(name: str, checksum: str) -> None:
+        (tmp_path / f"{name}.kvc").write_text(checksum)
+
+    conn = _connector(tmp_path, KVConnectorRole.WORKER)
+    return conn, write, reads
+
+
+def _step(conn: KvfoldConnector, active: dict[int, FileRef]) -> tuple[dict, set[int]]:
+    """One step's requests on files as the backend gets them, and the load errors reported."""
+    conn.clear_connector_metadata()
+    conn.bind_connector_metadata(KvfoldConnectorMetadata(active=active))
+    return conn.active_pools(), conn.get_block_ids_with_load_errors()
+
+
+def test_a_file_replaced_while_a_request_answers_from_it_is_still_the_one_it_loaded(files):
+    """The pool of a request in progress stays in memory however many other files its steps read (more
+    than the worker keeps), so the file on disk may change under it."""
+    from kvfold.integrations.vllm.connector import POOLS_KEPT
+
+    conn, write, reads = files
+    write("doc", "first")
+    answering = {7: FileRef("doc", "first", SLOTS)}
+    assert list(_step(conn, answering)[0]) == [7]
+    write("doc", "second")  # replaced on disk, as a user may
+    others = {}
+    for i in range(POOLS_KEPT + 1):  # other requests, on more files than the worker keeps, in the same steps
+        write(f"other{i}", f"c{i}")
+        others[20 + i] = FileRef(f"other{i}", f"c{i}", SLOTS)
+    for _ in range(3):
+        active, failed = _step(conn, {**answering, **others})
+        assert sorted(active) == [7, *others] and failed == set()
+    assert reads.count("doc") == 1
+
+
+def test_a_request_whose_file_is_gone_in_the_middle_of_its_answer_fails(files):
+    """Its pool left memory (the request was not scheduled for a while) and the file on disk changed:
+    its first block is a load error, so vLLM ends it instead of going on without its file."""
+    from kvfold.integrations.vllm.connector import POOLS_KEPT
+
+    conn, write, _ = files
+    write("doc", "first")
+    assert list(_step(conn, {7: FileRef("doc", "first", SLOTS)})[0]) == [7]
+    for i in range(POOLS_KEPT + 1):  # steps without it: its pool is not kept
+        write(f"other{i}", f"c{i}")
+        _step(conn, {20 + i: FileRef(f"other{i}", f"c{i}", SLOTS)})
+    write("doc", "second")
+    active, failed = _step(conn, {7: FileRef("doc", "first", SLOTS), 9: FileRef("doc", "second", SLOTS)})
+    assert list(active) == [9] and failed == {7}

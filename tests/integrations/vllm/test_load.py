@@ -35,11 +35,11 @@ import pytest
 from kvfold.evaluate.data.logbook import FACTS
 from tests.integrations.vllm.conftest import PAIR, Server, start_server
 
-KV_GIB = 0.1375
-"""The small server's KV space: 80 blocks of 32 tokens (1.84 MB a block for SmolLM2's widened heads).
-A request on ``kvzip``'s file holds 54 (its rows padded to ~1.7K slots); requests on it share the 52
-full blocks of its slots (prefix caching), and 15 of them, each with 64 new tokens, need ~100."""
-MAX_MODEL_LEN = 2048
+KV_GIB = 0.055
+"""The small server's KV space: 40 blocks of 32 tokens (1.47 MB a block: SmolLM2 in float32). Requests on
+``kvzip``'s file share the blocks that hold the file (prefix caching, ~6); 15 of them, each with a
+question and 64 new tokens (3 blocks of its own), need ~51."""
+MAX_MODEL_LEN = 1024
 SERVER_FLAGS = ("--kv-space", str(KV_GIB), "--max-model-len", str(MAX_MODEL_LEN))
 VLLM_FLAGS = ("--", "--enforce-eager", "--max-num-seqs", "16")
 THREADS = 16
@@ -88,7 +88,7 @@ def load_caches(saved, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def small(load_caches, tmp_path_factory):
-    """``kvfold serve`` with a KV space of 80 blocks (started for this module, stopped after it)."""
+    """``kvfold serve`` with a KV space of 40 blocks (started for this module, stopped after it)."""
     handle = start_server(load_caches, tmp_path_factory.mktemp("small-server"), *SERVER_FLAGS, *VLLM_FLAGS)
     try:
         handle.wait()
@@ -98,7 +98,7 @@ def small(load_caches, tmp_path_factory):
 
 
 def test_requests_beyond_the_kv_space_wait_or_are_preempted_and_still_answer_right(small, references):
-    """15 requests on ``kvzip``'s file (~1.7K slots each) at once, in a KV space of 80 blocks: vLLM
+    """15 requests on ``kvzip``'s file at once, 64 new tokens each, in a KV space of 40 blocks: vLLM
     preempts some (its counter rises); a preempted one reloads its file, and every answer stays kvfold's."""
     before = small.metric("vllm:num_preemptions_total")
     questions = [q for _, q, _ in FACTS] * 3

@@ -148,6 +148,7 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._pools: OrderedDict[tuple[Path, str, bool], Any] = OrderedDict()
         self._active_for: KVConnectorMetadata | None = None  # the metadata self._active was built for
         self._active: dict[int, Any] = {}
+        self._pinned: set[tuple[Path, str, bool]] = set()  # the pools of the bound step's requests
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
 
@@ -286,29 +287,52 @@ class KvfoldConnector(KVConnectorBase_V1):
             served = replace(served, logical_length=served.placeholders)
         with self._lock:
             self._pools[key] = (served, chunks)
-            while len(self._pools) > POOLS_KEPT:
-                self._pools.popitem(last=False)
+            spare = [kept for kept in self._pools if kept not in self._pinned and kept != key]
+            for kept in spare[: max(0, len(self._pools) - POOLS_KEPT)]:
+                del self._pools[kept]
         return served, chunks
+
+    def _pin(self, meta: KvfoldConnectorMetadata) -> None:
+        """Keep the pools of the requests ``meta`` schedules (the bound step's) from being evicted: a
+        request answering from a file reads it every step, and the file on disk may have been replaced
+        since its load."""
+        keys = set()
+        for ref in meta.active.values():
+            try:
+                keys.add((cache_path(self.directory, ref.name), ref.checksum, self.keep_positions))
+            except CacheRequestError:
+                continue
+        with self._lock:
+            self._pinned = keys
 
     def active_pools(self) -> dict[int, Any]:
         """The requests on files of the step whose metadata is bound, by first block: each one's
-        :class:`~kvfold.integrations.vllm.pool_layout.ServedPool` (a file that cannot be read, or whose
-        placeholders differ from the request's, is left out: its load fails, and vLLM ends the request)."""
+        :class:`~kvfold.integrations.vllm.pool_layout.ServedPool`. A request whose file cannot be had (no
+        longer the one it was checked against, after its pool left the worker's memory) or whose
+        placeholders differ from the file's is left out, and its first block is reported as a load error:
+        vLLM ends it with an error instead of its answer going on without its file."""
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, KvfoldConnectorMetadata):
             return {}
         with self._lock:
             if self._active_for is meta:
                 return self._active
-        active = {}
+        self._pin(meta)
+        active, lost = {}, set()
         for first, ref in meta.active.items():
             try:
                 served, _ = self._pool(ref.name, ref.checksum)
-            except (ValueError, OSError) as err:
+            except (ValueError, OSError, CacheRequestError) as err:
                 logger.error("kvfold cache %r not served: %s", ref.name, err)
+                lost.add(first)
                 continue
             if served.placeholders == ref.slots:
                 active[first] = served
+            else:
+                lost.add(first)
+        if lost:  # read as plain tokens its answer would be garbage: vLLM ends the request instead
+            with self._lock:
+                self._failed_blocks.update(lost)
         with self._lock:
             self._active_for, self._active = meta, active
         return active
@@ -317,6 +341,7 @@ class KvfoldConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvfoldConnectorMetadata):
             return
+        self._pin(meta)
         for load in meta.loads:
             try:
                 self._load(forward_context, load)
