@@ -53,7 +53,10 @@ def main() -> None:
         served = served_plan(context.cache, model.config, BLOCK_SIZE, dtype)
         element = torch.empty(0, dtype=dtype).element_size()
         held = 0
-        for rows in pool_rows(context.cache):
+        layers = pool_rows(context.cache)
+        longest = max(int(rows.lengths.max()) for rows in layers)
+        busiest = max(int(rows.lengths.sum()) / rows.lengths.numel() for rows in layers)
+        for rows in layers:
             if hasattr(rows, "config"):
                 held += rows.nbytes()
             else:
@@ -81,6 +84,8 @@ def main() -> None:
                 "full_bytes_dtype": tokens * per_token * element,
                 "full_bytes_16bit": tokens * per_token * 2,
                 "placeholders": served.placeholders,
+                "longest_row": longest,
+                "busiest_layer_mean_row": busiest,
                 "kvfold_ask": answer.token_ids,
                 "kvfold_ask_text": answer.text,
             }
@@ -96,7 +101,6 @@ def main() -> None:
         kv = output.kv_transfer_params or {}
         blocks, block_bytes = int(kv["kvfold_blocks"]), int(kv["kvfold_block_bytes"])
         file_blocks = int(kv["kvfold_slots"]) // BLOCK_SIZE
-        served_ids = [int(t) for t in output.outputs[0].token_ids]
         row.update(
             blocks=blocks,
             block_bytes=block_bytes,
@@ -104,7 +108,7 @@ def main() -> None:
             question_and_answer_blocks=blocks - file_blocks,
             held_over_rows=file_blocks * block_bytes / row["rows_bytes"],
             served_text=output.outputs[0].text,
-            same_as_kvfold_ask=served_ids == row["kvfold_ask"][: len(served_ids)],
+            same_as_kvfold_ask=output.outputs[0].text.strip() == row["kvfold_ask_text"].strip(),
             needle_found=None if args.expect is None else args.expect in output.outputs[0].text,
             within_done_when=file_blocks * block_bytes <= 1.05 * row["rows_bytes"] + block_bytes,
         )
@@ -117,14 +121,17 @@ def _table(rows: list[dict], args) -> str:
     lines = [
         f"vLLM 0.32 CPU, {args.dtype}; question: {args.question.strip()!r}",
         "",
-        "| file | method @ budget | context tokens | file's rows (MB) | held for the file (MB) | held ÷ rows | "
-        "÷ full cache in 16 bits | question + answer blocks | as `kvfold ask` |" + (" needle |" if args.expect else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---|" + ("---|" if args.expect else ""),
+        "| file | method @ budget | context tokens | longest row ÷ T | busiest layer ÷ T | file's rows (MB) | "
+        "held for the file (MB) | held ÷ rows | ÷ full cache in 16 bits | question + answer blocks | "
+        "as `kvfold ask` |" + (" needle |" if args.expect else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|" + ("---|" if args.expect else ""),
     ]
     for r in rows:
         held = r["file_blocks"] * r["block_bytes"]
         line = (
-            f"| {r['file']} | `{r['method']}` @ {r['budget']} | {r['context_tokens']} | {r['rows_bytes'] / 1e6:.2f} | "
+            f"| {r['file']} | `{r['method']}` @ {r['budget']} | {r['context_tokens']} | "
+            f"{r['longest_row'] / r['context_tokens']:.3f} | {r['busiest_layer_mean_row'] / r['context_tokens']:.3f} | "
+            f"{r['rows_bytes'] / 1e6:.2f} | "
             f"{held / 1e6:.2f} | {r['held_over_rows']:.3f} | 1/{r['full_bytes_16bit'] / held:.1f} | "
             f"{r['question_and_answer_blocks']} | {'same' if r['same_as_kvfold_ask'] else 'differs'} |"
         )

@@ -82,7 +82,7 @@ def _files(args, caches: Path) -> dict:
         made["files"][name] = {"memory": memory, "compress_seconds": small.compress_seconds}
     served, _ = kvfold.load_model(dtype=args.dtype)
     for name in made["files"]:
-        loaded = kvfold.load_context(caches / f"{name}.kvc", served, tokenizer)
+        loaded = kvfold.load_context(caches / f"{name}.kvc", served, tokenizer, dtype=args.dtype)
         made["files"][name]["answers"] = {
             q: loaded.generate(q, max_new_tokens=args.max_tokens)[0].token_ids for _, q, _ in FACTS
         }
