@@ -38,12 +38,12 @@ from tests.integrations.vllm.conftest import PAIR, Server, start_server
 KV_GIB = 0.055
 """The small server's KV space: 40 blocks of 32 tokens (1.47 MB a block: SmolLM2 in float32). Requests on
 ``kvzip``'s file share the blocks that hold the file (prefix caching, ~6); 15 of them, each with a
-question and 64 new tokens (3 blocks of its own), need ~51."""
+question and 48 new tokens (3 blocks of its own), need ~51."""
 MAX_MODEL_LEN = 1024
 SERVER_FLAGS = ("--kv-space", str(KV_GIB), "--max-model-len", str(MAX_MODEL_LEN))
 VLLM_FLAGS = ("--", "--enforce-eager", "--max-num-seqs", "16")
 THREADS = 16
-PHASES = (140, 100)
+PHASES = (120, 80)
 """Requests before the kill, and after the restart."""
 LOAD_TOKENS = 8
 LOAD_SECONDS = 420
@@ -98,12 +98,12 @@ def small(load_caches, tmp_path_factory):
 
 
 def test_requests_beyond_the_kv_space_wait_or_are_preempted_and_still_answer_right(small, references):
-    """15 requests on ``kvzip``'s file at once, 64 new tokens each, in a KV space of 40 blocks: vLLM
+    """15 requests on ``kvzip``'s file at once, 48 new tokens each, in a KV space of 40 blocks: vLLM
     preempts some (its counter rises); a preempted one reloads its file, and every answer stays kvfold's."""
     before = small.metric("vllm:num_preemptions_total")
     questions = [q for _, q, _ in FACTS] * 3
     with ThreadPoolExecutor(len(questions)) as pool:
-        results = list(pool.map(lambda q: (q, small.ask("kvzip", q, max_tokens=64, ignore_eos=True)), questions))
+        results = list(pool.map(lambda q: (q, small.ask("kvzip", q, max_tokens=48, ignore_eos=True)), questions))
     for question, (status, body) in results:
         assert status == 200, body
         ids = body["choices"][0]["token_ids"]
@@ -342,7 +342,7 @@ def test_the_server_under_load(small, load_caches, tmp_path):
     references = _references(small)
     swap_answers = [references[(f"code{n}", CODE_QUESTION)] for n in PAIR[1]]
     assert swap_answers[0] != swap_answers[1]
-    warm = _plan(2 * len(KINDS), random.Random(1), start=-100)  # warm-up: every kind, then the memory
+    warm = _plan(len(KINDS), random.Random(1), start=-100)  # warm-up, then the memory
     _run_phase(small, warm, time.monotonic() + 120, load_caches, phase=0)
     rss = {"phase 1 after warm-up": _settled_rss(small)}
     deadline = time.monotonic() + LOAD_SECONDS
@@ -358,7 +358,7 @@ def test_the_server_under_load(small, load_caches, tmp_path):
     small.process, small.command = again.process, again.command  # the module fixture stops this one
     small.wait()
     restart = time.monotonic() - restart
-    warm2 = _plan(2 * len(KINDS), random.Random(2), start=-200)
+    warm2 = _plan(len(KINDS), random.Random(2), start=-200)
     _run_phase(small, warm2, time.monotonic() + 120, load_caches, phase=0)
     rss["phase 2 after warm-up"] = _settled_rss(small)
     second = _plan(PHASES[1], rng, start=PHASES[0])
