@@ -167,9 +167,7 @@ def vllm_python_candidates() -> list[Path]:
     found = []
     if os.environ.get(ENV_VLLM_PYTHON):
         found.append(Path(os.environ[ENV_VLLM_PYTHON]))
-    import kvfold
-
-    package = Path(kvfold.__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # the kvfold package this module belongs to
     for root in (package.parent.parent, Path(sys.prefix).resolve().parent):
         candidate = root / VLLM_VENV / "bin" / "python"
         if candidate not in found:
@@ -191,9 +189,7 @@ def _rerun_with_vllm(args: argparse.Namespace) -> int:
     """Run ``kvfold serve`` again in the environment that has vLLM, or say in one line what to run."""
     python = None if os.environ.get(ENV_RERUN) else find_vllm_python()
     if python is None:
-        import kvfold
-
-        root = Path(kvfold.__file__).resolve().parent.parent.parent
+        root = Path(__file__).resolve().parent.parent.parent.parent  # the repository, for an editable install
         if os.environ.get(ENV_RERUN):
             where = f"{sys.executable}, run as the vLLM environment, has none"
         else:
