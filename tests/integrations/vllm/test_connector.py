@@ -260,3 +260,13 @@ def test_a_request_whose_file_is_gone_in_the_middle_of_its_answer_fails(files):
     write("doc", "second")
     active, failed = _step(conn, {7: FileRef("doc", "first", SLOTS), 9: FileRef("doc", "second", SLOTS)})
     assert list(active) == [9] and failed == {7}
+
+
+def test_a_file_is_kept_by_its_content_under_any_name(files):
+    """Two names with one content share blocks (their salt is the checksum); a request on the second,
+    replaced on disk since its check, still reads the content its blocks hold."""
+    conn, write, reads = files
+    write("code", "first")
+    write("swap", "second")  # a copy of "code" when it was checked; replaced since
+    active, failed = _step(conn, {5: FileRef("code", "first", SLOTS), 7: FileRef("swap", "first", SLOTS)})
+    assert sorted(active) == [5, 7] and failed == set() and reads == ["code"]

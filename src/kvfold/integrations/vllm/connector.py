@@ -145,10 +145,10 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._files: dict[str, FileRef] = {}  # every request on a file, until it finishes
         self._first_block: dict[str, int] = {}
         # worker side
-        self._pools: OrderedDict[tuple[Path, str, bool], Any] = OrderedDict()
+        self._pools: OrderedDict[tuple[str, bool], Any] = OrderedDict()  # by checksum: a file's content
         self._active_for: KVConnectorMetadata | None = None  # the metadata self._active was built for
         self._active: dict[int, Any] = {}
-        self._pinned: set[tuple[Path, str, bool]] = set()  # the pools of the bound step's requests
+        self._pinned: set[tuple[str, bool]] = set()  # the pools of the bound step's requests
         self._failed_blocks: set[int] = set()
         self._lock = threading.Lock()
 
@@ -263,7 +263,9 @@ class KvfoldConnector(KVConnectorBase_V1):
 
     # ================================================================ worker side
     def _pool(self, name: str, checksum: str):
-        """The file as a request holds it and its chunks' bytes (kept for the next request on it).
+        """The file as a request holds it and its chunks' bytes, kept by checksum for the next request on
+        the same content (under any name: requests share blocks by their checksum salt, so a request on a
+        file replaced since reads the content its blocks hold).
 
         Raises:
             ValueError: the file is missing, damaged, not the one the request was checked against, or
@@ -272,12 +274,12 @@ class KvfoldConnector(KVConnectorBase_V1):
         from kvfold.integrations.vllm.layout import read_cache_file
         from kvfold.integrations.vllm.pool_layout import served_pool
 
-        path = cache_path(self.directory, name)
-        key = (path, checksum, self.keep_positions)
+        key = (checksum, self.keep_positions)  # by content: requests share blocks by checksum (their salt)
         with self._lock:
             if key in self._pools:
                 self._pools.move_to_end(key)
                 return self._pools[key]
+        path = cache_path(self.directory, name)
         cache, header = read_cache_file(path, self.hf_config)
         found = str((header.get("checksum") or {}).get("value"))
         if found != checksum:
@@ -296,12 +298,7 @@ class KvfoldConnector(KVConnectorBase_V1):
         """Keep the pools of the requests ``meta`` schedules (the bound step's) from being evicted: a
         request answering from a file reads it every step, and the file on disk may have been replaced
         since its load."""
-        keys = set()
-        for ref in meta.active.values():
-            try:
-                keys.add((cache_path(self.directory, ref.name), ref.checksum, self.keep_positions))
-            except CacheRequestError:
-                continue
+        keys = {(ref.checksum, self.keep_positions) for ref in meta.active.values()}
         with self._lock:
             self._pinned = keys
 
