@@ -251,9 +251,14 @@ def _plot(r: dict, path: Path) -> None:
     names = list(r["files"])
     fig, axes = plt.subplots(1, 2, figsize=(9, 3))
     labels = [f"1/{round(1 / r['files'][n]['memory'])}" for n in names] + ["full"]
-    axes[0].bar(labels, [r["files"][n]["max_running_at_once"] for n in names] + [r["settings"]["fit_full"]],
-                color=["tab:green"] * len(names) + ["tab:gray"])  # fmt: skip
-    axes[0].set_title("requests at once in the same KV space", fontsize=10)
+    where = list(range(len(labels)))
+    fit = [r["files"][n]["fit_in_kv_space"] for n in names] + [r["settings"]["fit_full"]]
+    ran = [r["files"][n]["max_running_at_once"] for n in names] + [0]
+    axes[0].bar([x - 0.2 for x in where], fit, width=0.4, color="tab:gray", label="fit in the KV space")
+    axes[0].bar([x + 0.2 for x in where], ran, width=0.4, color="tab:green", label="ran at once (all sent)")
+    axes[0].set_xticks(where, labels)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("requests in the same KV space", fontsize=10)
     axes[1].bar(labels[:-1], [r["files"][n]["tokens_per_second"] for n in names], color="tab:green")
     axes[1].set_title("generated tokens / s", fontsize=10)
     fig.suptitle(f"vLLM CPU ({r['settings']['dtype']}), {r['context_tokens']}-token logbook, {r['settings']['method']}")
