@@ -91,8 +91,9 @@ def test_the_stored_part_of_full_precision_rows_merged_with_a_tail_equals_float6
 def test_float_part_reads_every_row_in_a_fixed_number_of_operations(monkeypatch):
     """No loop over rows: the batched products run once whatever the number of rows."""
     calls = []
-    real = torch.bmm
-    monkeypatch.setattr(rows_module.torch, "bmm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("bmm", "baddbmm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(rows_module.torch, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     for count in (2, 40):
         calls.clear()
         keys, values, log_mass, lens = _padded_rows([3 + i % 5 for i in range(count)], 8)

@@ -71,8 +71,8 @@ def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_
     new_top = torch.maximum(tail_logits.amax(-1), top)
     weights_of_tail = (tail_logits - new_top[..., None]).exp_()
     stored_shift = (top - new_top).exp_()
-    out = torch.bmm(weights_of_tail, tail_values).add_(num * stored_shift[..., None])
-    return out.div_((weights_of_tail.sum(-1) + den * stored_shift)[..., None])
+    out = torch.baddbmm(num * stored_shift[..., None], weights_of_tail, tail_values)
+    return out.div_(torch.addcmul(weights_of_tail.sum(-1), den, stored_shift)[..., None])
 
 
 def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:

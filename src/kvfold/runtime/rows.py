@@ -109,10 +109,13 @@ class FloatRows:
         """``(index, valid)``, both ``(R, W)`` with W = :attr:`width`: the entry each padded slot reads
         (a valid one, repeated, past the row's end) and whether the slot is the row's."""
         position = torch.arange(self.width, device=self.lengths.device)
-        valid = position < self.lengths[:, None]
-        first = self.lengths.cumsum(0) - self.lengths
-        index = (first[:, None] + position).clamp_max(max(int(self.keys.shape[0]) - 1, 0))
-        return index, valid
+        index = (self.starts[:, None] + position).clamp_max(max(int(self.keys.shape[0]) - 1, 0))
+        return index, position < self.lengths[:, None]
+
+    @cached_property
+    def starts(self) -> Tensor:
+        """``(R,)`` each row's first entry (made once: the rows do not change)."""
+        return self.lengths.cumsum(0) - self.lengths
 
     def to_padded(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(keys (R, W, D), values (R, W, Dv), log_mass (R, W) float32)`` with β = −inf past each row's
@@ -141,7 +144,7 @@ class FloatRows:
     def select_rows(self, rows: Tensor) -> FloatRows:
         """The rows ``rows`` (long indices, repeats allowed), in that order."""
         rows = rows.to(self.lengths.device, torch.long)
-        entries = entry_ranges((self.lengths.cumsum(0) - self.lengths)[rows], self.lengths[rows])
+        entries = entry_ranges(self.starts[rows], self.lengths[rows])
         beta = None if self.log_mass is None else self.log_mass[entries].contiguous()
         return FloatRows(self.lengths[rows].clone(), self.keys[entries].contiguous(),
                          self.values[entries].contiguous(), beta)  # fmt: skip
@@ -171,9 +174,14 @@ def float_part(queries: Tensor, rows: FloatRows, scaling: float) -> tuple[Tensor
             queries.new_zeros(count, m, rows.value_dim),
         )
     index, valid = rows.padded_index()
-    logits = torch.bmm(queries, rows.keys[index].to(acc).transpose(1, 2)).mul_(scaling)  # (R, M, W)
-    beta = torch.zeros((), dtype=acc, device=valid.device) if rows.log_mass is None else rows.log_mass[index].to(acc)
-    logits.add_(torch.where(valid, beta, NEG_INF)[:, None, :])
+    flat = index.view(-1)
+
+    def gather(t: Tensor) -> Tensor:  # (R, W, ·): index_select, far cheaper than advanced indexing
+        return t.index_select(0, flat).view(*index.shape, *t.shape[1:]).to(acc)
+
+    beta = torch.zeros((), dtype=acc, device=valid.device) if rows.log_mass is None else gather(rows.log_mass)
+    bias = torch.where(valid, beta, NEG_INF)[:, None, :]  # (R, 1, W): −inf past each row's end
+    logits = torch.baddbmm(bias, queries, gather(rows.keys).transpose(1, 2), alpha=scaling)  # (R, M, W)
     top = logits.amax(-1)
     weights = logits.sub_(top.nan_to_num(neginf=0.0)[..., None]).exp_()  # an empty row: all weights 0
-    return top, weights.sum(-1), torch.bmm(weights, rows.values[index].to(acc))
+    return top, weights.sum(-1), torch.bmm(weights, gather(rows.values))
