@@ -588,10 +588,12 @@ class FoldedLayer(CacheLayerMixin):
         re-quantized or re-packed), the tail, captured queries and statistics edited along."""
         if not self.is_initialized:
             return
+        before = after = 0
         if self.stored is not None:
-            rows = self.stored.num_rows
+            rows, before = self.stored.num_rows, self.stored.width
             picked = fn(torch.arange(rows, device=self.stored.lengths.device).view(self.batch_size, self.num_heads))
             self.stored = self.stored.select_rows(picked.reshape(-1))
+            after = self.stored.width
         n = self._length
         self._keys, self._values = fn(self._keys[:, :, :n]).clone(), fn(self._values[:, :, :n]).clone()
         if self._log_mass is not None:  # a row left without padding may leave every β 0: none held
@@ -600,7 +602,15 @@ class FoldedLayer(CacheLayerMixin):
         self.batch_size = self._keys.shape[0]
         if self.captured_queries is not None:
             self.captured_queries = fn(self.captured_queries)
-        self.entry_stats = {name: fn(t) for name, t in self.entry_stats.items()}
+        self.entry_stats = {name: _narrowed(fn(t), before, after, n) for name, t in self.entry_stats.items()}
+
+
+def _narrowed(stat: torch.Tensor, before: int, after: int, tail: int) -> torch.Tensor:
+    """A statistic ``(B, H, before + tail)`` of a layer whose stored rows, padded, were ``before`` slots
+    wide and are ``after`` now (rows picked by a batch edit): the padding slots no row uses dropped."""
+    if after < before and stat.dim() == 3 and stat.shape[-1] == before + tail:
+        return torch.cat([stat[..., :after], stat[..., before:]], -1)
+    return stat
 
 
 class FoldedCache(Cache):
