@@ -226,11 +226,12 @@ def test_a_scratch_gives_back_what_its_forwards_append():
 def test_a_batch_edit_keeps_statistics_aligned_with_the_slots():
     """Rows picked from ragged stored rows may be shorter than the longest before: a statistic keeps
     one value a slot of :meth:`FoldedLayer.padded`, the padding no picked row uses dropped."""
-    k = torch.randn(2, HKV, 20, D)
+    k = torch.randn(2, HKV, 40, D)
     cache = _filled_cache(k, k.clone())
     layer = cache.layers[0]
-    layer.replace(k, k.clone(), lengths=torch.tensor([[3, 20, 5], [4, 2, 7]]))
-    stat = torch.arange(2 * HKV * 20.0).view(2, HKV, 20)
+    layer.replace(k, k.clone(), lengths=torch.tensor([[3, 40, 5], [4, 2, 7]]))
+    assert isinstance(layer.stored, FloatRows)
+    stat = torch.arange(2 * HKV * 40.0).view(2, HKV, 40)
     layer.entry_stats = {"s": stat}
     cache.batch_select_indices(torch.tensor([1]))
     assert layer.physical_length == 7 and torch.equal(layer.entry_stats["s"], stat[1:, :, :7])
