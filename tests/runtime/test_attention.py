@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 import kvfold
 from kvfold.pipeline.context import greedy_decode
+from kvfold.runtime import attention
+from kvfold.runtime.attention import kvfold_attention
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.rows import FloatRows
 from tests.conftest import CharTokenizer as _CharTokenizer
 from tests.conftest import make_tiny_model
 
@@ -160,7 +165,6 @@ def test_the_masked_path_and_its_blocked_log_sum_exp_equal_float64(dtype, monkey
     entries unmasked with the query heads folded, the new block causal, merged by each part's
     log-sum-exp computed in blocks of a few query rows; output and log-sum-exp equal a float64
     reference, GQA included, and so does a block with no old entries."""
-    from kvfold.runtime import attention
 
     monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 3 * 41)  # blocks of ~1 row a KV head
     gen = torch.Generator().manual_seed(5)
@@ -189,3 +193,45 @@ def test_the_masked_path_and_its_blocked_log_sum_exp_equal_float64(dtype, monkey
     )
     torch.testing.assert_close(only_new.double(), ref_new, rtol=0, atol=1e-5)
     assert torch.isfinite(lse_new).all()
+
+
+def test_a_ragged_layer_attends_through_its_stored_part_and_equals_float64(monkeypatch):
+    """Per-head lengths (stored rows at full precision, β included): a 3-token question, then decode
+    steps, each through the stored rows' part merged with the dense tail by log-sum-exp (the tail
+    causal among the new tokens), against a float64 softmax over each row's entries."""
+    b, h_kv, groups, d, n = 2, 3, 2, 8, 24
+    g = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(b, h_kv, n, d, generator=g), torch.randn(b, h_kv, n, d, generator=g)
+    beta = torch.randn(b, h_kv, n, generator=g)
+    lengths = torch.tensor([[3, 24, 0], [11, 1, 6]])
+    cache = FoldedCache(num_layers=1)
+    layer = cache.layers[0]
+    layer.update(keys, values)
+    layer.replace(keys, values, beta, lengths)
+    assert isinstance(layer.stored, FloatRows)
+    calls = []
+    real = attention.stored_part
+    monkeypatch.setattr(attention, "stored_part", lambda *a: calls.append(1) or real(*a))
+    module = SimpleNamespace(layer_idx=0, num_key_value_groups=groups, is_causal=True)
+    rows = [[(keys[i, j, :m], values[i, j, :m], beta[i, j, :m]) for j, m in enumerate(row)]
+            for i, row in enumerate(lengths.tolist())]  # fmt: skip
+    for step, q_len in enumerate((3, 1, 1)):
+        new_k, new_v = torch.randn(b, h_kv, q_len, d, generator=g), torch.randn(b, h_kv, q_len, d, generator=g)
+        query = torch.randn(b, h_kv * groups, q_len, d, generator=g)
+        k, v = layer.update(new_k, new_v)
+        out, _ = kvfold_attention(module, query, k, v, None, scaling=d**-0.5, kvfold_cache=cache)
+        want = torch.empty(b, q_len, h_kv * groups, d, dtype=torch.float64)
+        for i in range(b):
+            for j in range(h_kv):
+                rk, rv, rb = rows[i][j]
+                for t in range(q_len):  # token t sees the entries before it and itself
+                    ks = torch.cat([rk, new_k[i, j, : t + 1]]).double()
+                    vs = torch.cat([rv, new_v[i, j, : t + 1]]).double()
+                    bs = torch.cat([rb, torch.zeros(t + 1)]).double()
+                    for head in range(j * groups, (j + 1) * groups):
+                        weights = torch.softmax(ks @ query[i, head, t].double() * d**-0.5 + bs, 0)
+                        want[i, t, head] = weights @ vs
+                grown = ((rk, new_k[i, j]), (rv, new_v[i, j]), (rb, torch.zeros(q_len)))
+                rows[i][j] = tuple(torch.cat(pair) for pair in grown)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    assert len(calls) == 3 and isinstance(layer.stored, FloatRows) and layer.stored.width == 24

@@ -11,7 +11,7 @@ import torch
 
 from kvfold.runtime.attention import kvfold_attention
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
-from kvfold.runtime.paged import BLOCK_SIZE
+from kvfold.runtime.rows import FloatRows
 
 B, HKV, G, D = 2, 3, 2, 8
 
@@ -68,7 +68,7 @@ def test_repeated_token_equals_one_copy_with_log_count():
     torch.testing.assert_close(_decode(a, q), _decode(b, q), rtol=1e-6, atol=1e-7)
 
 
-def test_per_head_lengths_are_paged_and_match_masked_reference():
+def test_per_head_lengths_are_stored_ragged_and_match_masked_reference():
     torch.manual_seed(1)
     n = 40
     k = torch.randn(B, HKV, n, D, dtype=torch.float64)
@@ -78,7 +78,7 @@ def test_per_head_lengths_are_paged_and_match_masked_reference():
     lengths = torch.tensor([[3, 40, 17], [25, 1, 9]])
     beta = torch.randn(B, HKV, n) * 0.5
     layer.replace(k, v, beta, lengths=lengths)
-    assert layer.paged is not None
+    assert isinstance(layer.stored, FloatRows)
     assert torch.equal(layer.row_lengths(), lengths)
     q = torch.randn(B, HKV * G, 1, D, dtype=torch.float64)
     out = _decode(cache, q)
@@ -91,7 +91,7 @@ def test_per_head_lengths_are_paged_and_match_masked_reference():
     torch.testing.assert_close(out.double(), _reference(q, keys_ref, values_ref, beta_ref, valid), rtol=1e-6, atol=1e-7)
 
 
-def test_paged_rows_keep_working_across_many_decode_steps():
+def test_ragged_rows_keep_working_across_many_decode_steps():
     torch.manual_seed(2)
     k = torch.randn(1, HKV, 30, D, dtype=torch.float64)
     v = torch.randn(1, HKV, 30, D, dtype=torch.float64)
@@ -101,11 +101,12 @@ def test_paged_rows_keep_working_across_many_decode_steps():
     reference = _filled_cache(k, v)
     mask_beta = torch.where(torch.arange(30)[None, None] < lengths[..., None], 0.0, float("-inf"))
     reference.layers[0].replace(k, v, mask_beta)  # dense, −inf masked: a full-size reference
-    assert reference.layers[0].paged is None
-    for step in range(2 * BLOCK_SIZE + 3):
+    assert reference.layers[0].stored is None
+    for step in range(35):
         q = torch.randn(1, HKV * G, 1, D, dtype=torch.float64)
         torch.testing.assert_close(_decode(cache, q), _decode(reference, q), rtol=1e-6, atol=1e-7, msg=f"step {step}")
-    assert torch.equal(cache.layers[0].row_lengths(), lengths + 2 * BLOCK_SIZE + 3)
+    assert torch.equal(cache.layers[0].row_lengths(), lengths + 35)
+    assert cache.layers[0].stored.width == 30  # the stored rows as they were: decoding writes the tail
 
 
 def test_memory_accounting_matches_tensors_held():
@@ -122,7 +123,7 @@ def test_memory_accounting_matches_tensors_held():
     lengths = torch.tensor([[2, 2 * n, 2]])
     layer_b = _filled_cache(k2, k2.clone()).layers[0]
     layer_b.replace(k2, k2.clone(), lengths=lengths)
-    held = sum(t.untyped_storage().nbytes() for t in layer_b.paged.tensors())
+    held = sum(t.untyped_storage().nbytes() for t in layer_b.stored.tensors().values())
     assert layer_b.nbytes() == held
     dense_equivalent = 2 * HKV * 2 * n * D * 4  # rows × longest row, as a mask would hold
     assert layer_b.nbytes() < 0.5 * dense_equivalent  # per-head budgets really free memory
@@ -159,7 +160,7 @@ def test_replace_rejects_nan_and_inf():
         cache.layers[0].replace(k, k, beta)
 
 
-def test_batch_select_keeps_paged_rows():
+def test_batch_select_keeps_ragged_rows():
     k = torch.randn(2, HKV, 20, D)
     cache = _filled_cache(k, k.clone())
     lengths = torch.tensor([[3, 20, 5], [20, 2, 7]])
@@ -189,7 +190,7 @@ def test_folded_layer_dense_growth_is_amortised():
 def test_a_scratch_gives_back_what_its_forwards_append():
     """:meth:`FoldedCache.scratch`: forwards inside append after the entries; on exit (also after an
     error) the layers hold exactly what they held, with their logical length, capacity, captured
-    queries, policy and capture window; paged layers are refused."""
+    queries, policy and capture window; layers with stored rows are refused."""
     import kvfold
     from tests.conftest import make_tiny_model
 
@@ -217,6 +218,20 @@ def test_a_scratch_gives_back_what_its_forwards_append():
         assert cache.policy is sentinel and cache.capture_window == 4
     keys, values, log_mass, _ = layer.padded()
     layer.replace(keys, values, log_mass, torch.tensor([[40] + [1] * (layer.num_heads - 1)]))
-    assert layer.paged is not None and not cache.supports_scratch()
+    assert layer.stored is not None and not cache.supports_scratch()
     with pytest.raises(ValueError, match="use copy"), cache.scratch():
         pass
+
+
+def test_a_batch_edit_keeps_statistics_aligned_with_the_slots():
+    """Rows picked from ragged stored rows may be shorter than the longest before: a statistic keeps
+    one value a slot of :meth:`FoldedLayer.padded`, the padding no picked row uses dropped."""
+    k = torch.randn(2, HKV, 40, D)
+    cache = _filled_cache(k, k.clone())
+    layer = cache.layers[0]
+    layer.replace(k, k.clone(), lengths=torch.tensor([[3, 40, 5], [4, 2, 7]]))
+    assert isinstance(layer.stored, FloatRows)
+    stat = torch.arange(2 * HKV * 40.0).view(2, HKV, 40)
+    layer.entry_stats = {"s": stat}
+    cache.batch_select_indices(torch.tensor([1]))
+    assert layer.physical_length == 7 and torch.equal(layer.entry_stats["s"], stat[1:, :, :7])

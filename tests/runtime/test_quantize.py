@@ -195,7 +195,7 @@ def test_a_quantized_layer_holds_the_closed_form_bytes(lengths, fmt):
     layer.update(torch.randn(2, 2, n, D), torch.randn(2, 2, n, D))
     beta = torch.randn(2, 2, n)
     layer.replace(*layer.padded()[:2], beta, lengths=layer_lengths)
-    assert (layer.paged is not None) == (len(set(lengths)) > 1)
+    assert (layer.stored is not None) == (len(set(lengths)) > 1)
     config = QuantConfig(format=fmt)
     cache.quantize(config)
     expected = _closed_form_bytes(layer_lengths.flatten(), config, D, with_beta=True)
@@ -262,7 +262,7 @@ def test_attention_over_a_quantized_layer_equals_attention_over_its_dequantized_
     for (_, q_layer), (_, p_layer) in zip(quantized.folded_layers, plain.folded_layers, strict=True):
         assert q_layer.is_quantized
         k, v, lm, lengths = q_layer.padded()
-        p_layer.quantized = None
+        p_layer.stored = None
         p_layer.replace(k, v, lm, lengths=lengths)
     question = [5, 9, 17, 23, 4]
     a = _next_logits(model, quantized, question)

@@ -55,7 +55,7 @@ def _physical(cache: kvfold.FoldedCache) -> list:
     out = []
     for _, layer in cache.folded_layers:
         k, v, lm, lengths = layer.padded()
-        out.append((k, v, lm, lengths, layer.logical_length, layer.paged is not None))
+        out.append((k, v, lm, lengths, layer.logical_length, layer.stored is not None))
     return out
 
 
@@ -178,7 +178,7 @@ def _paged_context(model):
         short = lengths.clone()
         short[:, 1:] = 3
         layer.replace(k, v, lm, short)
-        assert layer.paged is not None
+        assert layer.stored is not None
     return compressed
 
 
@@ -366,8 +366,8 @@ def test_a_quantized_file_holds_its_codes_and_is_within_5_percent_of_the_counted
     loaded = load_context(path, model, CharTokenizer())
     assert loaded.cache.quant == compressed.cache.quant
     for (_, a), (_, b) in zip(compressed.cache.folded_layers, loaded.cache.folded_layers, strict=True):
-        for name, tensor in a.quantized.tensors().items():
-            assert torch.equal(tensor, b.quantized.tensors()[name]), name
+        for name, tensor in a.stored.tensors().items():
+            assert torch.equal(tensor, b.stored.tensors()[name]), name
     info = read_info(path)
     assert info.header["kv_format"] == "int4" and info.header["format_version"] == FORMAT_VERSION
     assert info.header["kv_bytes"] == counted

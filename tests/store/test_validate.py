@@ -180,7 +180,7 @@ def test_the_vllm_reader_refuses_the_same_files(files, model, tmp_path):
     with pytest.raises(InvalidCacheFileError, match="layer 0 q.value_zero"):
         read_cache(bad, model.config)
     cache, _ = read_cache(files["outliers"], model.config)
-    assert cache.layers[0].quantized is not None
+    assert cache.layers[0].is_quantized
 
 
 def test_validate_layer_checks_raw_tensors_for_a_serving_backend(files, model):

@@ -102,8 +102,8 @@ def compact_history(
     tails: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     history_rows = []
     for index, layer in layers:
-        keys, values, log_mass, lengths = layer.padded()
-        slots = lengths if layer.paged is not None else torch.full_like(lengths, layer.physical_length)
+        keys, values, log_mass, _ = layer.padded()
+        slots = layer.row_ends()
         if keep_last > int(slots.min()):
             raise ValueError(f"cannot keep the last {keep_last} tokens: layer {index} holds {int(slots.min())}")
         history_rows.append(layer.row_lengths() - _valid_tail(log_mass, slots, keep_last))
@@ -114,8 +114,8 @@ def compact_history(
     saved_queries = {}
     for index, layer in layers:
         if keep_last:
-            keys, values, log_mass, lengths = layer.padded()
-            slots = lengths if layer.paged is not None else torch.full_like(lengths, layer.physical_length)
+            keys, values, log_mass, _ = layer.padded()
+            slots = layer.row_ends()
             head = slots - keep_last
             width = int(head.max())
             layer.replace(keys[:, :, :width], values[:, :, :width], log_mass[:, :, :width], head)
@@ -183,8 +183,8 @@ def _take(
 
 def _append_tail(layer: FoldedLayer, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor) -> None:
     """Put ``T`` entries back after every row's content (paged rows after their own length)."""
-    head_k, head_v, head_lm, lengths = layer.padded()
-    slots = lengths if layer.paged is not None else torch.full_like(lengths, layer.physical_length)
+    head_k, head_v, head_lm, _ = layer.padded()
+    slots = layer.row_ends()
     count = keys.shape[2]
     b, h = slots.shape
     width = int(slots.max()) + count

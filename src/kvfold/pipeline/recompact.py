@@ -177,8 +177,8 @@ def split_newest(layer: FoldedLayer, count: int) -> tuple[Entries, Tensor]:
         The older entries (clones, padded) and the slot index ``(B, H, count)`` the newest entries
         had in the layer's padded layout (to read the repeat pass's scores of them).
     """
-    keys, values, log_mass, lengths = layer.padded()
-    slots = lengths if layer.paged is not None else torch.full_like(lengths, layer.physical_length)
+    keys, values, log_mass, _ = layer.padded()
+    slots = layer.row_ends()
     index = slots[..., None] - count + torch.arange(count, device=slots.device)
     width = int((slots - count).max())
     older = torch.arange(width, device=slots.device) < (slots - count)[..., None]

@@ -9,13 +9,18 @@ Paths:
 * **prefill of an empty layer** — exactly transformers' SDPA (so no compression equals the
   stock model); left padding found in the mask is recorded as β = −inf; the cache's prefill
   observers (if any) then see the layer's queries (e.g. H2O accumulates their attention).
-* **decode (one query token), dense layout** — the G query heads of a GQA group are folded
-  into the query-length axis, so β of shape ``(B, H_kv, 1, N)`` broadcasts over them: no
+* **a layer with stored rows** (per-head lengths, quantized entries: see
+  :mod:`kvfold.runtime.cache`) — the stored rows' part, each row's maximum logit, weights' sum and
+  weighted values (:func:`kvfold.runtime.quantized_attention.stored_part`: the compiled kernel or
+  PyTorch over the codes, batched gathers over full-precision rows), merged by log-sum-exp with the
+  dense tail, whose last ``q`` entries are the new tokens (causal among themselves). A policy that
+  reads the probabilities, and formats read by dequantizing, get one softmax over the padded
+  slots instead.
+* **a dense layer, one query token** — the G query heads of a GQA group are folded into the
+  query-length axis, so β of shape ``(B, H_kv, 1, N)`` broadcasts over them: no
   ``(B, heads, q, K)`` mask is built per step.
-* **decode, paged layout** (per-head lengths) — block-wise scores, a segment softmax and a
-  segment sum over the blocks each row owns; work is proportional to the entries held.
-* **several query tokens on a filled cache** (question after compression, chunked prefill) —
-  a float mask of β plus the causal block of the new tokens; on an uncompressed cache (a repeat
+* **a dense layer, several query tokens** (question after compression, chunked prefill) — a
+  float mask of β plus the causal block of the new tokens; on an uncompressed cache (a repeat
   pass, a chunked prefill before its first compression) the old entries and the new causal block
   are attended apart and merged by their log-sum-exp, with no mask.
 """
@@ -32,8 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.paged import PagedRows
-from kvfold.runtime.quantized_attention import attend_stored, reads_codes
+from kvfold.runtime.quantized_attention import merge_with_tail, reads_codes, stored_part
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -100,16 +104,17 @@ def kvfold_attention(
     if kvfold_cache.capture_window:
         _capture_queries(layer, query, kvfold_cache.capture_window)
     policy = kvfold_cache.policy
-    if layer.quantized is not None:
-        if policy is None:
-            return _quantized_attention(query, layer, scaling), None
-        out, probs, logits = _quantized_attention_padded(query, layer, scaling, policy.needs_attention)
-        policy.after_forward(module.layer_idx, layer, query, probs, logits)  # an evicting policy is refused there
-        return out, None
     need_probs = policy is not None and policy.needs_attention
     probs = logits = None
-    fresh = layer.paged is None and layer.physical_length == q_len and not layer.has_log_mass
-    if fresh:
+    if policy is not None:
+        layer.unpack()  # a policy edits the dense entries in place
+    if layer.stored is not None:
+        _check_sliding_window(layer, kwargs.get("sliding_window"))
+        if need_probs or not reads_codes(layer.stored):
+            out, probs, logits = _padded_attention(query, layer, scaling, need_probs)
+        else:
+            out = _stored_attention(query, layer, scaling)
+    elif layer.physical_length == q_len and not layer.has_log_mass:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
         )
@@ -118,9 +123,7 @@ def kvfold_attention(
             observer(module.layer_idx, layer, query, scaling)
     else:
         _check_sliding_window(layer, kwargs.get("sliding_window"))
-        if layer.paged is not None and q_len == 1:
-            out = _paged_decode(query, layer.paged, scaling)
-        elif need_probs and getattr(policy, "accepts_log_sum_exp", False) and _gives_log_sum_exp(query, layer):
+        if need_probs and getattr(policy, "accepts_log_sum_exp", False) and _gives_log_sum_exp(query, layer):
             keys, values, _ = _dense_views(layer)
             out, lse = _attend_after_cache(query, keys, values, scaling, with_lse=True)
             policy.after_forward(module.layer_idx, layer, query, None, None, log_sum_exp=lse, scaling=scaling)
@@ -132,22 +135,16 @@ def kvfold_attention(
     return out, None
 
 
-def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
-    """Attention over a quantized layer: its stored entries (with β), then its full-precision tail,
-    whose last ``q`` entries are the new tokens (causal among themselves), under one softmax.
-
-    Integer formats with one value scale an entry (the default) are read from their codes
-    (:func:`kvfold.runtime.quantized_attention.attend_stored`: a fixed number of operations a layer,
-    the value scales folded into the probabilities); other formats (fp8, value groups within an
-    entry) dequantize the layer first (:func:`_quantized_attention_padded`). Nothing outlives the
-    call.
+def _stored_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
+    """Attention over a layer with stored rows: their part (with β) by
+    :func:`~kvfold.runtime.quantized_attention.stored_part` (quantized rows read from their codes, the
+    value scales folded into the probabilities; full-precision rows gathered, all rows at once), merged
+    by log-sum-exp with the dense tail, whose last ``q`` entries are the new tokens (causal among
+    themselves): one softmax over both. Nothing outlives the call.
 
     Returns:
         ``(B, q, H_q, D)``.
     """
-    stored = layer.quantized
-    if not reads_codes(stored):
-        return _quantized_attention_padded(query, layer, scaling)[0]
     b, h_q, q_len, d = query.shape
     h_kv = layer.num_heads
     rows, m = b * h_kv, (h_q // h_kv) * q_len
@@ -156,15 +153,15 @@ def _quantized_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float
     tail_keys, tail_values, tail_beta = _dense_views(layer)
     fresh = _tail_logits(folded, tail_keys, tail_beta, q_len, scaling).view(rows, m, -1)
     tail_values = tail_values.reshape(rows, -1, tail_values.shape[-1]).to(acc)
-    out = attend_stored(folded.view(rows, m, d), fresh, tail_values, stored, scaling)
+    out = merge_with_tail(*stored_part(folded.view(rows, m, d), layer.stored, scaling), fresh, tail_values)
     return out.to(query.dtype).view(b, h_q, q_len, -1).transpose(1, 2)
 
 
 def _tail_logits(
     folded: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor | None, q_len: int, scaling: float
 ) -> torch.Tensor:
-    """Scaled logits ``(B, H_kv, G·q, n)`` of the folded queries over a quantized layer's
-    full-precision tail (β added), with the future of each new token masked."""
+    """Scaled logits ``(B, H_kv, G·q, n)`` of the folded queries over a layer's dense tail (β added),
+    with the future of each new token masked."""
     fresh = torch.matmul(folded, keys.transpose(-1, -2).to(folded.dtype)).mul_(scaling)
     if beta is not None:
         fresh.add_(beta[:, :, None, :].to(fresh.dtype))
@@ -176,20 +173,20 @@ def _tail_logits(
     return fresh
 
 
-def _quantized_attention_padded(
+def _padded_attention(
     query: torch.Tensor, layer: FoldedLayer, scaling: float, need_probs: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Attention over a quantized layer with its entries dequantized for this layer only (with β),
-    then its full-precision tail, whose last ``q`` entries are the new tokens (causal among
-    themselves): one softmax over the slots of :meth:`FoldedLayer.padded`, the G query heads of a
-    KV head folded into the query axis. The path of fp8, of value groups within an entry and of
-    policies that read the probabilities (a repeat pass over a quantized conversation).
+    """Attention over a layer's stored rows padded for this layer only (dequantized, with β), then
+    its dense tail, whose last ``q`` entries are the new tokens (causal among themselves): one
+    softmax over the slots of :meth:`FoldedLayer.padded`, the G query heads of a KV head folded
+    into the query axis. The path of fp8, of value groups within an entry and of policies that
+    read the probabilities (a repeat pass over a compressed conversation).
 
     Returns:
         ``(output (B, q, H_q, D), probs, logits)`` as :func:`_dense_attention` returns them.
     """
     b, h_q, q_len, d = query.shape
-    q_keys, q_values, q_beta = layer.dequantized()
+    q_keys, q_values, q_beta = layer.stored_padded()
     tail_keys, tail_values, tail_beta = _dense_views(layer)
     keys = torch.cat([q_keys, tail_keys.to(q_keys.dtype)], 2)
     values = torch.cat([q_values, tail_values.to(q_values.dtype)], 2)
@@ -257,7 +254,7 @@ def _gives_log_sum_exp(query: torch.Tensor, layer: FoldedLayer) -> bool:
     probability path."""
     q_len = query.shape[2]
     uncompressed = (
-        layer.paged is None
+        layer.stored is None
         and layer._log_mass is None  # noqa: SLF001 - the attention is the layer's reader
         and q_len > 1
         and layer.physical_length > q_len
@@ -413,30 +410,6 @@ def _dense_bias(layer: FoldedLayer, q_len: int, groups: int, dtype: torch.dtype)
     full = log_mass[:, :, None, :] + mask[None, None]  # (B, H_kv, q, N)
     b, h_kv = full.shape[:2]
     return full[:, :, None].expand(b, h_kv, groups, q_len, n).reshape(b, h_kv, groups * q_len, n).to(dtype)
-
-
-def _paged_decode(query: torch.Tensor, pages: PagedRows, scaling: float) -> torch.Tensor:
-    """One query token per head over the paged layout: block scores, segment softmax and sum."""
-    b, h_q, _, d = query.shape
-    rows = pages.num_rows
-    groups = h_q * b // rows
-    nb = pages.num_blocks
-    block_row = pages.block_row[:nb]
-    q_rows = query.reshape(rows, groups, d)
-    q_blocks = q_rows[block_row]  # (nb, G, D): one gather per block, not per entry
-    acc = torch.promote_types(query.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
-    scores = torch.bmm(pages.keys[:nb], q_blocks.transpose(1, 2)).to(acc) * scaling  # (nb, P, G)
-    scores = scores + pages.log_mass[:nb, :, None]
-    block_max = scores.amax(dim=1)  # (nb, G)
-    row_max = torch.full((rows, groups), NEG_INF, device=scores.device, dtype=acc)
-    row_max = row_max.scatter_reduce(0, block_row[:, None].expand(-1, groups), block_max, "amax")
-    weights = torch.exp(scores - row_max[block_row][:, None, :])  # (nb, P, G)
-    denom = torch.zeros(rows, groups, device=scores.device, dtype=acc).index_add_(0, block_row, weights.sum(1))
-    partial = torch.bmm(weights.transpose(1, 2).to(pages.values.dtype), pages.values[:nb])  # (nb, G, D)
-    out = torch.zeros(rows, groups, d, device=scores.device, dtype=acc)
-    out.index_add_(0, block_row, partial.to(acc))
-    out = (out / denom[..., None]).to(query.dtype)
-    return out.view(b, h_q, 1, d).transpose(1, 2)
 
 
 def _record_padding(layer: FoldedLayer, attention_mask: torch.Tensor | None) -> None:

@@ -7,19 +7,19 @@ exactly like k identical copies. β is ZSMerge's α·log w (§3), KeepKV's log o
 (eq. 7) and Attention Matching's fitted bias (§2). β = −inf marks a slot that holds nothing
 (left padding of a batch, or the unused tail of a shorter row).
 
-Storage per layer has two layouts:
+A layer holds at most two parts, in this order:
 
-* **dense** — ``(B, H_kv, capacity, D)`` buffers with one physical length for all rows. Decoding
-  writes the new token in place; capacity grows geometrically, so a decode step never copies
-  the cache.
-* **quantized** — the compressed entries as packed integer (or fp8) codes with their scales
-  (:class:`kvfold.runtime.quantize.QuantizedRows`, ragged like the paged layout), followed by a
-  dense full-precision *tail* that receives what is appended after (the question, generated
-  tokens, a chat's new turns). Attention dequantizes one layer at a time.
-* **paged** — used when rows (batch × KV head) hold different numbers of entries, as with
-  per-head budgets (AdaKV, Attention Matching head schedules). Entries live in fixed-size
-  blocks owned by rows, so the memory held is Σ row lengths rounded up to a block, not
-  rows × the longest row (:class:`kvfold.runtime.paged.PagedRows`).
+* **stored rows** (``FoldedLayer.stored``) — compressed entries, ragged: rows (batch × KV head)
+  of different lengths, one after another, so the memory held is Σ row lengths, not rows × the
+  longest row (per-head budgets: AdaKV, Attention Matching head schedules, global rankings).
+  Quantized (:class:`kvfold.runtime.quantize.QuantizedRows`, :meth:`FoldedLayer.quantize`) or at
+  full precision (:class:`kvfold.runtime.rows.FloatRows`, what :meth:`FoldedLayer.replace` stores
+  for rows of different lengths). Never edited in place.
+* **a dense tail** — ``(B, H_kv, capacity, D)`` buffers with one length for all rows: what is
+  appended after the stored rows (the question, generated tokens, a chat's new turns), or the
+  whole content of an uncompressed layer, or of a compressed one whose rows are equal. Decoding
+  writes the new token in place; capacity grows geometrically, so a decode step never copies the
+  cache. Online (decode-time) methods edit it in place (:meth:`FoldedLayer.dense_buffers`).
 
 The layer also keeps a **logical length** (positions seen, including compressed ones) that is
 what ``get_seq_length()`` reports, so RoPE positions of new tokens continue where the
@@ -36,21 +36,21 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.paged import NEG_INF, PagedRows, grow_capacity, paging_saves_memory
 from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig, QuantizedRows
+from kvfold.runtime.rows import NEG_INF, FloatRows, grow_capacity, ragged_saves_memory
 
 
 def _content_view(index: int, name: str) -> property:
     """``FoldedLayer.keys`` (``index`` 0) or ``FoldedLayer.values`` (1), as transformers reads them.
 
-    Reading gives the padded rows of a paged layer (:meth:`FoldedLayer.padded`), else the filled
-    part of the dense buffer (None before the first tokens); assigning anything but None is
+    Reading gives the padded rows of a layer with stored rows (:meth:`FoldedLayer.padded`), else the
+    filled part of the dense buffer (None before the first tokens); assigning anything but None is
     refused: a layer's content changes through :meth:`FoldedLayer.replace`.
     """
     buffer = f"_{name}"
 
     def read(layer: FoldedLayer) -> torch.Tensor | None:
-        if layer.paged is not None:
+        if layer.stored is not None:
             return layer.padded()[index]
         dense = getattr(layer, buffer)
         return None if dense is None else dense[:, :, : layer._length]
@@ -63,11 +63,11 @@ def _content_view(index: int, name: str) -> property:
 
 
 class FoldedLayer(CacheLayerMixin):
-    """One attention layer of a :class:`FoldedCache`.
+    """One attention layer of a :class:`FoldedCache`: stored rows, then a dense tail (module docstring).
 
     Read the contents with :meth:`padded` (keys, values, log-mass and per-row lengths as padded
     tensors) and write a compressed result with :meth:`replace`. Decode-time methods can edit
-    the dense layout in place through :meth:`dense_buffers`.
+    a layer without stored rows in place through :meth:`dense_buffers`.
     """
 
     is_sliding = False
@@ -76,12 +76,11 @@ class FoldedLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         self.is_initialized = False
-        self._keys: torch.Tensor | None = None  # (B, H, capacity, D)
+        self.stored: QuantizedRows | FloatRows | None = None  # ragged compressed entries, before the tail
+        self._keys: torch.Tensor | None = None  # the dense tail (B, H, capacity, D)
         self._values: torch.Tensor | None = None
         self._log_mass: torch.Tensor | None = None  # (B, H, capacity) float32 or None (all zero)
-        self._length = 0  # physical entries per row in the dense layout
-        self.paged: PagedRows | None = None
-        self.quantized: QuantizedRows | None = None  # compressed entries before the dense tail
+        self._length = 0  # entries per row in the dense tail
         self.logical_length = 0
         self.captured_queries: torch.Tensor | None = None  # last window of prefill queries
         # Per-entry statistics ``(B, H, N)`` aligned with the slots (e.g. H2O's accumulated
@@ -102,31 +101,17 @@ class FoldedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, _, self.head_dim = key_states.shape
-        self._keys = key_states.new_zeros(self.batch_size, self.num_heads, 0, self.head_dim)
-        self._values = value_states.new_zeros(self.batch_size, self.num_heads, 0, value_states.shape[-1])
-        self._length = 0
+        self._empty_tail(value_states)
         self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append new entries (β = 0) and return what attention should read.
-
-        In the paged layout the returned tensors are the padded view (only used by fallbacks;
-        the kvfold attention reads the pages directly).
-        """
+        """Append new entries (β = 0) to the dense tail and return the tail (what attention reads
+        when the layer holds no stored rows; the kvfold attention reads those itself)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[-2]
-        self.logical_length += q
-        if self.paged is not None:
-            if q == 1:
-                rows = self.batch_size * self.num_heads
-                self.paged.append_one(key_states.reshape(rows, -1), value_states.reshape(rows, -1))
-                return key_states, value_states  # placeholders: attention reads self.paged
-            k, v, lm, lengths = self.padded()
-            self.paged = None
-            self._store_dense_padded(k, v, lm, lengths)
+        self.logical_length += key_states.shape[-2]
         self._append_dense(key_states, value_states)
         return self._keys[:, :, : self._length], self._values[:, :, : self._length]
 
@@ -168,50 +153,43 @@ class FoldedLayer(CacheLayerMixin):
     # ------------------------------------------------------------------- kvfold API
     @property
     def physical_length(self) -> int:
-        """Entries in the longest row (dense: the common row length)."""
-        if self.paged is not None:
-            return int(self.paged.row_lengths.max()) if self.paged.num_rows else 0
-        return self._length + (self.quantized.width if self.quantized is not None else 0)
+        """Slots of a padded row: the longest stored row, then the dense tail."""
+        return self._length + (self.stored.width if self.stored is not None else 0)
 
     @property
     def has_log_mass(self) -> bool:
         """False when every entry has β = 0 (plain tokens): attention can skip the bias."""
-        return self.paged is not None or self._log_mass is not None or self.quantized is not None
+        return self.stored is not None or self._log_mass is not None
 
     @property
     def is_quantized(self) -> bool:
-        """Whether the layer's compressed entries are stored quantized (:meth:`quantize`)."""
-        return self.quantized is not None
+        """Whether the layer's stored rows are quantized (:meth:`quantize`)."""
+        return isinstance(self.stored, QuantizedRows)
 
     def row_lengths(self) -> torch.Tensor:
-        """Valid entries per row, ``(B, H)`` long (slots with β = −inf are not counted)."""
-        if self.paged is not None:
-            return self.paged.row_lengths.view(self.batch_size, self.num_heads).clone()
+        """Valid entries per row, ``(B, H)`` long (the stored rows' entries, then the tail's slots
+        whose β is finite)."""
         if self._log_mass is None:
             tail = torch.full((self.batch_size, self.num_heads), self._length, dtype=torch.long, device=self.device)
         else:
             tail = torch.isfinite(self._log_mass[:, :, : self._length]).sum(-1)
-        if self.quantized is not None:
-            tail = tail + self.quantized.lengths.view(self.batch_size, self.num_heads).to(tail.device)
-        return tail
+        return tail + self.stored_lengths().to(tail.device)
+
+    def row_ends(self) -> torch.Tensor:
+        """``(B, H)`` the slot after each row's last entry in :meth:`padded`: a row's own length when
+        the layer holds stored rows and no tail, else the physical length (the tail comes last)."""
+        if self.stored is not None and self._length == 0:
+            return self.stored_lengths().clone()
+        return torch.full((self.batch_size, self.num_heads), self.physical_length, dtype=torch.long, device=self.device)
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Contents as padded tensors.
+        """Contents as padded tensors: the stored rows (padded to the longest), then the tail.
 
         Returns:
             ``(keys (B, H, N, D), values (B, H, N, D), log_mass (B, H, N) float32, lengths (B, H))``
-            where N is the physical length and β = −inf marks empty or padding slots. In the
-            dense layout keys and values are views of the cache (do not write to them).
+            where N is the physical length and β = −inf marks empty or padding slots. Without
+            stored rows keys and values are views of the cache (do not write to them).
         """
-        if self.paged is not None:
-            k, v, lm, lengths = self.paged.to_padded()
-            b, h = self.batch_size, self.num_heads
-            return (
-                k.view(b, h, *k.shape[1:]),
-                v.view(b, h, *v.shape[1:]),
-                lm.view(b, h, -1),
-                lengths.view(b, h),
-            )
         n = self._length
         keys = self._keys[:, :, :n]
         values = self._values[:, :, :n]
@@ -219,26 +197,29 @@ class FoldedLayer(CacheLayerMixin):
             log_mass = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
         else:
             log_mass = self._log_mass[:, :, :n]
-        if self.quantized is not None:  # the dequantized entries, then the tail (a copy of this layer)
-            qk, qv, qlm = self.dequantized()
-            keys, values = torch.cat([qk, keys], 2), torch.cat([qv, values], 2)
-            log_mass = torch.cat([qlm, log_mass], 2)
+        if self.stored is not None:  # the stored rows padded, then the tail (a copy of this layer)
+            sk, sv, slm = self.stored_padded()
+            if n == 0:
+                return sk, sv, slm, self.row_lengths()
+            keys, values = torch.cat([sk, keys.to(sk.dtype)], 2), torch.cat([sv, values.to(sv.dtype)], 2)
+            log_mass = torch.cat([slm, log_mass], 2)
         return keys, values, log_mass, self.row_lengths()
 
-    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The quantized entries as padded ``(B, H, N, D)`` keys and values in the layer's dtype and
-        β ``(B, H, N)`` (−inf past a row's length): one layer's copy, built on demand."""
-        if self.quantized is None:
-            raise ValueError("dequantized(): this layer holds no quantized entries")
-        k, v, lm = self.quantized.to_padded()
+    def stored_padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored rows as padded ``(B, H, W, D)`` keys and values in the layer's dtype (quantized
+        ones dequantized) and β ``(B, H, W)`` (−inf past a row's length): one layer's copy, built on
+        demand."""
+        if self.stored is None:
+            raise ValueError("stored_padded(): this layer holds no stored rows")
+        k, v, lm = self.stored.to_padded()
         b, h = self.batch_size, self.num_heads
         return k.view(b, h, *k.shape[1:]), v.view(b, h, *v.shape[1:]), lm.view(b, h, -1)
 
     def quantize(self, config: QuantConfig) -> None:
         """Store the layer's entries quantized (:mod:`kvfold.runtime.quantize`); β stays float32.
 
-        Everything the layer holds becomes the quantized part (a tail appended after an earlier
-        quantization included); later appends go to a new full-precision tail. The logical length
+        Everything the layer holds becomes the stored rows (a tail appended after an earlier
+        compression included); later appends go to a new full-precision tail. The logical length
         and the entry statistics are unchanged.
         """
         if not self.is_initialized:
@@ -249,18 +230,14 @@ class FoldedLayer(CacheLayerMixin):
             keys, values, log_mass = _compact_rows(keys, values, log_mass, valid, lengths)
         b, h, n, d = keys.shape
         rows = b * h
-        self.quantized = QuantizedRows.from_padded(
+        self.stored = QuantizedRows.from_padded(
             keys.reshape(rows, n, d).to(self.dtype),
             values.reshape(rows, n, -1).to(self.dtype),
             log_mass.reshape(rows, n),
             lengths.reshape(rows),
             config,
         )
-        self.paged = None
-        self._keys = keys.new_zeros(b, h, 0, d).to(self.dtype)
-        self._values = values.new_zeros(b, h, 0, values.shape[-1]).to(self.dtype)
-        self._log_mass = None
-        self._length = 0
+        self._empty_tail(values)
 
     def valid_mask(self) -> torch.Tensor:
         """``(B, H, N)`` bool: True where a slot holds an entry."""
@@ -281,7 +258,9 @@ class FoldedLayer(CacheLayerMixin):
             log_mass: ``(B, H, N)`` β per entry (None = all zero). Slots at or past a row's
                 length are ignored.
             lengths: ``(B, H)`` valid entries per row (None = all N). Rows of different
-                lengths are stored in the paged layout, so the memory held follows Σ lengths.
+                lengths are stored ragged (:class:`~kvfold.runtime.rows.FloatRows`) when that saves
+                memory (:func:`~kvfold.runtime.rows.ragged_saves_memory`), so the memory held
+                follows Σ lengths; else in the dense tail, padded with β = −inf.
 
         Raises:
             ValueError: on shape mismatches or non-finite keys, values or β of valid entries.
@@ -305,34 +284,41 @@ class FoldedLayer(CacheLayerMixin):
         log_mass = torch.where(slot_valid, log_mass.float(), torch.full_like(log_mass, NEG_INF, dtype=torch.float32))
         self._check_finite(keys, values, log_mass, slot_valid)
         self.entry_stats = {}  # slots changed: the caller re-aligns the statistics it keeps
-        self.quantized = None  # a new full-precision content (FoldedCache.quantize stores it again)
+        self.stored = None  # a new full-precision content (FoldedCache.quantize stores it again)
         rows_equal = bool((lengths == lengths.flatten()[0]).all())
-        if rows_equal or not paging_saves_memory(lengths, n):
-            self.paged = None
-            self._store_dense_padded(keys, values, log_mass, lengths)
-        else:
-            r = b * h
-            self.paged = PagedRows.from_padded(
-                keys.reshape(r, n, -1).to(self.dtype),
-                values.reshape(r, n, -1).to(self.dtype),
-                log_mass.reshape(r, n),
-                lengths.reshape(r),
-            )
-            self._keys = self._values = self._log_mass = None
-            self._length = 0
+        if rows_equal or not ragged_saves_memory(lengths, n):
+            self._store_dense_padded(keys, values, log_mass)
+            return
+        r = b * h
+        self.stored = FloatRows.from_padded(
+            keys.reshape(r, n, -1).to(self.dtype),
+            values.reshape(r, n, -1).to(self.dtype),
+            log_mass.reshape(r, n),
+            lengths.reshape(r),
+        )
+        self._empty_tail(values)
+
+    def unpack(self) -> None:
+        """Move stored rows at full precision into the dense tail, before it, padded with β = −inf
+        (the slots of :meth:`padded`): what an online policy, which edits entries in place, works on.
+        Quantized rows stay as they are."""
+        if isinstance(self.stored, FloatRows):
+            keys, values, log_mass, _ = self.padded()
+            self.stored = None
+            self._store_dense_padded(keys, values, log_mass)
 
     def dense_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """In-place access for online (decode-time) methods: keys, values, log-mass views.
 
-        The log-mass buffer is created (zeros) if the layer had none. Only the dense layout
-        supports in-place edits.
+        The log-mass buffer is created (zeros) if the layer had none. Only a layer without stored
+        rows (its whole content in the dense tail) supports in-place edits.
         """
-        if self.quantized is not None:
+        if self.is_quantized:
             raise NotImplementedError(
                 "online (decode-time) compression edits entries in place; this layer is quantized. "
                 "Quantize after a one-shot method only (e.g. kvzip+am_fit@int4)."
             )
-        if self.paged is not None:
+        if self.stored is not None:
             raise NotImplementedError(
                 "online (decode-time) compression needs equal row lengths; this layer holds per-head "
                 "lengths (e.g. after adakv). Use a one-shot method, or no per-head budgets, with online methods."
@@ -342,22 +328,22 @@ class FoldedLayer(CacheLayerMixin):
         return self._keys[:, :, :n], self._values[:, :, :n], self._log_mass[:, :, :n]
 
     def truncate(self, length: int) -> None:
-        """Shrink the dense layout to its first ``length`` slots (after an in-place compaction)."""
-        if self.paged is not None or length > self._length:
-            raise ValueError("truncate() applies to the dense layout and cannot grow it")
+        """Shrink a layer without stored rows to its first ``length`` slots (after an in-place compaction)."""
+        if self.stored is not None or length > self._length:
+            raise ValueError("truncate() applies to a layer without stored rows and cannot grow it")
         self._length = length
 
     def shrink_to_fit(self, headroom: int = 16) -> None:
         """Release dense capacity beyond ``length + headroom`` slots (e.g. the last chunk of a chunked
-        prefill that an online policy evicted in place); the paged layout is already compact."""
-        if self.paged is None and self._keys is not None and self._keys.shape[2] > self._length + headroom:
+        prefill that an online policy evicted in place); stored rows are already compact."""
+        if self._keys is not None and self._keys.shape[2] > self._length + headroom:
             self._resize(self._length + headroom)
 
     def reserve(self, capacity: int) -> int:
         """Grow the dense buffers to hold at least ``capacity`` slots without another copy (one copy
         of this layer now); returns the capacity before. Content and length are unchanged."""
-        if self.paged is not None or self._keys is None:
-            raise ValueError("reserve() applies to the filled dense layout")
+        if self._keys is None:
+            raise ValueError("reserve() applies to a filled layer")
         before = self._keys.shape[2]
         if capacity > before:
             self._resize(capacity)
@@ -366,11 +352,11 @@ class FoldedLayer(CacheLayerMixin):
     def release_to(self, capacity: int) -> None:
         """Give back dense capacity beyond ``capacity`` slots (never below the length): undoes
         :meth:`reserve`."""
-        if self.paged is None and self._keys is not None and self._keys.shape[2] > max(capacity, self._length):
+        if self._keys is not None and self._keys.shape[2] > max(capacity, self._length):
             self._resize(max(capacity, self._length))
 
     def set_log_mass(self, log_mass: torch.Tensor) -> None:
-        """Overwrite β of the dense layout, ``(B, H, N)`` (−inf marks empty slots)."""
+        """Overwrite β of the dense tail, ``(B, H, N)`` (−inf marks empty slots)."""
         self._ensure_log_mass()
         self._log_mass[:, :, : self._length] = log_mass.float()
 
@@ -382,26 +368,20 @@ class FoldedLayer(CacheLayerMixin):
         return total
 
     def content_nbytes(self, *, sixteen_bit: bool = False) -> int:
-        """Bytes of what the layer holds, without the capacity kept free for appending nor the
-        rounding of the paged layout's last blocks (reported apart: :meth:`nbytes` minus this).
+        """Bytes of what the layer holds, without the capacity kept free for appending (reported
+        apart: :meth:`nbytes` minus this).
 
         Args:
             sixteen_bit: count unquantized keys and values at 2 bytes an element, as a GPU user
-                holds them whatever dtype the model computes in here (codes, scales, β and page
-                tables as held).
+                holds them whatever dtype the model computes in here (codes, scales, β and row
+                lengths as held).
         """
         if not self.is_initialized:
             return 0
         element = SIXTEEN_BIT if sixteen_bit else torch.empty(0, dtype=self.dtype).element_size()
         total = 0
-        if self.quantized is not None:
-            total += self.quantized.gpu_nbytes() if sixteen_bit else self.quantized.nbytes()
-        if self.paged is not None:
-            entries = int(self.paged.row_lengths.sum())
-            total += entries * (self.head_dim + self.paged.values.shape[-1]) * element + entries * 4
-            total += sum(t.untyped_storage().nbytes() for t in (self.paged.row_lengths, self.paged.row_last_block))
-            total += self.paged.num_blocks * self.paged.block_row.element_size()
-            return total
+        if self.stored is not None:
+            total += self.stored.gpu_nbytes() if sixteen_bit else self.stored.nbytes()
         n = self._length
         rows = self.batch_size * self.num_heads
         total += rows * n * (self.head_dim + self._values.shape[-1]) * element
@@ -412,16 +392,9 @@ class FoldedLayer(CacheLayerMixin):
     def copy(self) -> FoldedLayer:
         """A deep copy whose tensors are compact clones."""
         new = copy.copy(self)
-        if self.quantized is not None:
-            new.quantized = self.quantized.clone()
-        if self.paged is not None:
-            new.paged = PagedRows(
-                *(t.clone() for t in (self.paged.keys, self.paged.values, self.paged.log_mass, self.paged.block_row)),
-                num_blocks=self.paged.num_blocks,
-                row_lengths=self.paged.row_lengths.clone(),
-                row_last_block=self.paged.row_last_block.clone(),
-            )
-        elif self._keys is not None:
+        if self.stored is not None:
+            new.stored = self.stored.clone()
+        if self._keys is not None:
             n = self._length
             new._keys = self._keys[:, :, :n].clone()
             new._values = self._values[:, :, :n].clone()
@@ -438,38 +411,42 @@ class FoldedLayer(CacheLayerMixin):
             queries: also return the captured prefill queries (``captured_queries``).
 
         Returns:
-            ``(layout, tensors)``. Dense layout: ``keys``/``values`` ``(B, H, N, D)`` of the N
-            physical slots, ``log_mass`` ``(B, H, N)`` (absent when every β is 0). Paged layout:
-            ``keys``/``values`` ``(L, D)`` of the L = Σ row lengths entries, row after row in entry
-            order, ``log_mass`` ``(L,)`` and ``row_lengths`` ``(B, H)``. Statistics of
-            ``entry_stats`` come as ``stat.<name>``, aligned the same way.
+            ``(layout, tensors)``. ``dense`` (no stored rows): ``keys``/``values`` ``(B, H, N, D)``
+            of the N slots, ``log_mass`` ``(B, H, N)`` (absent when every β is 0). ``paged`` (stored
+            rows at full precision): ``keys``/``values`` ``(L, D)`` of the L entries, row after row
+            in slot order (a row's stored entries, then its tail's entries of finite β),
+            ``log_mass`` ``(L,)`` and ``row_lengths`` ``(B, H)``. ``quantized``: the stored rows'
+            tensors as ``q.<name>``, and the tail as a dense layout. Statistics of ``entry_stats``
+            come as ``stat.<name>``, aligned the same way.
         """
         out: dict[str, torch.Tensor] = {}
-        if self.quantized is not None:
-            layout = "quantized"
-            out.update({f"q.{name}": t for name, t in self.quantized.tensors().items()})
+        slot = None
+        if self.stored is None or self.is_quantized:
+            layout = "dense" if self.stored is None else "quantized"
+            if self.stored is not None:
+                out.update({f"q.{name}": t for name, t in self.stored.tensors().items()})
             n = self._length
             out.update(keys=self._keys[:, :, :n], values=self._values[:, :, :n])
             if self._log_mass is not None:
                 out["log_mass"] = self._log_mass[:, :, :n]
-            slot = None
-        elif self.paged is not None:
-            layout = "paged"
-            keys, values, log_mass, lengths = self.padded()
-            slot = torch.arange(keys.shape[2], device=keys.device)[None, None, :] < lengths[..., None]
-            out.update(keys=keys[slot], values=values[slot], log_mass=log_mass[slot], row_lengths=lengths)
         else:
-            layout = "dense"
-            n = self._length
-            out.update(keys=self._keys[:, :, :n], values=self._values[:, :, :n])
-            if self._log_mass is not None:
-                out["log_mass"] = self._log_mass[:, :, :n]
-            slot = None
+            layout = "paged"
+            keys, values, log_mass, _ = self.padded()
+            width = self.stored.width
+            slot = torch.isfinite(log_mass)
+            slot[:, :, :width] = torch.arange(width, device=slot.device) < self.stored_lengths()[..., None]
+            out.update(keys=keys[slot], values=values[slot], log_mass=log_mass[slot], row_lengths=slot.sum(-1))
         for name, stat in self.entry_stats.items():
             out[f"stat.{name}"] = stat if slot is None or stat.shape != slot.shape else stat[slot]
         if queries and self.captured_queries is not None:
             out["captured_queries"] = self.captured_queries
         return layout, {name: t.detach().contiguous() for name, t in out.items()}
+
+    def stored_lengths(self) -> torch.Tensor:
+        """``(B, H)`` entries of each stored row (zeros without stored rows)."""
+        if self.stored is None:
+            return torch.zeros(self.batch_size, self.num_heads, dtype=torch.long, device=self.device)
+        return self.stored.lengths.view(self.batch_size, self.num_heads).to(self.device)
 
     @classmethod
     def from_live_tensors(
@@ -496,18 +473,15 @@ class FoldedLayer(CacheLayerMixin):
             keys.new_zeros(batch_size, num_heads, 0, head_dim), values.new_zeros(batch_size, num_heads, 0, value_dim)
         )
         stats = {name[5:]: t for name, t in tensors.items() if name.startswith("stat.")}
-        if layout == "quantized":
-            if quant is None:
-                raise ValueError("quantized layer: the file names no KV format")
-            own = {name[2:]: t for name, t in tensors.items() if name.startswith("q.")}
-            layer.quantized = QuantizedRows.from_tensors(own, quant, head_dim, value_dim, keys.dtype)
-            if layer.quantized.num_rows != batch_size * num_heads:
-                raise ValueError("quantized layer: row count differs from batch × heads")
-            layer._keys, layer._values = keys, values
-            layer._length = keys.shape[2]
-            layer._log_mass = tensors.get("log_mass")
-        elif layout == "dense":
-            if keys.shape[:2] != (batch_size, num_heads) or values.shape[:3] != keys.shape[:3]:
+        if layout in ("quantized", "dense"):
+            if layout == "quantized":
+                if quant is None:
+                    raise ValueError("quantized layer: the file names no KV format")
+                own = {name[2:]: t for name, t in tensors.items() if name.startswith("q.")}
+                layer.stored = QuantizedRows.from_tensors(own, quant, head_dim, value_dim, keys.dtype)
+                if layer.stored.num_rows != batch_size * num_heads:
+                    raise ValueError("quantized layer: row count differs from batch × heads")
+            elif keys.shape[:2] != (batch_size, num_heads) or values.shape[:3] != keys.shape[:3]:
                 raise ValueError(f"dense layer: keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree")
             layer._keys, layer._values = keys, values
             layer._length = keys.shape[2]
@@ -516,18 +490,11 @@ class FoldedLayer(CacheLayerMixin):
             lengths = tensors["row_lengths"].to(torch.long)
             if lengths.shape != (batch_size, num_heads) or int(lengths.sum()) != keys.shape[0]:
                 raise ValueError("paged layer: row lengths do not add up to the stored entries")
-            n = int(lengths.max()) if lengths.numel() else 0
+            beta = tensors["log_mass"].float()
+            plain = bool((beta == 0).all())
+            layer.stored = FloatRows(lengths.reshape(-1), keys, values, None if plain else beta)
+            n = layer.stored.width
             slot = torch.arange(n, device=keys.device)[None, None, :] < lengths[..., None]
-            k = keys.new_zeros(batch_size, num_heads, n, head_dim)
-            v = values.new_zeros(batch_size, num_heads, n, value_dim)
-            lm = torch.full((batch_size, num_heads, n), NEG_INF, dtype=torch.float32, device=keys.device)
-            k[slot], v[slot], lm[slot] = keys, values, tensors["log_mass"].float()
-            rows = batch_size * num_heads
-            layer.paged = PagedRows.from_padded(
-                k.reshape(rows, n, head_dim), v.reshape(rows, n, value_dim), lm.reshape(rows, n), lengths.reshape(rows)
-            )
-            layer._keys = layer._values = layer._log_mass = None
-            layer._length = 0
             for name, stat in list(stats.items()):
                 if stat.dim() == 1 and stat.shape[0] == keys.shape[0]:
                     full = stat.new_zeros(batch_size, num_heads, n)
@@ -542,14 +509,20 @@ class FoldedLayer(CacheLayerMixin):
 
     # -------------------------------------------------------------------- internals
     def _tensors(self) -> Iterator[torch.Tensor]:
-        if self.quantized is not None:
-            yield from self.quantized.tensors().values()
-        if self.paged is not None:
-            yield from self.paged.tensors()
-            return
+        if self.stored is not None:
+            yield from self.stored.tensors().values()
         for t in (self._keys, self._values, self._log_mass):
             if t is not None:
                 yield t
+
+    def _empty_tail(self, like: torch.Tensor) -> None:
+        """An empty dense tail (no capacity) on ``like``'s device, values as wide as ``like``'s: what a
+        layer holds before its first tokens, and after its entries became stored rows."""
+        b, h = self.batch_size, self.num_heads
+        self._keys = like.new_zeros(b, h, 0, self.head_dim, dtype=self.dtype)
+        self._values = like.new_zeros(b, h, 0, like.shape[-1], dtype=self.dtype)
+        self._log_mass = None
+        self._length = 0
 
     def _ensure_log_mass(self) -> None:
         if self._log_mass is None and self._keys is not None:
@@ -582,9 +555,7 @@ class FoldedLayer(CacheLayerMixin):
             log_mass[:, :, :n] = self._log_mass[:, :, :n]
             self._log_mass = log_mass
 
-    def _store_dense_padded(
-        self, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, lengths: torch.Tensor
-    ) -> None:
+    def _store_dense_padded(self, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor) -> None:
         n = keys.shape[2]
         self._keys = keys.to(self.dtype).contiguous().clone()
         self._values = values.to(self.dtype).contiguous().clone()
@@ -592,7 +563,6 @@ class FoldedLayer(CacheLayerMixin):
         lm = log_mass.float()
         plain = bool((lm == 0).all()) if lm.numel() else True
         self._log_mass = None if plain else lm.contiguous().clone()
-        del lengths  # encoded by β = −inf
 
     def _check_finite(
         self, keys: torch.Tensor, values: torch.Tensor, log_mass: torch.Tensor, slot_valid: torch.Tensor
@@ -606,49 +576,41 @@ class FoldedLayer(CacheLayerMixin):
             )
 
     def _map_tensors(self, fn) -> None:
-        if self.quantized is not None:
-            self.quantized = self.quantized.map(fn)
-        if self.paged is not None:
-            p = self.paged
-            p.keys, p.values, p.log_mass = fn(p.keys), fn(p.values), fn(p.log_mass)
-            p.block_row, p.row_lengths, p.row_last_block = (
-                fn(p.block_row),
-                fn(p.row_lengths),
-                fn(p.row_last_block),
-            )
-            return
+        if self.stored is not None:
+            self.stored = self.stored.map(fn)
         if self._keys is not None:
             self._keys, self._values = fn(self._keys), fn(self._values)
         if self._log_mass is not None:
             self._log_mass = fn(self._log_mass)
 
     def _batch_edit(self, fn) -> None:
+        """Apply a batch edit to every tensor: stored rows are picked as they are (nothing is
+        re-quantized or re-packed), the tail, captured queries and statistics edited along."""
         if not self.is_initialized:
             return
-        if self.quantized is not None:  # rows picked from the stored codes: nothing is re-quantized
-            rows = self.quantized.num_rows
-            picked = fn(torch.arange(rows, device=self.quantized.lengths.device).view(self.batch_size, self.num_heads))
-            self.quantized = self.quantized.select_rows(picked.reshape(-1))
-            n = self._length
-            self._keys, self._values = fn(self._keys[:, :, :n]).clone(), fn(self._values[:, :, :n]).clone()
-            if self._log_mass is not None:
-                self._log_mass = fn(self._log_mass[:, :, :n]).clone()
-            self.batch_size = picked.shape[0]
-            if self.captured_queries is not None:
-                self.captured_queries = fn(self.captured_queries)
-            self.entry_stats = {name: fn(t) for name, t in self.entry_stats.items()}
-            return
-        k, v, lm, lengths = self.padded()
-        k, v, lm, lengths = fn(k), fn(v), fn(lm), fn(lengths)
-        self.batch_size = k.shape[0]
+        before = after = 0
+        if self.stored is not None:
+            rows, before = self.stored.num_rows, self.stored.width
+            picked = fn(torch.arange(rows, device=self.stored.lengths.device).view(self.batch_size, self.num_heads))
+            self.stored = self.stored.select_rows(picked.reshape(-1))
+            after = self.stored.width
+        n = self._length
+        self._keys, self._values = fn(self._keys[:, :, :n]).clone(), fn(self._values[:, :, :n]).clone()
+        if self._log_mass is not None:  # a row left without padding may leave every β 0: none held
+            log_mass = fn(self._log_mass[:, :, :n])
+            self._log_mass = None if bool((log_mass == 0).all()) else log_mass.clone()
+        self.batch_size = self._keys.shape[0]
         if self.captured_queries is not None:
             self.captured_queries = fn(self.captured_queries)
-        stats = {name: fn(t) for name, t in self.entry_stats.items()}
-        self.paged = None
-        self._store_dense_padded(k, v, lm, lengths)
-        if k.shape[0] and not bool((lengths == lengths.flatten()[0]).all()):
-            self.replace(k, v, lm, lengths)
-        self.entry_stats = stats
+        self.entry_stats = {name: _narrowed(fn(t), before, after, n) for name, t in self.entry_stats.items()}
+
+
+def _narrowed(stat: torch.Tensor, before: int, after: int, tail: int) -> torch.Tensor:
+    """A statistic ``(B, H, before + tail)`` of a layer whose stored rows, padded, were ``before`` slots
+    wide and are ``after`` now (rows picked by a batch edit): the padding slots no row uses dropped."""
+    if after < before and stat.dim() == 3 and stat.shape[-1] == before + tail:
+        return torch.cat([stat[..., :after], stat[..., before:]], -1)
+    return stat
 
 
 class FoldedCache(Cache):
@@ -700,7 +662,7 @@ class FoldedCache(Cache):
             layer.shrink_to_fit(headroom)
 
     def nbytes(self) -> int:
-        """Exact bytes held by all layers' tensors (keys, values, log-mass, page tables)."""
+        """Exact bytes held by all layers' tensors (stored rows, keys, values, log-mass)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, FoldedLayer):
@@ -725,8 +687,8 @@ class FoldedCache(Cache):
         return total
 
     def content_nbytes(self, *, sixteen_bit: bool = False) -> int:
-        """Bytes of what the cache holds: codes, scales, zero points, β, keys and values, page
-        tables, without spare capacity or page rounding (:meth:`FoldedLayer.content_nbytes`)."""
+        """Bytes of what the cache holds: codes, scales, zero points, β, keys and values, row
+        lengths, without spare capacity (:meth:`FoldedLayer.content_nbytes`)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, FoldedLayer):
@@ -763,11 +725,7 @@ class FoldedCache(Cache):
     def supports_scratch(self) -> bool:
         """Whether :meth:`scratch` applies: every layer a filled dense :class:`FoldedLayer` of one row."""
         return all(
-            isinstance(layer, FoldedLayer)
-            and layer.is_initialized
-            and layer.paged is None
-            and layer.quantized is None
-            and layer.batch_size == 1
+            isinstance(layer, FoldedLayer) and layer.is_initialized and layer.stored is None and layer.batch_size == 1
             for layer in self.layers
         )
 

@@ -433,7 +433,7 @@ class QuantizedRows:
         """The rows ``rows`` (long indices, repeats allowed), in that order."""
         rows = rows.to(self.lengths.device, torch.long)
         entry_first = torch.cumsum(self.lengths, 0) - self.lengths
-        entries = _ranges(entry_first[rows], self.lengths[rows])
+        entries = entry_ranges(entry_first[rows], self.lengths[rows])
         out = {"lengths": self.lengths[rows].clone()}
         for name in ("key_codes", "value_codes", "log_mass"):
             t = getattr(self, name)
@@ -444,7 +444,7 @@ class QuantizedRows:
         else:
             groups = -(-self.lengths // self.config.key_group)
             group_first = torch.cumsum(groups, 0) - groups
-            picked = _ranges(group_first[rows], groups[rows])
+            picked = entry_ranges(group_first[rows], groups[rows])
             out.update(key_scale=self.key_scale[picked].contiguous(), key_zero=self.key_zero[picked].contiguous())
             out.update(
                 value_scale=self.value_scale[entries].contiguous(), value_zero=self.value_zero[entries].contiguous()
@@ -641,7 +641,7 @@ def _check_outliers(
             _check_finite(name, tensors[name])
 
 
-def _ranges(first: Tensor, counts: Tensor) -> Tensor:
+def entry_ranges(first: Tensor, counts: Tensor) -> Tensor:
     """Concatenated ``arange(first[i], first[i] + counts[i])``."""
     total = int(counts.sum())
     if total == 0:

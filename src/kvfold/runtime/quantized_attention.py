@@ -21,14 +21,16 @@ import torch
 
 from kvfold.runtime.native import ERRORS, attend_codes_kernel
 from kvfold.runtime.quantize import QuantizedRows, code_planes
+from kvfold.runtime.rows import FloatRows, float_part
 
 Tensor = torch.Tensor
 
 
-def reads_codes(stored: QuantizedRows) -> bool:
-    """Whether :func:`attend_stored` reads this storage: integer codes with one value scale an entry
-    (fp8 and value groups within an entry are dequantized a layer at a time instead)."""
-    return not stored.config.is_float and not stored.config.value_group
+def reads_codes(stored: QuantizedRows | FloatRows) -> bool:
+    """Whether :func:`stored_part` reads this storage as it lies: rows at full precision, or integer
+    codes with one value scale an entry (fp8 and value groups within an entry are dequantized a
+    layer at a time instead)."""
+    return isinstance(stored, FloatRows) or (not stored.config.is_float and not stored.config.value_group)
 
 
 def attend_stored(
@@ -43,11 +45,14 @@ def attend_stored(
     return _with_tail(*_stored_part_native(kernel, queries, stored, scaling), tail_logits, tail_values)
 
 
-def stored_part(queries: Tensor, stored: QuantizedRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
+def stored_part(queries: Tensor, stored: QuantizedRows | FloatRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
     """The stored part of :func:`attend_stored` alone, by the kernel where it applies: each row's
     maximum logit ``(R, M)`` (−inf for an empty row), its weights' sum ``(R, M)`` and weighted values
     ``(R, M, Dv)`` relative to it. Parts of one row's pieces merge by log-sum-exp, and
-    :func:`merge_with_tail` adds the row's tail."""
+    :func:`merge_with_tail` adds the row's tail. Rows at full precision are read by
+    :func:`~kvfold.runtime.rows.float_part`."""
+    if isinstance(stored, FloatRows):
+        return float_part(queries, stored, scaling)
     kernel = attend_codes_kernel() if native_applies(queries, stored) else None
     if kernel is None:
         return _stored_part_torch(queries, stored, scaling)
@@ -66,8 +71,8 @@ def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_
     new_top = torch.maximum(tail_logits.amax(-1), top)
     weights_of_tail = (tail_logits - new_top[..., None]).exp_()
     stored_shift = (top - new_top).exp_()
-    out = torch.bmm(weights_of_tail, tail_values).add_(num * stored_shift[..., None])
-    return out.div_((weights_of_tail.sum(-1) + den * stored_shift)[..., None])
+    out = torch.baddbmm(num * stored_shift[..., None], weights_of_tail, tail_values)
+    return out.div_(torch.addcmul(weights_of_tail.sum(-1), den, stored_shift)[..., None])
 
 
 def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from kvfold.runtime.quantize import QuantConfig, QuantizedRows
 from kvfold.runtime.quantized_attention import merge_with_tail, stored_part
+from kvfold.runtime.rows import FloatRows
 
 CHUNK_MAGIC = 0x4346564B
 """``b"KVFC"`` read as a little-endian 32-bit word: the first bytes of every chunk."""
@@ -52,60 +53,6 @@ FLAG_FLOAT = 2
 
 class PoolError(ValueError):
     """Rows that cannot be packed (a format the chunks do not hold, or a chunk too small)."""
-
-
-@dataclass
-class FloatRows:
-    """Entries of ``R`` rows kept at full precision, stored one row after another (as
-    :class:`~kvfold.runtime.quantize.QuantizedRows` stores codes).
-
-    Attributes:
-        lengths: ``(R,)`` long, entries per row (E = Σ lengths).
-        keys, values: ``(E, D)`` and ``(E, Dv)`` in the rows' dtype.
-        log_mass: ``(E,)`` float32 β, None when every β is 0.
-    """
-
-    lengths: Tensor
-    keys: Tensor
-    values: Tensor
-    log_mass: Tensor | None
-
-    @classmethod
-    def from_padded(cls, keys: Tensor, values: Tensor, log_mass: Tensor) -> FloatRows:
-        """Rows from padded ``(R, N, D)`` keys and values whose entries are where β ``(R, N)`` is finite."""
-        valid = torch.isfinite(log_mass)
-        beta = log_mass[valid].float()
-        return cls(
-            lengths=valid.sum(-1).long(),
-            keys=keys[valid].contiguous(),
-            values=values[valid].contiguous(),
-            log_mass=None if bool((beta == 0).all()) else beta.contiguous(),
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.keys.shape[-1])
-
-    @property
-    def value_dim(self) -> int:
-        return int(self.values.shape[-1])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
-
-    def row_ranges(self) -> list[tuple[int, int, int, int]]:
-        """Per row ``(first entry, entries, 0, 0)`` (no key groups)."""
-        out, entry = [], 0
-        for n in self.lengths.tolist():
-            out.append((entry, n, 0, 0))
-            entry += n
-        return out
-
-    def nbytes(self) -> int:
-        """Bytes of every tensor held."""
-        held = [self.lengths, self.keys, self.values] + ([] if self.log_mass is None else [self.log_mass])
-        return sum(t.untyped_storage().nbytes() for t in held)
 
 
 def _aligned(n: int) -> int:
@@ -444,28 +391,6 @@ def _as_int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def float_part(queries: Tensor, rows: FloatRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
-    """What :func:`~kvfold.runtime.quantized_attention.stored_part` gives for rows at full precision:
-    each row's maximum logit ``(R, M)``, and relative to it its weights' sum ``(R, M)`` and weighted
-    values ``(R, M, Dv)``, computed in the queries' dtype."""
-    count, m, _ = queries.shape
-    top = queries.new_full((count, m), float("-inf"))
-    den = queries.new_zeros(count, m)
-    num = queries.new_zeros(count, m, rows.value_dim)
-    first = 0
-    for row, n in enumerate(rows.lengths.tolist()):
-        if n:
-            logits = queries[row] @ rows.keys[first : first + n].to(queries.dtype).T * scaling
-            if rows.log_mass is not None:
-                logits += rows.log_mass[first : first + n].to(queries.dtype)
-            top[row] = logits.amax(-1)
-            weights = (logits - top[row][:, None]).exp_()
-            den[row] = weights.sum(-1)
-            num[row] = weights @ rows.values[first : first + n].to(queries.dtype)
-        first += n
-    return top, den, num
-
-
 def attend_layer(
     queries: Tensor,
     tail_logits: Tensor,
@@ -497,12 +422,7 @@ def attend_layer(
         layout = plan.chunks[index]
         stored = chunk_rows(chunks[index], layout, plan, first, count)
         owners = torch.tensor([s.row for s in layout.segments[first : first + count]], dtype=torch.long)
-        mine = queries.index_select(0, owners)
-        if isinstance(stored, FloatRows):
-            part = float_part(mine, stored, scaling)
-        else:
-            part = stored_part(mine, stored, scaling)
-        _merge_parts(top, den, num, owners, *part)
+        _merge_parts(top, den, num, owners, *stored_part(queries.index_select(0, owners), stored, scaling))
     return merge_with_tail(top, den, num, tail_logits, tail_values)
 
 

@@ -240,8 +240,8 @@ def _check_online(method, cache: FoldedCache) -> None:
     """
     keys = [observer.key for observer in method.prefill_observers()]
     for index, layer in cache.folded_layers:
-        if layer.paged is not None or layer.quantized is not None:
-            kind = "paged" if layer.paged is not None else "quantized"
+        if layer.stored is not None:
+            kind = "quantized" if layer.is_quantized else "paged"
             raise InvalidCacheFileError(f"layer {index} is {kind}; a method that compresses while decoding needs dense")
         slots = (layer.batch_size, layer.num_heads, layer.physical_length)
         for key in keys:

@@ -146,7 +146,7 @@ def _layer_tensors(cache: FoldedCache, queries: bool) -> tuple[list[dict], dict[
                     "batch_size": layer.batch_size,
                     "num_heads": layer.num_heads,
                     "entries": int(layer.row_lengths().sum()),
-                    **({"kv_format": layer.quantized.config.describe()} if layer.quantized is not None else {}),
+                    **({"kv_format": layer.stored.config.describe()} if layer.is_quantized else {}),
                 }
             )
             tensors.update({f"layer.{index}.{name}": t for name, t in content.items()})

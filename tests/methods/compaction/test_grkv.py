@@ -301,7 +301,7 @@ def test_per_head_budgets_and_other_pairings():
     for layer_idx, layer in ada.cache.folded_layers:
         _, _, beta0, lengths = layer.padded()
         other = merged.cache.layers[layer_idx]
-        paged += other.paged is not None
+        paged += other.stored is not None
         assert torch.equal(other.row_lengths(), lengths) and torch.equal(other.padded()[2], beta0)
     assert paged > 0  # rows of different lengths are stored paged, GRKV keeps them so
     assert merged.kv_bytes == ada.kv_bytes

@@ -385,7 +385,7 @@ def test_adakv_head_budgets_sum_to_the_layer_budget_and_free_memory():
         assert lengths.sum(-1).tolist() == [120, 120]  # 3 heads × 40 per row
         assert bool((lengths >= 4 + math.floor(0.2 * 36)).all())  # safeguard: window + α of the rest
         assert len(set(lengths.flatten().tolist())) > 1
-        paged += layer.paged is not None
+        paged += layer.stored is not None
         for b, pad in enumerate((0, 30)):
             keys, _, queries = row_content(full.layers[layer_idx], b, pad)
             scores = ref_snapkv(queries, keys, scaling_of(model, layer_idx), 4, 5)

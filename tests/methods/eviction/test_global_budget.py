@@ -76,7 +76,7 @@ def test_global_snapkv_reaches_the_exact_budget_and_frees_memory_per_head():
     assert lengths.sum((1, 2)).tolist() == [40 * 3 * 3, 40 * 3 * 3]  # budget · H · L per row, exactly
     assert bool((lengths >= 4).all())  # every head keeps at least its window (protected)
     assert len(set(lengths.flatten().tolist())) > 3  # budgets really differ across layers and heads
-    assert sum(layer.paged is not None for _, layer in cache.folded_layers) >= 1  # stored per head
+    assert sum(layer.stored is not None for _, layer in cache.folded_layers) >= 1  # stored per head
     assert cache.nbytes() < full.nbytes() * 0.4  # ≈ 40/160 of the full cache plus block rounding
     assert cache.nbytes() <= uniform.nbytes() * 1.5  # per-head lengths cost little over uniform ones
     for _, layer in cache.folded_layers:  # every kept entry is an unchanged original one

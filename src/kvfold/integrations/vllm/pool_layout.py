@@ -64,13 +64,13 @@ def pool_rows(cache: FoldedCache) -> list[QuantizedRows] | list[FloatRows]:
             raise UnservableCacheError(f"layer {index} is a sliding-window layer or empty")
         if layer.batch_size != 1:
             raise UnservableCacheError(f"the file holds a batch of {layer.batch_size} contexts; serve one a file")
-        if layer.quantized is None:
+        if not layer.is_quantized:
             keys, values, log_mass, _ = layer.padded()
             rows.append(FloatRows.from_padded(keys[0], values[0], log_mass[0]))
-        elif layer.physical_length != layer.quantized.width:
+        elif layer.physical_length != layer.stored.width:
             raise UnservableCacheError(f"layer {index} holds full-precision entries after its quantized ones")
         else:
-            rows.append(layer.quantized)
+            rows.append(layer.stored)
     if len({isinstance(r, QuantizedRows) for r in rows}) > 1:
         raise UnservableCacheError("some layers are stored quantized and others not")
     return rows

@@ -97,7 +97,7 @@ class LayerBatch:
             return False
         logical = items[0][1].logical_length
         for _, layer, query, probs, _ in items:
-            if query.shape[2] != 1 or probs is None or layer.paged is not None:
+            if query.shape[2] != 1 or probs is None or layer.stored is not None:
                 return False
             if layer.logical_length != logical:
                 return False

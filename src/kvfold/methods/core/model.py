@@ -132,7 +132,7 @@ def pre_rope_keys(ctx: CompressionContext, layer_idx: int, layer: FoldedLayer) -
     """
     keys, _, log_mass, _ = layer.padded()
     valid = torch.isfinite(log_mass)
-    if layer.paged is not None or layer.physical_length != layer.logical_length:
+    if layer.stored is not None or layer.physical_length != layer.logical_length:
         raise UserError(
             f"layer {layer_idx} holds {layer.physical_length} entries for {layer.logical_length} positions: "
             "pre-RoPE keys need an uncompressed prefill (slot = position); compress the full context "

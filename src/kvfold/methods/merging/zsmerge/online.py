@@ -211,7 +211,7 @@ class ZSMergeOnline:
     def _has_statistics(self, layer: FoldedLayer, count: int) -> bool:
         stats = layer.entry_stats
         shape = (layer.batch_size, layer.num_heads, count)
-        return layer.paged is None and all(
+        return layer.stored is None and all(
             key in stats and tuple(stats[key].shape) == shape for key in (SCORE, COUNT, POSITION)
         )
 
@@ -256,7 +256,7 @@ class ZSMergeOnline:
             scores = decayed_scores(empty, probs, self.decay).masked_fill(~valid, float("-inf"))
         offset = layer.logical_length - layer.physical_length
         fold_layers([layer], [scores], self.split, self.alpha, self.mode, [offset], slot_metric=self.slot_metric)
-        if layer.paged is None:
+        if layer.stored is None:
             self._state[layer_idx] = self._init_state(layer, layer.physical_length)
 
     def adopt(self, cache: FoldedCache) -> None:
