@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -126,12 +127,20 @@ class PoolPlan:
         return self.num_chunks * self.chunk_bytes
 
     def layer_parts(self, layer: int) -> list[tuple[int, int, int]]:
-        """``(chunk, first segment, segments)`` of each chunk that holds segments of ``layer``, in order."""
-        out = []
+        """``(chunk, first segment, segments)`` of each chunk that holds segments of ``layer``, in order
+        (found once for every layer: the backend asks for each layer at every step)."""
+        return self._parts_by_layer.get(layer, [])
+
+    @cached_property
+    def _parts_by_layer(self) -> dict[int, list[tuple[int, int, int]]]:
+        out: dict[int, list[tuple[int, int, int]]] = {}
         for index, chunk in enumerate(self.chunks):
-            positions = [i for i, s in enumerate(chunk.segments) if s.layer == layer]
-            if positions:
-                out.append((index, positions[0], len(positions)))
+            for position, segment in enumerate(chunk.segments):
+                parts = out.setdefault(segment.layer, [])
+                if parts and parts[-1][0] == index:
+                    parts[-1] = (index, parts[-1][1], parts[-1][2] + 1)
+                else:
+                    parts.append((index, position, 1))
         return out
 
 
