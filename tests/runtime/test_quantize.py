@@ -16,10 +16,7 @@ from kvfold.runtime.quantize import (
     QuantConfig,
     QuantizedRows,
     QuantSpecError,
-    dequantize_minmax,
-    minmax_params,
     pack_codes,
-    quantize_minmax,
     unpack_codes,
 )
 from tests.conftest import CharTokenizer, make_tiny_model
@@ -59,16 +56,6 @@ def test_packing_is_dense_by_planes_and_little_endian():
     assert pack_codes(codes, 4).tolist() == [[0x51, 0x62, 0x73, 0x04]]  # by planes: code j and code j + 4
     word = sum(c << (3 * i) for i, c in enumerate(codes[0].tolist()))
     assert pack_codes(codes, 3).tolist() == [[word & 0xFF, (word >> 8) & 0xFF, word >> 16]]
-
-
-def test_minmax_grid_covers_the_range_in_float16():
-    low = torch.tensor([-3.3333, 40.1234, 0.5, 7.0])
-    high = torch.tensor([2.7182, 77.7, 0.5, 7.0001])
-    for bits in INT_BITS:
-        scale, zero = minmax_params(low, high, bits)
-        assert scale.dtype == zero.dtype == torch.float16
-        assert (zero.float() <= low).all()
-        assert (zero.float() + ((1 << bits) - 1) * scale.float() >= high).all()
 
 
 @pytest.mark.parametrize("bits", INT_BITS)
@@ -218,11 +205,33 @@ def test_config_parsing_and_errors():
             QuantConfig.parse(bad)
 
 
-def test_quantize_then_dequantize_helpers_agree():
-    x = torch.linspace(-2, 5, 33)
-    scale, zero = minmax_params(x.min(), x.max(), 4)
-    back = dequantize_minmax(quantize_minmax(x, scale, zero, 4), scale, zero, torch.float32)
-    assert (back - x).abs().max() <= scale.float() / 2 + 1e-6
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_searched_ranges_give_keys_and_values_back_closer_than_min_max(bits):
+    """``clip=1``: every group's squared error is at most min–max's (1.0 is among the factors), and
+    on Gaussian entries with a few tails the total is lower."""
+    keys, values, log_mass, lengths = _rows(outlier_channel=False)
+    keys[:, 5, 2] += 6.0  # a tail in one key channel and one value
+    values[:, 7, 1] -= 6.0
+    valid = torch.arange(N)[None, :] < lengths[:, None]
+    errors = {}
+    for clip in (0, 1):
+        config = QuantConfig(format=f"int{bits}", clip=clip)
+        k, v, _ = QuantizedRows.from_padded(keys, values, log_mass, lengths, config).to_padded()
+        w = k.shape[1]
+        key_err = ((k - keys[:, :w]).square().sum(-1) * valid[:, :w]).sum()
+        value_err = (v - values[:, :w]).square().sum(-1)[valid[:, :w]]
+        errors[clip] = key_err, value_err
+    assert errors[1][0] < errors[0][0]
+    assert bool((errors[1][1] <= errors[0][1] * (1 + 1e-5) + 1e-7).all())
+    assert errors[1][1].sum() < errors[0][1].sum()
+
+
+def test_clip_is_a_format_option_that_reads_back():
+    assert QuantConfig.parse("int3[clip=1]") == QuantConfig("int3", clip=1)
+    assert QuantConfig.parse("int3[clip=1]").describe() == "int3[clip=1]"
+    for bad in ("int3[clip=2]", "fp8[clip=1]"):
+        with pytest.raises(QuantSpecError):
+            QuantConfig.parse(bad)
 
 
 # ---------------------------------------------------------------- quantized layers in a model

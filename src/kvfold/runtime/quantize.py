@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
 
 NEG_INF = float("-inf")
 INT_BITS = (8, 4, 3, 2)
@@ -56,12 +57,19 @@ class QuantConfig:
         outliers: entries per row kept in full precision: those whose key lies farthest outside its
             row's per-channel range (the attention sinks and the first tokens, whose keys widen a
             group's range for every entry in it).
+        clip: 1 to search each group's range (a key channel over its group of entries, a value
+            group of an entry) for the one that gives the group back with the least squared error:
+            its min–max range shrunk toward its middle by a factor of
+            :data:`~kvfold.runtime.quant_grid.CLIP_FACTORS`, the values outside clamped to the end
+            codes (the clipping search of weight quantizers, e.g. AWQ, Lin et al. 2024 §3.2); 0:
+            min–max. The stored tensors are the same either way.
     """
 
     format: str = "int4"
     key_group: int = 32
     value_group: int = 0
     outliers: int = 0
+    clip: int = 0
 
     FORMATS: ClassVar[tuple[str, ...]] = ("int8", "int4", "int3", "int2", "fp8")
 
@@ -70,6 +78,10 @@ class QuantConfig:
             raise QuantSpecError(f"unknown KV format {self.format!r}; use one of {', '.join(self.FORMATS)}")
         if self.key_group < 1 or self.value_group < 0 or self.outliers < 0:
             raise QuantSpecError("key_group must be ≥ 1, value_group and outliers ≥ 0")
+        if self.clip not in (0, 1):
+            raise QuantSpecError(f"clip is 0 (min–max ranges) or 1 (searched ranges); got {self.clip}")
+        if self.clip and self.is_float:
+            raise QuantSpecError("clip applies to the integer formats: fp8 has no ranges to search")
 
     @property
     def bits(self) -> int:
@@ -190,49 +202,6 @@ def code_planes(packed: Tensor, bits: int) -> list[Tensor]:
         return [unpack_codes(packed, bits)]
     mask = (1 << bits) - 1
     return [(packed >> (k * bits)) & mask if k else packed & mask for k in range(8 // bits)]
-
-
-# ---------------------------------------------------------------------- integer min-max
-def _round_down_half(x: Tensor) -> Tensor:
-    """float16 at or below ``x`` (float32), finite."""
-    h = x.clamp(-65504.0, 65504.0).half()
-    below = h.float() > x
-    return torch.where(below, torch.nextafter(h, torch.full_like(h, NEG_INF)), h)
-
-
-def _round_up_half(x: Tensor) -> Tensor:
-    """float16 at or above ``x`` (float32, ≥ 0)."""
-    h = x.clamp(max=65504.0).half()
-    above = h.float() < x
-    return torch.where(above, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
-
-
-def minmax_params(low: Tensor, high: Tensor, bits: int) -> tuple[Tensor, Tensor]:
-    """float16 ``(scale, zero)`` of an asymmetric ``bits``-bit grid that covers ``[low, high]``:
-    ``zero ≤ low`` and ``zero + (2**bits − 1)·scale ≥ high`` in float32 arithmetic, so every value in
-    the range lands within ``scale / 2`` of its grid point (a constant range gets scale 1)."""
-    levels = (1 << bits) - 1
-    zero = _round_down_half(low.float())
-    span = (high.float() - zero.float()).clamp(min=0) / levels
-    scale = _round_up_half(span * (1 + 2**-10))
-    for _ in range(2):  # float32 rounding of zero + levels·scale may fall a hair short of high
-        short = zero.float() + levels * scale.float() < high.float()
-        scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return scale, zero
-
-
-def quantize_minmax(x: Tensor, scale: Tensor, zero: Tensor, bits: int) -> Tensor:
-    """uint8 codes ``round((x − zero) / scale)`` clamped to the grid (scale, zero broadcast)."""
-    levels = (1 << bits) - 1
-    codes = torch.round((x.float() - zero.float()) / scale.float())
-    return codes.clamp_(0, levels).to(torch.uint8)
-
-
-def dequantize_minmax(codes: Tensor, scale: Tensor, zero: Tensor, dtype: torch.dtype) -> Tensor:
-    """``codes · scale + zero`` in ``dtype`` (computed in float32 or wider)."""
-    acc = torch.promote_types(dtype, torch.float32)
-    return torch.addcmul(zero.to(acc), codes.to(acc), scale.to(acc)).to(dtype)
 
 
 # -------------------------------------------------------------------------- ragged rows
@@ -673,7 +642,7 @@ def _quantize_keys(
     high = xg.masked_fill(~mg, NEG_INF).amax(2)
     empty = ~mg.any(2).expand_as(low)
     low, high = low.masked_fill(empty, 0.0), high.masked_fill(empty, 0.0)
-    scale, zero = minmax_params(low, high, config.bits)
+    scale, zero = group_params(xg, low, high, config.bits, 2, bool(config.clip), mg.to(xg.dtype))
     codes = quantize_minmax(xg, scale[:, :, None], zero[:, :, None], config.bits).view(rows, groups * group, dim)
     packed = pack_codes(codes[:, :width], config.bits)
     used = _entry_mask(lengths, groups * group)[:, ::group] if groups else mask[:, :0]
@@ -688,7 +657,7 @@ def _quantize_values(values: Tensor, valid: Tensor, config: QuantConfig) -> tupl
     if dim % size:
         raise ValueError(f"value_group {size} does not divide the value dimension {dim}")
     x = values.float().view(rows, width, dim // size, size)
-    scale, zero = minmax_params(x.amin(-1), x.amax(-1), config.bits)
+    scale, zero = group_params(x, x.amin(-1), x.amax(-1), config.bits, -1, bool(config.clip))
     codes = quantize_minmax(x, scale[..., None], zero[..., None], config.bits).view(rows, width, dim)
     return pack_codes(codes, config.bits), scale, zero
 

@@ -13,6 +13,7 @@ import kvfold
 from kvfold.methods import build_method
 from kvfold.methods.compaction.attention_matching.method import AMFit
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
+from kvfold.runtime.quantize import QuantConfig
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64
@@ -383,3 +384,56 @@ def test_am_fit_fits_to_the_keys_as_stored_then_stores_the_fitted_values(monkeyp
         used = given >= 0
         assert torch.equal(fitted[used], stored[:, :, : given.shape[-1]][used & valid[:, :, : given.shape[-1]]])
         assert not torch.equal(fitted[used], keys.gather(2, given.clamp_min(0)[..., None].expand(-1, -1, -1, d))[used])
+
+
+def test_the_fit_rounds_its_values_to_the_storage_grid_on_both_solvers():
+    """``FitConfig.value_storage``: the fitted values come back on their grid in that storage (GPTQ's
+    error feedback, :mod:`~kvfold.methods.compaction.attention_matching.value_rounding`), the same on
+    the streamed and the exact solver, and the reported output error counts the rounding."""
+    from kvfold.methods.compaction.attention_matching.value_rounding import round_entries
+
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(3, 40, 8, generator=g, dtype=F64), torch.randn(3, 40, 8, generator=g, dtype=F64)
+    beta0 = torch.zeros(3, 40, dtype=F64)
+    queries = torch.randn(3, 60, 8, generator=g, dtype=F64)
+    valid = torch.ones(3, 60, dtype=torch.bool)
+    counts = torch.tensor([6, 10, 14])
+    storage = QuantConfig(format="int3")
+    base = dict(beta_min=0.0, beta_max=3.0, ridge=1e-12)
+    plain = fit_problems(keys, values, beta0, queries, valid, counts, 0.4, FitConfig(**base))
+    fits = [
+        fit_problems(keys, values, beta0, queries, valid, counts, 0.4, FitConfig(**base, value_storage=storage, **more))
+        for more in ({}, {"solver": "exact"})
+    ]
+    for fit in fits:
+        used = torch.arange(fit.values.shape[1])[None, :] < fit.lengths[:, None]
+        step = (fit.values.amax(-1) - fit.values.amin(-1))[..., None] / 7  # a code step of each entry
+        # on the grid: rounding again moves a value by well under a step (the scale re-derived may
+        # be a float16 ulp or two wider)
+        assert bool(((round_entries(fit.values, storage) - fit.values).abs() <= 2e-2 * step)[used].all())
+        assert not bool(((round_entries(plain.values, storage) - plain.values).abs() <= 2e-2 * step)[used].all())
+        assert bool((fit.output_error > plain.output_error).all())  # the rounding is counted
+    torch.testing.assert_close(fits[0].values, fits[1].values, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fits[0].output_error, fits[1].output_error, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, feedback):
+    from kvfold.methods.compaction.attention_matching import method as am_method
+
+    seen = []
+    real = am_method.fit_problems
+
+    def spy(*args, **kwargs):
+        seen.append(args[7].value_storage)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(am_method, "fit_problems", spy)
+    model = kvfold.enable(make_tiny_model("llama"))
+    context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
+    option = "[value_feedback=true]" if feedback else ""
+    context.compress(f"kvzip+am_fit{option}@int3[clip=1]", 0.25)
+    context.compress(f"kvzip+am_fit{option}", 0.25)  # unquantized: nothing to round to
+    layers = len(seen) // 2
+    expected = QuantConfig.parse("int3[clip=1]") if feedback else None
+    assert seen[:layers] == [expected] * layers and seen[layers:] == [None] * layers

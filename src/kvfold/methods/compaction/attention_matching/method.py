@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import InitVar, dataclass, field
@@ -472,6 +473,11 @@ class AMFit(Folder):
             fit absorbs the keys' quantization error, and the fitted values are quantized after;
             ``after`` fits to the keys as they are and quantizes everything after the fit. Not in
             the paper (Attention Matching does not quantize).
+        value_feedback: when the cache is stored in integer codes, round the fitted values to their
+            grid entry by entry, moving each one's error onto the entries not rounded yet through the
+            fit's Gram matrix (GPTQ's update, :mod:`.value_rounding`), so the output on the reference
+            queries absorbs the values' codes as it absorbs the keys' (``quant_order=before``).
+            Not in the paper.
     """
 
     name: ClassVar[str] = "am_fit"
@@ -495,6 +501,7 @@ class AMFit(Folder):
     preselect: float = 1.0
     top_verbatim: float = 0.0
     quant_order: str = "before"
+    value_feedback: bool = False
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -551,8 +558,10 @@ class AMFit(Folder):
         if self.top_verbatim and self.preselect != 1.0:
             raise SpecError("am_fit: top_verbatim applies to the selector's own entries; use it without preselect")
 
-    def fit_config(self) -> FitConfig:
-        return FitConfig(
+    def fit_config(self, ctx: CompressionContext | None = None) -> FitConfig:
+        """The fit's settings; with ``value_feedback`` and a cache stored in integer codes
+        (``ctx.quant``), the values are rounded to that storage's grid by the fit."""
+        config = FitConfig(
             keys="highest",
             nnls_iters=self.nnls_iters,
             beta_min=self.beta_min,
@@ -562,6 +571,10 @@ class AMFit(Folder):
             value_ridge=self.value_ridge,
             solver=self.solver,  # type: ignore[arg-type]
         )
+        quant = None if ctx is None else ctx.quant
+        if self.value_feedback and quant is not None and not quant.is_float:
+            config = dataclasses.replace(config, value_storage=quant)
+        return config
 
     def prepare(self, ctx: CompressionContext) -> None:
         tokens = fit_chunk_tokens(self.fit_chunk, self.name, ctx, self.sources)
@@ -620,10 +633,10 @@ class AMFit(Folder):
         compact = self._stored_keys(keys, keep, lengths, ctx)
         if chunk_of is not None:  # §3.5: each repeat chunk's kept entries on that chunk's queries
             result = fit_given_by_chunk(
-                keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config(), compact
+                keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config(ctx), compact
             )
         else:
-            config = self.fit_config()
+            config = self.fit_config(ctx)
             result = fit_problems(
                 keys,
                 values,
@@ -711,7 +724,7 @@ class AMFit(Folder):
             queries.valid,
             fit_counts,
             layer_scaling(ctx, layer_idx, layer),
-            self.fit_config(),
+            self.fit_config(ctx),
             candidates=candidates & ~forced,
         )
         # every kept entry in position order: forced ones as they were, chosen ones as fitted

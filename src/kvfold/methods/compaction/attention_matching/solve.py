@@ -49,9 +49,11 @@ from kvfold.methods.compaction.attention_matching.features import (
     selected_features,
 )
 from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys, ridge_solve, symmetric_product
+from kvfold.methods.compaction.attention_matching.value_rounding import feedback_round
 from kvfold.methods.compaction.linalg import lstsq_ridge, nnls
 from kvfold.methods.compaction.omp import gather_columns, omp_select
 from kvfold.runtime.attention import FLASH_WITH_LSE
+from kvfold.runtime.quantize import QuantConfig
 
 Tensor = torch.Tensor
 
@@ -107,6 +109,9 @@ class FitConfig:
         solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.methods.compaction.linalg`,
             :mod:`kvfold.methods.compaction.omp`).
         group_bytes: memory budget for the feature matrices of one group of problems.
+        value_storage: when the values will be stored in this integer format, the fitted values
+            are rounded to its grid with error feedback (:mod:`.value_rounding`); None: left as
+            fitted (the storage rounds each on its own).
     """
 
     keys: Literal["highest", "omp"] = "highest"
@@ -124,6 +129,7 @@ class FitConfig:
     solver: Literal["gram", "exact"] = "gram"
     group_bytes: int = DEFAULT_GROUP_BYTES
     query_block: int = 1024
+    value_storage: QuantConfig | None = None
 
 
 @dataclass
@@ -309,6 +315,8 @@ def _fit_values(group: Group, selection: _Selection, t_max: int, config: FitConf
         c_v = v_s + fit * ok[..., None].to(dt)
     else:
         c_v = v_s
+    if config.value_storage is not None and t_max > 0:
+        c_v = feedback_round(c_v, x.mT @ x, ok, config.value_storage)
     out_err = _over_norm((x @ c_v - target).flatten(1).norm(dim=-1), target.flatten(1).norm(dim=-1))
     return Compacted(
         index=idx,
@@ -420,12 +428,14 @@ def _streamed_fit(
         xtx += symmetric_product(x, x)
         xtr += x.mT @ residual
         res_sq += residual.square().sum((-2, -1))
+    xtx = 0.5 * (xtx + xtx.mT)
+    c_v = v_s
     if config.fit_values and t > 0:  # eq. 4: C_v = V_S + argmin ‖X Δ − (Y − X V_S)‖
-        fit = ridge_solve(0.5 * (xtx + xtx.mT), xtr, _value_ridge(config), ok) * ok[..., None].to(dt)
-        out_sq = res_sq - 2 * (fit * xtr).sum((-2, -1)) + (fit * (xtx @ fit)).sum((-2, -1))
-        c_v = v_s + fit
-    else:
-        out_sq, c_v = res_sq, v_s
+        c_v = v_s + ridge_solve(xtx, xtr, _value_ridge(config), ok) * ok[..., None].to(dt)
+    if config.value_storage is not None and t > 0:
+        c_v = feedback_round(c_v, xtx, ok, config.value_storage)
+    fit = c_v - v_s  # ‖X (V_S + Δ) − Y‖² = ‖R‖² − 2⟨Δ, XᵀR⟩ + ⟨Δ, XᵀX Δ⟩
+    out_sq = res_sq - 2 * (fit * xtr).sum((-2, -1)) + (fit * (xtx @ fit)).sum((-2, -1))
     return Compacted(
         index=idx,
         log_mass=_log_mass(group.beta0, idx, ok, w),

@@ -1,0 +1,54 @@
+"""Integer grids (kvfold.runtime.quant_grid): float16 min–max grids that cover their range, rounding
+to codes and back, and the clipping search."""
+
+from __future__ import annotations
+
+import torch
+
+from kvfold.runtime.quant_grid import CLIP_FACTORS, dequantize_minmax, group_params, minmax_params, quantize_minmax
+from kvfold.runtime.quantize import INT_BITS
+
+
+def test_minmax_grid_covers_the_range_in_float16():
+    low = torch.tensor([-3.3333, 40.1234, 0.5, 7.0])
+    high = torch.tensor([2.7182, 77.7, 0.5, 7.0001])
+    for bits in INT_BITS:
+        scale, zero = minmax_params(low, high, bits)
+        assert scale.dtype == zero.dtype == torch.float16
+        assert (zero.float() <= low).all()
+        assert (zero.float() + ((1 << bits) - 1) * scale.float() >= high).all()
+
+
+def test_quantize_then_dequantize_helpers_agree():
+    x = torch.linspace(-2, 5, 33)
+    scale, zero = minmax_params(x.min(), x.max(), 4)
+    back = dequantize_minmax(quantize_minmax(x, scale, zero, 4), scale, zero, torch.float32)
+    assert (back - x).abs().max() <= scale.float() / 2 + 1e-6
+
+
+def _squared_error(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return (dequantize_minmax(quantize_minmax(x, scale, zero, 3), scale, zero, torch.float32) - x).square().sum()
+
+
+def test_the_search_keeps_min_max_where_nothing_is_gained_and_clips_a_lone_tail():
+    flat = torch.linspace(-1, 1, 8)[None]  # evenly spread: min–max is the best grid of 8 levels
+    tail = torch.cat([torch.randn(1, 63, generator=torch.Generator().manual_seed(0)), torch.tensor([[9.0]])], -1)
+    for x in (flat, tail):
+        low, high = x.amin(-1), x.amax(-1)
+        plain = minmax_params(low, high, 3)
+        searched = group_params(x, low, high, 3, -1, clip=True)
+        assert group_params(x, low, high, 3, -1, clip=False) == plain
+        errors = [
+            (
+                dequantize_minmax(quantize_minmax(x, s[:, None], z[:, None], 3), s[:, None], z[:, None], torch.float32)
+                - x
+            )
+            .square()
+            .sum()
+            for s, z in (plain, searched)
+        ]
+        if x is flat:
+            assert torch.equal(searched[0], plain[0]) and torch.equal(searched[1], plain[1])
+        else:
+            assert errors[1] < errors[0] and searched[0] < plain[0]
+    assert CLIP_FACTORS[0] == 1.0
