@@ -35,7 +35,9 @@ def context():
 
 
 @pytest.mark.parametrize("memory", [0.25, 0.0625, 0.03125, 0.015625])
-@pytest.mark.parametrize("spec", ["snapkv", "snapkv@int2", "snapkv@16", "adakv:snapkv+keepkv", "snapkv@fp8"])
+@pytest.mark.parametrize(
+    "spec", ["snapkv", "snapkv@int2", "snapkv@16", "adakv:snapkv+keepkv", "snapkv@fp8", "snapkv@int3[wide=16]"]
+)
 def test_a_memory_budget_is_kept_and_mostly_spent(context, spec, memory):
     small = context.compress(spec, memory=memory)
     ratio = small.memory_ratio

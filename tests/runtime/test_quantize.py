@@ -226,6 +226,36 @@ def test_searched_ranges_give_keys_and_values_back_closer_than_min_max(bits):
     assert errors[1][1].sum() < errors[0][1].sum()
 
 
+def test_wide_layers_of_short_rows_are_stored_wider_or_in_the_models_dtype():
+    """``wide``: a layer whose rows hold on average at most one key group is stored in ``wide`` bits
+    (16: left in the model's dtype), every other layer in the format itself; the cache keeps the
+    format it was given, each layer's stored rows the plain format they are in."""
+    config = QuantConfig.parse("int3[wide=8,key_group=16]")
+    assert config.layer_format(torch.tensor([[16, 16], [3, 29]])) == QuantConfig("int8", key_group=16)
+    assert config.layer_format(torch.tensor([[17, 16], [16, 16]])) == QuantConfig("int3", key_group=16)
+    assert QuantConfig("int3", wide=16).layer_format(torch.tensor([[5, 9]])) is None
+    assert QuantConfig("int3").layer_format(torch.tensor([[5, 9]])) == QuantConfig("int3")
+    for wide, short in ((8, "int8"), (16, None)):
+        torch.manual_seed(0)
+        cache = FoldedCache(num_layers=2)
+        for layer, n in zip(cache.layers, (6, 70), strict=True):
+            layer.update(torch.randn(1, 2, n, D), torch.randn(1, 2, n, D))
+            layer.replace(*layer.padded()[:2], torch.randn(1, 2, n), lengths=torch.tensor([[n, n - 3]]))
+        cache.quantize(QuantConfig("int3", wide=wide))
+        assert cache.quant == QuantConfig("int3", wide=wide)
+        short_layer, long_layer = cache.layers
+        assert long_layer.is_quantized and long_layer.stored.config == QuantConfig("int3")
+        if short is None:
+            assert not short_layer.is_quantized  # in the model's dtype
+            assert short_layer.row_lengths().tolist() == [[6, 3]]
+        else:
+            assert short_layer.stored.config == QuantConfig(short)
+    for bad in ("int3[wide=4]", "int4[wide=4]", "int3[wide=12]", "fp8[wide=16]", "int8[wide=8]"):
+        with pytest.raises(QuantSpecError):
+            QuantConfig.parse(bad)
+    assert QuantConfig.parse("int3[wide=16]").describe() == "int3[wide=16]"
+
+
 def test_clip_is_a_format_option_that_reads_back():
     assert QuantConfig.parse("int3[clip=1]") == QuantConfig("int3", clip=1)
     assert QuantConfig.parse("int3[clip=1]").describe() == "int3[clip=1]"

@@ -39,6 +39,7 @@ METHODS = [
     "snapkv@int4",
     "adakv:snapkv@int3",
     "snapkv+keepkv@fp8[outliers=1]",
+    "kvzip@int3[wide=16,key_group=16]",
 ]
 
 

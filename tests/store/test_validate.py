@@ -135,6 +135,9 @@ CASES = [
     ("dense", None, lambda h: h.update(method="h2o"), "stat.h2o: missing"),
     # the header
     ("h2o", None, lambda h: h.update(budget="lots"), "header budget"),
+    ("h2o", None, lambda h: h.update(kv_format="int5"), "header kv_format"),
+    ("h2o", None, lambda h: h.update(kv_format="16"), "header kv_format"),
+    ("h2o", None, lambda h: h.update(kv_format=[3]), "header kv_format"),
     ("h2o", None, lambda h: h.update(device="toaster"), "header device"),
     ("h2o", None, lambda h: h.update(dtype=["float32"]), "header dtype"),
     ("h2o", None, lambda h: h.update(context_tokens=[10**6]), "header context_tokens"),

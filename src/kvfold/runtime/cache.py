@@ -704,13 +704,16 @@ class FoldedCache(Cache):
         return self.content_nbytes(sixteen_bit=True) / full if full else 1.0
 
     def quantize(self, config: QuantConfig | None) -> None:
-        """Store every folded layer's entries quantized (:meth:`FoldedLayer.quantize`) and remember the
-        format for later re-compactions; None leaves the cache as it is."""
+        """Store every folded layer's entries quantized (:meth:`FoldedLayer.quantize`), each in its
+        layer's format (:meth:`QuantConfig.layer_format`: ``wide`` layers of short rows wider or in the
+        model's dtype), and remember the format for later re-compactions; None leaves the cache as it is."""
         if config is None:
             return
         for _, layer in self.folded_layers:
             if layer.is_initialized:
-                layer.quantize(config)
+                own = config.layer_format(layer.row_lengths())
+                if own is not None:
+                    layer.quantize(own)
         self.quant = config
 
     def set_spare_capacity(self, tokens: int) -> None:

@@ -63,6 +63,9 @@ class QuantConfig:
             :data:`~kvfold.runtime.quant_grid.CLIP_FACTORS`, the values outside clamped to the end
             codes (the clipping search of weight quantizers, e.g. AWQ, Lin et al. 2024 §3.2); 0:
             min–max. The stored tensors are the same either way.
+        wide: 8 or 16 (the model's dtype, unquantized): the storage of a layer whose rows hold on
+            average at most one key group (``key_group`` entries), see :meth:`layer_format`; 0:
+            every layer in ``format``.
     """
 
     format: str = "int4"
@@ -70,6 +73,7 @@ class QuantConfig:
     value_group: int = 0
     outliers: int = 0
     clip: int = 0
+    wide: int = 0
 
     FORMATS: ClassVar[tuple[str, ...]] = ("int8", "int4", "int3", "int2", "fp8")
 
@@ -82,6 +86,10 @@ class QuantConfig:
             raise QuantSpecError(f"clip is 0 (min–max ranges) or 1 (searched ranges); got {self.clip}")
         if self.clip and self.is_float:
             raise QuantSpecError("clip applies to the integer formats: fp8 has no ranges to search")
+        if self.wide not in (0, 8, 16) or (self.wide and (self.is_float or self.wide <= self.bits)):
+            raise QuantSpecError(
+                f"wide is 8 or 16 bits, wider than an integer format's own; got wide={self.wide} for {self.format}"
+            )
 
     @property
     def bits(self) -> int:
@@ -131,6 +139,21 @@ class QuantConfig:
         names = [f.name for f in fields(self) if f.name != "format"]
         extra = [f"{n}={getattr(self, n)}" for n in names if getattr(self, n) != getattr(defaults, n)]
         return self.format + (f"[{','.join(extra)}]" if extra else "")
+
+    def layer_format(self, lengths: torch.Tensor) -> QuantConfig | None:
+        """The storage of one layer whose rows hold ``lengths`` entries: this format, or with ``wide``
+        and rows of on average at most one key group, ``wide`` bits (None for 16: the model's dtype).
+
+        A row that short pays a whole key group's scales and zero points (``4·D`` bytes) for its few
+        entries, and each of its entries carries a large share of its layer's attention, so its codes'
+        rounding moves the layer's output most; a wider storage costs few bytes there. Under KVzip's
+        global ranking at the smallest budgets most layers keep a handful of entries a row while a few
+        keep hundreds (docs/memory.md, "Layers that keep few entries").
+        """
+        plain = replace(self, wide=0)
+        if not self.wide or float(lengths.float().mean()) > self.key_group:
+            return plain
+        return None if self.wide == 16 else replace(plain, format=f"int{self.wide}")
 
     def entry_bytes(self, head_dim: int, value_dim: int | None = None, log_mass: bool = True) -> float:
         """Bytes one entry of one row holds, on average (codes, scales, zero points, β): the

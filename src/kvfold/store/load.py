@@ -116,7 +116,9 @@ def _build_cache(
                 "load the model the cache was made with"
             )
     formats = {spec.get("kv_format") for spec in layers if spec.get("kind") == "folded"}
-    if len(formats) == 1 and None not in formats:
+    if isinstance(info.header.get("kv_format"), str):  # the cache's own format (layers may differ: ``wide``)
+        cache.quant = QuantConfig.parse(info.header["kv_format"])
+    elif len(formats) == 1 and None not in formats:
         cache.quant = QuantConfig.parse(formats.pop())
     return cache
 

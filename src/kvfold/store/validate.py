@@ -174,7 +174,8 @@ def _check_layer_header(
 
 
 def _check_header_context(header: dict[str, Any], batch: int | None, logical: int | None, expected: Expected) -> None:
-    """The token counts (one a batch row, within the logical length), the method, budget and extras."""
+    """The token counts (one a batch row, within the logical length), the method, budget, the cache's
+    storage format and extras."""
     tokens = header.get("context_tokens")
     if tokens is not None:
         if not isinstance(tokens, list) or (batch is not None and len(tokens) != batch):
@@ -197,6 +198,13 @@ def _check_header_context(header: dict[str, Any], batch: int | None, logical: in
             Budget.parse(budget)
         except (ValueError, TypeError, OverflowError) as err:
             _fail("header budget", f"{one_line(repr(budget), 40)}: {err}")
+    kv_format = header.get("kv_format")
+    if kv_format is not None:  # the cache's own format (a layer's may differ: ``wide``)
+        try:
+            if not isinstance(kv_format, str) or QuantConfig.parse(kv_format) is None:
+                raise ValueError("not a quantized format")
+        except ValueError as err:
+            _fail("header kv_format", f"{one_line(repr(kv_format), 40)}: {err}")
     extra = header.get("extra")
     if extra is not None and not isinstance(extra, dict):
         _fail("header extra", "not a JSON object")

@@ -437,3 +437,24 @@ def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, feedback):
     layers = len(seen) // 2
     expected = QuantConfig.parse("int3[clip=1]") if feedback else None
     assert seen[:layers] == [expected] * layers and seen[layers:] == [None] * layers
+
+
+@pytest.mark.parametrize("key_group,short", [(32, False), (128, True)])
+def test_a_wide_layer_is_fitted_to_its_keys_as_it_stores_them(monkeypatch, key_group, short):
+    """``@int3[wide=16]``: a layer whose rows hold at most one key group stays in the model's dtype, so
+    its fit reads its kept keys as they are; the other layers' fits read them in 3 bits."""
+    from kvfold.methods.compaction.attention_matching import method as am_method
+
+    seen = []
+    real = am_method.fit_problems
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("compact_keys"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(am_method, "fit_problems", spy)
+    model = kvfold.enable(make_tiny_model("llama"))
+    context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
+    small = context.compress(f"kvzip+am_fit@int3[wide=16,key_group={key_group}]", 0.25)
+    assert all((compact is None) == short for compact in seen)
+    assert all(layer.is_quantized != short for _, layer in small.cache.folded_layers)

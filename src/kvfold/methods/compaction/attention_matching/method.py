@@ -558,9 +558,10 @@ class AMFit(Folder):
         if self.top_verbatim and self.preselect != 1.0:
             raise SpecError("am_fit: top_verbatim applies to the selector's own entries; use it without preselect")
 
-    def fit_config(self, ctx: CompressionContext | None = None) -> FitConfig:
-        """The fit's settings; with ``value_feedback`` and a cache stored in integer codes
-        (``ctx.quant``), the values are rounded to that storage's grid by the fit."""
+    def fit_config(self, ctx: CompressionContext | None = None, lengths: Tensor | None = None) -> FitConfig:
+        """The fit's settings; with ``value_feedback`` and a layer stored in integer codes (``ctx.quant``,
+        as :meth:`~kvfold.runtime.quantize.QuantConfig.layer_format` gives it for rows of ``lengths``
+        entries), the values are rounded to that storage's grid by the fit."""
         config = FitConfig(
             keys="highest",
             nnls_iters=self.nnls_iters,
@@ -571,7 +572,7 @@ class AMFit(Folder):
             value_ridge=self.value_ridge,
             solver=self.solver,  # type: ignore[arg-type]
         )
-        quant = None if ctx is None else ctx.quant
+        quant = None if ctx is None or ctx.quant is None or lengths is None else ctx.quant.layer_format(lengths)
         if self.value_feedback and quant is not None and not quant.is_float:
             config = dataclasses.replace(config, value_storage=quant)
         return config
@@ -633,10 +634,10 @@ class AMFit(Folder):
         compact = self._stored_keys(keys, keep, lengths, ctx)
         if chunk_of is not None:  # §3.5: each repeat chunk's kept entries on that chunk's queries
             result = fit_given_by_chunk(
-                keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config(ctx), compact
+                keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config(ctx, lengths), compact
             )
         else:
-            config = self.fit_config(ctx)
+            config = self.fit_config(ctx, lengths)
             result = fit_problems(
                 keys,
                 values,
@@ -670,12 +671,13 @@ class AMFit(Folder):
         """``(B, H, N, D)`` the cache's keys with each kept entry's key as quantized storage will
         give it back (``ctx.quant``, ``quant_order=before``), or None (no quantization, or
         ``quant_order=after``: fit to the keys as they are, quantize after)."""
-        if ctx.quant is None or self.quant_order == "after":
+        own = None if ctx.quant is None else ctx.quant.layer_format(lengths)
+        if own is None or self.quant_order == "after":
             return None
         b, h, k = keep.shape
         d = keys.shape[-1]
         kept = keys.gather(2, keep[..., None].expand(-1, -1, -1, d))
-        stored = roundtrip_keys(kept.reshape(b * h, k, d), lengths.reshape(-1), ctx.quant).view(b, h, k, d)
+        stored = roundtrip_keys(kept.reshape(b * h, k, d), lengths.reshape(-1), own).view(b, h, k, d)
         # padded slots of ``keep`` repeat the last kept index: give them that entry's stored key
         last = (lengths - 1).clamp_min(0)[..., None]
         slot = torch.minimum(torch.arange(k, device=keep.device)[None, None, :], last)
@@ -724,7 +726,7 @@ class AMFit(Folder):
             queries.valid,
             fit_counts,
             layer_scaling(ctx, layer_idx, layer),
-            self.fit_config(ctx),
+            self.fit_config(ctx, target),
             candidates=candidates & ~forced,
         )
         # every kept entry in position order: forced ones as they were, chosen ones as fitted
