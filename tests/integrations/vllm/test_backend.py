@@ -136,3 +136,41 @@ def test_a_step_without_requests_on_files_is_cpu_attn_as_it_is(impl, monkeypatch
     query = torch.zeros(2, Q_HEADS, D)
     impl.forward(attention, query, None, None, torch.zeros(4, KV_HEADS, BLOCK, 2 * D), metadata, query.clone())
     assert calls == [metadata]  # the step's own metadata, untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attn_needs_a_block_that_held_a_file_scrubbed(dtype):
+    """Why the connector zeroes a block that held a file's bytes before a request without a file gets it:
+    ``CPU_ATTN`` reads a request's last block whole, and one NaN past the request's length (a file's
+    codes read as floats) makes its output NaN; zeroed, the output is a clean cache's."""
+    g = torch.Generator().manual_seed(1)
+    length = 40  # the second block holds 8 of the request's tokens, then 24 slots it never wrote
+    keys, values = torch.randn(length, KV_HEADS, D, generator=g), torch.randn(length, KV_HEADS, D, generator=g)
+    query = torch.randn(1, Q_HEADS, D, generator=g).to(dtype)
+
+    def attend(cache: torch.Tensor) -> torch.Tensor:
+        key_cache, value_cache = cache.view(4, KV_HEADS, 2 * BLOCK, D).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(keys.to(dtype), values.to(dtype), key_cache, value_cache,
+                                       torch.arange(length), "vec", k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")  # fmt: skip
+        metadata = _metadata([1], [length], torch.tensor([[0, 1]], dtype=torch.int32))
+        scheduler = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=Q_HEADS, num_kv_heads=KV_HEADS, head_dim=D, seq_lens=metadata.seq_lens,
+            dtype=dtype, query_start_loc=metadata.query_start_loc, causal=True, sliding_window_size=-1,
+            isa="vec", enable_kv_split=False,
+        )  # fmt: skip
+        out = torch.zeros_like(query)
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=D**-0.5, causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=metadata.block_table, softcap=0,
+            scheduler_metadata=scheduler, s_aux=None,
+        )  # fmt: skip
+        return out
+
+    clean = attend(torch.zeros(4, KV_HEADS, BLOCK, 2 * D, dtype=dtype))
+    held = torch.full((4, KV_HEADS, BLOCK, 2 * D), float("nan"), dtype=dtype)
+    assert bool(attend(held.clone()).isnan().all())  # unscrubbed: every output NaN
+    scrubbed = held.index_fill_(0, torch.tensor([0, 1]), 0)  # what the connector's scrub does
+    torch.testing.assert_close(attend(scrubbed), clean, rtol=0, atol=0)
+    assert bool(clean.isfinite().all())
