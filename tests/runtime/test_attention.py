@@ -237,7 +237,7 @@ def test_a_ragged_layer_attends_through_its_stored_part_and_equals_float64(monke
     assert len(calls) == 3 and isinstance(layer.stored, FloatRows) and layer.stored.width == 24
 
 
-@pytest.mark.parametrize("kv_format", [None, "int4", "int4[outliers=1]", "int3"])
+@pytest.mark.parametrize("kv_format", [None, "int4", "int4[outliers=1]", "int3", "fp8", "int4[value_group=8]"])
 def test_a_decode_step_over_stored_rows_reads_nothing_back_to_the_host(kv_format, monkeypatch):
     """Rows of very different lengths (stored ragged, at full precision or quantized and read by the
     PyTorch path, what a GPU runs): after the first read, which builds each storage's page index, a

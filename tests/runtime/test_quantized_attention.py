@@ -48,7 +48,11 @@ LENGTHS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]"])
+FORMATS = ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]", "fp8", "fp8[outliers=1]",
+           "int4[value_group=8]", "int2[value_group=16,outliers=1]"]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("beta", [True, False], ids=["beta", "no-beta"])
 @pytest.mark.parametrize("shape", sorted(LENGTHS))
 def test_both_paths_equal_a_float64_reference(fmt, beta, shape, monkeypatch):
@@ -154,9 +158,9 @@ def test_a_kernel_is_built_once_into_the_cache_directory(fresh_kernel):
 
 
 def _per_row_part(queries: torch.Tensor, stored: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The PyTorch path the paged one replaced (kvfold 0.x up to 2026-11-28), row after row in a Python
-    loop: each row's keys dequantized from its own slice of codes, its softmax over its own entries,
-    its values' scales folded into the weights."""
+    """The PyTorch path the paged one replaced (up to 2026-11-28), row after row in a Python loop over
+    the rows dequantized (as the padded path read fp8 and value groups): each row's softmax over its
+    own entries."""
     rows, m, _ = queries.shape
     top, den = queries.new_full((rows, m), float("-inf")), queries.new_zeros(rows, m)
     num = queries.new_zeros(rows, m, stored.value_dim)
@@ -171,7 +175,7 @@ def _per_row_part(queries: torch.Tensor, stored: QuantizedRows) -> tuple[torch.T
     return top, den, num
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_paged_torch_path_equals_the_per_row_path_it_replaced(fmt):
     """Each part (maximum logit, weights' sum, weighted values) as the per-row loop gives it, on rows
     shorter and longer than a page, an empty one and one whose every β is −inf."""
@@ -198,9 +202,10 @@ def test_the_paged_torch_path_runs_a_fixed_number_of_operations_and_reads_nothin
     for name in ("bmm", "baddbmm"):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
-    for count in (2, 40):
-        stored, queries, _, _ = _case([3 + 17 * (i % 5) for i in range(count)], "int4[outliers=1]", True)
-        calls.clear()
-        with HostSyncCounter() as syncs:
-            module._stored_part_torch(queries, stored, SCALING)
-        assert len(calls) == 3 and not syncs.kvfold, syncs.summary()
+    for fmt, products in (("int4[outliers=1]", 3), ("int4[value_group=8]", 2)):
+        for count in (2, 40):
+            stored, queries, _, _ = _case([3 + 17 * (i % 5) for i in range(count)], fmt, True)
+            calls.clear()
+            with HostSyncCounter() as syncs:
+                module._stored_part_torch(queries, stored, SCALING)
+            assert len(calls) == products and not syncs.kvfold, syncs.summary()

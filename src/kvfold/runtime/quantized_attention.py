@@ -30,10 +30,10 @@ Tensor = torch.Tensor
 
 
 def reads_codes(stored: QuantizedRows | FloatRows) -> bool:
-    """Whether :func:`stored_part` reads this storage as it lies: rows at full precision, or integer
-    codes with one value scale an entry (fp8 and value groups within an entry are dequantized a
-    layer at a time instead)."""
-    return isinstance(stored, FloatRows) or (not stored.config.is_float and not stored.config.value_group)
+    """Whether :func:`stored_part` reads this storage as it lies, a page at a time: every storage does
+    (rows at full precision, integer codes, fp8, value groups within an entry); before 2026-11-28 fp8
+    and value groups were dequantized into padded rows at every step."""
+    return isinstance(stored, (FloatRows, QuantizedRows))
 
 
 def attend_stored(
@@ -84,7 +84,8 @@ def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
     return (
         queries.device.type == "cpu"
         and queries.dtype == torch.float32
-        and reads_codes(stored)
+        and not stored.config.is_float
+        and not stored.config.value_group
         and stored.config.bits in (8, 4, 3, 2)
         and not stored.outlier_index.numel()
         and stored.head_dim <= 1024
@@ -150,14 +151,15 @@ def attend_stored_torch(
 
 
 def _stored_part_torch(queries: Tensor, stored: QuantizedRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
-    """What the kernel computes, in batched PyTorch operations over the rows' pages (one page a key
-    group, :attr:`QuantizedRows.pages`): each row's maximum stored logit ``(R, M)``, and relative to it
-    the sum of its weights ``(R, M)`` and of its weighted values ``(R, M, Dv)``.
+    """What the kernel computes, in batched PyTorch operations over the rows' pages
+    (:attr:`QuantizedRows.pages`: one a key group for integer codes): each row's maximum stored logit
+    ``(R, M)``, and relative to it the sum of its weights ``(R, M)`` and of its weighted values
+    ``(R, M, Dv)``, for every format.
 
     A fixed number of operations a layer whatever the rows' lengths, and no value read back to the host
     (on a GPU nothing waits): each page's codes are gathered and its keys dequantized with the page's
-    scales; the values are never dequantized (an entry's scale is folded into its weight, its zero
-    point into a sum of weights)."""
+    scales (:func:`_page_keys`); integer values with one scale an entry are never dequantized
+    (:func:`_page_values_part`)."""
     rows, m, _ = queries.shape
     pages = stored.pages
     if not pages.count:
@@ -166,24 +168,53 @@ def _stored_part_torch(queries: Tensor, stored: QuantizedRows, scaling: float) -
             queries.new_zeros(rows, m),
             queries.new_zeros(rows, m, stored.value_dim),
         )
-    acc = queries.dtype
-    bits = stored.config.bits
-    keys = _codes(gather_pages(pages, stored.key_codes), bits, acc)  # (P, S, D)
-    keys.mul_(stored.key_scale.to(acc)[:, None, :]).add_(stored.key_zero.to(acc)[:, None, :])
-    values = _codes(gather_pages(pages, stored.value_codes), bits, acc)  # (P, S, Dv)
+    top, weights = page_softmax(page_logits(queries, pages, _page_keys(stored, queries.dtype), scaling), pages)
+    return top, sum_pages(pages, weights.sum(-1)), sum_pages(pages, _page_values_part(stored, weights))
+
+
+def _page_keys(stored: QuantizedRows, acc: torch.dtype) -> Tensor:
+    """Every page's keys ``(P, S, D)`` in ``acc``: codes times the page's scales plus its zero points
+    (fp8: times the row's scale), full-precision entries as they are."""
+    pages, cfg = stored.pages, stored.config
+    if cfg.is_float:
+        keys = gather_pages(pages, stored.key_codes).view(torch.float8_e4m3fn).to(acc)
+        keys.mul_(stored.key_scale.to(acc).index_select(0, pages.row)[:, :, None])
+    else:
+        keys = _codes(gather_pages(pages, stored.key_codes), cfg.bits, acc)
+        keys.mul_(stored.key_scale.to(acc)[:, None, :]).add_(stored.key_zero.to(acc)[:, None, :])
+    if stored.outlier_index.numel():
+        keys.view(-1, keys.shape[-1]).index_copy_(0, stored.outlier_slots, stored.outlier_keys.to(acc))
+    return keys
+
+
+def _page_values_part(stored: QuantizedRows, weights: Tensor) -> Tensor:
+    """Each page's weighted values ``(P, M, Dv)``, the weights ``(P, M, S)``. Integer codes with one
+    scale an entry are not dequantized: ``(p ⊙ s) · codes + p · z`` (a full-precision entry's own
+    values with scale 1 and zero 0); fp8 and value groups within an entry are dequantized a page at a
+    time."""
+    pages, cfg, acc = stored.pages, stored.config, weights.dtype
+    slots = stored.outlier_slots if stored.outlier_index.numel() else None
+    if cfg.is_float:
+        values = gather_pages(pages, stored.value_codes).view(torch.float8_e4m3fn).to(acc)
+        values.mul_(stored.value_scale.to(acc).index_select(0, pages.row)[:, :, None])
+    else:
+        values = _codes(gather_pages(pages, stored.value_codes), cfg.bits, acc)  # (P, S, Dv)
+    if cfg.is_float or cfg.value_group:
+        if cfg.value_group:
+            grouped = values.view(pages.count, pages.size, stored.value_scale.shape[-1], -1)
+            grouped.mul_(gather_pages(pages, stored.value_scale, acc)[..., None])
+            grouped.add_(gather_pages(pages, stored.value_zero, acc)[..., None])
+        if slots is not None:
+            values.view(-1, values.shape[-1]).index_copy_(0, slots, stored.outlier_values.to(acc))
+        return torch.bmm(weights, values)
     value_scale = gather_pages(pages, stored.value_scale[:, 0], acc)  # (P, S)
     value_zero = gather_pages(pages, stored.value_zero[:, 0], acc)
-    if stored.outlier_index.numel():  # full-precision entries: their own keys, their values · 1 + 0
-        slots = stored.outlier_slots
-        keys.view(-1, keys.shape[-1]).index_copy_(0, slots, stored.outlier_keys.to(acc))
+    if slots is not None:  # full-precision entries: their own values · 1 + 0
         values.view(-1, values.shape[-1]).index_copy_(0, slots, stored.outlier_values.to(acc))
         value_scale.view(-1).index_fill_(0, slots, 1.0)
         value_zero.view(-1).index_fill_(0, slots, 0.0)
-    top, weights = page_softmax(page_logits(queries, pages, keys, scaling), pages)  # weights (P, M, S)
-    num = torch.baddbmm(
-        torch.bmm(weights, value_zero[:, :, None]), weights * value_scale[:, None, :], values
-    )  # Σ p·s·c + Σ p·z: the zero points' sum broadcast over the channels
-    return top, sum_pages(pages, weights.sum(-1)), sum_pages(pages, num)
+    # Σ p·s·c + Σ p·z: the zero points' sum broadcast over the channels
+    return torch.baddbmm(torch.bmm(weights, value_zero[:, :, None]), weights * value_scale[:, None, :], values)
 
 
 def _codes(packed: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
