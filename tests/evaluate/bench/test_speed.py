@@ -255,3 +255,25 @@ def test_bench_measures_past_the_window_with_more_positions(tiny_dir, tmp_path):
     assert {r["positions"] for r in result["records"]} == {1024} and all(r["length"] == 600 for r in result["records"])
     assert main(["bench", "--model", str(tiny_dir), "--methods", "kvzip", "--length", "64", "--batch", "1",
                  "--positions", "8", "--out", str(tmp_path / "c")]) == 2  # fmt: skip
+
+
+def test_bench_measures_stock_transformers_beside_kvfolds_full_cache(tiny_dir, tmp_path):
+    """``stock`` (DynamicCache, SDPA) and ``stock-static`` (StaticCache, the forward compiled) at each
+    length, without a budget, each decoded step for step with kvfold's full cache of the same context in
+    its own process: ``speedup_over_limit`` is stock over kvfold, paired. Both decode what kvfold does
+    (the same greedy tokens: checked by the answers' equality in tests/runtime/test_attention.py)."""
+    result = bench(
+        str(tiny_dir), ["stock", "stock-static"], [0.25, 0.5], [64], [1], new_tokens=3, out_dir=tmp_path,
+        progress=False,
+    )  # fmt: skip
+    by_method = {r["method"]: r for r in result["records"]}
+    assert set(by_method) == {"full", "stock", "stock-static"} and len(result["records"]) == 3
+    for name in ("stock", "stock-static"):
+        record = by_method[name]
+        assert record["budget"] == 1.0 and record["reference_length"] == 64 and record["stock"]
+        assert record["decode_tokens_per_s"] > 0 and record["reference_tokens_per_s"] > 0
+        assert record["kv_bytes"] == by_method["full"]["kv_bytes"]
+        assert record["speedup_over_limit"] == pytest.approx(
+            record["decode_tokens_per_s"] / record["reference_tokens_per_s"]
+        )
+    assert "| stock-static | 1.0 | 64 |" in (tmp_path / "bench.md").read_text()
