@@ -384,7 +384,7 @@ def _static_step(model, cache, length: int) -> Callable[[Any], Any]:
     import torch
 
     mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-    forward = torch.compile(model.forward, mode=mode, fullgraph=True, dynamic=False)
+    forward = torch.compile(model.forward, mode=mode, dynamic=False)  # a graph break slows it, fails nothing
     filled = [length]
 
     def step(tokens):
