@@ -122,6 +122,13 @@ def page_softmax(logits: Tensor, pages: RowPages) -> tuple[Tensor, Tensor]:
     return top, logits.sub_(shift[..., None]).exp_()
 
 
+def empty_part(queries: Tensor, value_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The stored part of rows that hold no entry, for queries ``(R, M, D)``: maximum logit −inf ``(R, M)``,
+    weights' sum 0 ``(R, M)``, weighted values 0 ``(R, M, value_dim)``."""
+    rows, m, _ = queries.shape
+    return queries.new_full((rows, m), NEG_INF), queries.new_zeros(rows, m), queries.new_zeros(rows, m, value_dim)
+
+
 def sum_pages(pages: RowPages, per_page: Tensor) -> Tensor:
     """``per_page`` ``(P, ...)`` summed over each row's pages: ``(R, ...)``."""
     out = per_page.new_zeros(pages.rows, *per_page.shape[1:])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvfold.runtime.native import ERRORS, attend_codes_kernel
-from kvfold.runtime.pages import NEG_INF, gather_pages, page_logits, page_softmax, sum_pages
+from kvfold.runtime.pages import empty_part, gather_pages, page_logits, page_softmax, sum_pages
 from kvfold.runtime.quantize import QuantizedRows, code_planes
 from kvfold.runtime.rows import FloatRows, float_part
 
@@ -160,14 +160,9 @@ def _stored_part_torch(queries: Tensor, stored: QuantizedRows, scaling: float) -
     (on a GPU nothing waits): each page's codes are gathered and its keys dequantized with the page's
     scales (:func:`_page_keys`); integer values with one scale an entry are never dequantized
     (:func:`_page_values_part`)."""
-    rows, m, _ = queries.shape
     pages = stored.pages
     if not pages.count:
-        return (
-            queries.new_full((rows, m), NEG_INF),
-            queries.new_zeros(rows, m),
-            queries.new_zeros(rows, m, stored.value_dim),
-        )
+        return empty_part(queries, stored.value_dim)
     top, weights = page_softmax(page_logits(queries, pages, _page_keys(stored, queries.dtype), scaling), pages)
     return top, sum_pages(pages, weights.sum(-1)), sum_pages(pages, _page_values_part(stored, weights))
 

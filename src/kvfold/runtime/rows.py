@@ -26,6 +26,7 @@ from kvfold.runtime.pages import (
     NEG_INF,
     PAGE_SIZE,
     RowPages,
+    empty_part,
     gather_pages,
     page_logits,
     page_softmax,
@@ -181,14 +182,9 @@ def float_part(queries: Tensor, rows: FloatRows, scaling: float) -> tuple[Tensor
     rows × the longest row): each page's keys and values gathered, its logits computed against its
     row's queries, the pages of a row merged by their maximum logit. A few batched operations a layer
     whatever the number of rows, and no value read back to the host."""
-    count, m, _ = queries.shape
     pages = rows.pages
     if not pages.count:
-        return (
-            queries.new_full((count, m), NEG_INF),
-            queries.new_zeros(count, m),
-            queries.new_zeros(count, m, rows.value_dim),
-        )
+        return empty_part(queries, rows.value_dim)
     acc = queries.dtype
     top, weights = page_softmax(page_logits(queries, pages, gather_pages(pages, rows.keys, acc), scaling), pages)
     num = torch.bmm(weights, gather_pages(pages, rows.values, acc))
