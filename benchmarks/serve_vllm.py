@@ -1,24 +1,38 @@
-"""Serving benchmark: how many requests on saved files vLLM runs at once, at the files' own bytes.
+"""Serving benchmark: kvfold's files served by vLLM against stock vLLM, in one run, every number a ratio.
 
 Run in vLLM's environment (``make install-vllm``)::
 
     OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind .venv-vllm/bin/python benchmarks/serve_vllm.py \\
-        --out runs/serve-vllm [--tokens 5000] [--dtype bfloat16] [--requests 24]
+        --out runs/serve-vllm [--documents 24,64] [--sweep 1,2,4,8,16] [--dtype bfloat16]
 
-One logbook (``kvfold demo``'s facts, ``--tokens`` long) is compressed once with the recommended
-pipeline under each ``--memory`` budget (``kvzip+am_fit``: 4 bits at 1/16 and 1/32) and saved. Then,
-in one process:
+The files are made first (``benchmarks/serve_files.py``: the recommended pipeline under ``--memory`` 1/16
+and 1/32, its compression time reported apart), or reused from ``--out``. Every request then generates
+``--max-tokens`` tokens (``ignore_eos``, so that every engine generates the same number); answers are
+compared up to the first end-of-sequence token. The KV space is two full contexts of ``--tokens`` tokens
+unless said otherwise. Four engines, one after another, in this process:
 
-* **kvfold's engine** (``kvfold.integrations.vllm.engine_settings``, prefix caching off so that every
-  request holds its own blocks) in a KV space of exactly ``--fit-full`` full contexts in ``--dtype``
-  (``num_gpu_blocks_override``) serves, for each file, ``--requests`` requests at once (the logbook's
-  questions in turn), then one alone for the time to the first token; every answer is checked against
-  ``kvfold ask`` on the same file, in the same dtype. Then ``--plain`` plain requests (no file) at once.
-* **stock vLLM's Llama** (no plugin, no connector), in the same KV space, serves the same plain
-  requests, and then kvfold's engine once more: the median tokens/s of each engine's ``--rounds``
-  rounds, the plugin's against stock's, and whether their tokens are the same.
+1. **kvfold's engine** (the plugin, prefix caching on, salted per file):
+   * *overhead*: ``--needles`` requests on 1/16 files of ``--needle-tokens``-token needle contexts
+     against as many plain requests with 60-token prompts, in ``--rounds`` alternating rounds (medians);
+   * *the logbook*: 24 requests on its 1/16 file (its five questions in turn), after one to warm;
+   * *documents*: N distinct documents, one question each, all sent at once, from their 1/16 files and
+     from their 1/32 files, for each N of ``--documents`` and ``--sweep`` (1/16 only);
+   * *plain*: ``--plain`` plain requests, in rounds.
+2. **stock vLLM** (its own Llama, no plugin, no connector), the same KV space: the logbook's 24 questions
+   on the full logbook as plain prompts (prefix cache on, after one to warm: the logbook is computed
+   once); the documents from their text (prefill and decode); the plain rounds.
+3. **stock vLLM with room for all** (a KV space of every document's full context): the documents from
+   their text, all at once: what a request on a file saves in time, not only in bytes.
+4. **kvfold's engine** again: the plain rounds (each engine's median over its rounds, so that an
+   engine's place in the run weighs less).
 
-It writes ``results.json``, ``results.md`` (tables) and ``serving.png`` under ``--out``.
+Per run it reports: the time until all answers are in, generated tokens per second over that time,
+decode tokens per second (tokens after each request's first, over the time any request was decoding),
+the median and 90th percentile time to first token (from arrival), the most requests running at once,
+preemptions, KV blocks a request held, answers equal to ``kvfold ask``'s (files) and needles found.
+
+It writes ``results.json``, ``results.md`` (tables, the issue's ratios) and ``serving.png`` (tokens/s
+against requests at once, kvfold against stock; time until all answers are in) under ``--out``.
 """
 
 from __future__ import annotations
@@ -28,12 +42,18 @@ import gc
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
-MEMORY = (1 / 16, 1 / 32)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_files import make_files  # noqa: E402 - the benchmarks folder is not a package
+
+PLAIN_PROMPT = "Write one sentence about the number {}, and say why it matters in a story about the sea: {}."
 
 
+# ------------------------------------------------------------------------------------------ measuring
 def _max_overlap(spans: list[tuple[float, float]]) -> int:
     events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     best = running = 0
@@ -43,65 +63,52 @@ def _max_overlap(spans: list[tuple[float, float]]) -> int:
     return best
 
 
-def _run(llm, prompts, params) -> tuple[dict, list]:
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def _until_eos(ids: list[int], eos: int | None) -> list[int]:
+    return ids[: ids.index(eos)] if eos is not None and eos in ids else ids
+
+
+def run(llm, prompts: list, params: list) -> tuple[dict, list]:
+    """Send every prompt at once; what the run measured, and the outputs."""
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    spans = [(o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outputs if o.metrics is not None]
-    ttft = sorted(o.metrics.first_token_ts - o.metrics.scheduled_ts for o in outputs if o.metrics is not None)
+    metrics = [o.metrics for o in outputs if o.metrics is not None]
+    tokens = [len(o.outputs[0].token_ids) for o in outputs]
+    ttft = sorted(m.first_token_latency for m in metrics)
+    decoding = [(m.first_token_ts, m.last_token_ts) for m in metrics if m.last_token_ts > m.first_token_ts]
+    decode_seconds = _union(decoding)
     summary = {
         "requests": len(outputs),
         "seconds": wall,
-        "tokens_per_second": tokens / wall,
-        "max_running_at_once": _max_overlap(spans) if spans else None,
-        "preemptions": sum(o.metrics.num_preemptions for o in outputs if o.metrics is not None),
+        "tokens": sum(tokens),
+        "tokens_per_second": sum(tokens) / wall,
+        "decode_tokens_per_second": (sum(tokens) - len(outputs)) / decode_seconds if decode_seconds else None,
         "first_token_seconds_median": ttft[len(ttft) // 2] if ttft else None,
+        "first_token_seconds_p90": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
+        "max_running_at_once": _max_overlap([(m.scheduled_ts, m.last_token_ts) for m in metrics]) if metrics else None,
+        "preemptions": sum(m.num_preemptions for m in metrics),
         "blocks_per_request": sorted({(o.kv_transfer_params or {}).get("kvfold_blocks") for o in outputs} - {None}),
     }
     return summary, outputs
 
 
-def _files(args, caches: Path) -> dict:
-    """The logbook compressed under each memory budget, saved; kvfold ask's answers from each file in
-    ``--dtype`` (token ids), and the full prompt's ids."""
-    import torch
-
-    import kvfold
-    from kvfold.evaluate.data.logbook import FACTS, build_logbook
-    from kvfold.runtime.prompts import build_prompt, encode
-
-    torch.set_num_threads(1)
-    model, tokenizer = kvfold.load_model()
-    text = build_logbook(tokenizer, args.tokens)
-    context = kvfold.prefill(model, tokenizer, text, methods=[args.method])
-    made = {"context_tokens": context.context_tokens, "files": {}}
-    for memory in MEMORY:
-        name = f"mem{round(1 / memory)}"
-        small = context.compress(args.method, memory=memory)
-        kvfold.save_context(small, caches / f"{name}.kvc", source_text=text)
-        made["files"][name] = {"memory": memory, "compress_seconds": small.compress_seconds}
-    served, _ = kvfold.load_model(dtype=args.dtype)
-    for name in made["files"]:
-        loaded = kvfold.load_context(caches / f"{name}.kvc", served, tokenizer, dtype=args.dtype)
-        made["files"][name]["answers"] = {
-            q: loaded.generate(q, max_new_tokens=args.max_tokens)[0].token_ids for _, q, _ in FACTS
-        }
-    made["questions"] = [q for _, q, _ in FACTS]
-    parts = build_prompt(tokenizer, text, FACTS[0][1])
-    made["full_prompt_tokens"] = len(encode(tokenizer, parts.context, special=True)) + len(
-        encode(tokenizer, parts.suffix, special=False)
-    )
-    return made
-
-
-def _engine(args, blocks: int, *, plugin: bool, caches: Path):
+def _engine(args, blocks: int, *, plugin: bool, caches: Path, max_seqs: int):
     from vllm import LLM
 
     from kvfold.integrations.vllm.settings import BLOCK_SIZE, engine_settings
     from kvfold.runtime.models import resolve_spec
 
-    settings = engine_settings(str(caches), prefix_caching=False, dtype=args.dtype)
+    settings = engine_settings(str(caches), dtype=args.dtype)
     if not plugin:  # stock vLLM: its own Llama, no connector
         settings = {k: v for k, v in settings.items() if k not in ("hf_overrides", "kv_transfer_config")}
     return LLM(
@@ -109,137 +116,356 @@ def _engine(args, blocks: int, *, plugin: bool, caches: Path):
         max_model_len=min(8192, math.ceil((args.tokens + 512) / BLOCK_SIZE) * BLOCK_SIZE),
         enforce_eager=True,
         num_gpu_blocks_override=blocks,
-        max_num_seqs=max(args.requests, args.plain, 2),
+        max_num_seqs=max_seqs,
         disable_log_stats=False,  # per-request timestamps (scheduled, first and last token)
         **settings,
     )
 
 
+# ------------------------------------------------------------------------------------------ requests
+class Requests:
+    """Prompts and parameters for every kind of request of the run."""
+
+    def __init__(self, args, made: dict, caches: Path) -> None:
+        from vllm import SamplingParams
+
+        from kvfold.integrations.vllm.requests import CacheCatalog
+
+        self.args, self.made = args, made
+        self.catalog = CacheCatalog(caches, "smollm2-135m", args.dtype)
+        self.eos = made.get("eos_token_id")
+        self.SamplingParams = SamplingParams
+
+    def params(self, extra: dict | None = None):
+        extra_args = {"kv_transfer_params": extra} if extra else None
+        return self.SamplingParams(
+            temperature=0, max_tokens=self.args.max_tokens, ignore_eos=True, extra_args=extra_args
+        )
+
+    def on_file(self, name: str, question_index: int = 0) -> tuple[dict, object, list[int]]:
+        """A request on file ``name``: prompt, parameters and ``kvfold ask``'s answer."""
+        info = self.made["files"][name]
+        question, prefix = info["questions"][question_index]
+        prepared = self.catalog.prepare(name, question, answer_prefix=prefix, max_tokens=self.args.max_tokens)
+        prompt = {"prompt_token_ids": prepared.prompt_token_ids, "cache_salt": prepared.cache_salt}
+        return prompt, self.params(prepared.kv_transfer_params), info["kvfold_ask"][question_index]
+
+    def plain(self, ids: list[int]) -> tuple[dict, object]:
+        return {"prompt_token_ids": ids}, self.params()
+
+    def short(self, count: int) -> tuple[list, list]:
+        """``count`` plain requests with prompts of about 60 tokens."""
+        words = ["salt", "wind", "harbour", "rope", "lantern", "gull", "tide", "keel", "anchor", "compass"]
+        prompts = [{"prompt": PLAIN_PROMPT.format(i, " ".join(words * 3 + words[:5]))} for i in range(count)]
+        return prompts, [self.params() for _ in prompts]
+
+    def same_as_ask(self, outputs: list, expected: list[list[int]]) -> int:
+        return sum(
+            _until_eos(list(o.outputs[0].token_ids), self.eos) == _until_eos(list(e), self.eos)
+            for o, e in zip(outputs, expected, strict=True)
+        )
+
+    def needles_found(self, outputs: list, documents: list[dict]) -> int:
+        tokenizer = self.catalog.tokenizer
+        found = 0
+        for output, doc in zip(outputs, documents, strict=True):
+            text = tokenizer.decode(_until_eos(list(output.outputs[0].token_ids), self.eos), skip_special_tokens=True)
+            found += all(needle in text for needle in doc["needles"])
+        return found
+
+
+def _on_files(req: Requests, names: list[str]) -> tuple[dict, list]:
+    prompts, params, expected = zip(*(req.on_file(n) for n in names), strict=True)
+    summary, outputs = run(req.llm, list(prompts), list(params))
+    summary["answers_as_kvfold_ask"] = req.same_as_ask(outputs, list(expected))
+    return summary, outputs
+
+
+def _documents_from_files(req: Requests, count: int, budget: str) -> dict:
+    summary, outputs = _on_files(req, [f"doc{i}-{budget}" for i in range(count)])
+    summary["needles_found"] = req.needles_found(outputs, req.made["documents"][:count])
+    return summary
+
+
+def _documents_from_text(req: Requests, count: int) -> dict:
+    docs = req.made["documents"][:count]
+    prompts, params = zip(*(req.plain(d["prompt_ids"]) for d in docs), strict=True)
+    summary, outputs = run(req.llm, list(prompts), list(params))
+    summary["needles_found"] = req.needles_found(outputs, docs)
+    return summary
+
+
+def _rounds(req: Requests, results: dict, key: str) -> None:
+    prompts, params = req.short(req.args.plain)
+    run(req.llm, prompts[:2], params[:2])  # warm
+    for _ in range(req.args.rounds):
+        summary, outputs = run(req.llm, prompts, params)
+        results.setdefault(key, []).append(summary)
+        results.setdefault(f"{key}_tokens", [list(o.outputs[0].token_ids) for o in outputs])
+
+
+# ------------------------------------------------------------------------------------------ the run
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tokens", type=int, default=5000, help="the logbook's length in tokens")
+    parser.add_argument("--tokens", type=int, default=5000, help="the logbook's and each document's length in tokens")
+    parser.add_argument("--needle-tokens", type=int, default=1792, help="the needle contexts' length (overhead)")
+    parser.add_argument("--needles", type=int, default=6, help="requests on needle files in the overhead runs")
+    parser.add_argument("--documents", default="24,64", help="counts of distinct documents sent at once")
+    parser.add_argument("--sweep", default="1,2,4,8,16", help="more counts of documents (1/16 files and text)")
     parser.add_argument("--method", default="kvzip+am_fit")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--fit-full", type=int, default=2, help="the KV space holds this many full contexts")
-    parser.add_argument("--requests", type=int, default=24, help="requests on each file, sent at once")
-    parser.add_argument("--plain", type=int, default=16, help="plain requests (no file), sent at once")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the plain requests per engine")
-    parser.add_argument("--reuse", action="store_true", help="reuse the files of an earlier run in --out")
+    parser.add_argument("--plain", type=int, default=16, help="plain requests (no file) in the plain rounds")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only-files", action="store_true", help="make the files, then stop")
     args = parser.parse_args()
-    caches = args.out / "caches"
-    caches.mkdir(parents=True, exist_ok=True)
-    made_file = args.out / "files.json"
-    if args.reuse and made_file.is_file():
-        made = json.loads(made_file.read_text())
-    else:
-        made = _files(args, caches)
-        made_file.write_text(json.dumps(made))
-
+    counts = sorted({int(n) for n in args.documents.split(",")})
+    sweep = sorted({int(n) for n in args.sweep.split(",") if n} - set(counts))
+    args.documents = max(counts + sweep)
+    args.out.mkdir(parents=True, exist_ok=True)
+    made = make_files(args.out, args)
+    if args.only_files:
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the block count is set below
-    from vllm import SamplingParams
-
-    from kvfold.integrations.vllm.requests import CacheCatalog
     from kvfold.integrations.vllm.settings import BLOCK_SIZE
 
-    full_blocks = math.ceil((made["context_tokens"] + args.max_tokens) / BLOCK_SIZE)
+    caches = args.out / "caches"
+    doc_tokens = max(len(d["prompt_ids"]) for d in made["documents"])
+    full_blocks = math.ceil((doc_tokens + args.max_tokens) / BLOCK_SIZE)
     blocks = args.fit_full * full_blocks
-    catalog = CacheCatalog(caches, "smollm2-135m", args.dtype)
-    results = {
-        "settings": {**vars(args), "out": str(args.out), "block_size": BLOCK_SIZE, "kv_blocks": blocks},
-        "context_tokens": made["context_tokens"],
+    roomy = (max(counts) + 1) * full_blocks
+    most = max(counts + [24, args.needles, args.plain])
+    results: dict = {
+        "settings": {
+            **vars(args),
+            "out": str(args.out),
+            "counts": counts,
+            "sweep": sweep,
+            "block_size": BLOCK_SIZE,
+            "kv_blocks": blocks,
+            "roomy_kv_blocks": roomy,
+        },  # fmt: skip
+        "document_tokens": doc_tokens,
         "full_context_blocks": full_blocks,
-        "files": {},
+        "compression": _compression(made),
     }
-    llm = _engine(args, blocks, plugin=True, caches=caches)
-    questions = made["questions"]
-    for name, info in made["files"].items():
-        prepared = [catalog.prepare(name, q, max_tokens=args.max_tokens) for q in questions]
-        prompts = [{"prompt_token_ids": p.prompt_token_ids, "cache_salt": p.cache_salt} for p in prepared]
-        params = [
-            SamplingParams(
-                temperature=0, max_tokens=args.max_tokens, extra_args={"kv_transfer_params": p.kv_transfer_params}
-            )
-            for p in prepared
-        ]
-        _run(llm, prompts[:1], params[:1])  # warm
-        order = [i % len(questions) for i in range(args.requests)]
-        summary, outputs = _run(llm, [prompts[i] for i in order], [params[i] for i in order])
-        expected = [catalog.tokenizer.decode(info["answers"][questions[i]], skip_special_tokens=True) for i in order]
-        served = [o.outputs[0].text for o in outputs]
-        summary["answers_as_kvfold_ask"] = sum(a.strip() == e.strip() for a, e in zip(served, expected, strict=True))
-        summary["answers"] = [{"served": a, "kvfold_ask": e} for a, e in zip(served[:5], expected[:5], strict=True)]
-        one = SamplingParams(
-            temperature=0, max_tokens=1, extra_args={"kv_transfer_params": prepared[0].kv_transfer_params}
-        )
-        summary["first_token_alone_seconds"] = _run(llm, prompts[:1], [one])[0]["seconds"]
-        params_out = outputs[0].kv_transfer_params or {}
-        summary["file_blocks"] = params_out.get("kvfold_slots", 0) // BLOCK_SIZE
-        summary["block_bytes"] = params_out.get("kvfold_block_bytes")
-        summary["fit_in_kv_space"] = blocks // max(summary["blocks_per_request"] or [1])
-        results["files"][name] = {**{k: v for k, v in info.items() if k != "answers"}, **summary}
-    # Plain requests: kvfold's engine, stock vLLM's Llama, kvfold's engine again (the median of every
-    # round of each, so that an engine's place in the run, or a busy moment, weighs less).
-    plain_prompts = [{"prompt": f"Write one sentence about the number {i}."} for i in range(args.plain)]
-    plain_params = SamplingParams(temperature=0, max_tokens=4 * args.max_tokens, ignore_eos=True)
-    rounds: dict[str, list[dict]] = {"plugin": [], "stock": []}
-    answers: dict[str, list] = {}
-    engines = [llm, None, None]
-    del llm
-    for index, kind in enumerate(("plugin", "stock", "plugin")):
-        engine = engines[index] or _engine(args, blocks, plugin=kind == "plugin", caches=caches)
-        engines[index] = None
-        _run(engine, plain_prompts[:2], plain_params)  # warm
-        for _ in range(args.rounds):
-            summary, outputs = _run(engine, plain_prompts, plain_params)
-            rounds[kind].append(summary)
-            answers[kind] = [list(o.outputs[0].token_ids) for o in outputs]
-        del engine
-        gc.collect()
-    for kind, runs in rounds.items():
-        speeds = sorted(r["tokens_per_second"] for r in runs)
-        results[f"plain_{kind}"] = {**runs[0], "tokens_per_second": speeds[len(speeds) // 2], "rounds": speeds}
-    results["plain_same_answers"] = sum(a == b for a, b in zip(answers["plugin"], answers["stock"], strict=True))
-    results["plain_tokens_per_second_ratio"] = (
-        results["plain_plugin"]["tokens_per_second"] / results["plain_stock"]["tokens_per_second"]
-    )
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    req = Requests(args, made, caches)
+
+    print("kvfold's engine", flush=True)
+    req.llm = _engine(args, blocks, plugin=True, caches=caches, max_seqs=most)
+    kv = results["kvfold"] = {}
+    needles = [f"needle{i}-mem16" for i in range(args.needles)]
+    short_prompts, short_params = req.short(args.needles)
+    _on_files(req, needles)  # warm both kinds
+    run(req.llm, short_prompts, short_params)
+    for _ in range(args.rounds):  # the overhead: files and plain requests in alternating rounds
+        kv.setdefault("overhead_files", []).append(_on_files(req, needles)[0])
+        kv.setdefault("overhead_plain", []).append(run(req.llm, short_prompts, short_params)[0])
+    logbook = [req.on_file("logbook-mem16", i % 5) for i in range(25)]
+    run(req.llm, [logbook[0][0]], [logbook[0][1]])  # warm: the file's blocks, as the prefix cache keeps them
+    prompts, params, expected = zip(*logbook[1:], strict=True)
+    kv["logbook"], outputs = run(req.llm, list(prompts), list(params))
+    kv["logbook"]["answers_as_kvfold_ask"] = req.same_as_ask(outputs, list(expected))
+    for count in counts:
+        for budget in ("mem16", "mem32"):
+            print(f"  {count} documents from their {budget} files", flush=True)
+            kv[f"documents_{count}_{budget}"] = _documents_from_files(req, count, budget)
+    for count in sweep:
+        kv[f"documents_{count}_mem16"] = _documents_from_files(req, count, "mem16")
+    _rounds(req, kv, "plain")
+    del req.llm
+    gc.collect()
+
+    print("stock vLLM", flush=True)
+    req.llm = _engine(args, blocks, plugin=False, caches=caches, max_seqs=most)
+    st = results["stock"] = {}
+    full = [req.plain(made["logbook_prompt_ids"][i % 5]) for i in range(25)]
+    run(req.llm, [full[0][0]], [full[0][1]])  # warm: the logbook computed once, kept by the prefix cache
+    prompts, params = zip(*full[1:], strict=True)
+    st["logbook"] = run(req.llm, list(prompts), list(params))[0]
+    for count in counts + sweep:
+        print(f"  {count} documents from their text", flush=True)
+        st[f"documents_{count}"] = _documents_from_text(req, count)
+    _rounds(req, st, "plain")
+    del req.llm
+    gc.collect()
+
+    print("stock vLLM with room for every document", flush=True)
+    req.llm = _engine(args, roomy, plugin=False, caches=caches, max_seqs=most)
+    roomy_results = results["stock_roomy"] = {}
+    for count in counts:
+        print(f"  {count} documents from their text", flush=True)
+        roomy_results[f"documents_{count}"] = _documents_from_text(req, count)
+    del req.llm
+    gc.collect()
+
+    print("kvfold's engine, again", flush=True)
+    req.llm = _engine(args, blocks, plugin=True, caches=caches, max_seqs=most)
+    _rounds(req, kv, "plain_again")
+    del req.llm
+    gc.collect()
+
+    results["ratios"] = _ratios(results)
+    (args.out / "results.json").write_text(json.dumps(_without_tokens(results), indent=2))
+    (args.out / "plain_tokens.json").write_text(json.dumps(_plain_tokens(results)))
     (args.out / "results.md").write_text(_table(results))
     _plot(results, args.out / "serving.png")
     print(_table(results))
 
 
+def _compression(made: dict) -> dict:
+    """Seconds the files took to make (prefill, and compression apart), medians per workload and budget."""
+    out: dict = {}
+    for name, info in made["files"].items():
+        kind = "".join(c for c in name.split("-")[0] if not c.isdigit()) + "-" + name.split("-")[1]
+        out.setdefault(kind, {"prefill": [], "compress": [], "context_tokens": []})
+        out[kind]["prefill"].append(info["prefill_seconds"])
+        out[kind]["compress"].append(info["compress_seconds"])
+        out[kind]["context_tokens"].append(info["context_tokens"])
+    return {
+        kind: {
+            "files": len(v["compress"]),
+            "context_tokens_median": sorted(v["context_tokens"])[len(v["context_tokens"]) // 2],
+            "prefill_seconds_median": sorted(v["prefill"])[len(v["prefill"]) // 2],
+            "compress_seconds_median": sorted(v["compress"])[len(v["compress"]) // 2],
+            "compress_seconds_total": sum(v["compress"]),
+        }
+        for kind, v in out.items()
+    }
+
+
+def _median(runs: list[dict], key: str) -> float:
+    values = sorted(r[key] for r in runs)
+    return values[len(values) // 2]
+
+
+def _ratios(r: dict) -> dict:
+    kv, st, roomy = r["kvfold"], r["stock"], r["stock_roomy"]
+    out = {
+        "overhead_tokens_per_second": _median(kv["overhead_files"], "tokens_per_second")
+        / _median(kv["overhead_plain"], "tokens_per_second"),
+        "logbook_tokens_per_second": kv["logbook"]["tokens_per_second"] / st["logbook"]["tokens_per_second"],
+        "logbook_decode_tokens_per_second": kv["logbook"]["decode_tokens_per_second"]
+        / st["logbook"]["decode_tokens_per_second"],
+        "plain_tokens_per_second": _median(kv["plain"] + kv["plain_again"], "tokens_per_second")
+        / _median(st["plain"], "tokens_per_second"),
+        "plain_same_tokens": sum(a == b for a, b in zip(kv["plain_tokens"], st["plain_tokens"], strict=True)),
+        "plain_again_same_tokens": sum(
+            a == b for a, b in zip(kv["plain_again_tokens"], st["plain_tokens"], strict=True)
+        ),
+    }
+    for count in r["settings"]["counts"]:
+        for budget in ("mem16", "mem32"):
+            files = kv[f"documents_{count}_{budget}"]
+            for name, text in (("stock", st[f"documents_{count}"]), ("roomy", roomy[f"documents_{count}"])):
+                key = f"documents_{count}_{budget}_vs_{name}"
+                out[f"{key}_sooner"] = text["seconds"] / files["seconds"]
+                out[f"{key}_tokens_per_second"] = files["tokens_per_second"] / text["tokens_per_second"]
+                out[f"{key}_decode_tokens_per_second"] = (
+                    files["decode_tokens_per_second"] / text["decode_tokens_per_second"]
+                )
+    return out
+
+
+def _plain_tokens(r: dict) -> dict:
+    """The plain requests' greedy tokens of each engine (the first round), to compare by eye."""
+    return {name: {k: v for k, v in part.items() if k.endswith("_tokens")} for name, part in r.items()
+            if name in ("kvfold", "stock")}  # fmt: skip
+
+
+def _without_tokens(r: dict) -> dict:
+    return {k: (_without_tokens(v) if isinstance(v, dict) else v) for k, v in r.items() if not k.endswith("_tokens")}
+
+
+# ------------------------------------------------------------------------------------------ reporting
+def _row(label: str, s: dict, extra: str = "") -> str:
+    blocks = ", ".join(map(str, s["blocks_per_request"])) or "—"
+    return (
+        f"| {label} | {s['requests']} | {s['seconds']:.1f} | {s['tokens_per_second']:.1f} | "
+        f"{s['decode_tokens_per_second']:.1f} | {s['first_token_seconds_median']:.2f} / "
+        f"{s['first_token_seconds_p90']:.2f} | {s['max_running_at_once']} | {s['preemptions']} | {blocks} | {extra} |"
+    )
+
+
+HEADER = [
+    "| run | requests | until all answers (s) | tokens / s | decode tokens / s | first token (s), median / p90 | "
+    "most at once | preemptions | blocks a request held (file) | answers |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+]
+
+
 def _table(r: dict) -> str:
-    s = r["settings"]
-    rows = [
-        f"KV space: {s['kv_blocks']} blocks of {s['block_size']} tokens ({s['fit_full']} full contexts of "
-        f"{r['context_tokens']} tokens, {s['dtype']}).",
+    s, kv, st, roomy, q = r["settings"], r["kvfold"], r["stock"], r["stock_roomy"], r["ratios"]
+    lines = [
+        f"vLLM CPU ({s['dtype']}), SmolLM2-135M, `{s['method']}` files; KV space {s['kv_blocks']} blocks of "
+        f"{s['block_size']} tokens (two full contexts of {r['document_tokens']} tokens); {s['max_tokens']} tokens a "
+        "request (`ignore_eos`). Every number below comes from one run.",
         "",
-        "| file | blocks for the file | blocks a request holds | fit in the KV space | ran at once (measured) | "
-        "preemptions | answers as kvfold ask | tokens / s | first token alone (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "**Ratios** (kvfold ÷ the comparison):",
+        "",
+        "| comparison | ratio |",
+        "|---|---:|",
+        f"| overhead: {s['needles']} requests on 1/16 needle files ÷ {s['needles']} plain requests (tokens/s, "
+        f"medians of {s['rounds']} rounds) | {q['overhead_tokens_per_second']:.2f} |",
+        f"| the logbook: 24 requests on its 1/16 file ÷ the same 24 questions on the full logbook, stock, prefix "
+        f"cache on (tokens/s; decode tokens/s) | {q['logbook_tokens_per_second']:.2f}; "
+        f"{q['logbook_decode_tokens_per_second']:.2f} |",
     ]
-    for f in r["files"].values():
-        rows.append(
-            f"| `{s['method']}`, `--memory 1/{round(1 / f['memory'])}` | {f['file_blocks']} | "
-            f"{', '.join(map(str, f['blocks_per_request']))} | {f['fit_in_kv_space']} | {f['max_running_at_once']} | "
-            f"{f['preemptions']} | {f['answers_as_kvfold_ask']} of {f['requests']} | {f['tokens_per_second']:.1f} | "
-            f"{f['first_token_alone_seconds']:.2f} |"
+    for count in s["counts"]:
+        for budget in ("mem16", "mem32"):
+            for name, label in (("stock", "stock, two full contexts"), ("roomy", "stock, room for all")):
+                key = f"documents_{count}_{budget}_vs_{name}"
+                lines.append(
+                    f"| {count} documents from 1/{budget[3:]} files ÷ from their text ({label}): all answers in "
+                    f"sooner; tokens/s; decode tokens/s | {q[key + '_sooner']:.2f}×; "
+                    f"{q[key + '_tokens_per_second']:.2f}; {q[key + '_decode_tokens_per_second']:.2f} |"
+                )
+    lines += [
+        f"| plain requests, kvfold's engine ÷ stock (tokens/s, medians; same tokens as stock: "
+        f"{q['plain_same_tokens']} of {s['plain']} after the files, {q['plain_again_same_tokens']} on a fresh "
+        f"engine) | {q['plain_tokens_per_second']:.3f} |",
+        "",
+        "**Runs**:",
+        "",
+        *HEADER,
+    ]
+    for i, run_ in enumerate(kv["overhead_files"]):
+        lines.append(_row(f"kvfold: 1/16 needle files, round {i + 1}", run_,
+                          f"{run_['answers_as_kvfold_ask']} as `kvfold ask`"))  # fmt: skip
+    for i, run_ in enumerate(kv["overhead_plain"]):
+        lines.append(_row(f"kvfold's engine: plain, 60-token prompts, round {i + 1}", run_))
+    lines.append(_row("kvfold: the logbook's 1/16 file", kv["logbook"],
+                      f"{kv['logbook']['answers_as_kvfold_ask']} as `kvfold ask`"))  # fmt: skip
+    lines.append(_row("stock: the full logbook, prefix cached", st["logbook"]))
+    for count in s["counts"] + s["sweep"]:
+        for budget in ("mem16", "mem32"):
+            key = f"documents_{count}_{budget}"
+            if key in kv:
+                run_ = kv[key]
+                said = f"{run_['answers_as_kvfold_ask']} as `kvfold ask`; {run_['needles_found']} needles"
+                lines.append(_row(f"kvfold: {count} documents, 1/{budget[3:]} files", run_, said))
+        lines.append(_row(f"stock: {count} documents from text", st[f"documents_{count}"],
+                          f"{st[f'documents_{count}']['needles_found']} needles"))  # fmt: skip
+        if f"documents_{count}" in roomy:
+            run_ = roomy[f"documents_{count}"]
+            lines.append(_row(f"stock, room for all: {count} documents from text", run_,
+                              f"{run_['needles_found']} needles"))  # fmt: skip
+    for key, label in (("plain", "kvfold's engine"), ("plain_again", "kvfold's engine, again")):
+        for i, run_ in enumerate(kv[key]):
+            lines.append(_row(f"{label}: {s['plain']} plain, round {i + 1}", run_))
+    for i, run_ in enumerate(st["plain"]):
+        lines.append(_row(f"stock: {s['plain']} plain, round {i + 1}", run_))
+    lines += ["", "**Making the files** (medians; compression apart from the prefill):", "",
+              "| files | count | context tokens | prefill (s) | compression (s) | compression, all files (s) |",
+              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for kind, c in r["compression"].items():
+        lines.append(
+            f"| {kind} | {c['files']} | {c['context_tokens_median']} | {c['prefill_seconds_median']:.2f} | "
+            f"{c['compress_seconds_median']:.2f} | {c['compress_seconds_total']:.0f} |"
         )
-    full = r["full_context_blocks"]
-    rows.append(f"| full context (prefilled) | {full} | {full} | {s['fit_full']} | | | | | |")
-    p, q = r["plain_plugin"], r["plain_stock"]
-    rows += [
-        "",
-        "| plain requests (no file) | tokens / s (median) | rounds | same tokens as stock |",
-        "|---|---:|---|---:|",
-        f"| kvfold's engine | {p['tokens_per_second']:.1f} | {', '.join(f'{x:.0f}' for x in p['rounds'])} | "
-        f"{r['plain_same_answers']} of {p['requests']} |",
-        f"| stock vLLM Llama | {q['tokens_per_second']:.1f} | {', '.join(f'{x:.0f}' for x in q['rounds'])} | |",
-        f"| ratio | {r['plain_tokens_per_second_ratio']:.3f} | | |",
-    ]
-    return "\n".join(rows) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _plot(r: dict, path: Path) -> None:
@@ -248,20 +474,35 @@ def _plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(r["files"])
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
-    labels = [f"1/{round(1 / r['files'][n]['memory'])}" for n in names] + ["full"]
-    where = list(range(len(labels)))
-    fit = [r["files"][n]["fit_in_kv_space"] for n in names] + [r["settings"]["fit_full"]]
-    ran = [r["files"][n]["max_running_at_once"] for n in names] + [0]
-    axes[0].bar([x - 0.2 for x in where], fit, width=0.4, color="tab:gray", label="fit in the KV space")
-    axes[0].bar([x + 0.2 for x in where], ran, width=0.4, color="tab:green", label="ran at once (all sent)")
-    axes[0].set_xticks(where, labels)
-    axes[0].legend(fontsize=8)
-    axes[0].set_title("requests in the same KV space", fontsize=10)
-    axes[1].bar(labels[:-1], [r["files"][n]["tokens_per_second"] for n in names], color="tab:green")
-    axes[1].set_title("generated tokens / s", fontsize=10)
-    fig.suptitle(f"vLLM CPU ({r['settings']['dtype']}), {r['context_tokens']}-token logbook, {r['settings']['method']}")
+    s, kv, st, roomy = r["settings"], r["kvfold"], r["stock"], r["stock_roomy"]
+    counts = sorted(s["counts"] + s["sweep"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    series = [
+        ("kvfold, 1/16 files", [kv.get(f"documents_{n}_mem16") for n in counts], "tab:green"),
+        ("kvfold, 1/32 files", [kv.get(f"documents_{n}_mem32") for n in counts], "tab:olive"),
+        ("stock, from text (two full contexts)", [st.get(f"documents_{n}") for n in counts], "tab:gray"),
+        ("stock, from text (room for all)", [roomy.get(f"documents_{n}") for n in counts], "tab:blue"),
+    ]
+    for label, runs, color in series:
+        points = [(x["max_running_at_once"], x["tokens_per_second"]) for x in runs if x]
+        if points:
+            axes[0].plot(*zip(*points, strict=True), marker="o", label=label, color=color)
+    axes[0].set_xlabel("requests running at once (measured)")
+    axes[0].set_ylabel("generated tokens / s")
+    axes[0].set_xscale("log", base=2)
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("throughput: distinct ~5K-token documents", fontsize=10)
+    width = 0.2
+    for k, (label, runs, color) in enumerate(series):
+        points = [(i + (k - 1.5) * width, x["seconds"]) for i, x in enumerate(runs) if x]
+        if points:
+            axes[1].bar(*zip(*points, strict=True), width=width, color=color, label=label)
+    axes[1].set_xticks(range(len(counts)), [str(n) for n in counts])
+    axes[1].set_xlabel("documents sent at once")
+    axes[1].set_ylabel("seconds until all answers are in")
+    axes[1].set_yscale("log")
+    axes[1].set_title("time to all answers", fontsize=10)
+    fig.suptitle(f"vLLM CPU ({s['dtype']}), SmolLM2-135M, {s['method']} files, the same KV space", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -235,3 +235,43 @@ def test_a_ragged_layer_attends_through_its_stored_part_and_equals_float64(monke
                 rows[i][j] = tuple(torch.cat(pair) for pair in grown)
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6, msg=f"step {step}")
     assert len(calls) == 3 and isinstance(layer.stored, FloatRows) and layer.stored.width == 24
+
+
+@pytest.mark.parametrize("kv_format", [None, "int4", "int4[outliers=1]", "int3", "fp8", "int4[value_group=8]"])
+def test_a_decode_step_over_stored_rows_reads_nothing_back_to_the_host(kv_format, monkeypatch):
+    """Rows of very different lengths (stored ragged, at full precision or quantized and read by the
+    PyTorch path, what a GPU runs): after the first read, which builds each storage's page index, a
+    whole decode step through the model makes no host-reading call in kvfold's code (on CUDA, no
+    synchronisation), and its logits equal the step's on a copy of the same cache read densely."""
+    from kvfold.runtime import quantized_attention
+    from kvfold.runtime.host_syncs import HostSyncCounter
+    from kvfold.runtime.quantize import QuantConfig
+
+    monkeypatch.setattr(quantized_attention, "native_applies", lambda *a: False)  # the GPU's path, here
+    model = kvfold.enable(make_tiny_model("llama", num_key_value_heads=3, num_attention_heads=6))
+    prefilled = kvfold.prefill(
+        model, _CharTokenizer(), "the quick brown fox jumps over it " * 3, use_chat_template=False
+    )
+    cache = prefilled.cache
+    n = cache.get_seq_length()
+    for i, layer in cache.folded_layers:
+        keys, values, _, _ = layer.padded()
+        lengths = torch.tensor([[n, 3 + i, n // 3]])
+        layer.replace(keys, values, torch.randn(1, 3, n, generator=torch.Generator().manual_seed(i)), lengths)
+        assert isinstance(layer.stored, FloatRows)
+    cache.quantize(QuantConfig.parse(kv_format) if kv_format else None)
+    dense = cache.copy()
+    for _, layer in dense.folded_layers:  # the same entries (dequantized) in the dense tail, β = −inf past a row
+        keys, values, log_mass, _ = layer.padded()
+        layer.stored = None
+        layer._store_dense_padded(keys, values, log_mass)  # noqa: SLF001 - the test builds the dense reference
+    token = torch.tensor([[5]])
+    with torch.no_grad():
+        for step in range(3):
+            position = torch.tensor([[n + step]])
+            with HostSyncCounter() as syncs:
+                got = model(input_ids=token, position_ids=position, past_key_values=cache).logits
+            want = model(input_ids=token, position_ids=position, past_key_values=dense).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            if step:
+                assert not syncs.kvfold, syncs.summary()

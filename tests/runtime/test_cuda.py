@@ -1,9 +1,12 @@
 """The CUDA paths (skipped without a GPU; run on the device machine, docs/benchmarks.md "On a GPU").
 
-Each test runs the same work on the CPU and on CUDA and compares, or bounds what CUDA allocates:
+Each CUDA test runs the same work on the CPU and on CUDA and compares, or bounds what CUDA allocates:
 no compression equals stock transformers there too, the repeat pass takes the masked kernel with a
-blocked log-sum-exp (no ``(H_q, q, N)`` probabilities, issue 33) and the recommended pipeline
-keeps what it keeps on the CPU.
+blocked log-sum-exp (no ``(H_q, q, N)`` probabilities, issue 33) and the recommended pipeline keeps
+what it keeps on the CPU. A compressed cache is compared by what attention reads
+(:mod:`tests.runtime.cache_reads`): exactly for selections, against the CPU's own float32 accuracy
+(float64 as the reference) for Attention Matching's fits, whose β is poorly determined. The float32
+against float64 half of that comparison needs no GPU and runs everywhere.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from kvfold.methods.core import repeat
 from kvfold.runtime import attention
 from kvfold.runtime.budget import Budget
 from tests.conftest import CharTokenizer, make_tiny_model
+from tests.runtime.cache_reads import assert_same_selection, compress, largest_difference, reads
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TEXT = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 6
 
@@ -29,6 +33,7 @@ def _pair(family: str = "llama", **overrides):
     return cpu, gpu
 
 
+@needs_cuda
 def test_no_compression_equals_stock_transformers_on_cuda(tiny_family):
     stock = make_tiny_model(tiny_family).cuda()
     ours = kvfold.enable(make_tiny_model(tiny_family).cuda())
@@ -41,6 +46,7 @@ def test_no_compression_equals_stock_transformers_on_cuda(tiny_family):
     assert pre.cache.nbytes() == pre.cache.full_nbytes()
 
 
+@needs_cuda
 def test_masked_path_with_blocked_log_sum_exp_on_cuda(monkeypatch):
     monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 4096)
     gen = torch.Generator().manual_seed(1)
@@ -54,6 +60,7 @@ def test_masked_path_with_blocked_log_sum_exp_on_cuda(monkeypatch):
     torch.testing.assert_close(lse.cpu(), ref_lse, rtol=0, atol=2e-5)
 
 
+@needs_cuda
 def test_repeat_pass_on_cuda_equals_the_cpu_and_holds_no_probabilities():
     """Scores and queries as on the CPU; the pass allocates less than one layer's ``(H_q, q, N)``
     float32 probabilities would (the path it replaced)."""
@@ -79,36 +86,64 @@ def test_repeat_pass_on_cuda_equals_the_cpu_and_holds_no_probabilities():
         torch.testing.assert_close(runs["cuda"].queries[i].cpu(), runs["cpu"].queries[i], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["kvzip", "kvzip+am_fit", "am_highest_fast", "snapkv"])
+FITTED = ["kvzip+am_fit", "am_highest_fast"]
+"""Methods that fit β and values (Attention Matching) on a selection made before the fit: compared by
+what attention reads (``am_omp`` selects by its fit, so float32 and float64 keep different entries)."""
+SELECTED = ["kvzip", "snapkv"]
+"""Methods that keep entries as they are (β = 0): compared exactly."""
+NOISE = 1e-6
+"""Below this, a difference is float32 rounding of any computation (a floor for the ratios)."""
+WORSE = 4.0
+"""How many times the CPU's own float32 error (against float64) a CUDA fit may be off: different
+kernels round differently; a bug moves what attention reads by the approximation's size instead."""
+
+
+@pytest.mark.parametrize("method", SELECTED)
+def test_a_selection_reads_the_same_in_float32_and_float64(method):
+    """Selections fit nothing: the same entries, β exactly equal (0 kept, −inf empty), and what
+    attention reads equal within float32 rounding."""
+    low, high = reads(*compress(method)), reads(*compress(method, dtype=torch.float64))
+    assert_same_selection(low, high)
+    assert all(torch.equal(a, b) for a, b in zip(low.betas, high.betas, strict=True))
+    assert max(largest_difference(low, high).values()) < 1e-5
+
+
+@pytest.mark.parametrize("method", FITTED)
+def test_a_fit_in_float32_reads_as_in_float64_though_its_beta_moves(method):
+    """Attention Matching's fit in float32 against float64 on the CPU (what CI can run of the CUDA
+    comparison): the same entries kept, next-token logits and each row's attention output within 1e-2,
+    its mass within 0.5 nats (a fit matches the mass on its reference queries, not on the probe's), while
+    β may move by whole units: the normal equations are near-singular, so β is poorly determined in
+    directions attention barely reads. The spread measured here is what the CUDA test allows."""
+    low, high = reads(*compress(method)), reads(*compress(method, dtype=torch.float64))
+    assert_same_selection(low, high, values=False)
+    spread = largest_difference(low, high)
+    assert spread["logits"] < 1e-2 and spread["outputs"] < 1e-2 and spread["masses"] < 0.5, spread
+
+
+@needs_cuda
+@pytest.mark.parametrize("method", SELECTED + FITTED)
 def test_a_compressed_cache_on_cuda_answers_as_on_the_cpu(method):
-    """The same entries, lengths, keys and β as on the CPU, and the same next-token logits after a
-    probe. Attention Matching's fitted values are compared through the logits only: its ridge
-    solve of near-singular normal equations differs between devices in directions the attention
-    barely reads (values up to 0.14 apart on the H200 for logits that agree)."""
-    cpu, gpu = _pair("qwen2")
-    tok = CharTokenizer()
-    outs, probes = {}, {}
-    for name, model in (("cpu", cpu), ("cuda", gpu)):
-        pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
-        outs[name] = compressed = pre.compress(method, 0.25)
-        cache = compressed.cache.copy()
-        n = cache.get_seq_length()
-        ids = torch.tensor([[5, 7, 9]], device=model.device)
-        positions = torch.arange(n, n + 3, device=ids.device)[None]
-        with torch.no_grad():
-            probes[name] = model(input_ids=ids, past_key_values=cache, position_ids=positions).logits
-    assert outs["cuda"].cache.nbytes() == outs["cpu"].cache.nbytes()
-    for (_, a), (_, b) in zip(outs["cpu"].cache.folded_layers, outs["cuda"].cache.folded_layers, strict=True):
-        ka, va, ba, la = a.padded()
-        kb, vb, bb, lb = b.padded()
-        assert torch.equal(lb.cpu(), la)
-        torch.testing.assert_close(kb.cpu(), ka, rtol=1e-3, atol=1e-3)
-        torch.testing.assert_close(bb.cpu(), ba, rtol=1e-3, atol=1e-3)
-        if "am_" not in method:
-            torch.testing.assert_close(vb.cpu(), va, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(probes["cuda"].cpu(), probes["cpu"], rtol=0, atol=1e-2)
+    """The same entries, lengths and keys as on the CPU; then what attention reads, first the next-token
+    logits after a probe, then each row's attention output and mass on the probe's queries. A selection
+    keeps β exactly and reads within float32 rounding. A fit is held to the CPU's own float32 accuracy:
+    its distance to the float64 fit at most :data:`WORSE` times the CPU float32 fit's (β is not compared:
+    on the H200 it moved by up to 1.6 where the CPU's float32 and float64 fits differ by up to 5)."""
+    cpu, gpu = reads(*compress(method)), reads(*compress(method, device="cuda"))
+    fitted = method in FITTED
+    assert_same_selection(cpu, gpu, values=not fitted)
+    if not fitted:
+        assert all(torch.equal(a, b) for a, b in zip(cpu.betas, gpu.betas, strict=True))
+        torch.testing.assert_close(gpu.logits, cpu.logits, rtol=0, atol=1e-4)
+        assert max(largest_difference(cpu, gpu).values()) < 1e-4
+        return
+    exact = reads(*compress(method, dtype=torch.float64))
+    on_cpu, on_cuda = largest_difference(cpu, exact), largest_difference(gpu, exact)
+    for read in ("logits", "outputs", "masses"):  # the logits first: what the model answers
+        assert on_cuda[read] <= WORSE * on_cpu[read] + NOISE, (read, on_cuda, on_cpu)
 
 
+@needs_cuda
 def test_chunked_prefill_on_cuda_equals_one_prefill():
     _, gpu = _pair("llama")
     tok = CharTokenizer()
@@ -121,6 +156,7 @@ def test_chunked_prefill_on_cuda_equals_one_prefill():
         torch.testing.assert_close(b.padded()[1], a.padded()[1], rtol=0, atol=1e-4)
 
 
+@needs_cuda
 def test_bench_peak_reads_the_cuda_allocator():
     from kvfold.evaluate.bench.process import PeakOver
 

@@ -48,7 +48,11 @@ LENGTHS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]"])
+FORMATS = ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]", "fp8", "fp8[outliers=1]",
+           "int4[value_group=8]", "int2[value_group=16,outliers=1]"]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("beta", [True, False], ids=["beta", "no-beta"])
 @pytest.mark.parametrize("shape", sorted(LENGTHS))
 def test_both_paths_equal_a_float64_reference(fmt, beta, shape, monkeypatch):
@@ -151,3 +155,57 @@ def test_a_kernel_is_built_once_into_the_cache_directory(fresh_kernel):
     native.attend_codes_kernel.cache_clear()
     assert native.attend_codes_kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def _per_row_part(queries: torch.Tensor, stored: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The PyTorch path the paged one replaced (up to 2026-11-28), row after row in a Python loop over
+    the rows dequantized (as the padded path read fp8 and value groups): each row's softmax over its
+    own entries."""
+    rows, m, _ = queries.shape
+    top, den = queries.new_full((rows, m), float("-inf")), queries.new_zeros(rows, m)
+    num = queries.new_zeros(rows, m, stored.value_dim)
+    keys, values, _ = stored.to_padded()  # dequantized: the codes times their scales plus zero points
+    beta = torch.zeros(int(stored.lengths.sum())) if stored.log_mass is None else stored.log_mass
+    for row, (first, n, _, _) in enumerate(stored.row_ranges()):
+        if n:
+            logits = queries[row] @ keys[row, :n].T * SCALING + beta[first : first + n]
+            top[row] = logits.amax(-1)
+            weights = (logits - top[row].nan_to_num(neginf=0.0)[:, None]).exp()
+            den[row], num[row] = weights.sum(-1), weights @ values[row, :n]
+    return top, den, num
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_paged_torch_path_equals_the_per_row_path_it_replaced(fmt):
+    """Each part (maximum logit, weights' sum, weighted values) as the per-row loop gives it, on rows
+    shorter and longer than a page, an empty one and one whose every β is −inf."""
+    import kvfold.runtime.quantized_attention as module
+
+    stored, queries, _, _ = _case([70, 0, 33, 1, 64, 5, 32], fmt, True, seed=2, m=4)
+    stored.log_mass[70 + 33] = float("-inf")  # row 3's one entry holds nothing
+    stored.__dict__.pop("pages", None)
+    got = module._stored_part_torch(queries, stored, SCALING)
+    want = _per_row_part(queries, stored)
+    assert got[0][1].eq(float("-inf")).all() and got[0][3].eq(float("-inf")).all()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_paged_torch_path_runs_a_fixed_number_of_operations_and_reads_nothing_back(monkeypatch):
+    """No loop over rows or pages: the products run as often for 2 rows as for 40, and after the
+    page index is built (its page count is the key groups', known without reading) no value of the
+    rows is read back to the host (on a GPU, nothing waits)."""
+    import kvfold.runtime.quantized_attention as module
+    from kvfold.runtime.host_syncs import HostSyncCounter
+
+    calls = []
+    for name in ("bmm", "baddbmm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    for fmt, products in (("int4[outliers=1]", 3), ("int4[value_group=8]", 2)):
+        for count in (2, 40):
+            stored, queries, _, _ = _case([3 + 17 * (i % 5) for i in range(count)], fmt, True)
+            calls.clear()
+            with HostSyncCounter() as syncs:
+                module._stored_part_torch(queries, stored, SCALING)
+            assert len(calls) == products and not syncs.kvfold, syncs.summary()

@@ -86,6 +86,8 @@ def test_the_stored_part_of_full_precision_rows_merged_with_a_tail_equals_float6
     torch.testing.assert_close(out.double(), want, **tol)
     no_rows = FloatRows.from_padded(keys[:0], values[:0], log_mass[:0], lens[:0])
     assert float_part(queries[:0], no_rows, 0.5)[0].numel() == 0
+    top, den, num = float_part(queries, FloatRows.from_padded(keys, values, log_mass, torch.zeros_like(lens)), 0.5)
+    assert top.eq(NEG_INF).all() and den.eq(0).all() and num.eq(0).all()  # rows without entries: nothing
 
 
 def test_float_part_reads_every_row_in_a_fixed_number_of_operations(monkeypatch):

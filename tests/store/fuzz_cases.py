@@ -175,12 +175,56 @@ def mutate(rng: random.Random, good: Path, target: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------ the run
+def attend_pooled(cache: Any, config: Any) -> str:
+    """The loaded file's rows packed as ``kvfold serve`` packs them (:mod:`kvfold.runtime.row_pool`) into an
+    engine's blocks, and every layer attended by the pool kernel (the debug build, in the fuzzer) for a
+    request of three new tokens: ``"pooled"``, or ``"not served"`` when the server refuses the file.
+
+    Raises:
+        RuntimeError: the kernel refused its arguments (an index past a buffer), or an output not finite.
+    """
+    import math
+
+    from kvfold.integrations.vllm.layout import UnservableCacheError
+    from kvfold.integrations.vllm.pool_layout import pool_rows
+    from kvfold.runtime.pool_attention import EngineCaches, PoolStep, StepRequest, pooled_file
+    from kvfold.runtime.row_pool import FloatRows, PoolError, pack_pool
+
+    try:
+        rows = pool_rows(cache)
+        dtype = rows[0].dtype if isinstance(rows[0], FloatRows) else torch.float32
+        kv_heads, dim, block = int(rows[0].lengths.numel()), rows[0].head_dim, 32
+        plan, chunks = pack_pool(rows, kv_heads * block * 2 * dim * torch.empty(0, dtype=dtype).element_size())
+    except (UnservableCacheError, PoolError):
+        return "not served"
+    layers, own = len(rows), 3
+    placeholders = math.ceil(plan.num_chunks / layers) * block
+    blocks = torch.arange(math.ceil((placeholders + own) / block), dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(len(blocks), kv_heads, block, 2 * dim, generator=g).to(dtype) for _ in range(layers)]
+    engine = EngineCaches(caches, int(config.num_attention_heads), dim**-0.5, threads=1)
+    for index in range(plan.num_chunks):
+        engine.chunk(blocks, index, layers).copy_(chunks[index])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    file = pooled_file(plan, placeholders, 5, inv_freq)
+    step = PoolStep(engine, [StepRequest(0, own, placeholders + own, file, blocks)])
+    query = torch.randn(own, int(config.num_attention_heads), dim, generator=g).to(dtype)
+    for layer in range(layers):
+        output = torch.zeros_like(query)
+        step.attend(layer, query, output)
+        if not bool(output.float().isfinite().all()):
+            raise RuntimeError(f"layer {layer}: the pool kernel's output is not finite")
+    return "pooled"
+
+
 def attempt(path: Path, model: Any) -> tuple[str, str]:
     """``("loaded", answer)``, ``("refused", message)``, or ``("error", what)`` for anything else (an
-    exception that is not a one-line :class:`CacheFileError`, an answer of the wrong length)."""
+    exception that is not a one-line :class:`CacheFileError`, an answer of the wrong length, a pool
+    kernel that refuses or gives a non-finite output where the file was loaded: :func:`attend_pooled`)."""
     try:
         context = kvfold.load_context(path, model, CharTokenizer())
         answer = context.generate(QUESTION, max_new_tokens=2)[0]
+        served = attend_pooled(context.cache, model.config)
     except CacheFileError as err:
         message = str(err)
         if "\n" in message or not message:
@@ -190,7 +234,7 @@ def attempt(path: Path, model: Any) -> tuple[str, str]:
         return "error", f"{type(err).__name__}: {err}"
     if len(answer.token_ids) > 2:  # fewer when the model answers its end-of-sequence token
         return "error", f"{len(answer.token_ids)} tokens answered, 2 asked"
-    return "loaded", repr(answer.token_ids)
+    return "loaded", f"{answer.token_ids!r}; {served}"
 
 
 def _limit_memory(extra_bytes: int = 3 << 30) -> None:

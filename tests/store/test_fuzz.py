@@ -1,4 +1,6 @@
-"""Fuzzing the cache-file format: every mutated file loads and answers, or is refused in one line.
+"""Fuzzing the cache-file format: every mutated file loads and answers, or is refused in one line; every
+file that loads and the server would serve is also packed into an engine's blocks and attended by the
+pool kernel (its debug build), which must neither refuse nor give a non-finite output.
 
 Seeded and bounded (``KVFOLD_FUZZ_CASES`` cases, 250 by default; ``KVFOLD_FUZZ_SEED``, 0): the cases
 run in a child process (:mod:`tests.store.fuzz_cases`) with the debug kernel (``KVFOLD_NATIVE_DEBUG=1``:
@@ -44,4 +46,9 @@ def test_every_mutated_file_loads_and_answers_or_is_refused_in_one_line(tmp_path
     assert not errors, "\n".join(f"{r['case']} {r.get('base')} {r.get('mutation')}: {r['detail']}" for r in errors)
     counts = Counter(r["outcome"] for r in ends[6:])
     assert counts["refused"] > CASES // 2 and counts["loaded"] > 0, counts
-    print(f"\n{CASES} mutated files (seed {SEED}): {counts['loaded']} loaded and answered, {counts['refused']} refused")
+    pooled = sum(r["detail"].endswith("; pooled") for r in ends[6:] if r["outcome"] == "loaded")
+    assert pooled > 0, "no mutated file that loads was attended by the pool kernel"
+    print(
+        f"\n{CASES} mutated files (seed {SEED}): {counts['loaded']} loaded and answered ({pooled} of them also "
+        f"attended in an engine's blocks by the pool kernel), {counts['refused']} refused"
+    )

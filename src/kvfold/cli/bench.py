@@ -35,7 +35,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure prefill/compression/decode speed and memory against full")
     add_model_args(p)
     p.add_argument(
-        "--methods", default=RECOMMENDED, help="comma-separated method specs (full is always measured beside them)"
+        "--methods",
+        default=RECOMMENDED,
+        help="comma-separated method specs (full is always measured beside them); stock and stock-static measure "
+        "stock transformers (DynamicCache with SDPA; StaticCache, the forward compiled) beside kvfold's full cache",
     )
     p.add_argument("--budgets", default=str(DEFAULT_BUDGET), help="comma-separated budgets")
     p.add_argument(
@@ -84,12 +87,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def _grid(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
     """The method specs (each built once: unknown methods or options fail here), budget labels and
     lengths of the sweep."""
+    from kvfold.evaluate.bench.speed import STOCK
     from kvfold.methods import build_method, split_specs
     from kvfold.runtime.budget import Budget
 
     methods = split_specs(args.methods)
     for spec in methods:
-        build_method(spec)  # fail fast on unknown methods or options
+        if spec not in STOCK:
+            build_method(spec)  # fail fast on unknown methods or options
     if getattr(args, "memory", None):
         budgets = [Budget.of_memory(m).label() for m in args.memory.split(",") if m.strip()]
     else:

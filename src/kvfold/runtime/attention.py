@@ -14,8 +14,7 @@ Paths:
   weighted values (:func:`kvfold.runtime.quantized_attention.stored_part`: the compiled kernel or
   PyTorch over the codes, batched gathers over full-precision rows), merged by log-sum-exp with the
   dense tail, whose last ``q`` entries are the new tokens (causal among themselves). A policy that
-  reads the probabilities, and formats read by dequantizing, get one softmax over the padded
-  slots instead.
+  reads the probabilities gets one softmax over the padded slots instead.
 * **a dense layer, one query token** — the G query heads of a GQA group are folded into the
   query-length axis, so β of shape ``(B, H_kv, 1, N)`` broadcasts over them: no
   ``(B, heads, q, K)`` mask is built per step.
@@ -37,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.quantized_attention import merge_with_tail, reads_codes, stored_part
+from kvfold.runtime.quantized_attention import merge_with_tail, stored_part
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -110,7 +109,7 @@ def kvfold_attention(
         layer.unpack()  # a policy edits the dense entries in place
     if layer.stored is not None:
         _check_sliding_window(layer, kwargs.get("sliding_window"))
-        if need_probs or not reads_codes(layer.stored):
+        if need_probs:
             out, probs, logits = _padded_attention(query, layer, scaling, need_probs)
         else:
             out = _stored_attention(query, layer, scaling)
@@ -179,8 +178,8 @@ def _padded_attention(
     """Attention over a layer's stored rows padded for this layer only (dequantized, with β), then
     its dense tail, whose last ``q`` entries are the new tokens (causal among themselves): one
     softmax over the slots of :meth:`FoldedLayer.padded`, the G query heads of a KV head folded
-    into the query axis. The path of fp8, of value groups within an entry and of policies that
-    read the probabilities (a repeat pass over a compressed conversation).
+    into the query axis. The path of policies that read the probabilities (a repeat pass over a
+    compressed conversation).
 
     Returns:
         ``(output (B, q, H_q, D), probs, logits)`` as :func:`_dense_attention` returns them.

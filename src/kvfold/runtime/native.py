@@ -1,10 +1,16 @@
 """Native kernels, compiled on first use with the system's C compiler and cached.
 
-One kernel today: the stored part of the attention over quantized rows
-(``kernels/attend_codes.c``, called by :mod:`kvfold.runtime.quantized_attention`). Eager PyTorch
-reads packed codes in several passes a decode step (unpack the planes, convert, scale, multiply);
-the kernel reads each entry's codes once, with the key scales folded into the queries and the value
-scales into the probabilities. It computes what the PyTorch path computes (a test holds them equal).
+Two kernels:
+
+* ``kernels/attend_codes.c`` (:func:`attend_codes_kernel`): the stored part of the attention over
+  quantized rows, called by :mod:`kvfold.runtime.quantized_attention`. Eager PyTorch reads packed
+  codes in several passes a decode step (unpack the planes, convert, scale, multiply); the kernel
+  reads each entry's codes once, with the key scales folded into the queries and the value scales
+  into the probabilities. It computes what the PyTorch path computes (a test holds them equal).
+* ``kernels/attend_pool.c`` (:func:`attend_pool_kernel`): one layer's attention for every request of a
+  serving step on a pooled cache file (:mod:`kvfold.runtime.pool_attention`), read in the engine's
+  blocks, in one call; parallel over (request, KV head) with OpenMP when the compiler has it
+  (``-fopenmp``; built without it otherwise, :func:`pool_status` says which).
 
 The shared library is built once per kernel source, compiler flags and machine into
 ``$KVFOLD_CACHE_DIR/kernels`` (default ``~/.cache/kvfold/kernels``), written to a temporary name
@@ -32,8 +38,12 @@ from functools import cache
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels") / "attend_codes.c"
+POOL_SOURCE = Path(__file__).with_name("kernels") / "attend_pool.c"
+OPENMP_FLAGS = ("-fopenmp",)
+"""Added to the pool kernel's flags when the compiler builds with them (else it runs on one thread)."""
 FLAGS = (
     "-O3",
+    "-g",
     "-march=native",
     # vectorised sums (reassociation) without giving up infinities: β may be −inf
     "-fno-math-errno",
@@ -64,9 +74,11 @@ ERRORS = {
     3: "out of memory",
     4: "the row lengths do not fit the codes, scales or scratch space passed",
     5: "an index past a buffer (debug build)",
+    6: "a workspace too small for the threads asked",
 }
 """What the kernel's nonzero return codes mean."""
 _why_not: list[str] = []
+_pool_why_not: list[str] = []
 
 
 def cache_dir() -> Path:
@@ -92,11 +104,11 @@ def _machine_tag() -> str:
     return "|".join([platform.machine(), platform.processor(), *lines])
 
 
-def _build(compiler: str, debug: bool = False) -> Path:
-    source = SOURCE.read_bytes()
-    flags = DEBUG_FLAGS if debug else FLAGS
+def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra: tuple[str, ...] = ()) -> Path:
+    source = source_path.read_bytes()
+    flags = (*(DEBUG_FLAGS if debug else FLAGS), *extra)
     digest = hashlib.sha256(source + " ".join(flags).encode() + _machine_tag().encode()).hexdigest()[:16]
-    target = cache_dir() / f"attend_codes-{'debug-' if debug else ''}{digest}.so"
+    target = cache_dir() / f"{source_path.stem}-{'debug-' if debug else ''}{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +116,7 @@ def _build(compiler: str, debug: bool = False) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *flags, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True, timeout=120
+            [compiler, *flags, "-o", partial, str(source_path), "-lm"], check=True, capture_output=True, timeout=120
         )
         os.replace(partial, target)
     finally:
@@ -161,3 +173,73 @@ def status() -> str:
     if attend_codes_kernel() is not None:
         return "native (debug build)" if debug_requested() else "native"
     return f"torch ({'; '.join(_why_not) or 'not built'})"
+
+
+class PoolKernel:
+    """The loaded pool kernel (``kernels/attend_pool.c``).
+
+    Attributes:
+        attend: ``kvfold_attend_pool(engine, requests, count, layer, tokens, query, query_token_stride,
+            query_head_stride, out, out_token_stride, out_head_stride)``: pointers to the engine and
+            request structures (:mod:`kvfold.runtime.pool_attention`), the layer, the step's tokens, the
+            query and output tensors' addresses and strides in elements. Returns 0 or a code of
+            :data:`ERRORS`.
+        workspace_floats: floats of workspace one thread needs, for a head size.
+        openmp: whether it was built with OpenMP (parallel over requests and KV heads).
+        debug: whether it is the debug build (every index checked as it is read).
+    """
+
+    def __init__(self, library: ctypes.CDLL, openmp: bool, debug: bool) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.attend = library.kvfold_attend_pool
+        self.attend.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64]
+        self.attend.restype = ctypes.c_int
+        workspace = library.kvfold_pool_workspace_floats
+        workspace.argtypes, workspace.restype = [i64], i64
+        self._workspace = workspace
+        self.openmp, self.debug = openmp, debug
+
+    def workspace_floats(self, head_dim: int) -> int:
+        return int(self._workspace(head_dim))
+
+
+def load_pool_kernel(debug: bool = False) -> PoolKernel | None:
+    """Build (once per source, flags and machine) and load the pool kernel, with OpenMP when the
+    compiler builds it; the debug build when ``debug``. None when disabled or unbuildable, with why in
+    :func:`pool_status`."""
+    _pool_why_not.clear()
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        _pool_why_not.append(f"{DISABLE_ENV}=0")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _pool_why_not.append("no C compiler found (cc, gcc or clang; or set CC)")
+        return None
+    failure = ""
+    for extra in (OPENMP_FLAGS, ()):
+        try:
+            library = ctypes.CDLL(str(_build(compiler, debug, POOL_SOURCE, extra)))
+        except (OSError, subprocess.SubprocessError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            failure = f"building the pool kernel failed: {error} {detail.decode(errors='replace')[:200]}".strip()
+            continue
+        return PoolKernel(library, openmp=bool(extra), debug=debug)
+    _pool_why_not.append(failure)
+    return None
+
+
+@cache
+def attend_pool_kernel() -> PoolKernel | None:
+    """The pool kernel (the debug build under ``KVFOLD_NATIVE_DEBUG=1``), or None (see :func:`pool_status`).
+    Looked up once: ``attend_pool_kernel.cache_clear()`` looks again."""
+    return load_pool_kernel(debug_requested())
+
+
+def pool_status() -> str:
+    """``native`` (with ``OpenMP`` or ``one thread``, and ``debug build`` when so) when the pool kernel
+    is built, else ``torch (why)``: requests on files then take the per-chunk PyTorch path."""
+    kernel = attend_pool_kernel()
+    if kernel is None:
+        return f"torch ({'; '.join(_pool_why_not) or 'not built'})"
+    parts = ["OpenMP" if kernel.openmp else "one thread"] + (["debug build"] if kernel.debug else [])
+    return f"native ({', '.join(parts)})"

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.pages import PAGE_SIZE, RowPages, pages_of, slots_of_entries
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
 
 NEG_INF = float("-inf")
@@ -332,10 +334,24 @@ class QuantizedRows:
     def num_rows(self) -> int:
         return int(self.lengths.shape[0])
 
-    @property
+    @cached_property
     def width(self) -> int:
-        """Entries of the longest row."""
+        """Entries of the longest row (read once: the rows do not change)."""
         return int(self.lengths.max()) if self.num_rows else 0
+
+    @cached_property
+    def pages(self) -> RowPages:
+        """The rows cut into pages (:mod:`kvfold.runtime.pages`), built on the first read and kept: for
+        integer codes one page a key group (its scales are the page's), found without reading the
+        lengths back (as many pages as key groups); fp8 in pages of :data:`PAGE_SIZE`."""
+        if self.config.is_float:
+            return pages_of(self.lengths, PAGE_SIZE, self.log_mass)
+        return pages_of(self.lengths, self.config.key_group, self.log_mass, count=int(self.key_scale.shape[0]))
+
+    @cached_property
+    def outlier_slots(self) -> Tensor:
+        """``(O,)`` the slot of each full-precision entry in :attr:`pages` (flat: ``page · size + position``)."""
+        return slots_of_entries(self.lengths, self.pages.size, self.outlier_index)
 
     def row_ranges(self) -> list[tuple[int, int, int, int]]:
         """Per row ``(first entry, entries, first key group, key groups)`` in the ragged storage."""

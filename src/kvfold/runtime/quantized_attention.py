@@ -7,12 +7,14 @@ values per entry. Two paths compute the same thing (both are tested against a fl
 * **the compiled kernel** (:mod:`kvfold.runtime.native`, on the CPU, 8-, 4-, 3- and 2-bit codes
   without outlier entries): one pass over each entry's codes, a key group's scales folded into the
   queries (``q · k = codes · (q ⊙ s) + q · z``), a value's scale into its probability;
-* **PyTorch** (:func:`attend_stored_torch`, everywhere else): each row's keys are dequantized from
-  its contiguous slice of codes (no padding) and its logits written into one ``(E, M)`` tensor of the
-  layer's entries; each row's softmax runs over its own entries and its full-precision tail; the
-  values are never dequantized: an output is ``(p ⊙ s_v) · codes_v + p · z_v``.
+* **PyTorch** (:func:`attend_stored_torch`, everywhere else): the rows are read in pages, one a key
+  group (:mod:`kvfold.runtime.pages`, built once for the rows and kept with them): each page's codes
+  are gathered and its keys dequantized with the page's scales, its logits computed against its row's
+  queries, and the pages of a row merged by their maximum logit; the values are never dequantized: an
+  output is ``(p ⊙ s_v) · codes_v + p · z_v``. A fixed number of batched operations a layer, and no
+  value read back to the host (on a GPU nothing waits for the device).
 
-Nothing outlives the call: codes are converted to numbers one layer at a time, freed after.
+Nothing but the page index outlives the call: codes are converted to numbers one layer at a time, freed after.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvfold.runtime.native import ERRORS, attend_codes_kernel
+from kvfold.runtime.pages import empty_part, gather_pages, page_logits, page_softmax, sum_pages
 from kvfold.runtime.quantize import QuantizedRows, code_planes
 from kvfold.runtime.rows import FloatRows, float_part
 
@@ -27,10 +30,10 @@ Tensor = torch.Tensor
 
 
 def reads_codes(stored: QuantizedRows | FloatRows) -> bool:
-    """Whether :func:`stored_part` reads this storage as it lies: rows at full precision, or integer
-    codes with one value scale an entry (fp8 and value groups within an entry are dequantized a
-    layer at a time instead)."""
-    return isinstance(stored, FloatRows) or (not stored.config.is_float and not stored.config.value_group)
+    """Whether :func:`stored_part` reads this storage as it lies, a page at a time: every storage does
+    (rows at full precision, integer codes, fp8, value groups within an entry); before 2026-11-28 fp8
+    and value groups were dequantized into padded rows at every step."""
+    return isinstance(stored, (FloatRows, QuantizedRows))
 
 
 def attend_stored(
@@ -81,7 +84,8 @@ def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
     return (
         queries.device.type == "cpu"
         and queries.dtype == torch.float32
-        and reads_codes(stored)
+        and not stored.config.is_float
+        and not stored.config.value_group
         and stored.config.bits in (8, 4, 3, 2)
         and not stored.outlier_index.numel()
         and stored.head_dim <= 1024
@@ -147,104 +151,74 @@ def attend_stored_torch(
 
 
 def _stored_part_torch(queries: Tensor, stored: QuantizedRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
-    """What the kernel computes, in PyTorch operations: each row's maximum stored logit ``(R, M)``, and
-    relative to it the sum of its weights ``(R, M)`` and of its weighted values ``(R, M, Dv)``."""
-    rows, m, _ = queries.shape
-    lengths = stored.lengths.tolist()
-    top = queries.new_full((rows, m), float("-inf"))
-    den = queries.new_zeros(rows, m)
-    num = queries.new_zeros(rows, m, stored.value_dim)
-    if not sum(lengths):
-        return top, den, num
-    logits = _stored_logits(queries, stored, lengths, scaling)  # (E, M)
-    spans = []
-    first = 0
-    for n in lengths:
-        spans.append(slice(first, first + n))
-        first += n
-    for row, span in enumerate(spans):  # each row's entries shifted by their row's maximum
-        if span.stop > span.start:
-            top[row] = logits[span].amax(0)
-            logits[span].sub_(top[row])
-    _add_stored_values(num, den, logits.exp_(), stored, spans)
-    return top, den, num
+    """What the kernel computes, in batched PyTorch operations over the rows' pages
+    (:attr:`QuantizedRows.pages`: one a key group for integer codes): each row's maximum stored logit
+    ``(R, M)``, and relative to it the sum of its weights ``(R, M)`` and of its weighted values
+    ``(R, M, Dv)``, for every format.
+
+    A fixed number of operations a layer whatever the rows' lengths, and no value read back to the host
+    (on a GPU nothing waits): each page's codes are gathered and its keys dequantized with the page's
+    scales (:func:`_page_keys`); integer values with one scale an entry are never dequantized
+    (:func:`_page_values_part`)."""
+    pages = stored.pages
+    if not pages.count:
+        return empty_part(queries, stored.value_dim)
+    top, weights = page_softmax(page_logits(queries, pages, _page_keys(stored, queries.dtype), scaling), pages)
+    return top, sum_pages(pages, weights.sum(-1)), sum_pages(pages, _page_values_part(stored, weights))
 
 
-def _stored_logits(queries: Tensor, stored: QuantizedRows, lengths: list[int], scaling: float) -> Tensor:
-    """``q · k · scaling + β`` ``(E, M)`` of every stored entry against its own row's queries: each row's
-    keys dequantized from their codes (a row at a time), the full-precision entries' own keys."""
-    acc = queries.dtype
-    codes = _codes(stored.key_codes, stored.config.bits, acc)
-    k_scale, k_zero = stored.key_scale.to(acc), stored.key_zero.to(acc)
-    size = stored.config.key_group
-    logits = queries.new_empty(sum(lengths), queries.shape[1])
-    first = group = 0
-    for row, n in enumerate(lengths):
-        groups = -(-n // size)
-        if n:
-            keys = _row_keys(
-                codes[first : first + n], k_scale[group : group + groups], k_zero[group : group + groups], size
-            )
-            torch.mm(keys, queries[row].T, out=logits[first : first + n])
-        first, group = first + n, group + groups
-    if stored.outlier_index.numel():  # full-precision entries: their own keys' logits
-        index = stored.outlier_index
-        rows_of = torch.bucketize(index, torch.tensor(lengths, device=index.device).cumsum(0), right=True)
-        own = (queries.index_select(0, rows_of) @ stored.outlier_keys.to(acc)[:, :, None])[..., 0]
-        logits.index_copy_(0, index, own)
-    if stored.log_mass is not None:
-        return torch.addcmul(stored.log_mass.to(acc)[:, None], logits, logits.new_tensor(scaling))
-    return logits.mul_(scaling)
-
-
-def _add_stored_values(out: Tensor, denom: Tensor, weights: Tensor, stored: QuantizedRows, spans: list[slice]) -> None:
-    """Add each row's stored values, weighted by ``weights`` ``(E, M)``, to ``out`` ``(R, M, Dv)`` and
-    the weights to ``denom`` ``(R, M)``. The values are never dequantized: each entry's scale is folded
-    into its weight, its zero point into a sum of weights."""
-    acc = weights.dtype
-    v_codes = _codes(stored.value_codes, stored.config.bits, acc)
-    v_scale = stored.value_scale[:, 0].to(acc)
-    v_zero = stored.value_zero[:, 0].to(acc)
-    index = stored.outlier_index
-    if index.numel():  # full-precision entries: their own values · 1 + 0
-        v_codes.index_copy_(0, index, stored.outlier_values.to(acc))
-        v_scale.index_fill_(0, index, 1.0)
-        v_zero.index_fill_(0, index, 0.0)
-    sums = torch.stack([torch.ones_like(v_zero), v_zero], -1)  # (E, 2): Σp and Σ p·z_v in one product
-    coded = weights * v_scale[:, None]
-    for row, span in enumerate(spans):
-        if span.stop > span.start:
-            out[row].addmm_(coded[span].T, v_codes[span])
-            mass, zeros = (weights[span].T @ sums[span]).unbind(-1)
-            out[row] += zeros[:, None]
-            denom[row] += mass
-
-
-def _row_keys(codes: Tensor, scale: Tensor, zero: Tensor, size: int) -> Tensor:
-    """One row's keys ``(n, D)`` from their codes, each group of ``size`` consecutive entries with
-    its row of ``scale`` and ``zero`` (the last group may be shorter)."""
-    n, dim = codes.shape
-    groups = scale.shape[0]
-    full = n // size
-    keys = torch.empty_like(codes)
-    torch.addcmul(
-        zero[:full, None],
-        codes[: full * size].view(full, size, dim),
-        scale[:full, None],
-        out=keys[: full * size].view(full, size, dim),
-    )
-    if full < groups:
-        torch.addcmul(zero[full], codes[full * size :], scale[full], out=keys[full * size :])
+def _page_keys(stored: QuantizedRows, acc: torch.dtype) -> Tensor:
+    """Every page's keys ``(P, S, D)`` in ``acc``: codes times the page's scales plus its zero points
+    (fp8: times the row's scale), full-precision entries as they are."""
+    pages, cfg = stored.pages, stored.config
+    if cfg.is_float:
+        keys = gather_pages(pages, stored.key_codes).view(torch.float8_e4m3fn).to(acc)
+        keys.mul_(stored.key_scale.to(acc).index_select(0, pages.row)[:, :, None])
+    else:
+        keys = _codes(gather_pages(pages, stored.key_codes), cfg.bits, acc)
+        keys.mul_(stored.key_scale.to(acc)[:, None, :]).add_(stored.key_zero.to(acc)[:, None, :])
+    if stored.outlier_index.numel():
+        keys.view(-1, keys.shape[-1]).index_copy_(0, stored.outlier_slots, stored.outlier_keys.to(acc))
     return keys
 
 
+def _page_values_part(stored: QuantizedRows, weights: Tensor) -> Tensor:
+    """Each page's weighted values ``(P, M, Dv)``, the weights ``(P, M, S)``. Integer codes with one
+    scale an entry are not dequantized: ``(p ⊙ s) · codes + p · z`` (a full-precision entry's own
+    values with scale 1 and zero 0); fp8 and value groups within an entry are dequantized a page at a
+    time."""
+    pages, cfg, acc = stored.pages, stored.config, weights.dtype
+    slots = stored.outlier_slots if stored.outlier_index.numel() else None
+    if cfg.is_float:
+        values = gather_pages(pages, stored.value_codes).view(torch.float8_e4m3fn).to(acc)
+        values.mul_(stored.value_scale.to(acc).index_select(0, pages.row)[:, :, None])
+    else:
+        values = _codes(gather_pages(pages, stored.value_codes), cfg.bits, acc)  # (P, S, Dv)
+    if cfg.is_float or cfg.value_group:
+        if cfg.value_group:
+            grouped = values.view(pages.count, pages.size, stored.value_scale.shape[-1], -1)
+            grouped.mul_(gather_pages(pages, stored.value_scale, acc)[..., None])
+            grouped.add_(gather_pages(pages, stored.value_zero, acc)[..., None])
+        if slots is not None:
+            values.view(-1, values.shape[-1]).index_copy_(0, slots, stored.outlier_values.to(acc))
+        return torch.bmm(weights, values)
+    value_scale = gather_pages(pages, stored.value_scale[:, 0], acc)  # (P, S)
+    value_zero = gather_pages(pages, stored.value_zero[:, 0], acc)
+    if slots is not None:  # full-precision entries: their own values · 1 + 0
+        values.view(-1, values.shape[-1]).index_copy_(0, slots, stored.outlier_values.to(acc))
+        value_scale.view(-1).index_fill_(0, slots, 1.0)
+        value_zero.view(-1).index_fill_(0, slots, 0.0)
+    # Σ p·s·c + Σ p·z: the zero points' sum broadcast over the channels
+    return torch.baddbmm(torch.bmm(weights, value_zero[:, :, None]), weights * value_scale[:, None, :], values)
+
+
 def _codes(packed: Tensor, bits: int, dtype: torch.dtype) -> Tensor:
-    """Packed codes ``(n, ·)`` as numbers ``(n, D)`` in ``dtype``, plane by plane."""
+    """Packed codes ``(..., ·)`` as numbers ``(..., D)`` in ``dtype``, plane by plane."""
     planes = code_planes(packed, bits)
     if len(planes) == 1:
         return planes[0].to(dtype)
     width = planes[0].shape[-1]
-    out = torch.empty(packed.shape[0], width * len(planes), dtype=dtype, device=packed.device)
+    out = torch.empty(*packed.shape[:-1], width * len(planes), dtype=dtype, device=packed.device)
     for k, plane in enumerate(planes):
-        out[:, k * width : (k + 1) * width] = plane
+        out[..., k * width : (k + 1) * width] = plane
     return out

@@ -126,6 +126,11 @@ class PoolPlan:
         """Bytes the chunks hold, their unused ends included."""
         return self.num_chunks * self.chunk_bytes
 
+    @property
+    def flags(self) -> int:
+        """The flags every chunk's header holds (:data:`FLAG_BETA`, :data:`FLAG_FLOAT`)."""
+        return (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0)
+
     def layer_parts(self, layer: int) -> list[tuple[int, int, int]]:
         """``(chunk, first segment, segments)`` of each chunk that holds segments of ``layer``, in order
         (found once for every layer: the backend asks for each layer at every step)."""
@@ -188,10 +193,6 @@ class _Format:
 
     def used(self, segments: int, entries: int, groups: int) -> int:
         return max(start + size for start, size in self.offsets(segments, entries, groups).values())
-
-    @property
-    def flags(self) -> int:
-        return (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0)
 
 
 def check_poolable(config: QuantConfig | None) -> None:
@@ -309,7 +310,7 @@ def _form(plan: PoolPlan) -> _Format:
 
 def _write_chunk(target: Tensor, chunk: ChunkLayout, layers: Sequence[Rows], ranges, plan: PoolPlan) -> None:
     form = _form(plan)
-    header = torch.tensor([CHUNK_MAGIC, len(chunk.segments), form.flags, 0], dtype=torch.int64)
+    header = torch.tensor([CHUNK_MAGIC, len(chunk.segments), plan.flags, 0], dtype=torch.int64)
     target[:HEADER_BYTES] = header.to(torch.int32).view(torch.uint8)
     parts: dict[str, list[Tensor]] = {name: [] for name in chunk.offsets}
     for seg in chunk.segments:
@@ -355,7 +356,7 @@ def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 
     form = _form(plan)
     count = len(layout.segments) - first if count is None else count
     header = chunk[:HEADER_BYTES].view(torch.int32).tolist()
-    if header[:3] != [_as_int32(CHUNK_MAGIC), len(layout.segments), form.flags]:
+    if header[:3] != [_as_int32(CHUNK_MAGIC), len(layout.segments), plan.flags]:
         raise PoolError("a chunk's header does not match the pool's plan (not this cache's chunk)")
     sizes = [s.entries for s in layout.segments]
     entry0, entries = sum(sizes[:first]), sum(sizes[first : first + count])

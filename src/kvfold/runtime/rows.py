@@ -22,9 +22,19 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from kvfold.runtime.pages import (
+    NEG_INF,
+    PAGE_SIZE,
+    RowPages,
+    empty_part,
+    gather_pages,
+    page_logits,
+    page_softmax,
+    pages_of,
+    sum_pages,
+)
 from kvfold.runtime.quantize import SIXTEEN_BIT, entry_ranges
 
-NEG_INF = float("-inf")
 ROW_ROUNDING = 16
 """Entries a row is rounded up to when :func:`ragged_saves_memory` weighs ragged rows against padding."""
 
@@ -113,6 +123,12 @@ class FloatRows:
         return index, position < self.lengths[:, None]
 
     @cached_property
+    def pages(self) -> RowPages:
+        """The rows cut into pages of :data:`~kvfold.runtime.pages.PAGE_SIZE` entries with their β
+        (:mod:`kvfold.runtime.pages`), built on the first read and kept: what a decode step reads."""
+        return pages_of(self.lengths, PAGE_SIZE, self.log_mass)
+
+    @cached_property
     def starts(self) -> Tensor:
         """``(R,)`` each row's first entry (made once: the rows do not change)."""
         return self.lengths.cumsum(0) - self.lengths
@@ -162,26 +178,14 @@ def float_part(queries: Tensor, rows: FloatRows, scaling: float) -> tuple[Tensor
     each row's maximum logit ``(R, M)`` (−inf for an empty row), and relative to it its weights' sum
     ``(R, M)`` and weighted values ``(R, M, Dv)``, computed in the queries' dtype.
 
-    Every row is read at once: its entries gathered into ``W`` slots (the longest row's length), the
-    slots past its end given β = −inf, so the work is a few batched operations a layer whatever the
-    number of rows."""
-    count, m, _ = queries.shape
+    Every row is read at once, in pages (:attr:`FloatRows.pages`: the work follows Σ lengths, not
+    rows × the longest row): each page's keys and values gathered, its logits computed against its
+    row's queries, the pages of a row merged by their maximum logit. A few batched operations a layer
+    whatever the number of rows, and no value read back to the host."""
+    pages = rows.pages
+    if not pages.count:
+        return empty_part(queries, rows.value_dim)
     acc = queries.dtype
-    if rows.width == 0:
-        return (
-            queries.new_full((count, m), NEG_INF),
-            queries.new_zeros(count, m),
-            queries.new_zeros(count, m, rows.value_dim),
-        )
-    index, valid = rows.padded_index()
-    flat = index.view(-1)
-
-    def gather(t: Tensor) -> Tensor:  # (R, W, ·): index_select, far cheaper than advanced indexing
-        return t.index_select(0, flat).view(*index.shape, *t.shape[1:]).to(acc)
-
-    beta = torch.zeros((), dtype=acc, device=valid.device) if rows.log_mass is None else gather(rows.log_mass)
-    bias = torch.where(valid, beta, NEG_INF)[:, None, :]  # (R, 1, W): −inf past each row's end
-    logits = torch.baddbmm(bias, queries, gather(rows.keys).transpose(1, 2), alpha=scaling)  # (R, M, W)
-    top = logits.amax(-1)
-    weights = logits.sub_(top.nan_to_num(neginf=0.0)[..., None]).exp_()  # an empty row: all weights 0
-    return top, weights.sum(-1), torch.bmm(weights, gather(rows.values))
+    top, weights = page_softmax(page_logits(queries, pages, gather_pages(pages, rows.keys, acc), scaling), pages)
+    num = torch.bmm(weights, gather_pages(pages, rows.values, acc))
+    return top, sum_pages(pages, weights.sum(-1)), sum_pages(pages, num)

@@ -255,3 +255,26 @@ def test_bench_measures_past_the_window_with_more_positions(tiny_dir, tmp_path):
     assert {r["positions"] for r in result["records"]} == {1024} and all(r["length"] == 600 for r in result["records"])
     assert main(["bench", "--model", str(tiny_dir), "--methods", "kvzip", "--length", "64", "--batch", "1",
                  "--positions", "8", "--out", str(tmp_path / "c")]) == 2  # fmt: skip
+
+
+def test_bench_measures_stock_transformers_beside_kvfolds_full_cache(tiny_dir, tmp_path, monkeypatch):
+    """``stock`` (DynamicCache, SDPA) at each length, without a budget, decoded step for step with
+    kvfold's full cache of the same context in its own process: ``speedup_over_limit`` is stock over
+    kvfold, paired. ``stock-static`` (StaticCache, the forward compiled) measured the same way in this
+    process with the compiler left out (compiling takes minutes here; ``benchmarks/gpu.sh`` runs it)."""
+    import torch
+
+    from kvfold.evaluate.bench.speed import BenchConfig, run_stock
+
+    result = bench(str(tiny_dir), ["stock"], [0.25, 0.5], [64], [1], new_tokens=3, out_dir=tmp_path, progress=False)
+    by_method = {r["method"]: r for r in result["records"]}
+    assert set(by_method) == {"full", "stock"} and len(result["records"]) == 2
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    static = run_stock(BenchConfig(str(tiny_dir), "stock-static", 1.0, 64, 1, new_tokens=3))
+    for record in (by_method["stock"], static):
+        assert record["budget"] == 1.0 and record["reference_length"] == 64 and record["stock"]
+        assert record["decode_tokens_per_s"] > 0 and record["reference_tokens_per_s"] > 0
+        assert record["kv_bytes"] == by_method["full"]["kv_bytes"]
+    stock = by_method["stock"]
+    assert stock["speedup_over_limit"] == pytest.approx(stock["decode_tokens_per_s"] / stock["reference_tokens_per_s"])
+    assert "| stock | 1.0 | 64 |" in (tmp_path / "bench.md").read_text()

@@ -6,7 +6,9 @@
   load errors (vLLM then ends it with an error);
 * a load that does not fit the model's layers or the request's slots fails the same way;
 * chunk ``c`` of a file lands in block ``c // L`` of layer ``c % L``, and every scheduled request on a
-  file is sent by its first block, and given to the backend from the metadata bound for the step.
+  file is sent by its first block, and given to the backend from the metadata bound for the step;
+* a block that held a file's bytes is zeroed in every layer before a request without a file gets it
+  (once), never under a request on a file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from kvfold.integrations.vllm import connector
 from kvfold.integrations.vllm.connector import FileRef, KvfoldConnector, KvfoldConnectorMetadata, LoadSpec
 from kvfold.integrations.vllm.settings import EXTRA_CACHES, EXTRA_SHIFT
 
@@ -121,6 +124,20 @@ def test_every_scheduled_request_on_a_file_is_sent_by_its_first_block(tmp_path):
     assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active == {}
 
 
+def test_a_block_that_held_a_file_is_scrubbed_once_before_a_request_without_a_file_gets_it(tmp_path):
+    conn = _connector(tmp_path, KVConnectorRole.SCHEDULER)
+    _allocate(conn, "a", [7, 8])
+    assert conn.build_connector_meta(_output(new={"a": [7, 8]})).scrub == []  # the load's own step
+    conn.request_finished(_request("a"), [7, 8])
+    _allocate(conn, "b", [7, 9])  # another request on a file: its blocks may be the file's, prefix cached
+    assert conn.build_connector_meta(_output(new={"b": [7, 9]})).scrub == []
+    meta = conn.build_connector_meta(_output(new={"plain": [8, 3]}))  # 8 held the file's bytes
+    assert meta.scrub == [8]
+    assert conn.build_connector_meta(_output(new={"plain2": [8]})).scrub == []  # zeroed once is enough
+    meta = conn.build_connector_meta(_output(cached=["plain", "b"], cached_blocks=[([7],), ([12],)]))
+    assert meta.scrub == [7]  # a running request without a file grows into a block that held the file
+
+
 class _Layer:
     def __init__(self, blocks: int = 4, cache: bool = True) -> None:
         self.kv_cache = torch.zeros(blocks, HEADS, BLOCK, 2 * WIDTH) if cache else torch.tensor([])
@@ -181,6 +198,23 @@ def test_the_requests_on_files_are_given_to_the_backend_from_the_bound_metadata(
     worker.clear_connector_metadata()
     worker.bind_connector_metadata(KvfoldConnectorMetadata())
     assert worker.active_pools() == {}  # the next step's metadata, not the last one's
+
+
+def test_the_worker_zeroes_the_blocks_to_scrub_in_every_layer_when_the_step_is_bound(worker, monkeypatch):
+    layers = _layers()
+    context = SimpleNamespace(no_compile_layers=layers)
+    monkeypatch.setattr(connector, "_forward_context", lambda: context)
+    caches = [layer.kv_cache for layer in layers.values()]
+    for cache in caches:
+        cache.fill_(float("nan"))
+    spec = LoadSpec(req_id="a", name="doc", checksum="abc", slots=SLOTS, start=0, count=SLOTS, block_ids=[2, 3])
+    worker.bind_connector_metadata(KvfoldConnectorMetadata(loads=[spec], scrub=[1, 2]))
+    # bound before the forward; start_load_kv may come after it (vLLM: on a step without a load)
+    for cache in caches:
+        assert float(cache[1].abs().sum()) == 0  # zeroed
+        assert bool(cache[0].isnan().all())  # not named: untouched
+    worker.start_load_kv(context)
+    assert bool((caches[0][2].view(-1).view(torch.uint8) == 1).all())  # the load comes after the scrub
 
 
 @pytest.mark.parametrize("case", ["a-layer-missing", "a-layer-without-cache", "a-layer-the-file-lacks", "slots"])

@@ -2,6 +2,8 @@
 
 * More requests on one long cache than the KV space holds: vLLM preempts some (its
   ``vllm:num_preemptions_total`` counter rises), and every answer is still ``kvfold ask``'s.
+* Plain requests that fill the KV space after requests on quantized files (so some get a block that
+  held a file's codes) answer as they did alone.
 * The load: 16 client threads send a fixed, seeded mix of requests (on cached files, plain, an unknown
   name, a damaged file, malformed JSON, a prompt longer than the context, streams the client hangs up
   on), while a served file is replaced by another valid file and restored, again and again; then the
@@ -77,7 +79,7 @@ def load_caches(saved, tmp_path_factory) -> Path:
     """The small server's folder: copies of the session's files, a damaged one, and ``swap`` (the pair's
     first file, replaced by the second and back during the load)."""
     folder = tmp_path_factory.mktemp("load-caches")
-    for name in ("uniform", "kvzip", f"code{PAIR[1][0]}", f"code{PAIR[1][1]}"):
+    for name in ("uniform", "kvzip", "mem16", "mem32", "mem64", f"code{PAIR[1][0]}", f"code{PAIR[1][1]}"):
         shutil.copyfile(saved[name], folder / f"{name}.kvc")
     shutil.copyfile(saved[f"code{PAIR[1][0]}"], folder / "swap.kvc")
     data = bytearray(saved["uniform"].read_bytes())
@@ -109,6 +111,27 @@ def test_requests_beyond_the_kv_space_wait_or_are_preempted_and_still_answer_rig
         ids = body["choices"][0]["token_ids"]
         assert ids[: len(references["kvzip"][question])] == references["kvzip"][question]
     assert small.metric("vllm:num_preemptions_total") > before, small.tails()
+
+
+def test_plain_requests_in_blocks_that_held_quantized_files_answer_as_alone(small):
+    """A file's codes read as floats hold NaNs; a plain request given such a block must not read them
+    (the connector zeroes the block first). Plain requests asked alone, then quantized files loaded,
+    then the same requests, three of each at once, fill every block of the KV space."""
+    questions = [f"Write one sentence about the number {i} and the sea." for i in range(6)]
+
+    def ask(question: str) -> list[int]:
+        status, body = small.ask(None, question, max_tokens=48, ignore_eos=True)
+        assert status == 200, body
+        return _answer(body)
+
+    alone = {q: ask(q) for q in questions}
+    for name in ("mem16", "mem32", "mem64"):  # their codes written into blocks, then freed
+        status, body = small.ask(name, QUESTIONS[0], max_tokens=4)
+        assert status == 200, body
+    with ThreadPoolExecutor(3 * len(questions)) as pool:
+        answers = list(pool.map(lambda q: (q, ask(q)), questions * 3))
+    wrong = [(q, a) for q, a in answers if a != alone[q]]
+    assert not wrong, f"{len(wrong)} of {len(answers)} plain answers changed: {wrong[:2]}; {small.tails()}"
 
 
 # ---------------------------------------------------------------------------- the load

@@ -109,6 +109,8 @@ def run_config(config: BenchConfig) -> dict:
     from kvfold.pipeline.context import check_length, prefill_ids
     from kvfold.runtime.budget import Budget
 
+    if config.method in STOCK:
+        return run_stock(config)
     model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
     if config.positions is not None:
         extend_positions(model, config.positions)
@@ -252,33 +254,152 @@ def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
     """Greedy decode of every context, one step of each in turn; steady-state tokens/s of each.
 
     Each context is a :class:`~kvfold.pipeline.context.CompressedContext` (its cache decodes under its
-    online policy) or a :class:`~kvfold.pipeline.context.PrefilledContext` (a full cache). The order of the
-    contexts within a step alternates from step to step. Speed is the batch over the median time
-    of the ``new_tokens`` steps after :data:`WARMUP_STEPS` warm-up steps, summed over the batch.
-    """
-    import statistics
-
-    import torch
-
-    states = []
+    online policy) or a :class:`~kvfold.pipeline.context.PrefilledContext` (a full cache) (see
+    :func:`time_interleaved`)."""
+    steppers = []
     for context in contexts:
         cache = context.cache
         cache.policy = getattr(context, "policy", None)
         source = getattr(context, "source", context)
-        states.append([cache, source.last_logits.argmax(-1)])
-    times: list[list[float]] = [[] for _ in contexts]
+        steppers.append(Stepper(source.last_logits.argmax(-1), _cache_step(model, cache)))
+    return time_interleaved(steppers, new_tokens)
+
+
+@dataclass
+class Stepper:
+    """One greedy decode: its last tokens ``(B,)`` and ``step(tokens) -> logits (B, vocab)`` (one forward
+    of one new token a row over its own cache), with ``prepare()`` run before each step, untimed."""
+
+    tokens: Any
+    step: Callable[[Any], Any]
+    prepare: Callable[[], None] = lambda: None
+
+
+def _cache_step(model, cache) -> Callable[[Any], Any]:
+    """A decode step over a cache that counts its own positions (kvfold's, transformers' dynamic one)."""
+    import torch
+
+    def step(tokens):
+        position = torch.full((tokens.shape[0], 1), cache.get_seq_length(), device=tokens.device)
+        return model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
+
+    return step
+
+
+def time_interleaved(steppers: list[Stepper], new_tokens: int) -> list[float]:
+    """Run every decode one step at a time in turn, the order alternating from step to step; the
+    steady-state tokens/s of each: the batch over the median time of the ``new_tokens`` steps after
+    :data:`WARMUP_STEPS` warm-up steps, summed over the batch."""
+    import statistics
+
+    times: list[list[float]] = [[] for _ in steppers]
     for step in range(WARMUP_STEPS + new_tokens):
-        order = range(len(states)) if step % 2 == 0 else reversed(range(len(states)))
+        order = range(len(steppers)) if step % 2 == 0 else reversed(range(len(steppers)))
         for index in order:
-            cache, tokens = states[index]
-            batch = tokens.shape[0]
-            position = torch.full((batch, 1), cache.get_seq_length(), device=tokens.device)
-            start = device_clock(tokens.device)
-            logits = model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
-            states[index][1] = logits.argmax(-1)
+            stepper = steppers[index]
+            stepper.prepare()
+            device = stepper.tokens.device
+            start = device_clock(device)
+            stepper.tokens = stepper.step(stepper.tokens).argmax(-1)
             if step >= WARMUP_STEPS:
-                times[index].append(device_clock(tokens.device) - start)
-    return [state[1].shape[0] / statistics.median(steps) for state, steps in zip(states, times, strict=True)]
+                times[index].append(device_clock(device) - start)
+    return [s.tokens.shape[0] / statistics.median(steps) for s, steps in zip(steppers, times, strict=True)]
+
+
+STOCK = {
+    "stock": "transformers' DynamicCache with SDPA, eager",
+    "stock-static": "transformers' StaticCache with SDPA, the forward compiled (torch.compile; CUDA graphs on a GPU)",
+}
+"""Stock transformers measured by ``kvfold bench`` beside kvfold (``--methods full,stock,stock-static``)."""
+
+
+def run_stock(config: BenchConfig) -> dict:
+    """Measure stock transformers (:data:`STOCK`) at ``config``'s length, decoded step for step with
+    kvfold's full cache of the same context in the same process (the reference), so
+    ``speedup_over_limit`` is stock over kvfold's full cache, paired: kvfold's own overhead as a ratio."""
+    import torch
+    from transformers import DynamicCache, StaticCache
+
+    from kvfold.pipeline.context import check_length, prefill_ids
+
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=config.device)
+    if config.positions is not None:
+        extend_positions(model, config.positions)
+    check_length(model, config.length)
+    base_rss = peak_rss_mb()
+    ids = context_ids(tokenizer, config.length, config.batch).to(model.device)
+    with torch.inference_mode():
+        reference = _compress_in_place(prefill_ids(model, tokenizer, ids, capture_window=0), build_method("full"), 1.0)
+        memory = reference.memory_record()  # before decoding grows it
+        model.set_attn_implementation("sdpa")
+        start = device_clock(model.device)
+        if config.method == "stock":
+            cache = DynamicCache(config=model.config)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            step = _cache_step(model, cache)
+        else:
+            room = config.length + WARMUP_STEPS + config.new_tokens + 1
+            cache = StaticCache(config=model.config, max_cache_len=room)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+            step = _static_step(model, cache, config.length)
+        prefill_s = device_clock(model.device) - start
+        peak_rss = peak_rss_mb()
+        release_freed_memory()
+        kvfold_step = _cache_step(model, reference.cache)
+
+        def attention(name: str) -> Callable[[], None]:
+            return lambda: model.set_attn_implementation(name)
+
+        speeds = time_interleaved(
+            [
+                Stepper(logits.argmax(-1), step, attention("sdpa")),
+                Stepper(reference.source.last_logits.argmax(-1), kvfold_step, attention("kvfold")),
+            ],
+            config.new_tokens,
+        )
+    return {
+        **asdict(config),
+        "budget": 1.0,
+        "prefill_s": prefill_s,
+        "compress_s": 0.0,
+        "repeat_s": None,
+        "decode_tokens_per_s": speeds[0],
+        "reference_length": config.length,
+        "reference_tokens_per_s": speeds[1],
+        "peak_rss_mb": peak_rss,
+        "base_rss_mb": base_rss,
+        "compress_peak_mb": None,
+        "compress_peak_over_cache": None,
+        **memory,
+        "kv_bytes_reserved": 0,
+        "physical_tokens": config.length,
+        "quantized_attention": None,
+        "stock": STOCK[config.method],
+    }
+
+
+def _static_step(model, cache, length: int) -> Callable[[Any], Any]:
+    """A decode step over transformers' static cache through the compiled forward (``reduce-overhead``
+    on CUDA: CUDA graphs; the default mode elsewhere), positions counted here (``length`` filled)."""
+    import torch
+
+    mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+    forward = torch.compile(model.forward, mode=mode, dynamic=False)  # a graph break slows it, fails nothing
+    filled = [length]
+
+    def step(tokens):
+        position = torch.full((1,), filled[0], dtype=torch.long, device=tokens.device)
+        filled[0] += 1
+        out = forward(
+            input_ids=tokens[:, None],
+            past_key_values=cache,
+            cache_position=position,
+            position_ids=position[None].expand(tokens.shape[0], 1),
+            use_cache=True,
+        )
+        return out.logits[:, -1].clone()  # CUDA graphs reuse their output buffers
+
+    return step
 
 
 WORKER_ERRORS = ("UserError", "NotImplementedError", "ModelLoadError", "SpecError", "QuantSpecError")
@@ -323,6 +444,13 @@ def plan(
             )
             for method in methods:
                 if method == "full":
+                    continue
+                if method in STOCK:  # no budget: the full cache, as transformers holds it
+                    runs.append(
+                        BenchConfig(
+                            model, method, 1.0, length, batch, new_tokens, None, dtype, device, bounded, positions
+                        )
+                    )
                     continue
                 for budget in budgets:
                     runs.append(

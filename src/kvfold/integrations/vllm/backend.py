@@ -1,19 +1,22 @@
 """kvfold's attention backend for vLLM's CPU build: a request on a cache file attends the file's rows
 where they lie, as the library holds them (codes, scales, β), inside the request's own KV blocks.
 
-A request on a file (:mod:`kvfold.integrations.vllm.pool_connector`) has ``P`` placeholder tokens, ``P``
+A request on a file (:mod:`kvfold.integrations.vllm.connector`) has ``P`` placeholder tokens, ``P``
 a whole number of blocks, then the question. Its first ``P / block_size`` blocks, over every layer,
 hold the file's chunks (:mod:`kvfold.runtime.row_pool`): chunk ``c`` fills block ``c // L`` of layer
-``c % L``. The engine never writes those blocks (their tokens are matched externally) and this backend
-never reads them as keys and values.
+``c % L``. The engine never writes those blocks (their tokens are matched externally), and nothing
+reads them as keys and values.
 
-:class:`KvfoldAttentionImpl` is vLLM's ``CPU_ATTN`` for every request (the same cache layout, the same
-kernels, the same cache write), and then, for each request on a file, replaces its rows of the output
-with kvfold's attention: the file's rows read by kvfold's kernel, merged by log-sum-exp with the
-request's own tokens (question, answer) read back from the blocks vLLM wrote them to. The file's keys
-keep the positions the context gave them: the question's queries, at served positions ``P + j``, are
-turned by ``T − P`` to the positions ``T + j`` they have in ``kvfold ask`` (RoPE logits depend only on
-the difference of positions). A request that names no file is vLLM's own attention, at vLLM's bytes.
+:class:`KvfoldAttentionImpl` is vLLM's ``CPU_ATTN`` (the same cache layout, the same cache write) with
+the requests on files taken out of its call: once a step, the step's requests on files become a table
+(:class:`~kvfold.runtime.pool_attention.PoolStep`) and the other requests a metadata of their own for
+``CPU_ATTN``; then, in every layer, ``CPU_ATTN`` attends the other requests and one call of kvfold's
+pool kernel attends all the requests on files (:mod:`kvfold.runtime.pool_attention`): each file's
+rows read where they lie, in one running softmax with the request's own tokens (question, answer)
+read straight from the blocks vLLM wrote them to, no placeholder slot attended. The file's keys keep the
+positions the context gave them: the question's queries, at served positions ``P + j``, are turned by
+``T − P`` to the positions ``T + j`` they have in ``kvfold ask`` (RoPE logits depend only on the
+difference of positions). A request that names no file is vLLM's own attention, at vLLM's bytes.
 
 Which requests are on files: the scheduler side of the connector sends, every step, the first block of
 each scheduled request on a file, in the connector metadata vLLM binds to the worker before the
@@ -25,16 +28,18 @@ to wait for, so nothing may be handed over there.)
 
 from __future__ import annotations
 
-import math
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from kvfold.integrations.vllm.layout import rotate_keys
 from kvfold.integrations.vllm.pool_layout import ServedPool
-from kvfold.runtime.row_pool import attend_layer
+from kvfold.runtime.native import attend_pool_kernel, pool_status
+from kvfold.runtime.pool_attention import EngineCaches, PoolStep, StepRequest
 
 __all__ = ["KvfoldAttentionBackend", "KvfoldAttentionImpl", "layer_caches"]
+logger = logging.getLogger("kvfold.vllm")
 
 
 def _active_pools() -> dict[int, ServedPool]:
@@ -48,59 +53,37 @@ def _active_pools() -> dict[int, ServedPool]:
     return active() if active is not None else {}
 
 
-class _BlockReader:
-    """Reads back the keys and values ``CPU_ATTN`` wrote to its blocks. Values lie plainly,
-    ``(block_size, D)`` a (block, head); keys are packed for the instruction set (``vec``: channel-major),
-    so where each key element lies is learned once by writing a known pattern with the backend's own
-    cache write (any permutation within a block's keys is read right)."""
+def key_positions(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> torch.Tensor:
+    """Where ``CPU_ATTN`` puts key element ``(t, c)`` (index ``t · D + c``) in a (block, head)'s run of keys:
+    learned once by writing a known pattern with its own cache write (values lie plainly, ``(block_size,
+    D)``; keys are packed for the instruction set, ``vec``: channel-major).
 
-    def __init__(self, isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> None:
-        from vllm import _custom_ops as ops
+    Raises:
+        RuntimeError: a layout that is not a permutation within a block.
+    """
+    from vllm import _custom_ops as ops
 
-        self.block_size, self.head_dim = block_size, head_dim
-        size = block_size * head_dim
-        cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
-        key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
-        index = torch.arange(size).view(block_size, 1, head_dim)
-        found = []
-        for part in (index % 128, index // 128):  # exact in every 16-bit dtype
-            cache.zero_()
-            ops.cpu_attn_reshape_and_cache(
-                part.to(dtype), part.to(dtype), key_cache, value_cache, torch.arange(block_size), isa,
-                k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
-            )  # fmt: skip
-            found.append(cache.view(-1).float().clone())
-        where_key = (found[0][:size] + 128 * found[1][:size]).long()
-        where_value = (found[0][size:] + 128 * found[1][size:]).long()
-        if not torch.equal(torch.sort(where_key).values, torch.arange(size)) or not torch.equal(
-            where_value, torch.arange(size)
-        ):
-            raise RuntimeError(f"CPU_ATTN's cache layout ({isa}) is not a permutation within a block")
-        self.key_position = torch.empty(size, dtype=torch.long)
-        self.key_position[where_key] = torch.arange(size)
-
-    def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``count`` tokens' keys and values ``(count, H, D)`` in blocks ``blocks``."""
-        num_blocks, heads, block_size, _ = kv_cache.shape
-        size = block_size * self.head_dim
-        runs = kv_cache.index_select(0, blocks).view(len(blocks), heads, 2 * size)
-        keys = runs[:, :, :size].index_select(2, self.key_position).view(len(blocks), heads, block_size, -1)
-        values = runs[:, :, size:].view(len(blocks), heads, block_size, -1)
-        keys = keys.permute(0, 2, 1, 3).reshape(-1, heads, self.head_dim)[:count]
-        values = values.permute(0, 2, 1, 3).reshape(-1, heads, values.shape[-1])[:count]
-        return keys, values
-
-
-class _Chunks:
-    """The chunks of one request, by index: chunk ``c`` is block ``blocks[c // L]`` of layer ``c % L``,
-    read in place as bytes."""
-
-    def __init__(self, caches: list[torch.Tensor], blocks: torch.Tensor) -> None:
-        self.caches, self.blocks = caches, blocks.tolist()
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        layers = len(self.caches)
-        return self.caches[index % layers][self.blocks[index // layers]].view(-1).view(torch.uint8)
+    size = block_size * head_dim
+    cache = torch.zeros(1, 1, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_dim).chunk(2, dim=2)
+    index = torch.arange(size).view(block_size, 1, head_dim)
+    found = []
+    for part in (index % 128, index // 128):  # exact in every 16-bit dtype
+        cache.zero_()
+        ops.cpu_attn_reshape_and_cache(
+            part.to(dtype), part.to(dtype), key_cache, value_cache, torch.arange(block_size), isa,
+            k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+        )  # fmt: skip
+        found.append(cache.view(-1).float().clone())
+    where_key = (found[0][:size] + 128 * found[1][:size]).long()
+    where_value = (found[0][size:] + 128 * found[1][size:]).long()
+    if not torch.equal(torch.sort(where_key).values, torch.arange(size)) or not torch.equal(
+        where_value, torch.arange(size)
+    ):
+        raise RuntimeError(f"CPU_ATTN's cache layout ({isa}) is not a permutation within a block")
+    position = torch.empty(size, dtype=torch.long)
+    position[where_key] = torch.arange(size)
+    return position
 
 
 def layer_caches(forward_context=None) -> list[torch.Tensor]:
@@ -117,66 +100,131 @@ def layer_caches(forward_context=None) -> list[torch.Tensor]:
     return [found[i] for i in sorted(found)]
 
 
-class KvfoldAttentionImpl(CPUAttentionBackendImpl):
-    """``CPU_ATTN``, with the rows of requests on files recomputed by kvfold (module docstring)."""
+@dataclass
+class _Step:
+    """What every layer of one step shares: the requests on files as the kernel's table, and the other
+    requests as ``CPU_ATTN``'s own (None when there are none; ``rows`` their query rows, a slice when
+    they are contiguous)."""
 
-    _reader: _BlockReader | None = None
+    metadata: object
+    pool: PoolStep | None
+    plain: object | None
+    rows: slice | torch.Tensor | None
+
+
+class _Shared:
+    """State shared by every layer's implementation: the engine's caches (once) and the current step."""
+
+    engine: EngineCaches | None = None
+    step: _Step | None = None
+    warned = False
+
+
+class KvfoldAttentionImpl(CPUAttentionBackendImpl):
+    """``CPU_ATTN`` for the requests that name no file, kvfold's pool kernel for the others (module
+    docstring)."""
+
+    _layer_index: int | None = None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):  # fmt: skip
-        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                              output_block_scale)  # fmt: skip
         if attn_metadata is None:
-            return out
-        active = _active_pools()
-        if not active:
-            return out
-        files = self._requests_on_files(attn_metadata, active)
-        if not files:
-            return out
-        from vllm.model_executor.models.utils import extract_layer_index
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)  # fmt: skip
+        step = self._step(layer, attn_metadata, kv_cache)
+        if step.pool is None:  # no request on a file in this step: CPU_ATTN as it is
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)  # fmt: skip
+        if step.plain is not None:  # the requests that name no file, alone
+            if isinstance(step.rows, slice):
+                super().forward(layer, query[step.rows], key, value, kv_cache, step.plain, output[step.rows])
+            else:
+                part = torch.empty_like(output[: len(step.rows)])
+                super().forward(layer, query.index_select(0, step.rows), key, value, kv_cache, step.plain, part)
+                output.index_copy_(0, step.rows, part)
+        if self._layer_index is None:
+            from vllm.model_executor.models.utils import extract_layer_index
 
-        index = extract_layer_index(layer.layer_name)
-        caches = layer_caches()
-        if self._reader is None:
-            self._reader = _BlockReader(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        for i, served in files:
-            first, stop = starts[i], starts[i + 1]
-            blocks = attn_metadata.block_table[i].long()
-            output[first:stop] = self._attend_file(
-                query[first:stop], kv_cache, blocks, seq_lens[i], served, caches, index
-            ).to(output.dtype)
+            self._layer_index = extract_layer_index(layer.layer_name)
+        step.pool.attend(self._layer_index, query, output)
         return output
 
-    @staticmethod
-    def _requests_on_files(attn_metadata, active: dict[int, ServedPool]) -> list[tuple[int, ServedPool]]:
-        firsts = attn_metadata.block_table[:, 0].tolist()
+    def _step(self, layer, attn_metadata, kv_cache: torch.Tensor) -> _Step:
+        """This step's tables, made by the first layer that asks (keyed on vLLM's metadata object, which
+        every layer of the step shares)."""
+        step = _Shared.step
+        if step is not None and step.metadata is attn_metadata:
+            return step
+        active = _active_pools()
         num_reqs = len(attn_metadata.seq_lens)
-        return [(i, active[firsts[i]]) for i in range(num_reqs) if firsts[i] in active]
+        firsts = attn_metadata.block_table[:num_reqs, 0].tolist() if active else []
+        on_files = [(i, active[first]) for i, first in enumerate(firsts) if first in active]
+        if not on_files:
+            _Shared.step = _Step(attn_metadata, None, None, None)
+            return _Shared.step
+        engine = self._engine(layer, kv_cache)
+        starts = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        table = attn_metadata.block_table
+        if table.dtype != torch.int32:
+            table = table.to(torch.int32)
+        requests = [
+            StepRequest(starts[i], starts[i + 1] - starts[i], seq_lens[i], served.kernel_file, table[i])
+            for i, served in on_files
+        ]
+        pool = PoolStep(engine, requests)  # each request's blocks: a view of the table, alive with the step
+        taken = {i for i, _ in on_files}
+        plain = [i for i in range(num_reqs) if i not in taken]
+        metadata, rows = None, None
+        if plain:
+            metadata, rows = self._plain_metadata(layer, attn_metadata, plain, starts, seq_lens, kv_cache.dtype)
+        _Shared.step = _Step(attn_metadata, pool, metadata, rows)
+        return _Shared.step
 
-    def _attend_file(self, query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
-                     served: ServedPool, caches: list[torch.Tensor], layer: int) -> torch.Tensor:  # fmt: skip
-        """One request's attention in one layer: its file's rows and its own tokens (module docstring)."""
-        tokens, heads, dim = query.shape
-        kv_heads = self.num_kv_heads
-        group = heads // kv_heads
-        block_size = kv_cache.shape[2]
-        placeholders = served.placeholders
-        own = seq_len - placeholders  # the question's and answer's tokens in the cache
-        tail_blocks = blocks[placeholders // block_size : math.ceil(seq_len / block_size)]
-        keys, values = self._reader.read(kv_cache, tail_blocks, own)  # (own, H, D)
-        folded = query.float().view(tokens, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, dim)
-        tail_logits = folded @ keys.float().permute(1, 2, 0) * self.scale  # (H, G·tokens, own)
-        token = torch.arange(group * tokens) % tokens
-        visible = torch.arange(own)[None, :] <= (own - tokens + token)[:, None]
-        tail_logits.masked_fill_(~visible[None], float("-inf"))
-        turned = rotate_keys(folded, served.logical_length - placeholders, served.inv_freq)
-        chunks = _Chunks(caches, blocks)
-        out = attend_layer(turned, tail_logits, values.float().permute(1, 0, 2), chunks, served.plan, layer,
-                           self.scale)  # fmt: skip
-        return out.view(kv_heads, group, tokens, -1).permute(2, 0, 1, 3).reshape(tokens, heads, -1)
+    def _engine(self, layer, kv_cache: torch.Tensor) -> EngineCaches:
+        """The engine's caches as the kernel reads them (made once; again if vLLM gave new caches)."""
+        caches = layer_caches()
+        engine = _Shared.engine
+        if engine is None or [c.data_ptr() for c in engine.caches] != [c.data_ptr() for c in caches]:
+            position = key_positions(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
+            engine = _Shared.engine = EngineCaches(caches, self.num_heads, self.scale, key_position=position)
+            if attend_pool_kernel() is None and not _Shared.warned:
+                _Shared.warned = True
+                logger.warning("kvfold: requests on files take the per-chunk PyTorch path: %s", pool_status())
+        return engine
+
+    def _plain_metadata(self, layer, attn_metadata, plain: list[int], starts: list[int], seq_lens: list[int],
+                        dtype: torch.dtype):  # fmt: skip
+        """``CPU_ATTN``'s metadata for the requests ``plain`` alone, and their query rows."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        counts = [starts[i + 1] - starts[i] for i in plain]
+        index = torch.tensor(plain, dtype=torch.long)
+        query_start_loc = torch.zeros(len(plain) + 1, dtype=attn_metadata.query_start_loc.dtype)
+        query_start_loc[1:] = torch.tensor(counts).cumsum(0)
+        sub_seq_lens = attn_metadata.seq_lens.index_select(0, index)
+        scheduler = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(plain), num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+            seq_lens=sub_seq_lens, dtype=dtype,
+            query_start_loc=query_start_loc, causal=attn_metadata.causal, sliding_window_size=self.sliding_window,
+            isa=layer.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )  # fmt: skip
+        metadata = replace(
+            attn_metadata,
+            num_actual_tokens=sum(counts),
+            max_query_len=max(counts),
+            query_start_loc=query_start_loc,
+            max_seq_len=max(seq_lens[i] for i in plain),
+            seq_lens=sub_seq_lens,
+            block_table=attn_metadata.block_table.index_select(0, index),
+            scheduler_metadata=scheduler,
+        )
+        first, stop = starts[plain[0]], starts[plain[-1] + 1]
+        if stop - first == sum(counts):  # contiguous rows: views, no copies
+            return metadata, slice(first, stop)
+        return metadata, torch.cat([torch.arange(starts[i], starts[i + 1]) for i in plain])
 
 
 class KvfoldAttentionBackend(CPUAttentionBackend):

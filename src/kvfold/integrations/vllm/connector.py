@@ -32,6 +32,16 @@ synchronous load). kvfold's attention backend (:mod:`kvfold.integrations.vllm.ba
   (as allocated) are reported failed instead of its placeholders being computed as text.
 * A load is sent to the worker in the step that schedules its request. One allocated but not
   scheduled in that step is kept until a step schedules the request or the request finishes.
+* A block that held a file's bytes is zeroed before a request that names no file gets it. The bytes
+  are codes and scales, and read as the engine's floats some are NaN or near the largest float;
+  ``CPU_ATTN`` computes a request's last block whole and masks the slots past its length afterwards,
+  so a NaN there made every output of that request NaN (found by ``benchmarks/serve_vllm.py``: plain
+  requests answered token 0 after 24 requests on files had filled the KV space). The scheduler side
+  remembers the blocks it sent loads into and sends, every step, those among the new blocks of
+  requests without a file (``scrub``); the worker zeroes them in every layer when the step's metadata
+  is bound, before the forward writes anything (not in ``start_load_kv``: vLLM calls it after the
+  forward on a step without a load). A request on a file never reads past its own tokens, and its cached blocks are
+  never zeroed.
 """
 
 from __future__ import annotations
@@ -92,10 +102,12 @@ class FileRef:
 
 @dataclass
 class KvfoldConnectorMetadata(KVConnectorMetadata):
-    """The loads of one step, and the scheduled requests on files by their first block."""
+    """The loads of one step, the scheduled requests on files by their first block, and the blocks to
+    zero before the step (they held a file's bytes and now belong to a request without a file)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     active: dict[int, FileRef] = field(default_factory=dict)
+    scrub: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +129,13 @@ def _first_group(block_ids: Any) -> list[int]:
     if not block_ids:
         return []
     return [int(b) for b in block_ids[0]]
+
+
+def _forward_context() -> ForwardContext:
+    """The step's forward context (vLLM binds a step's connector metadata inside it)."""
+    from vllm.forward_context import get_forward_context
+
+    return get_forward_context()
 
 
 def _request_params(request: Request) -> dict[str, Any] | None:
@@ -144,6 +163,7 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._to_load: dict[str, _Pending] = {}
         self._files: dict[str, FileRef] = {}  # every request on a file, until it finishes
         self._first_block: dict[str, int] = {}
+        self._file_blocks: set[int] = set()  # blocks a load was sent into, not zeroed since
         # worker side
         self._pools: OrderedDict[tuple[str, bool], Any] = OrderedDict()  # by checksum: a file's content
         self._active_for: KVConnectorMetadata | None = None  # the metadata self._active was built for
@@ -206,7 +226,26 @@ class KvfoldConnector(KVConnectorBase_V1):
             logger.warning("request %s: kvfold load allocated but not scheduled; kept for a later step", req_id)
         self._pending.clear()
         self._publish_first_blocks(scheduler_output, meta)
+        meta.scrub = self._blocks_to_scrub(scheduler_output)
+        for load in meta.loads:  # written this step, after the scrub
+            self._file_blocks.update(load.block_ids)
         return meta
+
+    def _blocks_to_scrub(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """The new blocks of this step's requests without a file that held a file's bytes (module
+        docstring). A request on a file is left alone: its blocks may be the file's, from the prefix
+        cache, and it reads only its own tokens past them."""
+        if not self._file_blocks:
+            return []
+        fresh = [b for new in scheduler_output.scheduled_new_reqs if new.req_id not in self._files
+                 for b in _first_group(new.block_ids)]  # fmt: skip
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self._files and cached.new_block_ids[i] is not None:
+                fresh.extend(_first_group(cached.new_block_ids[i]))
+        scrub = sorted({b for b in fresh if b in self._file_blocks})
+        self._file_blocks.difference_update(scrub)
+        return scrub
 
     def _publish_first_blocks(self, scheduler_output: SchedulerOutput, meta: KvfoldConnectorMetadata) -> None:
         """Record the first block of each request on a file (new, or resumed with new blocks) and send
@@ -346,6 +385,22 @@ class KvfoldConnector(KVConnectorBase_V1):
                 logger.error("kvfold cache %r for request %s not loaded: %s", load.name, load.req_id, err)
                 with self._lock:
                     self._failed_blocks.update(load.block_ids)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bind the step's metadata, and zero its blocks to scrub (module docstring): vLLM binds it
+        before the forward, in the step's forward context."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvfoldConnectorMetadata) and connector_metadata.scrub:
+            self._scrub(_forward_context(), connector_metadata.scrub)
+
+    @staticmethod
+    def _scrub(forward_context: ForwardContext, block_ids: list[int]) -> None:
+        """Zero blocks ``block_ids`` in every layer (they held a file's bytes; module docstring)."""
+        from kvfold.integrations.vllm.backend import layer_caches
+
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for cache in layer_caches(forward_context):
+            cache.index_fill_(0, index, 0)
 
     def _load(self, forward_context: ForwardContext, load: LoadSpec) -> None:
         """Copy the file's chunks into the request's first blocks, over every layer."""

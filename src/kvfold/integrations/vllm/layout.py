@@ -24,6 +24,7 @@ import torch
 
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.pool_attention import turn, turn_table
 
 LINEAR_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE types whose angle is a fixed frequency times the position (so a query can be turned)."""
@@ -54,14 +55,9 @@ def rope_inverse_frequencies(config) -> torch.Tensor:
 
 def rotate_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """Keys or queries (``(..., D)``, RoPE's half-split layout) rotated as if their positions moved by
-    ``shift``. Computed in float64 and returned in the input's dtype."""
-    half = keys.shape[-1] // 2
-    angle = shift * inv_freq.to(torch.float64)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    x = keys.to(torch.float64)
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(keys.dtype)
+    ``shift``. Computed in float64 and returned in the input's dtype
+    (:func:`kvfold.runtime.pool_attention.turn`)."""
+    return turn(keys, turn_table(inv_freq, shift))
 
 
 def check_servable(cache: FoldedCache, header: dict) -> None:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from kvfold.integrations.vllm.layout import UnservableCacheError, rope_inverse_frequencies
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.pool_attention import PooledFile, pooled_file
 from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.row_pool import FloatRows, PoolError, PoolPlan, pack_pool, plan_pool
 
@@ -41,6 +43,12 @@ class ServedPool:
     @property
     def file_blocks(self) -> int:
         return math.ceil(self.plan.num_chunks / len(self.plan.rows_per_layer))
+
+    @cached_property
+    def kernel_file(self) -> PooledFile:
+        """The file's tables for the pool kernel (made once, on the first step that reads it): where each
+        row's segments lie, and the queries' turn by ``T − P``."""
+        return pooled_file(self.plan, self.placeholders, self.logical_length - self.placeholders, self.inv_freq)
 
 
 def chunk_bytes(config, block_size: int, dtype: torch.dtype) -> int:

@@ -177,3 +177,29 @@ def test_gram_refit_selects_what_the_feature_refit_selects_through_beta_min_prun
     assert torch.equal(torch.where(used, idx, 0), ref_idx)  # the reference zeroes unused slots
     torch.testing.assert_close(w, ref_w, rtol=1e-7, atol=1e-8)
     torch.testing.assert_close(history, ref_history, rtol=1e-9, atol=1e-10)
+
+
+def test_a_ridge_solve_reads_back_once_and_retries_only_the_problems_that_fail():
+    """Every problem factorised at once, one host read to learn that all did (on a GPU, one wait a
+    solve); a problem that fails is retried alone with a 10³× larger ridge, one that keeps failing (NaN)
+    gets the prior (zeros); the others are solved as alone."""
+    from kvfold.runtime.host_syncs import HostSyncCounter
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 6, 3, generator=g, dtype=torch.float64)
+    gram, rhs = a.mT @ a, torch.randn(4, 3, 2, generator=g, dtype=torch.float64)
+    with HostSyncCounter() as syncs:
+        plain = solvers.ridge_solve(gram, rhs, 1e-6)
+    assert sum(syncs.kvfold.values()) == 1, syncs.summary()
+    gram[1] = torch.diag(torch.tensor([1.0, 1.0, -1e-5], dtype=torch.float64))  # indefinite at λ, not at 10³λ
+    gram[2, 0, 0] = float("nan")
+    out = solvers.ridge_solve(gram, rhs, 1e-6)
+    for i in (0, 3):
+        torch.testing.assert_close(out[i], plain[i], rtol=0, atol=0)
+        alone = solvers.ridge_solve(gram[i : i + 1], rhs[i : i + 1], 1e-6)[0]
+        torch.testing.assert_close(out[i], alone, rtol=0, atol=0)
+    scale = (2 - 1e-5) / 3  # the mean diagonal
+    lam = 1e-6 * scale + 16 * torch.finfo(F64).eps * scale * 3 + torch.finfo(F64).tiny ** 0.5
+    retried = torch.linalg.solve(gram[1] + 1e3 * lam * torch.eye(3, dtype=F64), rhs[1])
+    torch.testing.assert_close(out[1], retried)
+    assert out[2].eq(0).all()

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# One run on a GPU machine: the CUDA tests, then kvfold bench at Llama-3.1-8B's shape with
+# random weights (bfloat16, batch 1) beside stock transformers, then a profile of a compressed decode.
+# Sized for about 7.5 minutes on one H200 (every phase under its own timeout; a phase cut short keeps
+# the records it finished, and running the script again on the same OUT measures only what is missing).
+#
+#   benchmarks/gpu.sh                                   # on the GPU machine, from the repository root
+#   DEVICE=cpu TINY=1 LONG=512 SHORT=256 benchmarks/gpu.sh   # the same, end to end, on a CPU (tiny shape)
+#
+# Settings (environment): PYTHON (python3), DEVICE (cuda), SHAPE (benchmarks/shapes/llama-3.1-8b.json),
+# TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
+# default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
+# NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
+# PHASES ("env tests long short memory profile report") and each phase's seconds: T_TESTS (130),
+# T_LONG (165), T_SHORT (70), T_MEMORY (35), T_PROFILE (25, each of two).
+# Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-long|short|memory/{records.jsonl,bench.json,bench.md},
+# OUT/profile-full.txt, OUT/profile-kvzip.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+SHAPE=${SHAPE:-benchmarks/shapes/llama-3.1-8b.json}
+TINY=${TINY:-0}
+TOKENIZER=${TOKENIZER:-}
+LONG=${LONG:-32768}
+SHORT=${SHORT:-8192}
+NEW_TOKENS=${NEW_TOKENS:-8}
+OUT=${OUT:-docs/results/data/gpu-$(date +%F)}
+PHASES=${PHASES:-env tests long short memory profile report}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+mkdir -p "$OUT"
+MODEL_DIR="$OUT/shape"
+started=$(date +%s)
+say() { echo "[gpu.sh $(( $(date +%s) - started ))s] $*" | tee -a "$OUT/log.txt"; }
+phase() {  # phase NAME SECONDS COMMAND...: run COMMAND under a timeout (its process group killed after)
+  local name=$1 seconds=$2
+  shift 2
+  say "$name: up to ${seconds}s: $*"
+  timeout --kill-after=10 "$seconds" "$@"
+  local rc=$?
+  [ "$rc" = 124 ] && say "$name: cut at ${seconds}s (what finished is kept)" || say "$name: exit $rc"
+  return 0
+}
+wants() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac }
+bench=("$PYTHON" -m kvfold.cli.main bench --model "random:$MODEL_DIR" --device "$DEVICE" --batch 1
+  --new-tokens "$NEW_TOKENS" --quiet)
+
+shape_args=("$SHAPE" "$MODEL_DIR")
+[ "$TINY" = 1 ] && shape_args+=(--tiny)
+[ -n "$TOKENIZER" ] && shape_args+=(--tokenizer "$TOKENIZER")
+"$PYTHON" benchmarks/shape_dir.py "${shape_args[@]}" | tee -a "$OUT/log.txt"
+
+if wants env; then
+  {
+    date -u +%FT%TZ
+    git rev-parse HEAD 2>/dev/null || echo "no git"
+    "$PYTHON" -c "import sys, torch, transformers; print('python', sys.version.split()[0]); \
+print('torch', torch.__version__, 'transformers', transformers.__version__); \
+print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
+    "$PYTHON" -c "import triton; print('triton', triton.__version__)" 2>/dev/null || echo "triton: not installed"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  } > "$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt"
+fi
+
+if wants tests; then
+  phase tests "${T_TESTS:-130}" bash -c "'$PYTHON' -m pytest -q -rf -p no:cacheprovider tests/runtime/test_cuda.py \
+    > '$OUT/test_cuda.txt' 2>&1"
+  tail -n 15 "$OUT/test_cuda.txt"
+fi
+
+sweep() {  # sweep NAME SECONDS OUT_DIR METHODS BENCH_ARGS...: one bench a method into OUT_DIR, under one
+  # deadline (full is measured once and reused; a method that fails or is cut costs only itself)
+  local name=$1 seconds=$2 dir=$3 methods=$4 deadline=$(( $(date +%s) + $2 ))
+  shift 4
+  for method in ${methods//,/ }; do
+    local left=$(( deadline - $(date +%s) ))
+    [ "$left" -le 5 ] && { say "$name: no time left for $method"; continue; }
+    phase "$name $method" "$left" "${bench[@]}" --out "$dir" --methods "$method" "$@"
+  done
+}
+
+# The long context first: the targets are at 32K (stock's compiled static cache is the bar for full;
+# kvzip+am_fit last, its compression the slowest).
+wants long && sweep long "${T_LONG:-165}" "$OUT/bench-long" stock,stock-static,kvzip,kvzip+am_fit \
+  --length "$LONG" --budgets 0.1
+wants short && sweep short "${T_SHORT:-70}" "$OUT/bench-short" stock,kvzip,kvzip+am_fit --length "$SHORT" \
+  --budgets 0.1
+wants memory && sweep memory "${T_MEMORY:-35}" "$OUT/bench-memory" kvzip+am_fit --length "$SHORT" --memory 0.0625
+
+if wants profile; then  # a few decode steps of the full cache and of kvzip's, by host and by device time
+  for method in full kvzip; do
+    phase "profile $method" "${T_PROFILE:-25}" bash -c "'$PYTHON' benchmarks/profile_decode.py \
+      --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method $method --budget 0.1 --steps 3 \
+      --top 30 > '$OUT/profile-$method.txt' 2>&1"
+    grep -E "host synchronisations|ms a step" "$OUT/profile-$method.txt"
+  done
+fi
+
+if wants report; then
+  {
+    echo "# GPU run $(date -u +%F): $(basename "$SHAPE")$([ "$TINY" = 1 ] && echo ' (tiny)') on $DEVICE"
+    echo
+    echo '```'
+    cat "$OUT/env.txt" 2>/dev/null
+    echo '```'
+    echo
+    echo "CUDA tests: $(tail -n 1 "$OUT/test_cuda.txt" 2>/dev/null)"
+    echo
+    "$PYTHON" benchmarks/bench_table.py "$OUT"/bench-* | sed 's/^# kvfold bench/## kvfold bench/'
+  } > "$OUT/README.md"
+  say "wrote $OUT/README.md"
+fi
+say "done"

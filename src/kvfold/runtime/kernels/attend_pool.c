@@ -1,0 +1,741 @@
+/* One layer's attention for every request on a pooled cache file in a serving step, in one call.
+ *
+ * The caller is kvfold.runtime.pool_attention (the vLLM backend's requests on files). An engine holds
+ * each layer's KV cache as blocks, [num_blocks, kv_heads, block_size, 2 * dim] in the engine's dtype:
+ * per (block, head) block_size keys (in a layout of the engine's: channel-major, or any permutation
+ * given as a table) then block_size values (row-major). A request on a file holds, first, the file's
+ * chunks (kvfold.runtime.row_pool: chunk c is block blocks[c / L] of layer c % L, read as bytes), then
+ * its own tokens (the question's and the answer's, written there by the engine). Each chunk holds
+ * segments, runs of one row's entries: codes of 8, 4, 3 or 2 bits (KIVI's axes, Liu et al. 2024 §3:
+ * keys per channel over groups of `group` entries counted from the segment's start, values per entry),
+ * their fp16 scales and zero points, and β (float32), or entries at full precision.
+ *
+ * For each request, KV head and tile of its queries (the head's GQA group × the step's tokens), one
+ * running softmax (maximum, denominator, numerator) goes over the row's segments, then over the
+ * request's own tokens (causal among the new ones), and the output rows are written in place:
+ *
+ *   out_i = softmax_t(l_it) · v_t,  l_it = scale · q'_i · k_t + β_t (file entries),  scale · q_i · k_t (own)
+ *
+ * where q'_i is the query turned by the file's position offset (RoPE angle θ_p = (T − P) · ω_p, the
+ * table `rope`: the file's keys keep their context positions, the question sits at P + j instead of
+ * T + j). A key group's scales are folded into the queries (q · k = codes · (q ⊙ s) + q · z), a value's
+ * scale into its weight, so no code is ever dequantized into memory.
+ *
+ * Parallel over (request, KV head) with OpenMP when built with it; each thread has its own slice of
+ * `workspace` (no allocation in the call).
+ *
+ * Bounds. Before reading anything, the release build checks the whole call: every request's query
+ * rows within the step's tokens, its blocks within the engine's and its block table, its file's tables
+ * consistent (each of this layer's segments' arrays inside its chunk, chunks within the file), the
+ * header of every chunk it will read, and the workspace's size; it returns 4 if anything does not fit.
+ * Built with -DKVFOLD_DEBUG (KVFOLD_NATIVE_DEBUG=1) it skips that check and checks every index as it
+ * reads instead, returning 5 before a read out of bounds.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MAX_DIM 512
+#define TILE_QUERIES 64 /* queries attended in one pass over a row */
+#define BLOCK_ENTRIES 32 /* entries whose logits are taken before the softmax is updated */
+#define CHUNK_MAGIC 0x4346564Bu
+#define HEADER_BYTES 16
+#define FLAG_BETA 1
+#define FLAG_FLOAT 2
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+enum { KEYS_CHANNEL_MAJOR = 0, KEYS_TABLE = 1 };
+enum {
+    SEG_CHUNK,
+    SEG_ENTRIES,
+    SEG_KEYS, /* byte offsets in the chunk: key codes (or keys at full precision) */
+    SEG_VALUES,
+    SEG_KEY_SCALE,
+    SEG_KEY_ZERO,
+    SEG_VALUE_SCALE,
+    SEG_VALUE_ZERO,
+    SEG_BETA,
+    SEG_FIELDS
+};
+
+/* A pooled file (made once per file). */
+typedef struct {
+    int64_t layers, rows, num_chunks, chunk_bytes, num_segments;
+    int64_t bits; /* 0: entries at full precision, in float_dtype */
+    int64_t float_dtype, group, dim, vdim, flags, placeholders;
+    const int64_t *row_start;      /* (layers * rows + 1): row (layer, head)'s segments */
+    const int64_t *segments;       /* (num_segments, SEG_FIELDS) */
+    const int64_t *chunk_segments; /* (num_chunks): the segments each chunk's header counts */
+    const double *rope;            /* (dim / 2, 2): cos and sin of the turn of each rotated pair */
+} kvf_file;
+
+/* A request on a file, in this step. */
+typedef struct {
+    int64_t query_start, query_len, seq_len;
+    const kvf_file *file;
+    const int32_t *blocks; /* its block table row */
+    int64_t num_block_ids; /* entries of that row */
+} kvf_request;
+
+/* The engine's caches (made once). */
+typedef struct {
+    int64_t layers;
+    const int64_t *layer_cache; /* each layer's cache base address */
+    int64_t num_blocks, kv_heads, q_heads, block_size, dim, dtype, key_layout;
+    const int32_t *key_position; /* (block_size * dim): where key element (t, c) lies, KEYS_TABLE */
+    float scale;
+    int64_t threads;
+    float *workspace;
+    int64_t workspace_floats;
+} kvf_engine;
+
+#ifdef KVFOLD_DEBUG
+#define CHECK(cond)           \
+    do {                      \
+        if (!(cond)) return 5; \
+    } while (0)
+#else
+#define CHECK(cond) ((void)0)
+#endif
+
+/* ------------------------------------------------------------------ numbers */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, x;
+    if (exponent == 0x1f) {
+        x = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent == 0) {
+        if (mantissa == 0) {
+            x = sign;
+        } else { /* subnormal: normalise */
+            int shift = 0;
+            while (!(mantissa & 0x400u)) mantissa <<= 1, ++shift;
+            x = sign | ((uint32_t)(113 - shift) << 23) | ((mantissa & 0x3ffu) << 13);
+        }
+    } else {
+        x = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+static inline uint16_t f32_to_f16(float f) { /* round to nearest even */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u) return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
+    if (abs >= 0x477ff000u) return sign | 0x7c00u; /* rounds past the largest half: infinity */
+    if (abs < 0x38800000u) {                        /* a subnormal half, or zero */
+        if (abs < 0x33000000u) return sign;
+        const uint32_t exponent = abs >> 23, mantissa = (abs & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - exponent; /* 14 .. 24 */
+        uint32_t half = mantissa >> shift;
+        const uint32_t rest = mantissa & ((1u << shift) - 1u), mid = 1u << (shift - 1u);
+        if (rest > mid || (rest == mid && (half & 1u))) ++half;
+        return sign | (uint16_t)half;
+    }
+    uint32_t half = ((abs >> 13) - (112u << 10));
+    const uint32_t rest = abs & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+    return sign | (uint16_t)half;
+}
+
+static inline void store_element(void *base, int64_t index, int64_t dtype, float value) {
+    if (dtype == DT_F32)
+        ((float *)base)[index] = value;
+    else
+        ((uint16_t *)base)[index] = dtype == DT_BF16 ? f32_to_bf16(value) : f32_to_f16(value);
+}
+
+static inline int64_t element_bytes(int64_t dtype) { return dtype == DT_F32 ? 4 : 2; }
+
+/* ------------------------------------------------------------------ vectors */
+/* Sixteen floats (GCC's and Clang's vector extensions: AVX-512 registers where the machine has them,
+ * pairs or quads of narrower ones elsewhere). Head sizes are multiples of 16. */
+typedef float vf __attribute__((vector_size(64)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint8_t vbytes __attribute__((vector_size(16)));
+typedef uint8_t vbytes_unaligned __attribute__((vector_size(16), aligned(1)));
+typedef uint16_t vhalves __attribute__((vector_size(32)));
+typedef uint16_t vhalves_unaligned __attribute__((vector_size(32), aligned(2)));
+#define LANES 16
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE vf vload(const float *p) { return *(const vf_unaligned *)p; }
+ALWAYS_INLINE void vstore(float *p, vf x) { *(vf_unaligned *)p = x; }
+ALWAYS_INLINE float vsum(vf x) {
+    float out = 0.0f;
+    for (int k = 0; k < LANES; ++k) out += x[k];
+    return out;
+}
+/* Sixteen bytes as numbers. */
+ALWAYS_INLINE vf vbytes_to_float(vbytes b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
+ALWAYS_INLINE vbytes vload_bytes(const uint8_t *p) { return *(const vbytes_unaligned *)p; }
+
+/* Runs of numbers in the engine's dtypes, as float32 (sixteen at a time). */
+static void to_float(const void *src, int64_t dtype, float *dst, int64_t n) {
+    const uint16_t *h = (const uint16_t *)src;
+    int64_t k = 0;
+    if (dtype == DT_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    if (dtype == DT_BF16) {
+        for (; k + LANES <= n; k += LANES) {
+            const vi x = __builtin_convertvector(*(const vhalves_unaligned *)(h + k), vi) << 16;
+            vstore(dst + k, (vf)x);
+        }
+        for (; k < n; ++k) dst[k] = bf16_to_f32(h[k]);
+        return;
+    }
+#ifdef __AVX512F__
+    for (; k + LANES <= n; k += LANES) _mm512_storeu_ps(dst + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + k))));
+#elif defined(__F16C__)
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + k))));
+#endif
+    for (; k < n; ++k) dst[k] = f16_to_f32(h[k]);
+}
+
+/* ------------------------------------------------------------------ codes */
+/* One entry's codes as numbers: 8 bits one a byte; 4 and 2 bits by planes (byte j holds channels
+ * j, j + D/p, ..., p = 8/bits); 3 bits eight codes in three bytes (code i at bit 3i of their
+ * little-endian 24-bit word). Head sizes are multiples of 16, so 8-bit codes come 16 bytes at a time
+ * and 4-bit codes in planes of 8 bytes or more (16 at a time where the plane allows). */
+ALWAYS_INLINE void unpack(const uint8_t *src, int64_t dim, int bits, float *dst) {
+    if (bits == 8) {
+        for (int64_t c = 0; c < dim; c += LANES) vstore(dst + c, vbytes_to_float(vload_bytes(src + c)));
+    } else if (bits == 4 && dim % 32 == 0) {
+        const int64_t w = dim / 2;
+        for (int64_t j = 0; j < w; j += LANES) {
+            const vbytes b = vload_bytes(src + j);
+            vstore(dst + j, vbytes_to_float(b & 15));
+            vstore(dst + w + j, vbytes_to_float(b >> 4));
+        }
+    } else if (bits == 4) {
+        const int64_t w = dim / 2;
+        for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 15u);
+        for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)(src[j] >> 4);
+    } else if (bits == 2 && dim % 64 == 0) {
+        const int64_t w = dim / 4;
+        for (int64_t j = 0; j < w; j += LANES) {
+            const vbytes b = vload_bytes(src + j);
+            vstore(dst + j, vbytes_to_float(b & 3));
+            vstore(dst + w + j, vbytes_to_float((b >> 2) & 3));
+            vstore(dst + 2 * w + j, vbytes_to_float((b >> 4) & 3));
+            vstore(dst + 3 * w + j, vbytes_to_float(b >> 6));
+        }
+    } else if (bits == 2) {
+        const int64_t w = dim / 4;
+        for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 3u);
+        for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)((src[j] >> 2) & 3u);
+        for (int64_t j = 0; j < w; ++j) dst[2 * w + j] = (float)((src[j] >> 4) & 3u);
+        for (int64_t j = 0; j < w; ++j) dst[3 * w + j] = (float)(src[j] >> 6);
+    } else { /* 3 */
+        for (int64_t g = 0; g < dim / 8; ++g) {
+            const uint8_t *b = src + 3 * g;
+            const uint32_t word = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16);
+            for (int64_t i = 0; i < 8; ++i) dst[8 * g + i] = (float)((word >> (3 * i)) & 7u);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ the running softmax */
+typedef struct {
+    int64_t m;
+    float *top, *den, *zero_sum, *num; /* (m), (m), (m), (m, dim) */
+    float *logits;                     /* (m, BLOCK_ENTRIES): query i's logits, then weights, of a block */
+} softmax_state;
+
+/* exp(x) for x <= 0 (−inf included: 0), to about 2e-7 relative (Cephes' expf polynomial after
+ * x = n ln 2 + r), branch-free so that a loop of it vectorises; below −87 it is 0 (weights under
+ * 1.6e-38 of the largest, which has weight 1). */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = floorf(clamped * 1.44269504088896341f + 0.5f);
+    const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * two_n.f;
+}
+
+/* Turn a block's logits (n entries) into weights relative to the running maximum, rescaling what was
+ * gathered before when the maximum grows; adds the weights to the denominators. */
+static void update_maximum(softmax_state *s, int64_t n, int64_t dim) {
+    for (int64_t i = 0; i < s->m; ++i) {
+        float *l = s->logits + i * BLOCK_ENTRIES;
+        float block_top = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) block_top = l[t] > block_top ? l[t] : block_top;
+        if (block_top == -INFINITY) { /* nothing seen yet, or all masked: weights 0 */
+            for (int64_t t = 0; t < n; ++t) l[t] = 0.0f;
+            continue;
+        }
+        if (block_top > s->top[i]) {
+            const float keep = exp_nonpositive(s->top[i] - block_top);
+            s->den[i] *= keep, s->zero_sum[i] *= keep;
+            float *o = s->num + i * dim;
+            for (int64_t c = 0; c < dim; ++c) o[c] *= keep;
+            s->top[i] = block_top;
+        }
+        const float top = s->top[i];
+        float added = 0.0f;
+        for (int64_t t = 0; t < n; ++t) {
+            const float w = exp_nonpositive(l[t] - top);
+            l[t] = w;
+            added += w;
+        }
+        s->den[i] += added;
+    }
+}
+
+/* ------------------------------------------------------------------ a block of entries */
+/* Logits of a block's keys `keys` (count, dim), as float32: query i's is
+ * (queries_i · k_t + offset_i) · scale + beta_t (offset and beta may be NULL: 0). Four entries at a
+ * time, each its own accumulator. */
+ALWAYS_INLINE void block_logits(softmax_state *s, const float *queries, const float *offset, float scale,
+                                const float *beta, const float *keys, int64_t count, int64_t dim) {
+    const int64_t nv = dim / LANES;
+    for (int64_t i = 0; i < s->m; ++i) {
+        const float *q = queries + i * dim;
+        float *l = s->logits + i * BLOCK_ENTRIES;
+        int64_t t = 0;
+        for (; t + 4 <= count; t += 4) {
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            const float *k = keys + t * dim;
+            for (int64_t v = 0; v < nv; ++v) {
+                const vf qv = vload(q + v * LANES);
+                a0 += qv * vload(k + v * LANES);
+                a1 += qv * vload(k + dim + v * LANES);
+                a2 += qv * vload(k + 2 * dim + v * LANES);
+                a3 += qv * vload(k + 3 * dim + v * LANES);
+            }
+            l[t] = vsum(a0), l[t + 1] = vsum(a1), l[t + 2] = vsum(a2), l[t + 3] = vsum(a3);
+        }
+        for (; t < count; ++t) {
+            vf a = {0};
+            for (int64_t v = 0; v < nv; ++v) a += vload(q + v * LANES) * vload(keys + t * dim + v * LANES);
+            l[t] = vsum(a);
+        }
+        const float shift = offset ? offset[i] : 0.0f;
+        for (int64_t u = 0; u < count; ++u) l[u] = (l[u] + shift) * scale + (beta ? beta[u] : 0.0f);
+    }
+}
+
+/* Add a block's values `values` (count, dim), weighted by the block's weights (each entry's times its
+ * value scale `value_scale`, its zero point `value_zero` into a sum; both may be NULL: 1 and 0), to
+ * the numerators: four vectors of channels at a time, held in registers across the block. */
+ALWAYS_INLINE void block_values(softmax_state *s, const float *values, const float *value_scale,
+                                const float *value_zero, int64_t count, int64_t dim) {
+    const int64_t nv = dim / LANES;
+    for (int64_t i = 0; i < s->m; ++i) {
+        float *l = s->logits + i * BLOCK_ENTRIES;
+        if (value_zero) {
+            float zeros = 0.0f;
+            for (int64_t t = 0; t < count; ++t) zeros += l[t] * value_zero[t];
+            s->zero_sum[i] += zeros;
+        }
+        if (value_scale)
+            for (int64_t t = 0; t < count; ++t) l[t] *= value_scale[t];
+        float *o = s->num + i * dim;
+        for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+            vf o0 = vload(o + v0 * LANES), o1 = {0}, o2 = {0}, o3 = {0};
+            if (v0 + 1 < nv) o1 = vload(o + (v0 + 1) * LANES);
+            if (v0 + 2 < nv) o2 = vload(o + (v0 + 2) * LANES);
+            if (v0 + 3 < nv) o3 = vload(o + (v0 + 3) * LANES);
+            for (int64_t t = 0; t < count; ++t) {
+                const vf w = l[t] + (vf){0};
+                const float *x = values + t * dim + v0 * LANES;
+                o0 += w * vload(x);
+                if (v0 + 1 < nv) o1 += w * vload(x + LANES);
+                if (v0 + 2 < nv) o2 += w * vload(x + 2 * LANES);
+                if (v0 + 3 < nv) o3 += w * vload(x + 3 * LANES);
+            }
+            vstore(o + v0 * LANES, o0);
+            if (v0 + 1 < nv) vstore(o + (v0 + 1) * LANES, o1);
+            if (v0 + 2 < nv) vstore(o + (v0 + 2) * LANES, o2);
+            if (v0 + 3 < nv) vstore(o + (v0 + 3) * LANES, o3);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ a file's segment */
+typedef struct {
+    const kvf_engine *e;
+    const kvf_file *f;
+    const float *turned; /* (m, dim): the queries turned by the file's offset */
+    float *folded;       /* (m, dim): turned ⊙ a key group's scales */
+    float *zero_dot;     /* (m): turned · a key group's zero points */
+    float *block;        /* (BLOCK_ENTRIES, dim): a block's keys or values as numbers */
+} segment_work;
+
+ALWAYS_INLINE int attend_codes(segment_work *w, softmax_state *s, const uint8_t *chunk, const int64_t *seg, int bits,
+                               int64_t dim) {
+    const kvf_file *f = w->f;
+    const int64_t m = s->m, n = seg[SEG_ENTRIES], group = f->group;
+    const int64_t kb = dim * bits / 8;
+    float scales[MAX_DIM], zeros[MAX_DIM], beta[BLOCK_ENTRIES], value_scale[BLOCK_ENTRIES], value_zero[BLOCK_ENTRIES];
+    CHECK(group >= 1);
+    for (int64_t first = 0; first < n; first += group) {
+        const int64_t g = first / group;
+        CHECK(seg[SEG_KEY_SCALE] + (g + 1) * dim * 2 <= f->chunk_bytes && seg[SEG_KEY_SCALE] >= HEADER_BYTES);
+        CHECK(seg[SEG_KEY_ZERO] + (g + 1) * dim * 2 <= f->chunk_bytes && seg[SEG_KEY_ZERO] >= HEADER_BYTES);
+        to_float(chunk + seg[SEG_KEY_SCALE] + g * dim * 2, DT_F16, scales, dim);
+        to_float(chunk + seg[SEG_KEY_ZERO] + g * dim * 2, DT_F16, zeros, dim);
+        for (int64_t i = 0; i < m; ++i) { /* q · k = codes · (q ⊙ s) + q · z */
+            const float *q = w->turned + i * dim;
+            float *qs = w->folded + i * dim, offset = 0.0f;
+            for (int64_t c = 0; c < dim; ++c) {
+                qs[c] = q[c] * scales[c];
+                offset += q[c] * zeros[c];
+            }
+            w->zero_dot[i] = offset;
+        }
+        const int64_t stop = first + group < n ? first + group : n;
+        for (int64_t start = first; start < stop; start += BLOCK_ENTRIES) {
+            const int64_t count = stop - start < BLOCK_ENTRIES ? stop - start : BLOCK_ENTRIES;
+            CHECK(seg[SEG_KEYS] >= HEADER_BYTES && seg[SEG_KEYS] + (start + count) * kb <= f->chunk_bytes);
+            for (int64_t t = 0; t < count; ++t) unpack(chunk + seg[SEG_KEYS] + (start + t) * kb, dim, bits, w->block + t * dim);
+            const float *b = NULL;
+            if (f->flags & FLAG_BETA) {
+                CHECK(seg[SEG_BETA] >= HEADER_BYTES && seg[SEG_BETA] + (start + count) * 4 <= f->chunk_bytes);
+                memcpy(beta, chunk + seg[SEG_BETA] + start * 4, sizeof(float) * (size_t)count);
+                b = beta;
+            }
+            block_logits(s, w->folded, w->zero_dot, w->e->scale, b, w->block, count, dim);
+            update_maximum(s, count, dim);
+            CHECK(seg[SEG_VALUES] >= HEADER_BYTES && seg[SEG_VALUES] + (start + count) * kb <= f->chunk_bytes);
+            CHECK(seg[SEG_VALUE_SCALE] >= HEADER_BYTES && seg[SEG_VALUE_SCALE] + (start + count) * 2 <= f->chunk_bytes);
+            CHECK(seg[SEG_VALUE_ZERO] >= HEADER_BYTES && seg[SEG_VALUE_ZERO] + (start + count) * 2 <= f->chunk_bytes);
+            for (int64_t t = 0; t < count; ++t)
+                unpack(chunk + seg[SEG_VALUES] + (start + t) * kb, dim, bits, w->block + t * dim);
+            to_float(chunk + seg[SEG_VALUE_SCALE] + start * 2, DT_F16, value_scale, count);
+            to_float(chunk + seg[SEG_VALUE_ZERO] + start * 2, DT_F16, value_zero, count);
+            block_values(s, w->block, value_scale, value_zero, count, dim);
+        }
+    }
+    return 0;
+}
+
+ALWAYS_INLINE int attend_float_rows(segment_work *w, softmax_state *s, const uint8_t *chunk, const int64_t *seg,
+                                    int64_t dim) {
+    const kvf_file *f = w->f;
+    const int64_t n = seg[SEG_ENTRIES], dt = f->float_dtype, row = dim * element_bytes(dt);
+    float beta[BLOCK_ENTRIES];
+    for (int64_t start = 0; start < n; start += BLOCK_ENTRIES) {
+        const int64_t count = n - start < BLOCK_ENTRIES ? n - start : BLOCK_ENTRIES;
+        CHECK(seg[SEG_KEYS] >= HEADER_BYTES && seg[SEG_KEYS] + (start + count) * row <= f->chunk_bytes);
+        to_float(chunk + seg[SEG_KEYS] + start * row, dt, w->block, count * dim);
+        const float *b = NULL;
+        if (f->flags & FLAG_BETA) {
+            CHECK(seg[SEG_BETA] >= HEADER_BYTES && seg[SEG_BETA] + (start + count) * 4 <= f->chunk_bytes);
+            memcpy(beta, chunk + seg[SEG_BETA] + start * 4, sizeof(float) * (size_t)count);
+            b = beta;
+        }
+        block_logits(s, w->turned, NULL, w->e->scale, b, w->block, count, dim);
+        update_maximum(s, count, dim);
+        CHECK(seg[SEG_VALUES] >= HEADER_BYTES && seg[SEG_VALUES] + (start + count) * row <= f->chunk_bytes);
+        to_float(chunk + seg[SEG_VALUES] + start * row, dt, w->block, count * dim);
+        block_values(s, w->block, NULL, NULL, count, dim);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ one (request, head, query tile) */
+typedef struct {
+    const kvf_engine *e;
+    const kvf_request *r;
+    int64_t layer, head, first_token, tokens; /* the tile: tokens first_token .. of the request's query */
+    int64_t step_tokens;                      /* rows of query and out */
+    const void *query;
+    int64_t query_token_stride, query_head_stride;
+    void *out;
+    int64_t out_token_stride, out_head_stride;
+} tile_job;
+
+static inline const uint8_t *block_base(const kvf_engine *e, int64_t layer, int64_t block) {
+    const int64_t block_bytes = e->kv_heads * e->block_size * 2 * e->dim * element_bytes(e->dtype);
+    return (const uint8_t *)(intptr_t)e->layer_cache[layer] + block * block_bytes;
+}
+
+/* The request's own tokens (served slots P .. seq_len − 1), with the queries as the engine turned them. */
+ALWAYS_INLINE int attend_own_tokens(const tile_job *job, softmax_state *s, const float *queries, float *block,
+                                    int64_t dim) {
+    const kvf_engine *e = job->e;
+    const kvf_request *r = job->r;
+    const int64_t m = s->m, bs = e->block_size, group = e->q_heads / e->kv_heads, size = element_bytes(e->dtype);
+    const int64_t placeholders = r->file->placeholders, own = r->seq_len - placeholders;
+    const int64_t head_bytes = bs * 2 * dim * size;
+    /* query i = token j (i / group) of the tile sees own tokens 0 .. own − query_len + first_token + j */
+    const int64_t first_seen = own - r->query_len + job->first_token;
+    const int64_t last = first_seen + job->tokens; /* own tokens any query of the tile sees */
+    float keys[MAX_DIM * BLOCK_ENTRIES];           /* (dim, count): channel-major */
+    for (int64_t start = 0, count = 0; start < last; start += count) {
+        const int64_t slot = placeholders + start, block_index = slot / bs, offset = slot % bs;
+        count = last - start < BLOCK_ENTRIES ? last - start : BLOCK_ENTRIES;
+        if (count > bs - offset) count = bs - offset; /* one block at a time */
+        CHECK(block_index < r->num_block_ids);
+        const int64_t id = r->blocks[block_index];
+        CHECK(id >= 0 && id < e->num_blocks && job->layer < e->layers);
+        const uint8_t *run = block_base(e, job->layer, id) + job->head * head_bytes;
+        if (e->key_layout == KEYS_CHANNEL_MAJOR) {
+            for (int64_t c = 0; c < dim; ++c) to_float(run + (c * bs + offset) * size, e->dtype, keys + c * BLOCK_ENTRIES, count);
+        } else {
+            for (int64_t c = 0; c < dim; ++c)
+                for (int64_t t = 0; t < count; ++t) {
+                    const int64_t at = e->key_position[(offset + t) * dim + c];
+                    CHECK(at >= 0 && at < bs * dim);
+                    to_float(run + at * size, e->dtype, keys + c * BLOCK_ENTRIES + t, 1);
+                }
+        }
+        for (int64_t i = 0; i < m; ++i) { /* logits along the block's tokens, channel by channel */
+            const float *q = queries + i * dim;
+            vf a0 = {0}, a1 = {0};
+            for (int64_t c = 0; c < dim; ++c) {
+                const vf qc = q[c] + (vf){0};
+                a0 += qc * vload(keys + c * BLOCK_ENTRIES);
+                a1 += qc * vload(keys + c * BLOCK_ENTRIES + LANES);
+            }
+            float *l = s->logits + i * BLOCK_ENTRIES;
+            vstore(l, a0 * e->scale);
+            vstore(l + LANES, a1 * e->scale);
+            const int64_t sees = first_seen + i / group; /* causal: own tokens 0 .. sees */
+            for (int64_t t = 0; t < count; ++t)
+                if (start + t > sees) l[t] = -INFINITY;
+        }
+        update_maximum(s, count, dim);
+        to_float(run + bs * dim * size + offset * dim * size, e->dtype, block, count * dim); /* values: row-major */
+        block_values(s, block, NULL, NULL, count, dim);
+    }
+    return 0;
+}
+
+/* Floats of workspace one thread needs. */
+static int64_t workspace_per_thread(int64_t dim) {
+    const int64_t m = TILE_QUERIES;
+    return 4 * m * dim /* queries, turned, folded, numerators */ + 4 * m /* maxima, sums, zero_dot */ +
+           BLOCK_ENTRIES * m /* logits */ + BLOCK_ENTRIES * dim /* a block */ + 64;
+}
+
+ALWAYS_INLINE int attend_tile_dim(const tile_job *job, float *ws, int64_t dim) {
+    const kvf_engine *e = job->e;
+    const kvf_request *r = job->r;
+    const kvf_file *f = r->file;
+    const int64_t group = e->q_heads / e->kv_heads, m = job->tokens * group;
+    float *queries = ws, *turned = queries + m * dim, *folded = turned + m * dim;
+    softmax_state s = {m, folded + m * dim, 0, 0, 0, 0};
+    s.den = s.top + m, s.zero_sum = s.den + m, s.num = s.zero_sum + m, s.logits = s.num + m * dim;
+    float *zero_dot = s.logits + BLOCK_ENTRIES * m, *block = zero_dot + m;
+    CHECK(f && f->dim == dim && f->vdim == dim && f->rows == e->kv_heads && f->layers == e->layers);
+    CHECK(f->chunk_bytes <= e->kv_heads * e->block_size * 2 * dim * element_bytes(e->dtype));
+    CHECK(f->bits != 0 || (f->float_dtype >= DT_F32 && f->float_dtype <= DT_F16));
+    CHECK(r->query_start >= 0 && r->query_start + job->first_token + job->tokens <= job->step_tokens);
+    /* the tile's queries: token j, head group · head + g is query j · group + g */
+    for (int64_t j = 0; j < job->tokens; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t token = r->query_start + job->first_token + j, head = job->head * group + g;
+            const int64_t at = token * job->query_token_stride + head * job->query_head_stride;
+            to_float((const uint8_t *)job->query + at * element_bytes(e->dtype), e->dtype,
+                     queries + (j * group + g) * dim, dim);
+        }
+    /* turned by the file's offset: (x1, x2) → (x1 cos − x2 sin, x2 cos + x1 sin), RoPE's half-split pairs */
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < m; ++i) {
+        const float *q = queries + i * dim;
+        float *t = turned + i * dim;
+        for (int64_t p = 0; p < half; ++p) {
+            const double cs = f->rope[2 * p], sn = f->rope[2 * p + 1], x1 = q[p], x2 = q[p + half];
+            t[p] = (float)(x1 * cs - x2 * sn);
+            t[p + half] = (float)(x2 * cs + x1 * sn);
+        }
+    }
+    for (int64_t i = 0; i < m; ++i) s.top[i] = -INFINITY, s.den[i] = 0.0f, s.zero_sum[i] = 0.0f;
+    memset(s.num, 0, sizeof(float) * (size_t)(m * dim));
+    segment_work w = {e, f, turned, folded, zero_dot, block};
+    const int64_t row = job->layer * f->rows + job->head;
+    CHECK(row >= 0 && row < f->layers * f->rows);
+    for (int64_t k = f->row_start[row]; k < f->row_start[row + 1]; ++k) {
+        CHECK(k >= 0 && k < f->num_segments);
+        const int64_t *seg = f->segments + k * SEG_FIELDS;
+        const int64_t chunk = seg[SEG_CHUNK];
+        CHECK(chunk >= 0 && chunk < f->num_chunks && chunk / f->layers < r->num_block_ids);
+        const int64_t id = r->blocks[chunk / f->layers];
+        CHECK(id >= 0 && id < e->num_blocks);
+        const uint8_t *bytes = block_base(e, chunk % f->layers, id);
+        int status;
+        switch (f->bits) {
+            case 8: status = attend_codes(&w, &s, bytes, seg, 8, dim); break;
+            case 4: status = attend_codes(&w, &s, bytes, seg, 4, dim); break;
+            case 3: status = attend_codes(&w, &s, bytes, seg, 3, dim); break;
+            case 2: status = attend_codes(&w, &s, bytes, seg, 2, dim); break;
+            default: status = attend_float_rows(&w, &s, bytes, seg, dim);
+        }
+        if (status) return status;
+    }
+    /* then the own tokens, with the engine's queries */
+    const int status = attend_own_tokens(job, &s, queries, block, dim);
+    if (status) return status;
+    for (int64_t j = 0; j < job->tokens; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t i = j * group + g;
+            const int64_t token = r->query_start + job->first_token + j, head = job->head * group + g;
+            const int64_t at = token * job->out_token_stride + head * job->out_head_stride;
+            const float inverse = 1.0f / s.den[i], *o = s.num + i * dim;
+            for (int64_t c = 0; c < dim; ++c)
+                store_element(job->out, at + c, e->dtype, (o[c] + s.zero_sum[i]) * inverse);
+        }
+    return 0;
+}
+
+/* The tile, compiled for the common head sizes (so that their loops unroll) and for any other. */
+static int attend_tile(const tile_job *job, float *ws) {
+    switch (job->e->dim) {
+        case 64: return attend_tile_dim(job, ws, 64);
+        case 128: return attend_tile_dim(job, ws, 128);
+        default: return attend_tile_dim(job, ws, job->e->dim);
+    }
+}
+
+/* ------------------------------------------------------------------ the whole call's bounds */
+#ifndef KVFOLD_DEBUG
+static int within(int64_t start, int64_t bytes, int64_t limit) {
+    return start >= HEADER_BYTES && bytes >= 0 && start <= limit && bytes <= limit - start;
+}
+
+static int segment_fits(const kvf_file *f, const int64_t *seg) {
+    const int64_t n = seg[SEG_ENTRIES], limit = f->chunk_bytes;
+    if (n < 0 || n > limit || seg[SEG_CHUNK] < 0 || seg[SEG_CHUNK] >= f->num_chunks) return 0;
+    if (f->flags & FLAG_BETA && !within(seg[SEG_BETA], n * 4, limit)) return 0;
+    if (f->bits == 0) {
+        const int64_t size = element_bytes(f->float_dtype);
+        return within(seg[SEG_KEYS], n * f->dim * size, limit) && within(seg[SEG_VALUES], n * f->vdim * size, limit);
+    }
+    const int64_t groups = (n + f->group - 1) / f->group;
+    return within(seg[SEG_KEYS], n * (f->dim * f->bits / 8), limit) &&
+           within(seg[SEG_VALUES], n * (f->vdim * f->bits / 8), limit) &&
+           within(seg[SEG_KEY_SCALE], groups * f->dim * 2, limit) && within(seg[SEG_KEY_ZERO], groups * f->dim * 2, limit) &&
+           within(seg[SEG_VALUE_SCALE], n * 2, limit) && within(seg[SEG_VALUE_ZERO], n * 2, limit);
+}
+
+static int block_ok(const kvf_engine *e, const kvf_request *r, int64_t index) {
+    return index >= 0 && index < r->num_block_ids && r->blocks[index] >= 0 && r->blocks[index] < e->num_blocks;
+}
+
+static int call_fits(const kvf_engine *e, const kvf_request *requests, int64_t count, int64_t layer, int64_t tokens) {
+    const int64_t block_bytes = e->kv_heads * e->block_size * 2 * e->dim * element_bytes(e->dtype);
+    for (int64_t n = 0; n < count; ++n) {
+        const kvf_request *r = requests + n;
+        const kvf_file *f = r->file;
+        if (!f || !r->blocks || f->layers != e->layers || f->rows != e->kv_heads || f->dim != e->dim) return 0;
+        if (f->vdim != e->dim || f->chunk_bytes != block_bytes || f->placeholders % e->block_size) return 0;
+        if (f->bits != 0 && (f->bits < 2 || f->bits > 8 || f->bits == 5 || f->bits == 6 || f->bits == 7)) return 0;
+        if (f->bits == 0 && (f->float_dtype < DT_F32 || f->float_dtype > DT_F16)) return 0;
+        if (f->bits && f->group < 1) return 0;
+        if (f->num_chunks < 0 || (f->num_chunks + f->layers - 1) / f->layers > f->placeholders / e->block_size) return 0;
+        if (r->query_len < 1 || r->query_start < 0 || r->query_start > tokens - r->query_len) return 0;
+        if (r->seq_len - f->placeholders < r->query_len) return 0;
+        const int64_t needed = (r->seq_len + e->block_size - 1) / e->block_size;
+        if (needed > r->num_block_ids) return 0;
+        for (int64_t b = 0; b < needed; ++b)
+            if (!block_ok(e, r, b)) return 0;
+        for (int64_t head = 0; head < f->rows; ++head) {
+            const int64_t row = layer * f->rows + head, first = f->row_start[row], stop = f->row_start[row + 1];
+            if (first < 0 || stop < first || stop > f->num_segments) return 0;
+            for (int64_t k = first; k < stop; ++k) {
+                const int64_t *seg = f->segments + k * SEG_FIELDS;
+                if (!segment_fits(f, seg)) return 0;
+                const int64_t chunk = seg[SEG_CHUNK];
+                const uint8_t *bytes = block_base(e, chunk % f->layers, r->blocks[chunk / f->layers]);
+                uint32_t header[3];
+                memcpy(header, bytes, sizeof header);
+                if (header[0] != CHUNK_MAGIC || (int64_t)header[1] != f->chunk_segments[chunk] ||
+                    (int64_t)header[2] != f->flags)
+                    return 0;
+            }
+        }
+    }
+    return 1;
+}
+#endif
+
+/* Every request's rows of one layer's output. Returns 0, or an error code (kvfold.runtime.native.ERRORS):
+ * 1 a dimension past the kernel's limits, 4 arguments that do not fit (release build), 5 an index past a
+ * buffer (debug build), 6 a workspace too small. */
+int kvfold_attend_pool(const kvf_engine *e, const kvf_request *requests, int64_t count, int64_t layer, int64_t tokens,
+                       const void *query, int64_t query_token_stride, int64_t query_head_stride, void *out,
+                       int64_t out_token_stride, int64_t out_head_stride) {
+    if (e->dim > MAX_DIM || e->dim % LANES || e->kv_heads < 1 || e->q_heads % e->kv_heads) return 1;
+    if (e->q_heads / e->kv_heads > TILE_QUERIES) return 1;
+    if (layer < 0 || layer >= e->layers || e->dtype < DT_F32 || e->dtype > DT_F16 || e->block_size < 1) return 4;
+    const int64_t threads = e->threads < 1 ? 1 : e->threads;
+    if (e->workspace_floats < threads * workspace_per_thread(e->dim)) return 6;
+    if (e->key_layout != KEYS_CHANNEL_MAJOR && (e->key_layout != KEYS_TABLE || !e->key_position)) return 4;
+#ifndef KVFOLD_DEBUG
+    if (!call_fits(e, requests, count, layer, tokens)) return 4;
+#endif
+    const int64_t group = e->q_heads / e->kv_heads, tile_tokens = TILE_QUERIES / group;
+    int status = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#endif
+    for (int64_t item = 0; item < count * e->kv_heads; ++item) {
+#ifdef _OPENMP
+        float *ws = e->workspace + (int64_t)omp_get_thread_num() * workspace_per_thread(e->dim);
+#else
+        float *ws = e->workspace;
+#endif
+        const kvf_request *r = requests + item / e->kv_heads;
+        for (int64_t first = 0; first < r->query_len; first += tile_tokens) {
+            const int64_t n = r->query_len - first < tile_tokens ? r->query_len - first : tile_tokens;
+            const tile_job job = {e, r, layer, item % e->kv_heads, first, n, tokens, query, query_token_stride,
+                                  query_head_stride, out, out_token_stride, out_head_stride};
+            const int found = attend_tile(&job, ws);
+            if (found) {
+#ifdef _OPENMP
+#pragma omp atomic write
+#endif
+                status = found;
+                break;
+            }
+        }
+    }
+    return status;
+}
+
+/* What kvfold_attend_pool needs of workspace per thread, in floats (the caller allocates it). */
+int64_t kvfold_pool_workspace_floats(int64_t dim) { return workspace_per_thread(dim); }

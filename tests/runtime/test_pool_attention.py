@@ -1,0 +1,302 @@
+"""A serving step's requests on pooled files in one kernel call a layer (kvfold.runtime.pool_attention):
+equal to the per-chunk path it replaced for every code width and rows at full precision, with ragged
+rows, segments cut inside a key group, several files and requests of different lengths in one step; one
+call a layer whatever the requests, chunks and segments; every argument that does not fit refused before
+anything is read (release build) or at the read (debug build)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvfold.runtime import native
+from kvfold.runtime.pool_attention import (
+    EngineCaches,
+    PoolStep,
+    StepRequest,
+    attend_request_per_chunk,
+    check_chunks,
+    pooled_file,
+    turn,
+    turn_table,
+)
+from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.row_pool import FloatRows, PoolError, chunk_rows, pack_pool
+
+D, KV_HEADS, Q_HEADS, LAYERS, BLOCK = 32, 3, 9, 4, 8
+SCALE = D**-0.5
+INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+pytestmark = pytest.mark.skipif(native.attend_pool_kernel() is None, reason=f"no pool kernel: {native.pool_status()}")
+
+
+def _rows(fmt: str | None, lengths: list[int], g: torch.Generator, dtype: torch.dtype) -> QuantizedRows | FloatRows:
+    width = max(max(lengths), 1)
+    keys = torch.randn(KV_HEADS, width, D, generator=g) * 2
+    keys[:, :, 3] += 5.0
+    values = torch.randn(KV_HEADS, width, D, generator=g)
+    beta = torch.randn(KV_HEADS, width, generator=g)
+    if fmt is None:
+        beta[torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]] = float("-inf")
+        return FloatRows.from_padded(keys.to(dtype), values.to(dtype), beta)
+    return QuantizedRows.from_padded(keys, values, beta, torch.tensor(lengths), QuantConfig.parse(fmt))
+
+
+@dataclass
+class Scene:
+    engine: EngineCaches
+    requests: list[StepRequest]
+    query: torch.Tensor
+    tokens: int
+
+
+def _scene(
+    fmt: str | None, dtype: torch.dtype = torch.float32, seed: int = 0, key_layout: str = "channel", block: int = BLOCK
+) -> Scene:
+    """Two files, three requests on them (a question's first step of 5 tokens, a decode step, a 40-token
+    question longer than one tile), plain rows between, in an engine of ``block``-token blocks (8 by
+    default: rows cut into many segments)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 160
+    caches = [torch.randn(num_blocks, KV_HEADS, block, 2 * D, generator=g).to(dtype) for _ in range(LAYERS)]
+    position = None
+    if key_layout == "table":  # a permutation of each block's keys other than channel-major
+        position = torch.randperm(block * D, generator=g)
+    engine = EngineCaches(caches, Q_HEADS, SCALE, key_position=position, threads=2)
+    row_dtype = dtype if fmt is None else torch.float32
+    files = []
+    ragged = [[70, 0, 33], [5, 90, 64], [0, 0, 0], [41, 1, 77]], [[12, 30, 9], [64, 65, 66], [3, 0, 50], [7, 8, 9]]
+    for lengths in ragged:
+        layers = [_rows(fmt, row, g, row_dtype) for row in lengths]
+        plan, chunks = pack_pool(layers, KV_HEADS * block * 2 * D * caches[0].element_size())
+        placeholders = math.ceil(plan.num_chunks / LAYERS) * block
+        files.append((pooled_file(plan, placeholders, 1000 + placeholders, INV_FREQ), chunks))
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    requests, rows, step = [], 0, []
+    for file_index, own, new in ((0, 5, 5), (1, 23, 1), (0, 47, 40)):
+        file, chunks = files[file_index]
+        seq_len = file.placeholders + own
+        blocks = torch.zeros(20, dtype=torch.int32)  # a block table row, wider than the request needs
+        held = [free.pop() for _ in range(math.ceil(seq_len / block))]
+        blocks[: len(held)] = torch.tensor(held, dtype=torch.int32)
+        for c in range(file.plan.num_chunks):
+            engine.chunk(blocks, c, LAYERS).copy_(chunks[c])
+        rows += 2  # plain rows before each request
+        requests.append(StepRequest(rows, new, seq_len, file, blocks))
+        rows += new
+        step.append(file)
+    query = torch.randn(rows + 3, Q_HEADS, D, generator=g).to(dtype)
+    return Scene(engine, requests, query, rows + 3)
+
+
+def _reference(scene: Scene, layer: int) -> list[torch.Tensor]:
+    out = []
+    for request in scene.requests:
+        rows = slice(request.query_start, request.query_start + request.query_len)
+        out.append(attend_request_per_chunk(scene.engine, request, layer, scene.query[rows]))
+    return out
+
+
+FORMATS = ["int8", "int4", "int3", "int2", "int4[key_group=16]", None]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f or "full-precision")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_one_call_a_layer_equals_the_per_chunk_path(fmt, dtype):
+    scene = _scene(fmt, dtype)
+    cut_inside = [
+        seg
+        for r in scene.requests
+        for chunk in r.file.plan.chunks
+        for seg in chunk.segments
+        if fmt and seg.first % QuantConfig.parse(fmt).key_group
+    ]
+    assert fmt is None or cut_inside  # some segment starts inside a key group
+    step = PoolStep(scene.engine, scene.requests)
+    for layer in range(LAYERS):
+        output = torch.full_like(scene.query, float("nan"))
+        step.attend(layer, scene.query, output)
+        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
+            got = output[request.query_start : request.query_start + request.query_len].float()
+            tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+        served = torch.zeros(scene.tokens, dtype=torch.bool)
+        for request in scene.requests:
+            served[request.query_start : request.query_start + request.query_len] = True
+        assert bool(output[~served].isnan().all())  # the plain rows are not written
+
+
+def test_keys_in_any_layout_of_the_engine_are_read_right():
+    scene = _scene("int4", key_layout="table")
+    assert scene.engine.layout == 1
+    step = PoolStep(scene.engine, scene.requests)
+    output = torch.zeros_like(scene.query)
+    step.attend(2, scene.query, output)
+    for request, expected in zip(scene.requests, _reference(scene, 2), strict=True):
+        got = output[request.query_start : request.query_start + request.query_len]
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("key_layout", ["channel", "table"])
+def test_blocks_longer_than_the_kernels_runs_of_entries_are_read_from_where_each_token_lies(key_layout):
+    """64-token blocks (vLLM's CPU default is 128): a request's own tokens start and stop inside blocks."""
+    scene = _scene("int4", key_layout=key_layout, block=64)
+    step = PoolStep(scene.engine, scene.requests)
+    output = torch.zeros_like(scene.query)
+    step.attend(3, scene.query, output)
+    for request, expected in zip(scene.requests, _reference(scene, 3), strict=True):
+        got = output[request.query_start : request.query_start + request.query_len]
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_the_reference_is_the_softmax_over_the_rows_and_the_own_tokens_in_float64():
+    """The per-chunk path itself, against attention written out in float64 for one request and layer."""
+    scene = _scene("int8")
+    request, layer = scene.requests[2], 1
+    rows = slice(request.query_start, request.query_start + request.query_len)
+    got = attend_request_per_chunk(scene.engine, request, layer, scene.query[rows])
+    plan = request.file.plan
+    keys = {h: [] for h in range(KV_HEADS)}
+    values = {h: [] for h in range(KV_HEADS)}
+    betas = {h: [] for h in range(KV_HEADS)}
+    for index, layout in enumerate(plan.chunks):
+        stored = chunk_rows(scene.engine.chunk(request.blocks, index, LAYERS), layout, plan)
+        k, v, beta = stored.to_padded()  # the file's rows, dequantized from the engine's chunks
+        for position, seg in enumerate(layout.segments):
+            if seg.layer == layer:
+                n = seg.entries
+                keys[seg.row].append(k[position, :n].double())
+                values[seg.row].append(v[position, :n].double())
+                betas[seg.row].append(beta[position, :n].double())
+    own = request.seq_len - request.file.placeholders
+    own_keys, own_values = scene.engine.own_tokens(request.blocks, layer, request.file.placeholders, own)
+    group = Q_HEADS // KV_HEADS
+    q = scene.query[rows].double()
+    for head in range(Q_HEADS):
+        h = head // group
+        file_keys, file_values, beta = torch.cat(keys[h]), torch.cat(values[h]), torch.cat(betas[h])
+        for j in range(request.query_len):
+            turned = turn(q[j, head], turn_table(INV_FREQ, 1000 + request.file.placeholders))
+            seen = own - request.query_len + j + 1
+            logits = torch.cat(
+                [turned @ file_keys.T * SCALE + beta, q[j, head] @ own_keys[:seen, h].double().T * SCALE]
+            )
+            expected = torch.softmax(logits, -1) @ torch.cat([file_values, own_values[:seen, h].double()])
+            torch.testing.assert_close(got[j, head].double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_files_part_of_a_layer_is_one_call_whatever_the_requests_chunks_and_segments(monkeypatch):
+    scene = _scene("int4")
+    kernel = native.attend_pool_kernel()
+    calls = []
+
+    class Counting:
+        openmp, debug = kernel.openmp, kernel.debug
+
+        def workspace_floats(self, dim):
+            return kernel.workspace_floats(dim)
+
+        def attend(self, *args):
+            calls.append(args[3])  # the layer
+            return kernel.attend(*args)
+
+    step = PoolStep(scene.engine, scene.requests, kernel=Counting())
+    segments = sum(r.file.segments.shape[0] for r in scene.requests)
+    assert len(scene.requests) == 3 and segments > 2 * LAYERS * KV_HEADS  # rows cut into several segments
+    output = torch.zeros_like(scene.query)
+    for layer in range(LAYERS):
+        step.attend(layer, scene.query, output)
+    assert calls == list(range(LAYERS))
+
+
+def test_without_the_kernel_the_per_chunk_path_writes_the_same_rows():
+    scene = _scene("int3")
+    native_out, torch_out = torch.zeros_like(scene.query), torch.zeros_like(scene.query)
+    PoolStep(scene.engine, scene.requests).attend(0, scene.query, native_out)
+    fallback = PoolStep(scene.engine, scene.requests)
+    fallback.kernel = None
+    assert not fallback.native
+    fallback.attend(0, scene.query, torch_out)
+    torch.testing.assert_close(native_out, torch_out, rtol=2e-5, atol=2e-5)
+
+
+def test_chunks_are_checked_once_after_a_load():
+    scene = _scene("int4")
+    request = scene.requests[0]
+    check_chunks(scene.engine, request.file, request.blocks)
+    scene.engine.chunk(request.blocks, 1, LAYERS)[:4] = 0
+    with pytest.raises(PoolError, match="header"):
+        check_chunks(scene.engine, request.file, request.blocks)
+
+
+# ------------------------------------------------------------------------------------------ bounds
+def _blocks_past_the_engine(scene: Scene) -> None:
+    scene.requests[1].blocks[0] = scene.engine.num_blocks
+
+
+def _a_sequence_past_its_block_table(scene: Scene) -> None:
+    r = scene.requests[1]
+    scene.requests[1] = StepRequest(r.query_start, r.query_len, r.seq_len + 200, r.file, r.blocks)
+
+
+def _rows_past_the_step(scene: Scene) -> None:
+    r = scene.requests[2]
+    scene.requests[2] = StepRequest(scene.tokens - 3, r.query_len, r.seq_len, r.file, r.blocks)
+
+
+def _a_segment_past_its_chunk(scene: Scene) -> None:
+    file = scene.requests[0].file
+    file.segments[int(file.row_start[0]), 2] = file.plan.chunk_bytes - 4  # layer 0, head 0: its key codes
+
+
+def _a_chunk_that_is_not_the_files(scene: Scene) -> None:
+    request = scene.requests[0]
+    scene.engine.chunk(request.blocks, 0, LAYERS).zero_()
+
+
+CORRUPTIONS = [
+    _blocks_past_the_engine,
+    _a_sequence_past_its_block_table,
+    _rows_past_the_step,
+    _a_segment_past_its_chunk,
+]
+
+
+@pytest.mark.parametrize("corrupt", [*CORRUPTIONS, _a_chunk_that_is_not_the_files], ids=lambda f: f.__name__[1:])
+def test_the_release_build_refuses_what_does_not_fit_before_reading(corrupt):
+    scene = _scene("int4")
+    corrupt(scene)
+    output = torch.zeros_like(scene.query)
+    with pytest.raises(RuntimeError, match="code 4"):
+        PoolStep(scene.engine, scene.requests).attend(0, scene.query, output)
+    assert not output.any()  # refused before anything was written
+
+
+@pytest.fixture
+def debug_kernel(monkeypatch):
+    monkeypatch.setenv(native.DEBUG_ENV, "1")
+    native.attend_pool_kernel.cache_clear()
+    kernel = native.attend_pool_kernel()
+    assert kernel is not None and kernel.debug, native.pool_status()
+    yield kernel
+    native.attend_pool_kernel.cache_clear()
+
+
+def test_the_debug_build_computes_what_the_release_build_does(debug_kernel):
+    scene = _scene("int3")
+    debug, release = torch.zeros_like(scene.query), torch.zeros_like(scene.query)
+    PoolStep(scene.engine, scene.requests, kernel=debug_kernel).attend(1, scene.query, debug)
+    PoolStep(scene.engine, scene.requests, kernel=native.load_pool_kernel(debug=False)).attend(1, scene.query, release)
+    torch.testing.assert_close(debug, release, rtol=1e-5, atol=1e-5)  # sums in another order
+    assert "debug build" in native.pool_status()
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__[1:])
+def test_the_debug_build_checks_every_index_as_it_reads(debug_kernel, corrupt):
+    scene = _scene("int4")
+    corrupt(scene)
+    step = PoolStep(scene.engine, scene.requests, kernel=debug_kernel)
+    with pytest.raises(RuntimeError, match="code 5"):
+        step.attend(0, scene.query, torch.zeros_like(scene.query))
