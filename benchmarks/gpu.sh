@@ -11,9 +11,9 @@
 # TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
-# PHASES ("env tests long short memory profile report") and each phase's seconds: T_TESTS (130),
-# T_LONG (165), T_SHORT (70), T_MEMORY (35), T_PROFILE (25, each of two).
-# Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-long|short|memory/{records.jsonl,bench.json,bench.md},
+# PHASES ("env tests compiled long short memory profile report") and each phase's seconds: T_TESTS (130),
+# T_COMPILED (150), T_LONG (165), T_SHORT (70), T_MEMORY (35), T_PROFILE (25, each of two).
+# Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|long|short|memory/{records.jsonl,bench.json,bench.md},
 # OUT/profile-full.txt, OUT/profile-kvzip.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ LONG=${LONG:-32768}
 SHORT=${SHORT:-8192}
 NEW_TOKENS=${NEW_TOKENS:-8}
 OUT=${OUT:-docs/results/data/gpu-$(date +%F)}
-PHASES=${PHASES:-env tests long short memory profile report}
+PHASES=${PHASES:-env tests compiled long short memory profile report}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -83,7 +83,11 @@ sweep() {  # sweep NAME SECONDS OUT_DIR METHODS BENCH_ARGS...: one bench a metho
   done
 }
 
-# The long context first: the targets are at 32K (stock's compiled static cache is the bar for full;
+# The compiled decode at the long context first (kvfold's steps through torch.compile and CUDA graphs over
+# fixed tails, full beside each method, also compiled): the decode targets are its numbers.
+wants compiled && sweep compiled "${T_COMPILED:-150}" "$OUT/bench-compiled" stock-static,kvzip,kvzip+am_fit \
+  --length "$LONG" --budgets 0.1 --compiled
+# Then the eager decode at the long context: the targets are at 32K (stock's compiled static cache is the bar for full;
 # kvzip+am_fit last, its compression the slowest).
 wants long && sweep long "${T_LONG:-165}" "$OUT/bench-long" stock,stock-static,kvzip,kvzip+am_fit \
   --length "$LONG" --budgets 0.1

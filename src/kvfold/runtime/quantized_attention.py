@@ -80,9 +80,11 @@ def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_
 
 def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
     """Whether the compiled kernel can read these rows: float32 queries on the CPU, codes of 8, 4, 3
-    or 2 bits with one value scale an entry, no full-precision outlier entries."""
+    or 2 bits with one value scale an entry, no full-precision outlier entries, outside a step that
+    ``torch.compile`` traces (it compiles the PyTorch path; a ctypes call would break its graph)."""
     return (
         queries.device.type == "cpu"
+        and not torch.compiler.is_compiling()
         and queries.dtype == torch.float32
         and not stored.config.is_float
         and not stored.config.value_group
