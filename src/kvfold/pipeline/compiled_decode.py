@@ -11,8 +11,9 @@ again, or break it into pieces.
 new tokens, the next slot a device counter, unwritten slots β = −inf, the stored rows' page index
 built), then runs the model's forward through ``torch.compile`` with ``dynamic=False``: the first step
 traces and compiles, every later one replays. Positions come from the cache's device counter (the
-model reads ``get_seq_length()``, a tensor while the tails are fixed). Quantized rows are read by the
-PyTorch path, which the compiler fuses (the CPU's C kernel is a ctypes call, outside any graph).
+model reads ``get_seq_length()``, a tensor while the tails are fixed). On a GPU stored rows are read by
+the Triton kernel (:mod:`kvfold.runtime.triton_attention`), which a compiled graph calls as it is; on
+the CPU by the PyTorch path, which the compiler fuses (the C kernel is a ctypes call, outside any graph).
 
 Works for the full cache and every compressed one whose layers kvfold holds (not sliding-window
 layers, not online methods): the same logits as the eager decode within float tolerances
@@ -29,6 +30,7 @@ from transformers import PreTrainedModel
 
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.triton_attention import available as triton_available
 
 
 def compile_mode(device: torch.device) -> str | None:
@@ -67,6 +69,8 @@ class CompiledDecode:
         device = next(model.parameters()).device
         self._cuda = device.type == "cuda"
         forward: Callable[..., Any] = model.forward
+        if self._cuda and triton_available():  # the kernel over stored rows, defined before the first trace
+            import kvfold.runtime.triton_kernels  # noqa: F401
         if compile:
             mode = mode if mode is not None else compile_mode(device)
             forward = torch.compile(forward, backend=backend, mode=mode, dynamic=False)

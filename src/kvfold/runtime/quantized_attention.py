@@ -25,6 +25,7 @@ from kvfold.runtime.native import ERRORS, attend_codes_kernel
 from kvfold.runtime.pages import empty_part, gather_pages, page_logits, page_softmax, sum_pages
 from kvfold.runtime.quantize import QuantizedRows, code_planes
 from kvfold.runtime.rows import FloatRows, float_part
+from kvfold.runtime.triton_attention import stored_part_triton, triton_applies
 
 Tensor = torch.Tensor
 
@@ -52,8 +53,11 @@ def stored_part(queries: Tensor, stored: QuantizedRows | FloatRows, scaling: flo
     """The stored part of :func:`attend_stored` alone, by the kernel where it applies: each row's
     maximum logit ``(R, M)`` (−inf for an empty row), its weights' sum ``(R, M)`` and weighted values
     ``(R, M, Dv)`` relative to it. Parts of one row's pieces merge by log-sum-exp, and
-    :func:`merge_with_tail` adds the row's tail. Rows at full precision are read by
-    :func:`~kvfold.runtime.rows.float_part`."""
+    :func:`merge_with_tail` adds the row's tail. On a GPU the Triton kernel reads the rows it applies
+    to (:mod:`kvfold.runtime.triton_attention`); otherwise rows at full precision are read by
+    :func:`~kvfold.runtime.rows.float_part`, and codes by the CPU's C kernel or PyTorch."""
+    if triton_applies(queries, stored):
+        return stored_part_triton(queries, stored, scaling)
     if isinstance(stored, FloatRows):
         return float_part(queries, stored, scaling)
     kernel = attend_codes_kernel() if native_applies(queries, stored) else None

@@ -178,12 +178,18 @@ def run_config(config: BenchConfig) -> dict:
 
 
 def quantized_attention_path(cache, device) -> str | None:
-    """How a decode step read the quantized entries: ``native`` (the compiled kernel,
-    :mod:`kvfold.runtime.native`) or ``torch (why)``; None for a cache held unquantized."""
+    """How a decode step read the quantized entries: ``native`` (the CPU's compiled kernel,
+    :mod:`kvfold.runtime.native`), ``triton`` (the GPU's kernel, :mod:`kvfold.runtime.triton_attention`)
+    or ``torch (why)``; None for a cache held unquantized."""
     if cache.quant is None:
         return None
     if getattr(device, "type", str(device)) != "cpu":
-        return "torch (not a CPU device)"
+        from kvfold.runtime.triton_attention import available, reads_rows
+
+        stored = [layer.stored for _, layer in cache.folded_layers if layer.stored is not None]
+        if not available():
+            return "torch (Triton is not installed)"
+        return "triton" if all(map(reads_rows, stored)) else f"torch (the Triton kernel does not read {cache.quant})"
     from kvfold.runtime.native import status
 
     return status()
