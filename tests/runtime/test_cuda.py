@@ -164,3 +164,35 @@ def test_bench_peak_reads_the_cuda_allocator():
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     del block
     assert 63 <= peak.stop() <= 80
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["full", "rows", "int4", "int3"])
+def test_a_compiled_decode_on_cuda_answers_as_the_eager_one(kind, monkeypatch):
+    """CUDA graphs over fixed tails (``reduce-overhead``), stored rows read by the Triton kernel: the eager
+    decode's logits, step after step, one graph for every step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from kvfold.pipeline.compiled_decode import CompiledDecode
+    from tests.pipeline.test_compiled_decode import TOKENS, _cache, _eager_logits
+
+    torch._dynamo.reset()
+    model, cache = _cache(kind)
+    model.cuda()
+    cache = _on_cuda(cache)
+    want = _eager_logits(model, cache.copy(), TOKENS)
+    counter = CompileCounterWithBackend("inductor")
+    with torch.no_grad(), CompiledDecode(model, cache, len(TOKENS), backend=counter, mode="reduce-overhead") as step:
+        got = [step.step(torch.tensor([token], device="cuda")) for token in TOKENS]
+    assert counter.frame_count == 1
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {index}")
+
+
+def _on_cuda(cache):
+    """A CPU-built cache moved to CUDA, every tensor (the stored rows' as they are)."""
+    for _, layer in cache.folded_layers:
+        layer.device = torch.device("cuda")
+        layer.prefetch()
+    torch.cuda.synchronize()
+    return cache

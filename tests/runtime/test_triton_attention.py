@@ -12,6 +12,9 @@ from kvfold.runtime.rows import FloatRows
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""Where the kernel runs: the GPU, or the CPU under Triton's interpreter."""
+
 FORMATS = ["int8", "int4", "int3", "int2", "int4[key_group=16]", "int3[key_group=64]", None]
 """Integer codes of every width and key groups of 16–64 entries, and rows at full precision (None)."""
 
@@ -41,6 +44,12 @@ def _rows(kv_format: str | None, lengths: list[int], dim: int = 32, value_dim: i
     return QuantizedRows.from_padded(keys, values, beta, length, QuantConfig.parse(kv_format))
 
 
+def _kernel(queries, stored, scaling):
+    """The kernel's part on :data:`DEVICE`, brought back to the CPU."""
+    on_device = stored.map(lambda t: t.to(DEVICE))
+    return tuple(t.cpu() for t in triton_attention.stored_part_triton(queries.to(DEVICE), on_device, scaling))
+
+
 def _reference(queries, stored, scaling):
     """The PyTorch path (pages, no kernel), and float64 over the dequantized rows."""
     if isinstance(stored, FloatRows):
@@ -65,7 +74,7 @@ def test_the_kernel_reads_what_the_pytorch_path_reads(kv_format, m):
     stored = _rows(kv_format, [0, 5, 37, 96, 64])
     queries = torch.randn(5, m, 32, generator=torch.Generator().manual_seed(1))
     assert triton_attention.reads_rows(stored)
-    got = triton_attention.stored_part_triton(queries, stored, 0.25)
+    got = _kernel(queries, stored, 0.25)
     torch_part, exact = _reference(queries, stored, 0.25)
     for name, a, b, c in zip(("top", "den", "num"), got, torch_part, exact, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
@@ -77,11 +86,12 @@ def test_the_kernel_reads_what_the_pytorch_path_reads(kv_format, m):
 def test_a_head_dimension_that_is_not_a_power_of_two():
     stored = _rows("int4", [9, 40], dim=48, value_dim=80)
     queries = torch.randn(2, 3, 48, generator=torch.Generator().manual_seed(2))
-    got = triton_attention.stored_part_triton(queries, stored, 0.1)
+    got = _kernel(queries, stored, 0.1)
     for a, b in zip(got, _reference(queries, stored, 0.1)[0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not triton_attention.interpreted(), reason="the CPU's interpreter (on a GPU: test_cuda.py)")
 def test_stored_part_takes_the_kernel_where_it_applies(monkeypatch):
     """A decode on CUDA (here: the device check answered as on CUDA) reads the rows the kernel reads with
     it, and the others (fp8, value groups, outliers, key groups under 16) by the PyTorch path."""
@@ -101,6 +111,7 @@ def test_stored_part_takes_the_kernel_where_it_applies(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.skipif(not triton_attention.interpreted(), reason="the CPU's interpreter (on a GPU: test_cuda.py)")
 @pytest.mark.parametrize("kind", ["int4", "int3", "rows"])
 def test_a_decode_step_through_the_model_answers_as_with_the_pytorch_path(kind, monkeypatch):
     """A whole decode step of a tiny model over ragged stored rows, the kernel reading them (as on CUDA),
