@@ -295,3 +295,4 @@ def test_the_path_a_decode_takes_is_recorded():
         assert quantized_attention_path(_cache("int4")[1], cuda) == "triton"
         assert quantized_attention_path(_cache("fp8")[1], cuda).startswith("torch (the Triton kernel does not read")
     assert quantized_attention_path(_cache("int4")[1], torch.device("cpu")).startswith(("native", "torch"))
+    assert quantized_attention_path(_cache("int4")[1], torch.device("cpu"), compiled=True).startswith("torch (compiled")

@@ -173,14 +173,15 @@ def run_config(config: BenchConfig) -> dict:
         **memory_fields,
         "kv_bytes_reserved": compressed.kv_bytes_reserved,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
-        "quantized_attention": quantized_attention_path(compressed.cache, model.device),
+        "quantized_attention": quantized_attention_path(compressed.cache, model.device, config.compiled),
     }
 
 
-def quantized_attention_path(cache, device) -> str | None:
+def quantized_attention_path(cache, device, compiled: bool = False) -> str | None:
     """How a decode step read the quantized entries: ``native`` (the CPU's compiled kernel,
     :mod:`kvfold.runtime.native`), ``triton`` (the GPU's kernel, :mod:`kvfold.runtime.triton_attention`)
-    or ``torch (why)``; None for a cache held unquantized."""
+    or ``torch (why)``; None for a cache held unquantized. ``compiled``: a compiled decode
+    (``--compiled``), which on the CPU reads codes by the PyTorch path that the compiler fuses."""
     if cache.quant is None:
         return None
     if getattr(device, "type", str(device)) != "cpu":
@@ -190,6 +191,8 @@ def quantized_attention_path(cache, device) -> str | None:
         if not available():
             return "torch (Triton is not installed)"
         return "triton" if all(map(reads_rows, stored)) else f"torch (the Triton kernel does not read {cache.quant})"
+    if compiled:
+        return "torch (compiled: the C kernel is outside any graph)"
     from kvfold.runtime.native import status
 
     return status()
