@@ -400,3 +400,20 @@ def test_score_blocks_are_cache_sized_on_the_cpu_and_large_elsewhere():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert repeat.score_block_rows(cpu, 2048, 64) == 128 and repeat.score_block_rows(cpu, 32768, 64) == 16
     assert repeat.score_block_rows(gpu, 32768, 128) == 512 == repeat.score_block_rows(gpu, 2048, 128)
+
+
+def test_a_bfloat16_models_queries_are_held_as_computed_and_fit_as_in_float32():
+    """The repeat pass holds a bfloat16 model's queries in bfloat16 (half the bytes of the float32 copy
+    it held, the compression's peak), and the fits read them as before: the compressed cache equals the
+    one fitted on float32 copies of the same queries, bit for bit."""
+    model = kvfold.enable(make_tiny_model("llama").to(torch.bfloat16))
+    prefilled = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False)
+    held = prefilled.compress("kvzip+am_fit", 0.25)
+    (found, _), *_ = [v for k, v in prefilled.shared.items() if isinstance(k, tuple) and k[0] == "repeat_pass"]
+    assert found.queries and all(q.dtype == torch.bfloat16 for q in found.queries.values())
+    for layer_idx, q in list(found.queries.items()):
+        found.queries[layer_idx] = q.float()  # what the pass held before: a float32 copy
+    widened = prefilled.compress("kvzip+am_fit", 0.25)
+    for (_, a), (_, b) in zip(held.cache.folded_layers, widened.cache.folded_layers, strict=True):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            assert torch.equal(x, y)

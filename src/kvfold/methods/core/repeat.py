@@ -105,8 +105,10 @@ class RepeatPass:
             received from the repeat input's queries, max over the GQA group (−inf on padding); empty when
             the pass did not record it.
         queries: ``(B, H_kv, n, D)`` the repeat input's post-RoPE queries, the ``G`` query heads
-            of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), float32
-            (float64 for float64 models); rows of a batch padded to the longest; empty when not recorded.
+            of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), in the dtype the
+            model computed them in (stored as they are: the fits read them in float32 or wider, a layer
+            group at a time, so a bfloat16 model's queries hold half the bytes of a float32 copy at no loss);
+            rows of a batch padded to the longest; empty when not recorded.
         query_valid: ``(B, H_kv, n)`` bool.
         query_chunks: ``(B, H_kv, n)`` long, the repeat chunk each query was recorded in (its
             input repeats the context span :func:`token_chunks` assigns to that chunk; −1 on
@@ -209,7 +211,7 @@ class RepeatRecorder:
                 a, b = self.span
                 self._keep_max(within, layer_idx, received[..., a - lo : b - lo], a, b, slots)
         if self.record_queries:
-            dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
+            dtype = query.dtype  # exact: a float32 copy of bfloat16 queries held twice the bytes for nothing
             batch, heads_q, length, dim = query.shape
             groups = heads_q // layer.num_heads
             grouped = query.detach().reshape(batch, layer.num_heads, groups, length, dim)
