@@ -46,7 +46,8 @@ class CompiledDecode:
         model: the model (kvfold attention enabled, :func:`kvfold.runtime.attention.enable`).
         cache: a prefilled or compressed cache; its tails are fixed here and released by :meth:`close`.
         new_tokens: how many steps the tails hold.
-        backend: ``torch.compile``'s backend (``inductor``; ``eager`` traces without compiling, for tests).
+        backend: ``torch.compile``'s backend (``inductor``; ``eager`` or a counting backend traces
+            without compiling, for tests).
         mode: ``torch.compile``'s mode; None: :func:`compile_mode` of the model's device.
         compile: False runs the same fixed-tail steps eagerly (what the compiled ones are checked against).
 
@@ -59,7 +60,7 @@ class CompiledDecode:
         cache: FoldedCache,
         new_tokens: int,
         *,
-        backend: str = "inductor",
+        backend: str | Callable[..., Any] = "inductor",
         mode: str | None = None,
         compile: bool = True,
     ) -> None:
