@@ -48,7 +48,7 @@ def test_no_compression_equals_stock_transformers_on_cuda(tiny_family):
 
 @needs_cuda
 def test_masked_path_with_blocked_log_sum_exp_on_cuda(monkeypatch):
-    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 4096)
+    monkeypatch.setattr(attention, "ACCELERATOR_LSE_BLOCK_ELEMENTS", 4096)
     gen = torch.Generator().manual_seed(1)
     b, h_kv, groups, q_len, n, d = 2, 2, 4, 33, 300, 32
     keys = torch.randn(b, h_kv, n, d, generator=gen)
@@ -196,3 +196,22 @@ def _on_cuda(cache):
         layer.prefetch()
     torch.cuda.synchronize()
     return cache
+
+
+@needs_cuda
+def test_repeat_queries_wait_on_the_host_and_fit_as_on_the_device(monkeypatch):
+    """On CUDA the repeat pass writes its queries to page-locked host memory (the device then holds the
+    cache, a chunk's scratch and one layer's fit, not every layer's queries); a fit brings one layer's
+    back and compresses to the cache it gives with the queries kept on the device."""
+    _, gpu = _pair("llama")
+    tok = CharTokenizer()
+    pre = kvfold.prefill(gpu, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(gpu, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.25), tokenizer=tok)
+    found = repeat.repeat_pass(ctx, scores=False)
+    assert all(q.device.type == "cpu" and q.is_pinned() for q in found.queries.values())
+    on_host = kvfold.prefill(gpu, tok, TEXT, use_chat_template=False).compress("kvzip+am_fit", 0.25)
+    monkeypatch.setattr(repeat, "queries_on_host", lambda device: False)
+    on_device = kvfold.prefill(gpu, tok, TEXT, use_chat_template=False).compress("kvzip+am_fit", 0.25)
+    for (_, a), (_, b) in zip(on_host.cache.folded_layers, on_device.cache.folded_layers, strict=True):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)

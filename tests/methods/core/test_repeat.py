@@ -386,7 +386,7 @@ def test_the_device_path_scores_equal_the_fused_cpu_ones(monkeypatch):
     monkeypatch.setattr(attention, "log_sum_exp_parts", lambda *a: blocks.append(1) or real(*a))
     monkeypatch.setattr(attention, "_is_cpu", lambda device: False)
     monkeypatch.setattr(attention, "_cpu_flash", lambda query: False)
-    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 500)
+    monkeypatch.setattr(attention, "ACCELERATOR_LSE_BLOCK_ELEMENTS", 500)  # the device path's blocks
     device_path = repeat.repeat_pass(ctx, forward_chunk=64)
     assert blocks  # the device path ran
     for i in fused.scores:
@@ -417,3 +417,12 @@ def test_a_bfloat16_models_queries_are_held_as_computed_and_fit_as_in_float32():
     for (_, a), (_, b) in zip(held.cache.folded_layers, widened.cache.folded_layers, strict=True):
         for x, y in zip(a.padded(), b.padded(), strict=True):
             assert torch.equal(x, y)
+
+
+def test_queries_are_recorded_on_the_cpu_there_and_on_the_host_from_an_accelerator():
+    """A CPU pass keeps its queries where it computes them; from an accelerator they go to host memory
+    (every layer's queries are held until the selection: twice the cache's bytes at Llama-3.1-8B's shape)."""
+    assert not repeat.queries_on_host(torch.device("cpu"))
+    assert repeat.queries_on_host(torch.device("cuda")) and repeat.queries_on_host(torch.device("mps"))
+    buffer = repeat.query_buffer((1, 2, 3, 4, 5), torch.bfloat16, torch.device("cpu"))
+    assert buffer.device.type == "cpu" and buffer.dtype == torch.bfloat16 and buffer.shape == (1, 2, 3, 4, 5)

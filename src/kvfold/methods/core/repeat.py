@@ -11,7 +11,8 @@ the prefilled context (:meth:`CompressionContext.shared_result`), so ``kvzip``, 
 Memory: the repeat input runs ``forward_chunk`` tokens per forward, so the attention
 probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever the context length;
 a prefilled row runs over its own cache and gives the chunk's entries back afterwards
-(:func:`scratch_cache`), so the cache is held once, plus one chunk.
+(:func:`scratch_cache`), so the cache is held once, plus one chunk. On an accelerator the recorded
+queries go to host memory as they are computed (:func:`queries_on_host`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,25 @@ class RepeatPrompt:
             prompt = self.first if i == 0 else self.next + pieces[i - 1][-overlap:]
             inputs.append(prompt + self.tail + piece)
         return inputs
+
+
+def queries_on_host(device: torch.device) -> bool:
+    """Whether a repeat pass computed on ``device`` records its queries in host memory: on an
+    accelerator. The queries of every layer are held until the global selection is done (twice the
+    cache's bytes for Llama-3.1-8B: 32 query heads of 8 KV heads, in the model's dtype), and a fit
+    reads one layer's at a time: held on the host, they leave the device's peak at the cache, one
+    chunk's scratch and one layer's fit (:meth:`ReferenceQueries.on
+    <kvfold.methods.compaction.attention_matching.queries.ReferenceQueries.on>` brings them back)."""
+    return device.type != "cpu"
+
+
+def query_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The buffer one layer's repeat queries are written into: on ``device``, or in host memory
+    (:func:`queries_on_host`), page-locked on CUDA so that each forward's copy runs without the host
+    waiting for it."""
+    if not queries_on_host(device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 SCORE_FIELDS = ("scores", "plus_scores", "span_scores", "span_plus_scores")
@@ -175,6 +195,7 @@ class RepeatRecorder:
         self.queries: dict[int, Tensor] = {}  # per layer (B, H_kv, G, tokens, D), filled forward by forward
         self.filled: dict[int, int] = {}
         self.tokens = 0  # repeat-input tokens of the row (set before the pass): the queries' buffer length
+        self.device_type: str | None = None  # where the queries were computed (the first forward's)
         self.value_norms: dict[int, Tensor] = {}  # ‖W_Oʰ v‖ of the row's context entries, per layer
 
     @property
@@ -215,16 +236,22 @@ class RepeatRecorder:
             batch, heads_q, length, dim = query.shape
             groups = heads_q // layer.num_heads
             grouped = query.detach().reshape(batch, layer.num_heads, groups, length, dim)
+            self.device_type = query.device.type
             if layer_idx not in self.queries:  # one buffer, written in place: the queries are held once
                 shape = (batch, layer.num_heads, groups, max(self.tokens, length), dim)
-                self.queries[layer_idx] = torch.empty(shape, dtype=dtype, device=query.device)
+                self.queries[layer_idx] = query_buffer(shape, dtype, query.device)
                 self.filled[layer_idx] = 0
             lo = self.filled[layer_idx]
             if lo + length > self.queries[layer_idx].shape[3]:  # more tokens than announced: grow (a copy)
                 held = self.queries[layer_idx]
                 self.queries[layer_idx] = torch.cat([held, held.new_empty(*held.shape[:3], length, dim)], dim=3)
-            self.queries[layer_idx][:, :, :, lo : lo + length] = grouped
+            self.queries[layer_idx][:, :, :, lo : lo + length].copy_(grouped, non_blocking=True)
             self.filled[layer_idx] = lo + length
+
+    def offloaded(self) -> bool:
+        """Whether the queries were recorded into host memory from another device (copies that may
+        still be in flight until the device is synchronised)."""
+        return any(buf.device.type == "cpu" for buf in self.queries.values()) and self.device_type not in (None, "cpu")
 
     def _keep_max(self, name: str, layer_idx: int, received: Tensor, lo: int, hi: int, slots: int) -> None:
         """Slots ``lo:hi`` of the recorded ``name`` scores become the max of what they held and ``received``."""
@@ -416,6 +443,8 @@ def repeat_pass(
                     work.policy = recorder
                     _repeat_forwards(ctx, work, ids, start, forward_chunk)
             recorders.append(recorder)
+    if any(r.offloaded() for r in recorders):  # the host reads the queries next: every copy must have landed
+        torch.accelerator.synchronize(device)
     return _collect(cache, recorders, chunk_of_token, records)
 
 

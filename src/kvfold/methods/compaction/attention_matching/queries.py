@@ -95,6 +95,16 @@ class ReferenceQueries:
         """:attr:`chunk`, −1 everywhere when None."""
         return self.chunk if self.chunk is not None else torch.full_like(self.valid, -1, dtype=torch.long)
 
+    def on(self, device: torch.device) -> ReferenceQueries:
+        """These queries on ``device`` (themselves when already there): a repeat pass on an
+        accelerator holds its queries in host memory (:func:`kvfold.methods.core.repeat.queries_on_host`)
+        and a fit brings one layer's back while it runs."""
+        if self.queries.device == device:
+            return self
+        move = {"device": device, "non_blocking": True}
+        chunk = None if self.chunk is None else self.chunk.to(**move)
+        return ReferenceQueries(self.queries.to(**move), self.valid.to(**move), chunk)
+
     def cat(self, other: ReferenceQueries) -> ReferenceQueries:
         chunk = None
         if self.chunk is not None or other.chunk is not None:
