@@ -275,3 +275,30 @@ def test_a_decode_step_over_stored_rows_reads_nothing_back_to_the_host(kv_format
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             if step:
                 assert not syncs.kvfold, syncs.summary()
+
+
+def test_the_device_kernel_is_taken_only_where_it_gives_the_blocked_paths_attention(monkeypatch):
+    """Off the CPU a fused kernel's log-sum-exp replaces float32 products over the whole cache, once a
+    check on a small GQA problem finds it gives the blocked path's output and log-sum-exp; a kernel that
+    is off, or missing, leaves the blocked path, and the status says why. (The CPU's fused kernel stands
+    in for CUDA's here.)"""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(attention, "DEVICE_FLASH_KERNEL", attention.FLASH_WITH_LSE)
+    assert attention._check_device_flash(cpu, torch.bfloat16) == "fused"
+
+    def off(*args, **kwargs):
+        out, lse = attention.FLASH_WITH_LSE(*args, **kwargs)
+        return out, lse + 0.2
+
+    monkeypatch.setattr(attention, "DEVICE_FLASH_KERNEL", off)
+    assert attention._check_device_flash(cpu, torch.bfloat16).startswith("blocked log-sum-exp (the fused kernel is off")
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(attention, "DEVICE_FLASH_KERNEL", missing)
+    assert attention._check_device_flash(cpu, torch.bfloat16) == (
+        "blocked log-sum-exp (no kernel image is available for execution on the device)"
+    )
+    query = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
+    assert attention.device_flash(query) is None  # a CPU query: the CPU's own kernel, not this one

@@ -215,3 +215,19 @@ def test_repeat_queries_wait_on_the_host_and_fit_as_on_the_device(monkeypatch):
     for (_, a), (_, b) in zip(on_host.cache.folded_layers, on_device.cache.folded_layers, strict=True):
         for x, y in zip(a.padded(), b.padded(), strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+@needs_cuda
+def test_the_repeat_pass_attention_on_cuda_takes_the_flash_kernel_in_16_bits():
+    """In bfloat16 on CUDA the attention over a cache and its log-sum-exp come from the flash kernel
+    (checked once a device), equal to the blocked float32 products within bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(2)
+    b, h_kv, groups, q_len, n, d = 1, 2, 4, 65, 700, 64
+    parts = [torch.randn(b, h, m, d, generator=gen) for h, m in ((h_kv * groups, q_len), (h_kv, n), (h_kv, n))]
+    query, keys, values = (t.to("cuda", torch.bfloat16) for t in parts)
+    assert attention.device_flash(query) is attention.DEVICE_FLASH_KERNEL
+    assert attention.DEVICE_FLASH_STATUS[f"{query.device} {query.dtype}"] == "fused"
+    out, lse = attention._attend_after_cache(query, keys, values, 0.125, with_lse=True)
+    ref_out, ref_lse = attention._attend_after_cache_split(query, keys, values, 0.125, with_lse=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse.float(), ref_lse.float(), rtol=0, atol=2e-2)
