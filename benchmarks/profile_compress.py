@@ -14,7 +14,8 @@ pass, the fits).
 operators dispatched (views apart: they launch nothing), by phase (the repeat pass, Attention
 Matching's fits, the rest) and by kvfold function, and the host reads
 (:class:`kvfold.runtime.host_syncs.HostSyncCounter`). With ``--as-accelerator`` a CPU takes the
-paths and block sizes a GPU would (the blocked log-sum-exp of the repeat pass, the fits'
+paths and block sizes a GPU in 16 bits would (the repeat pass's forwards and its fused attention with
+the log-sum-exp, the CPU's kernel standing in for CUDA's; the fits'
 :data:`~kvfold.methods.compaction.attention_matching.solve.ACCELERATOR_FIT_SIZES`), so the count is
 the GPU's. docs/benchmarks.md, "Profiling".
 """
@@ -97,12 +98,15 @@ def _caller_phase() -> tuple[str, str]:
 
 
 def as_accelerator() -> None:
-    """Take, on this CPU, the paths and block sizes a GPU takes (for counting only)."""
+    """Take, on this CPU, the paths and block sizes a GPU takes in 16 bits (for counting only)."""
     from kvfold.methods.compaction.attention_matching import solve
+    from kvfold.methods.core import repeat
     from kvfold.runtime import attention
 
-    attention._is_cpu = lambda device: False  # noqa: SLF001 - the blocked log-sum-exp of other devices
-    attention._cpu_flash = lambda query: False  # noqa: SLF001 - and not the CPU's fused kernel
+    attention._is_cpu = lambda device: False  # noqa: SLF001 - other devices' blocks
+    attention._cpu_flash = lambda query: False  # noqa: SLF001 - not the CPU's own path, but
+    attention.device_flash = lambda query: attention.FLASH_WITH_LSE  # its kernel standing in for CUDA's flash
+    repeat.forward_tokens = lambda device, fresh: repeat.ACCELERATOR_FORWARD_CHUNK if fresh else repeat.FORWARD_CHUNK
     solve.fit_sizes = lambda device: solve.ACCELERATOR_FIT_SIZES
     solve._fused_statistics_apply = lambda *args: False  # noqa: SLF001 - the CPU's fused statistics
 

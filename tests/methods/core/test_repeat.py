@@ -426,3 +426,23 @@ def test_queries_are_recorded_on_the_cpu_there_and_on_the_host_from_an_accelerat
     assert repeat.queries_on_host(torch.device("cuda")) and repeat.queries_on_host(torch.device("mps"))
     buffer = repeat.query_buffer((1, 2, 3, 4, 5), torch.bfloat16, torch.device("cpu"))
     assert buffer.device.type == "cpu" and buffer.dtype == torch.bfloat16 and buffer.shape == (1, 2, 3, 4, 5)
+
+
+def test_an_accelerator_repeats_a_fresh_prefill_in_longer_forwards(monkeypatch):
+    """Over a fresh prefill off the CPU the attention holds no probabilities, so a forward takes 2,048
+    repeat tokens (a quarter of the launches); a compacted cache, or the CPU, keeps 512. The pass asks
+    with its device and whether the cache is a fresh prefill."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert repeat.forward_tokens(cuda, fresh=True) == repeat.ACCELERATOR_FORWARD_CHUNK == 2048
+    assert repeat.forward_tokens(cuda, fresh=False) == repeat.forward_tokens(cpu, fresh=True) == 512
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    asked = []
+    monkeypatch.setattr(repeat, "forward_tokens", lambda device, fresh: asked.append((device.type, fresh)) or 16)
+    pieces = repeat.repeat_pass(ctx, scores=True, queries=True)
+    whole = repeat.repeat_pass(ctx, forward_chunk=4096)
+    assert asked == [("cpu", True)]
+    for i in whole.scores:
+        torch.testing.assert_close(pieces.scores[i], whole.scores[i], rtol=1e-4, atol=1e-7)

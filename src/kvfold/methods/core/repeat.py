@@ -40,6 +40,17 @@ REPEAT_CHUNK = 2048
 """Context tokens repeated per chunk (KVzip's 2K chunks)."""
 FORWARD_CHUNK = 512
 """Repeat-input tokens per forward (bounds the attention probabilities held at once)."""
+ACCELERATOR_FORWARD_CHUNK = 2048
+"""Repeat-input tokens per forward on an accelerator over a fresh prefill, whose attention gives each
+query's log-sum-exp and holds no probabilities (:mod:`kvfold.runtime.attention`): a quarter of the
+forwards, each a few hundred launches (about 140 operators a layer at Llama-3.1-8B's shape)."""
+
+
+def forward_tokens(device: torch.device, fresh: bool) -> int:
+    """Repeat-input tokens per forward: :data:`ACCELERATOR_FORWARD_CHUNK` off the CPU over a fresh
+    prefill (``fresh``), else :data:`FORWARD_CHUNK` (a compacted cache's attention materialises
+    ``H_q × tokens × N`` probabilities)."""
+    return ACCELERATOR_FORWARD_CHUNK if fresh and device.type != "cpu" else FORWARD_CHUNK
 
 
 @dataclass
@@ -387,7 +398,7 @@ def repeat_pass(
     cache: FoldedCache | None = None,
     scores: bool = True,
     queries: bool = True,
-    forward_chunk: int = FORWARD_CHUNK,
+    forward_chunk: int | None = None,
     plus: bool = False,
     records: frozenset[str] | None = None,
 ) -> RepeatPass:
@@ -401,7 +412,7 @@ def repeat_pass(
         cache: the cache the pass runs over (on-policy AM passes a partially compacted one).
         scores: record KVzip's scores (needs the attention probabilities).
         queries: record the repeat input's queries.
-        forward_chunk: repeat-input tokens per forward.
+        forward_chunk: repeat-input tokens per forward (None: :func:`forward_tokens`).
         plus: record KVzip+'s scores (``plus_scores``; the attention inputs' norms are read by
             forward pre-hooks on the attention modules while the pass runs).
         records: what to record, instead of ``scores``, ``queries`` and ``plus``: a subset of
@@ -419,6 +430,8 @@ def repeat_pass(
     batch, width = ctx.input_ids.shape
     lengths = ctx.context_lengths.tolist()
     device = ctx.input_ids.device
+    if forward_chunk is None:
+        forward_chunk = forward_tokens(device, ctx.is_fresh_prefill(cache))
     slots = {i: layer.physical_length for i, layer in cache.folded_layers}
     logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
     spans = _chunk_spans(ctx, chunk, cache) if records & {"span_scores", "span_plus_scores"} else None
