@@ -302,3 +302,17 @@ def test_the_device_kernel_is_taken_only_where_it_gives_the_blocked_paths_attent
     )
     query = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
     assert attention.device_flash(query) is None  # a CPU query: the CPU's own kernel, not this one
+
+
+def test_the_log_sum_exp_path_is_named_for_the_records():
+    """What `kvfold bench` records as `repeat_attention`: the CPU's fused kernel in float32 and
+    bfloat16, float32 products elsewhere with the reason, CUDA's status once checked."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
+    fused_cpu = "fused (CPU kernel)" if attention.FLASH_WITH_LSE is not None else None
+    if fused_cpu:
+        assert attention.log_sum_exp_path(cpu, torch.bfloat16) == fused_cpu
+    assert attention.log_sum_exp_path(cpu, torch.float64).startswith("blocked log-sum-exp (torch.float64")
+    assert attention.log_sum_exp_path(cuda, torch.float32).startswith("blocked log-sum-exp (torch.float32 on cuda")
+    key = f"{cuda} {torch.bfloat16}"
+    if key not in attention.DEVICE_FLASH_STATUS:
+        assert attention.log_sum_exp_path(cuda, torch.bfloat16).startswith("blocked log-sum-exp (not checked")

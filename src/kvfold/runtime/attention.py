@@ -276,6 +276,18 @@ def device_flash(query: torch.Tensor):
     return DEVICE_FLASH_KERNEL if DEVICE_FLASH_STATUS[key] == "fused" else None
 
 
+def log_sum_exp_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How the attention over an uncompressed cache gives each query's log-sum-exp (the repeat pass)
+    for queries of ``dtype`` on ``device``: ``"fused (CPU kernel)"``, ``"fused (CUDA flash kernel)"``
+    or ``"blocked log-sum-exp (why)"`` (float32 products in blocks)."""
+    if device.type == "cpu":
+        on_cpu = FLASH_WITH_LSE is not None and dtype in (torch.float32, torch.bfloat16)
+        return "fused (CPU kernel)" if on_cpu else f"blocked log-sum-exp ({dtype} on the CPU)"
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return f"blocked log-sum-exp ({dtype} on {device.type}: the flash kernel takes 16-bit queries on CUDA)"
+    return DEVICE_FLASH_STATUS.get(f"{device} {dtype}", "blocked log-sum-exp (not checked on this device yet)")
+
+
 def _check_device_flash(device: torch.device, dtype: torch.dtype) -> str:
     """``"fused"`` when :data:`DEVICE_FLASH_KERNEL` gives :func:`_attend_after_cache_split`'s output
     and log-sum-exp on a small GQA problem (2 KV heads of 3 query heads, 7 new tokens after 40),

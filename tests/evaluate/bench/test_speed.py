@@ -8,9 +8,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from kvfold.cli.main import main
 from kvfold.evaluate.bench.speed import bench
+from kvfold.runtime.attention import log_sum_exp_path
 
 FIELDS = {
     "method",
@@ -153,6 +155,8 @@ def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path)
     assert kvzip["compress_over_repeat"] == pytest.approx(kvzip["compress_s"] / kvzip["repeat_s"])
     assert kvzip["compress_over_prefill"] == pytest.approx(kvzip["compress_s"] / kvzip["prefill_s"])
     assert streaming["repeat_s"] is None and streaming["compress_over_repeat"] is None  # no repeat pass
+    assert kvzip["repeat_attention"] == log_sum_exp_path(torch.device("cpu"), torch.float32)
+    assert streaming["repeat_attention"] is None
     assert streaming["compress_over_prefill"] == pytest.approx(streaming["compress_s"] / streaming["prefill_s"])
     assert full["compress_over_repeat"] is None
     table = (tmp_path / "bench.md").read_text()

@@ -64,6 +64,7 @@ from kvfold.evaluate.bench.process import (
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
 from kvfold.pipeline.memory import plan_memory
+from kvfold.runtime.attention import log_sum_exp_path
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
 from kvfold.runtime.models import load_model
@@ -174,6 +175,7 @@ def run_config(config: BenchConfig) -> dict:
         "kv_bytes_reserved": compressed.kv_bytes_reserved,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
         "quantized_attention": quantized_attention_path(compressed.cache, model.device, config.compiled),
+        "repeat_attention": None if repeat_s is None else log_sum_exp_path(model.device, model.dtype),
     }
 
 
