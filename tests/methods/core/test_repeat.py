@@ -395,11 +395,13 @@ def test_the_device_path_scores_equal_the_fused_cpu_ones(monkeypatch):
 
 
 def test_score_blocks_are_cache_sized_on_the_cpu_and_large_elsewhere():
-    """CPU blocks keep their logits in cache (fewer rows as N grows); on a GPU a block is 4·D rows
-    at any length, so the scores at 32K entries are a few launches a layer, not hundreds."""
+    """CPU blocks keep their logits in cache (fewer rows as N grows); on a GPU a block is at least 4·D
+    rows and up to 512 MB of logits, so the scores at 32K entries are a few launches a layer, not
+    hundreds, and a chunk's span of 2K entries (8 KV heads) takes a forward's 8,192 rows at once."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert repeat.score_block_rows(cpu, 2048, 64) == 128 and repeat.score_block_rows(cpu, 32768, 64) == 16
-    assert repeat.score_block_rows(gpu, 32768, 128) == 512 == repeat.score_block_rows(gpu, 2048, 128)
+    assert repeat.score_block_rows(gpu, 32768, 128, heads=8) == 512
+    assert repeat.score_block_rows(gpu, 2048, 128, heads=8) == 8192
 
 
 def test_a_bfloat16_models_queries_are_held_as_computed_and_fit_as_in_float32():

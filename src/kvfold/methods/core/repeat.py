@@ -312,14 +312,20 @@ query rows at 2K context entries, 32 at 8K; at 8K the scores took 77 ms per laye
 with 32 rows against 88 ms with 128)."""
 
 
-def score_block_rows(device: torch.device, entries: int, head_dim: int) -> int:
-    """Query rows in one block of :func:`max_received`. On the CPU, blocks whose ``(rows, N)``
-    logits stay in cache (:data:`BLOCK_ELEMENTS`); elsewhere ``4·D`` rows, a block about an eighth
-    of the cache's bytes at any length: on the H200 the CPU's 16-row blocks at 32K entries made
-    KVzip's scores launch-bound (Llama-3.1-8B's shape: 61 s of compression for a 4 s repeat pass)."""
+ACCELERATOR_SCORE_ELEMENTS = 1 << 27
+"""Logits of one block of :func:`max_received` off the CPU, all KV heads together (512 MB in float32)."""
+
+
+def score_block_rows(device: torch.device, entries: int, head_dim: int, heads: int = 1) -> int:
+    """Query rows in one block of :func:`max_received` (over ``heads`` KV heads at once). On the CPU,
+    blocks whose ``(rows, N)`` logits stay in cache (:data:`BLOCK_ELEMENTS`); elsewhere at least
+    ``4·D`` rows, and as many as :data:`ACCELERATOR_SCORE_ELEMENTS` logits hold: on the H200 the
+    CPU's 16-row blocks at 32K entries made KVzip's scores launch-bound (Llama-3.1-8B's shape: 61 s
+    of compression for a 4 s repeat pass), and a chunk's span of 2K entries takes a forward's 8,192
+    rows in one block where ``4·D`` rows took 16."""
     if device.type == "cpu":
         return min(128, max(16, BLOCK_ELEMENTS // max(1, entries)))
-    return max(16, 4 * head_dim)
+    return max(16, 4 * head_dim, ACCELERATOR_SCORE_ELEMENTS // max(1, entries * heads))
 
 
 def max_received(
@@ -364,7 +370,7 @@ def max_received(
     if row_norms is not None:  # a / ‖x_q‖ = exp(s·q·k − lse_q − log ‖x_q‖)
         lse = lse + row_norms.to(acc).log()[:, None, :]
     shift = lse.reshape(b * h_kv, rows, 1).neg()
-    block = score_block_rows(query.device, n, d)
+    block = score_block_rows(query.device, n, d, b * h_kv)
     if column_weights is not None:
         best = _max_per_head(folded, key_t, shift, scaling, q_len, block)  # (B·H_kv, G, N)
         weighted = best.exp_().reshape(b, h_kv, h_q // h_kv, n) * column_weights.to(acc).reshape(b, h_kv, -1, n)
