@@ -109,6 +109,8 @@ def as_accelerator() -> None:
     repeat.forward_tokens = lambda device, fresh: repeat.ACCELERATOR_FORWARD_CHUNK if fresh else repeat.FORWARD_CHUNK
     solve.fit_sizes = lambda device: solve.ACCELERATOR_FIT_SIZES
     solve._fused_statistics_apply = lambda *args: False  # noqa: SLF001 - the CPU's fused statistics
+    score_rows = repeat.score_block_rows
+    repeat.score_block_rows = lambda device, *sizes: score_rows(torch.device("cuda"), *sizes)  # KVzip's blocks
 
 
 def count(source, method, budget: Budget, top: int) -> None:
