@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: the CUDA tests, then kvfold bench at Llama-3.1-8B's shape with
-# random weights (bfloat16, batch 1) beside stock transformers, then a profile of a compressed decode.
-# Sized for about 9.5 minutes on one H200 (every phase under its own timeout; a phase cut short keeps
+# random weights (bfloat16, batch 1) beside stock transformers, then profiles of a compressed decode and
+# of kvzip+am_fit's compression. Sized for about 9.5 minutes on one H200 (every phase under its own timeout; a phase cut short keeps
 # the records it finished, and running the script again on the same OUT measures only what is missing).
 #
 #   benchmarks/gpu.sh                                   # on the GPU machine, from the repository root
@@ -13,9 +13,9 @@
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
 # PHASES ("env tests compiled batch long memory profile report"; "short" is there too) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
-# T_PROFILE (20, each of two).
+# T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
-# OUT/profile-full.txt, OUT/profile-kvzip.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
+# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -100,13 +100,18 @@ wants short && sweep short "${T_SHORT:-70}" "$OUT/bench-short" stock,kvzip,kvzip
   --budgets 0.1
 wants memory && sweep memory "${T_MEMORY:-30}" "$OUT/bench-memory" kvzip+am_fit --length "$SHORT" --memory 0.0625
 
-if wants profile; then  # a few decode steps of the full cache and of kvzip's, by host and by device time
-  for method in full kvzip; do
+if wants profile; then  # a few decode steps of kvzip's cache, by host and by device time (PROFILE_DECODE="full kvzip" for both)
+  for method in ${PROFILE_DECODE:-kvzip}; do
     phase "profile $method" "${T_PROFILE:-20}" bash -c "'$PYTHON' benchmarks/profile_decode.py \
       --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method $method --budget 0.1 --steps 3 \
       --top 30 > '$OUT/profile-$method.txt' 2>&1"
     grep -E "host synchronisations|ms a step" "$OUT/profile-$method.txt"
   done
+  # kvzip+am_fit's compression at the short context: the functions (cProfile) and operators by host and device time
+  phase "profile compression" "${T_PROFILE_COMPRESS:-40}" bash -c "'$PYTHON' benchmarks/profile_compress.py \
+    --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method kvzip+am_fit --budget 0.1 --ops \
+    --top 30 > '$OUT/profile-compress.txt' 2>&1"
+  grep -E "prefills" "$OUT/profile-compress.txt"
 fi
 
 if wants report; then

@@ -165,10 +165,13 @@ def main() -> None:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
     print(text.getvalue())
-    if args.ops:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    if args.ops:  # by host time, and on a GPU by device time too
+        cuda = model.device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
             _compress(source, method, budget)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        for sort in ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else []):
+            print(prof.key_averages().table(sort_by=sort, row_limit=args.top))
 
 
 if __name__ == "__main__":
