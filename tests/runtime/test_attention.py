@@ -316,3 +316,25 @@ def test_the_log_sum_exp_path_is_named_for_the_records():
     key = f"{cuda} {torch.bfloat16}"
     if key not in attention.DEVICE_FLASH_STATUS:
         assert attention.log_sum_exp_path(cuda, torch.bfloat16).startswith("blocked log-sum-exp (not checked")
+
+
+def test_the_blocked_log_sum_exp_takes_larger_blocks_off_the_cpu(monkeypatch):
+    """Off the CPU a block of the log-sum-exp holds up to :data:`attention.ACCELERATOR_LSE_BLOCK_ELEMENTS`
+    logits (each block is a few launches there), on the CPU :data:`attention.LSE_BLOCK_ELEMENTS`; the
+    result is the same."""
+    gen = torch.Generator().manual_seed(4)
+    b, h_kv, groups, q_len, n, d = 1, 2, 2, 6, 30, 8  # 12 folded rows a KV head
+    query = torch.randn(b, h_kv * groups, q_len, d, generator=gen)
+    keys = torch.randn(b, h_kv, n, d, generator=gen)
+    products = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda *a: products.append(1) or real(*a))
+    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", b * h_kv * n * 3)  # 3 rows a block: 4 blocks
+    monkeypatch.setattr(attention, "ACCELERATOR_LSE_BLOCK_ELEMENTS", b * h_kv * n * 12)  # 1 block
+    on_cpu = attention.log_sum_exp_parts(query, keys, 0.3)
+    cpu_blocks, products[:] = len(products), []
+    monkeypatch.setattr(attention, "_is_cpu", lambda device: False)
+    off_cpu = attention.log_sum_exp_parts(query, keys, 0.3)
+    assert (cpu_blocks, len(products)) == (4, 1)
+    for a, c in zip(on_cpu, off_cpu, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)

@@ -243,6 +243,10 @@ def _dense_attention(
 
 FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 """The CPU flash-attention kernel that also returns each query's log-sum-exp (None in builds without it)."""
+CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16)
+"""Query dtypes :data:`FLASH_WITH_LSE` takes."""
+DEVICE_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""Query dtypes CUDA's flash kernel takes (:func:`device_flash`)."""
 
 
 def _cuda_flash_with_lse(
@@ -268,7 +272,7 @@ def device_flash(query: torch.Tensor):
     what was found). Where it applies, the repeat pass's log-sum-exp over the whole cache runs in the
     kernel the model's own attention runs in, not as float32 products: at 32K tokens of
     Llama-3.1-8B's shape those are about 280 TFLOP, several prefills on an H200."""
-    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] > 256:
+    if query.device.type != "cuda" or query.dtype not in DEVICE_FLASH_DTYPES or query.shape[-1] > 256:
         return None
     key = f"{query.device} {query.dtype}"
     if key not in DEVICE_FLASH_STATUS:
@@ -281,9 +285,9 @@ def log_sum_exp_path(device: torch.device, dtype: torch.dtype) -> str:
     for queries of ``dtype`` on ``device``: ``"fused (CPU kernel)"``, ``"fused (CUDA flash kernel)"``
     or ``"blocked log-sum-exp (why)"`` (float32 products in blocks)."""
     if device.type == "cpu":
-        on_cpu = FLASH_WITH_LSE is not None and dtype in (torch.float32, torch.bfloat16)
+        on_cpu = FLASH_WITH_LSE is not None and dtype in CPU_FLASH_DTYPES
         return "fused (CPU kernel)" if on_cpu else f"blocked log-sum-exp ({dtype} on the CPU)"
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if device.type != "cuda" or dtype not in DEVICE_FLASH_DTYPES:
         return f"blocked log-sum-exp ({dtype} on {device.type}: the flash kernel takes 16-bit queries on CUDA)"
     return DEVICE_FLASH_STATUS.get(f"{device} {dtype}", "blocked log-sum-exp (not checked on this device yet)")
 
@@ -326,7 +330,7 @@ def _gives_log_sum_exp(query: torch.Tensor, layer: FoldedLayer) -> bool:
 
 def _cpu_flash(query: torch.Tensor) -> bool:
     """The fused CPU kernel applies: a CPU query in float32 or bfloat16, a build that has it."""
-    return FLASH_WITH_LSE is not None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
+    return FLASH_WITH_LSE is not None and query.device.type == "cpu" and query.dtype in CPU_FLASH_DTYPES
 
 
 def _is_cpu(device: torch.device) -> bool:
@@ -393,10 +397,13 @@ def _merge_parts(
 
 LSE_BLOCK_ELEMENTS = 1 << 25
 """At most this many logits in one block of :func:`log_sum_exp_parts` on the CPU (128 MB in float32)."""
-ACCELERATOR_LSE_BLOCK_ELEMENTS = 1 << 27
-"""The same on an accelerator (512 MB in float32): at 32K entries of Llama-3.1-8B's 8 KV heads a
-block of the CPU's size holds 122 query rows, and a repeat forward's 2,048 rows took 17 blocks of
-about 8 launches a layer; this one holds 490 rows (5 blocks)."""
+ACCELERATOR_BLOCK_ELEMENTS = 1 << 27
+"""Logits (all KV heads together) of one block off the CPU, where each operation is a launch: 512 MB
+in float32, for :func:`log_sum_exp_parts` and KVzip's scores (:func:`kvfold.methods.core.repeat.max_received`).
+At 32K entries of Llama-3.1-8B's 8 KV heads a block of the CPU's size held 122 query rows, and a
+repeat forward's 2,048 rows took 17 blocks of about 8 launches a layer; this one holds 490 rows."""
+ACCELERATOR_LSE_BLOCK_ELEMENTS = ACCELERATOR_BLOCK_ELEMENTS
+""":func:`log_sum_exp_parts`'s blocks off the CPU (tests shrink them apart from the scores')."""
 
 
 def _attend_after_cache_split(

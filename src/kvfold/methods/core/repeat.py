@@ -27,6 +27,7 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.kvzip_plus import HiddenNorms, weighted_received
+from kvfold.runtime.attention import ACCELERATOR_BLOCK_ELEMENTS
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import encode, template_parts
@@ -206,7 +207,6 @@ class RepeatRecorder:
         self.queries: dict[int, Tensor] = {}  # per layer (B, H_kv, G, tokens, D), filled forward by forward
         self.filled: dict[int, int] = {}
         self.tokens = 0  # repeat-input tokens of the row (set before the pass): the queries' buffer length
-        self.device_type: str | None = None  # where the queries were computed (the first forward's)
         self.value_norms: dict[int, Tensor] = {}  # ‖W_Oʰ v‖ of the row's context entries, per layer
 
     @property
@@ -247,7 +247,6 @@ class RepeatRecorder:
             batch, heads_q, length, dim = query.shape
             groups = heads_q // layer.num_heads
             grouped = query.detach().reshape(batch, layer.num_heads, groups, length, dim)
-            self.device_type = query.device.type
             if layer_idx not in self.queries:  # one buffer, written in place: the queries are held once
                 shape = (batch, layer.num_heads, groups, max(self.tokens, length), dim)
                 self.queries[layer_idx] = query_buffer(shape, dtype, query.device)
@@ -258,11 +257,6 @@ class RepeatRecorder:
                 self.queries[layer_idx] = torch.cat([held, held.new_empty(*held.shape[:3], length, dim)], dim=3)
             self.queries[layer_idx][:, :, :, lo : lo + length].copy_(grouped, non_blocking=True)
             self.filled[layer_idx] = lo + length
-
-    def offloaded(self) -> bool:
-        """Whether the queries were recorded into host memory from another device (copies that may
-        still be in flight until the device is synchronised)."""
-        return any(buf.device.type == "cpu" for buf in self.queries.values()) and self.device_type not in (None, "cpu")
 
     def _keep_max(self, name: str, layer_idx: int, received: Tensor, lo: int, hi: int, slots: int) -> None:
         """Slots ``lo:hi`` of the recorded ``name`` scores become the max of what they held and ``received``."""
@@ -312,20 +306,16 @@ query rows at 2K context entries, 32 at 8K; at 8K the scores took 77 ms per laye
 with 32 rows against 88 ms with 128)."""
 
 
-ACCELERATOR_SCORE_ELEMENTS = 1 << 27
-"""Logits of one block of :func:`max_received` off the CPU, all KV heads together (512 MB in float32)."""
-
-
 def score_block_rows(device: torch.device, entries: int, head_dim: int, heads: int = 1) -> int:
     """Query rows in one block of :func:`max_received` (over ``heads`` KV heads at once). On the CPU,
     blocks whose ``(rows, N)`` logits stay in cache (:data:`BLOCK_ELEMENTS`); elsewhere at least
-    ``4·D`` rows, and as many as :data:`ACCELERATOR_SCORE_ELEMENTS` logits hold: on the H200 the
-    CPU's 16-row blocks at 32K entries made KVzip's scores launch-bound (Llama-3.1-8B's shape: 61 s
-    of compression for a 4 s repeat pass), and a chunk's span of 2K entries takes a forward's 8,192
-    rows in one block where ``4·D`` rows took 16."""
+    ``4·D`` rows, and as many as :data:`~kvfold.runtime.attention.ACCELERATOR_BLOCK_ELEMENTS`
+    logits hold: on the H200 the CPU's 16-row blocks at 32K entries made KVzip's scores launch-bound
+    (Llama-3.1-8B's shape: 61 s of compression for a 4 s repeat pass), and a chunk's span of 2K
+    entries takes a forward's 8,192 rows in one block where ``4·D`` rows took 16."""
     if device.type == "cpu":
         return min(128, max(16, BLOCK_ELEMENTS // max(1, entries)))
-    return max(16, 4 * head_dim, ACCELERATOR_SCORE_ELEMENTS // max(1, entries * heads))
+    return max(16, 4 * head_dim, ACCELERATOR_BLOCK_ELEMENTS // max(1, entries * heads))
 
 
 def max_received(
@@ -462,7 +452,7 @@ def repeat_pass(
                     work.policy = recorder
                     _repeat_forwards(ctx, work, ids, start, forward_chunk)
             recorders.append(recorder)
-    if any(r.offloaded() for r in recorders):  # the host reads the queries next: every copy must have landed
+    if "queries" in records and queries_on_host(device):  # the host reads them next: every copy must have landed
         torch.accelerator.synchronize(device)
     return _collect(cache, recorders, chunk_of_token, records)
 

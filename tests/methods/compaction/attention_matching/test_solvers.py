@@ -228,7 +228,7 @@ def test_a_fit_in_a_gpus_blocks_equals_the_fit_in_small_ones(monkeypatch, given)
     chosen = torch.stack([torch.randperm(40)[:12].sort().values for _ in range(6)]).reshape(2, 3, 12)
     blocks = []
     real = solve.block_statistics
-    monkeypatch.setattr(solve, "block_statistics", lambda *a: blocks.append(a[6]) or real(*a))
+    monkeypatch.setattr(solve, "block_statistics", lambda *a, **k: blocks.append(k["block"]) or real(*a, **k))
     from kvfold.methods.compaction.attention_matching import features
 
     calls = []

@@ -281,8 +281,9 @@ def _select_by_score(
         shift, mass, target = fused_statistics(K, V, beta0, Q, qv, scale)
     else:
         shift, mass, target, square = block_statistics(
-            K, V, beta0, Q, qv, scale, config.statistics_rows, given is None, config.statistics_bytes
-        )
+            K, V, beta0, Q, qv, scale,
+            block=config.statistics_rows, squares=given is None, budget=config.statistics_bytes,
+        )  # fmt: skip
     selectable = torch.isfinite(beta0) if candidates is None else torch.isfinite(beta0) & candidates
     idx, ok, lengths = _kept_positions(square, selectable, counts, t_max, given)
     if config.solver != "exact":
