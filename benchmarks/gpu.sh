@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine: the CUDA tests, then kvfold bench at Llama-3.1-8B's shape with
-# random weights (bfloat16, batch 1) beside stock transformers, then a profile of a compressed decode.
-# Sized for about 7.5 minutes on one H200 (every phase under its own timeout; a phase cut short keeps
+# random weights (bfloat16, batch 1) beside stock transformers, then profiles of a compressed decode and
+# of kvzip+am_fit's compression. Sized for about 9.5 minutes on one H200 (every phase under its own timeout; a phase cut short keeps
 # the records it finished, and running the script again on the same OUT measures only what is missing).
 #
 #   benchmarks/gpu.sh                                   # on the GPU machine, from the repository root
@@ -11,10 +11,11 @@
 # TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
-# PHASES ("env tests long short memory profile report") and each phase's seconds: T_TESTS (130),
-# T_LONG (165), T_SHORT (70), T_MEMORY (35), T_PROFILE (25, each of two).
-# Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-long|short|memory/{records.jsonl,bench.json,bench.md},
-# OUT/profile-full.txt, OUT/profile-kvzip.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
+# PHASES ("env tests compiled batch long memory profile report"; "short" is there too) and each phase's
+# seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
+# T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40).
+# Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
+# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,7 +28,7 @@ LONG=${LONG:-32768}
 SHORT=${SHORT:-8192}
 NEW_TOKENS=${NEW_TOKENS:-8}
 OUT=${OUT:-docs/results/data/gpu-$(date +%F)}
-PHASES=${PHASES:-env tests long short memory profile report}
+PHASES=${PHASES:-env tests compiled batch long memory profile report}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -67,7 +68,7 @@ print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 
 fi
 
 if wants tests; then
-  phase tests "${T_TESTS:-130}" bash -c "'$PYTHON' -m pytest -q -rf -p no:cacheprovider tests/runtime/test_cuda.py \
+  phase tests "${T_TESTS:-120}" bash -c "'$PYTHON' -m pytest -q -rf -p no:cacheprovider tests/runtime/test_cuda.py \
     > '$OUT/test_cuda.txt' 2>&1"
   tail -n 15 "$OUT/test_cuda.txt"
 fi
@@ -83,21 +84,34 @@ sweep() {  # sweep NAME SECONDS OUT_DIR METHODS BENCH_ARGS...: one bench a metho
   done
 }
 
-# The long context first: the targets are at 32K (stock's compiled static cache is the bar for full;
+# The compiled decode at the long context first (kvfold's steps through torch.compile and CUDA graphs over
+# fixed tails, full beside each method, also compiled): the decode targets are its numbers.
+wants compiled && sweep compiled "${T_COMPILED:-150}" "$OUT/bench-compiled" stock-static,kvzip,kvzip+am_fit \
+  --length "$LONG" --budgets 0.1 --compiled
+# Batch 8 at the long context, compiled: the compressed cache's gain grows with the batch (the cache's bytes
+# outgrow the weights').
+wants batch && sweep batch "${T_BATCH:-110}" "$OUT/bench-batch" kvzip+am_fit --length "$LONG" --budgets 0.1 \
+  --batch 8 --compiled
+# Then the eager decode at the long context: the targets are at 32K (stock's compiled static cache is the bar for full;
 # kvzip+am_fit last, its compression the slowest).
-wants long && sweep long "${T_LONG:-165}" "$OUT/bench-long" stock,stock-static,kvzip,kvzip+am_fit \
+wants long && sweep long "${T_LONG:-110}" "$OUT/bench-long" stock,kvzip,kvzip+am_fit \
   --length "$LONG" --budgets 0.1
 wants short && sweep short "${T_SHORT:-70}" "$OUT/bench-short" stock,kvzip,kvzip+am_fit --length "$SHORT" \
   --budgets 0.1
-wants memory && sweep memory "${T_MEMORY:-35}" "$OUT/bench-memory" kvzip+am_fit --length "$SHORT" --memory 0.0625
+wants memory && sweep memory "${T_MEMORY:-30}" "$OUT/bench-memory" kvzip+am_fit --length "$SHORT" --memory 0.0625
 
-if wants profile; then  # a few decode steps of the full cache and of kvzip's, by host and by device time
-  for method in full kvzip; do
-    phase "profile $method" "${T_PROFILE:-25}" bash -c "'$PYTHON' benchmarks/profile_decode.py \
+if wants profile; then  # a few decode steps of kvzip's cache, by host and by device time (PROFILE_DECODE="full kvzip" for both)
+  for method in ${PROFILE_DECODE:-kvzip}; do
+    phase "profile $method" "${T_PROFILE:-20}" bash -c "'$PYTHON' benchmarks/profile_decode.py \
       --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method $method --budget 0.1 --steps 3 \
       --top 30 > '$OUT/profile-$method.txt' 2>&1"
     grep -E "host synchronisations|ms a step" "$OUT/profile-$method.txt"
   done
+  # kvzip+am_fit's compression at the short context: the functions (cProfile) and operators by host and device time
+  phase "profile compression" "${T_PROFILE_COMPRESS:-40}" bash -c "'$PYTHON' benchmarks/profile_compress.py \
+    --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method kvzip+am_fit --budget 0.1 --ops \
+    --top 30 > '$OUT/profile-compress.txt' 2>&1"
+  grep -E "prefills" "$OUT/profile-compress.txt"
 fi
 
 if wants report; then

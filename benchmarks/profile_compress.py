@@ -3,12 +3,21 @@
 Usage::
 
     python benchmarks/profile_compress.py --length 4096 --method kvzip+am_fit [--budget 0.1]
-        [--model smollm2-135m] [--device cpu] [--top 25] [--ops]
+        [--model smollm2-135m] [--device cpu] [--top 25] [--ops] [--count [--as-accelerator]]
 
 Prefills ``--length`` tokens of the bench's prose, then compresses once under cProfile (and, with
 ``--ops``, a second time under ``torch.profiler``) and prints the prefill and compression seconds,
 the functions with the most cumulative time, and the method's own report (``ctx.report``: the repeat
-pass, the fits). docs/benchmarks.md, "Profiling".
+pass, the fits).
+
+``--count`` instead compresses once counting what a GPU would pay for whatever the machine: the
+operators dispatched (views apart: they launch nothing), by phase (the repeat pass, Attention
+Matching's fits, the rest) and by kvfold function, and the host reads
+(:class:`kvfold.runtime.host_syncs.HostSyncCounter`). With ``--as-accelerator`` a CPU takes the
+paths and block sizes a GPU in 16 bits would (the repeat pass's forwards and its fused attention with
+the log-sum-exp, the CPU's kernel standing in for CUDA's; the fits'
+:data:`~kvfold.methods.compaction.attention_matching.solve.ACCELERATOR_FIT_SIZES`), so the count is
+the GPU's. docs/benchmarks.md, "Profiling".
 """
 
 from __future__ import annotations
@@ -17,14 +26,18 @@ import argparse
 import cProfile
 import io
 import pstats
+import sys
 import time
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvfold.evaluate.bench.process import context_ids
 from kvfold.methods import build_method
 from kvfold.pipeline.context import prefill_ids
 from kvfold.runtime.budget import Budget
+from kvfold.runtime.host_syncs import HostSyncCounter
 from kvfold.runtime.models import load_model
 from kvfold.runtime.timing import device_clock
 
@@ -38,6 +51,82 @@ def _compress(source, method, budget: Budget) -> tuple[float, dict]:
     return device_clock(source.model.device) - start, ctx.report
 
 
+VIEWS = frozenset(
+    {
+        "alias", "as_strided", "chunk", "detach", "diagonal", "expand", "flatten", "mT", "narrow", "permute",
+        "reshape", "select", "slice", "split", "squeeze", "t", "transpose", "unbind", "unflatten",
+        "unsqueeze", "view", "_unsafe_view",
+    }
+)  # fmt: skip
+"""Operators that make a view of a tensor: no kernel runs."""
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the operators dispatched inside it (views apart), by phase and by the kvfold function
+    that called them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phases: Counter[str] = Counter()
+        self.functions: Counter[str] = Counter()
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in VIEWS:
+            self.views += 1
+        else:
+            phase, where = _caller_phase()
+            self.phases[phase] += 1
+            self.functions[where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _caller_phase() -> tuple[str, str]:
+    """The phase of the operator being dispatched (``repeat pass``, ``fits``, ``other``) and the
+    innermost kvfold function on the stack."""
+    frame, where, phase = sys._getframe(2), "", "other"
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/kvfold/" in path and not where and not path.endswith("host_syncs.py"):
+            where = f"{path.split('/kvfold/')[-1]}:{frame.f_code.co_name}"
+        if path.endswith("core/repeat.py"):
+            return "repeat pass", where
+        if "/attention_matching/" in path:
+            phase = "fits"
+        frame = frame.f_back
+    return phase, where
+
+
+def as_accelerator() -> None:
+    """Take, on this CPU, the paths and block sizes a GPU takes in 16 bits (for counting only)."""
+    from kvfold.methods.compaction.attention_matching import solve
+    from kvfold.methods.core import repeat
+    from kvfold.runtime import attention
+
+    attention._is_cpu = lambda device: False  # noqa: SLF001 - other devices' blocks
+    attention._cpu_flash = lambda query: False  # noqa: SLF001 - not the CPU's own path, but
+    attention.device_flash = lambda query: attention.FLASH_WITH_LSE  # its kernel standing in for CUDA's flash
+    repeat.forward_tokens = lambda device, fresh: repeat.ACCELERATOR_FORWARD_CHUNK if fresh else repeat.FORWARD_CHUNK
+    solve.fit_sizes = lambda device: solve.ACCELERATOR_FIT_SIZES
+    solve._fused_statistics_apply = lambda *args: False  # noqa: SLF001 - the CPU's fused statistics
+    score_rows = repeat.score_block_rows
+    repeat.score_block_rows = lambda device, *sizes: score_rows(torch.device("cuda"), *sizes)  # KVzip's blocks
+
+
+def count(source, method, budget: Budget, top: int) -> None:
+    """Compress once counting operators and host reads; print them."""
+    ops = OperatorCount()
+    with HostSyncCounter() as syncs, ops:
+        _compress(source, method, budget)
+    total = sum(ops.phases.values())
+    phases = ", ".join(f"{phase} {n:,}" for phase, n in ops.phases.most_common())
+    print(f"operators {total:,} ({phases}); views {ops.views:,}; host reads {sum(syncs.kvfold.values()):,} in kvfold")
+    for where, n in ops.functions.most_common(top):
+        print(f"  {n:>8,}  {where}")
+    for where, n in syncs.kvfold.most_common(top):
+        print(f"  {n:>8,}  read: {where}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -48,7 +137,11 @@ def main() -> None:
     parser.add_argument("--budget", default="0.1")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", action="store_true", help="also profile the operators (torch.profiler)")
+    parser.add_argument("--count", action="store_true", help="count operators and host reads instead of timing")
+    parser.add_argument("--as-accelerator", action="store_true", help="with --count: a GPU's paths and block sizes")
     args = parser.parse_args()
+    if args.as_accelerator:
+        as_accelerator()
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     ids = context_ids(tokenizer, args.length, 1).to(model.device)
@@ -58,6 +151,9 @@ def main() -> None:
         start = time.perf_counter()
         source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
         prefill = time.perf_counter() - start
+    if args.count:
+        count(source, method, budget, args.top)
+        return
     profiler = cProfile.Profile()
     profiler.enable()
     seconds, report = _compress(source, method, budget)
@@ -69,10 +165,13 @@ def main() -> None:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.top)
     print(text.getvalue())
-    if args.ops:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    if args.ops:  # by host time, and on a GPU by device time too
+        cuda = model.device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
             _compress(source, method, budget)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        for sort in ["self_cpu_time_total"] + (["self_cuda_time_total"] if cuda else []):
+            print(prof.key_averages().table(sort_by=sort, row_limit=args.top))
 
 
 if __name__ == "__main__":

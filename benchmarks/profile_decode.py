@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/profile_decode.py --length 4096 --method kvzip --budget 0.1 [--memory 1/16]
-        [--model smollm2-135m] [--device cpu] [--steps 4] [--top 25]
+        [--model smollm2-135m] [--device cpu] [--steps 4] [--top 25] [--compiled]
 
 Prefills ``--length`` tokens of the bench's prose (:func:`kvfold.evaluate.bench.process.context_ids`),
 compresses with ``--method`` at ``--budget`` (or the memory budget ``--memory``), decodes a few
@@ -11,8 +11,9 @@ warm-up steps, then profiles ``--steps`` greedy steps and prints the operators w
 time (CPU, and CUDA on a GPU), with their call counts per step. It also counts, per step, the
 operations that make a CUDA host wait for the device (``.item()``, ``.tolist()``, ``bool()`` or
 ``int()`` of a tensor, ``nonzero``, boolean-mask indexing; :mod:`kvfold.runtime.host_syncs`), those
-made inside kvfold's own code and in the rest of the step apart. docs/benchmarks.md, "Profiling a
-decode step".
+made inside kvfold's own code and in the rest of the step apart, and the operator calls and (on CUDA)
+the kernel or graph launches a step. ``--compiled`` decodes through
+:class:`kvfold.pipeline.compiled_decode.CompiledDecode`. docs/benchmarks.md, "Profiling".
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 import torch
 
 from kvfold.evaluate.bench.process import context_ids
+from kvfold.pipeline.compiled_decode import CompiledDecode
 from kvfold.pipeline.context import prefill_ids
 from kvfold.runtime.host_syncs import HostSyncCounter
 from kvfold.runtime.models import load_model
@@ -50,6 +52,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
+    parser.add_argument(
+        "--compiled", action="store_true", help="decode through torch.compile over fixed tails (CompiledDecode)"
+    )
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
@@ -67,9 +72,13 @@ def main() -> None:
             cache, policy = compressed.cache, compressed.policy
         cache.policy = policy
         token = source.last_logits.argmax(-1)[:, None]
+        compiled = CompiledDecode(model, cache, args.warmup + 1 + 2 * args.steps) if args.compiled else None
 
         def step() -> None:
             nonlocal token
+            if compiled is not None:
+                token = compiled.step(token[:, 0]).argmax(-1)[:, None]
+                return
             position = torch.full((1, 1), cache.get_seq_length(), device=token.device)
             logits = model(input_ids=token, position_ids=position, past_key_values=cache).logits[:, -1]
             token = logits.argmax(-1)[:, None]
@@ -94,9 +103,14 @@ def main() -> None:
             torch.cuda.synchronize()
         per_step = (time.perf_counter() - start) / args.steps
     layers = len(cache.folded_layers)
-    print(f"{args.method} at {args.memory or args.budget}, {args.length} tokens, {layers} layers, "
+    how = " compiled" if args.compiled else ""
+    print(f"{args.method} at {args.memory or args.budget}{how}, {args.length} tokens, {layers} layers, "
           f"{per_step * 1000:.1f} ms a step unprofiled ({torch.get_num_threads()} threads)")  # fmt: skip
     print(f"host synchronisations in one step: {counter.summary()}")
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key or "GraphLaunch" in e.key) / args.steps
+    operators = sum(e.count for e in events if e.key.startswith("aten::")) / args.steps
+    print(f"a step: {operators:.0f} aten operator calls, {launches:.0f} kernel or graph launches (CUDA)")
     sorts = ["self_cpu_time_total"] + (["self_cuda_time_total"] if model.device.type == "cuda" else [])
     for sort in sorts:  # on a GPU, the host's time (launches, Python) and the device's apart
         print(f"by {sort}, {args.steps} steps:")

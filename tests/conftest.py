@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
-from transformers import (
+
+if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:
+    # Set before transformers imports Triton: kvfold's Triton kernel runs interpreted on the CPU
+    # (tests/runtime/test_triton_attention.py). Not in vLLM's environment, whose engines share it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import (  # noqa: E402 - after the line above
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,

@@ -275,3 +275,66 @@ def test_a_decode_step_over_stored_rows_reads_nothing_back_to_the_host(kv_format
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             if step:
                 assert not syncs.kvfold, syncs.summary()
+
+
+def test_the_device_kernel_is_taken_only_where_it_gives_the_blocked_paths_attention(monkeypatch):
+    """Off the CPU a fused kernel's log-sum-exp replaces float32 products over the whole cache, once a
+    check on a small GQA problem finds it gives the blocked path's output and log-sum-exp; a kernel that
+    is off, or missing, leaves the blocked path, and the status says why. (The CPU's fused kernel stands
+    in for CUDA's here.)"""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(attention, "DEVICE_FLASH_KERNEL", attention.FLASH_WITH_LSE)
+    assert attention._check_device_flash(cpu, torch.bfloat16) == "fused"
+
+    def off(*args, **kwargs):
+        out, lse = attention.FLASH_WITH_LSE(*args, **kwargs)
+        return out, lse + 0.2
+
+    monkeypatch.setattr(attention, "DEVICE_FLASH_KERNEL", off)
+    assert attention._check_device_flash(cpu, torch.bfloat16).startswith("blocked log-sum-exp (the fused kernel is off")
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(attention, "DEVICE_FLASH_KERNEL", missing)
+    assert attention._check_device_flash(cpu, torch.bfloat16) == (
+        "blocked log-sum-exp (no kernel image is available for execution on the device)"
+    )
+    query = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
+    assert attention.device_flash(query) is None  # a CPU query: the CPU's own kernel, not this one
+
+
+def test_the_log_sum_exp_path_is_named_for_the_records():
+    """What `kvfold bench` records as `repeat_attention`: the CPU's fused kernel in float32 and
+    bfloat16, float32 products elsewhere with the reason, CUDA's status once checked."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
+    fused_cpu = "fused (CPU kernel)" if attention.FLASH_WITH_LSE is not None else None
+    if fused_cpu:
+        assert attention.log_sum_exp_path(cpu, torch.bfloat16) == fused_cpu
+    assert attention.log_sum_exp_path(cpu, torch.float64).startswith("blocked log-sum-exp (torch.float64")
+    assert attention.log_sum_exp_path(cuda, torch.float32).startswith("blocked log-sum-exp (torch.float32 on cuda")
+    key = f"{cuda} {torch.bfloat16}"
+    if key not in attention.DEVICE_FLASH_STATUS:
+        assert attention.log_sum_exp_path(cuda, torch.bfloat16).startswith("blocked log-sum-exp (not checked")
+
+
+def test_the_blocked_log_sum_exp_takes_larger_blocks_off_the_cpu(monkeypatch):
+    """Off the CPU a block of the log-sum-exp holds up to :data:`attention.ACCELERATOR_LSE_BLOCK_ELEMENTS`
+    logits (each block is a few launches there), on the CPU :data:`attention.LSE_BLOCK_ELEMENTS`; the
+    result is the same."""
+    gen = torch.Generator().manual_seed(4)
+    b, h_kv, groups, q_len, n, d = 1, 2, 2, 6, 30, 8  # 12 folded rows a KV head
+    query = torch.randn(b, h_kv * groups, q_len, d, generator=gen)
+    keys = torch.randn(b, h_kv, n, d, generator=gen)
+    products = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda *a: products.append(1) or real(*a))
+    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", b * h_kv * n * 3)  # 3 rows a block: 4 blocks
+    monkeypatch.setattr(attention, "ACCELERATOR_LSE_BLOCK_ELEMENTS", b * h_kv * n * 12)  # 1 block
+    on_cpu = attention.log_sum_exp_parts(query, keys, 0.3)
+    cpu_blocks, products[:] = len(products), []
+    monkeypatch.setattr(attention, "_is_cpu", lambda device: False)
+    off_cpu = attention.log_sum_exp_parts(query, keys, 0.3)
+    assert (cpu_blocks, len(products)) == (4, 1)
+    for a, c in zip(on_cpu, off_cpu, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)

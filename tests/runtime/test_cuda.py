@@ -48,7 +48,7 @@ def test_no_compression_equals_stock_transformers_on_cuda(tiny_family):
 
 @needs_cuda
 def test_masked_path_with_blocked_log_sum_exp_on_cuda(monkeypatch):
-    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 4096)
+    monkeypatch.setattr(attention, "ACCELERATOR_LSE_BLOCK_ELEMENTS", 4096)
     gen = torch.Generator().manual_seed(1)
     b, h_kv, groups, q_len, n, d = 2, 2, 4, 33, 300, 32
     keys = torch.randn(b, h_kv, n, d, generator=gen)
@@ -164,3 +164,70 @@ def test_bench_peak_reads_the_cuda_allocator():
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     del block
     assert 63 <= peak.stop() <= 80
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["full", "rows", "int4", "int3"])
+def test_a_compiled_decode_on_cuda_answers_as_the_eager_one(kind, monkeypatch):
+    """CUDA graphs over fixed tails (``reduce-overhead``), stored rows read by the Triton kernel: the eager
+    decode's logits, step after step, one graph for every step."""
+    from torch._dynamo.utils import counters
+
+    from kvfold.pipeline.compiled_decode import CompiledDecode
+    from tests.pipeline.test_compiled_decode import TOKENS, _cache, _eager_logits
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, cache = _cache(kind)
+    model.cuda()
+    cache = _on_cuda(cache)
+    want = _eager_logits(model, cache.copy(), TOKENS)
+    with torch.no_grad(), CompiledDecode(model, cache, len(TOKENS)) as step:  # reduce-overhead on CUDA
+        got = [step.step(torch.tensor([token], device="cuda")) for token in TOKENS]
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {index}")
+
+
+def _on_cuda(cache):
+    """A CPU-built cache moved to CUDA, every tensor (the stored rows' as they are)."""
+    for _, layer in cache.folded_layers:
+        layer.device = torch.device("cuda")
+        layer.prefetch()
+    torch.cuda.synchronize()
+    return cache
+
+
+@needs_cuda
+def test_repeat_queries_wait_on_the_host_and_fit_as_on_the_device(monkeypatch):
+    """On CUDA the repeat pass writes its queries to page-locked host memory (the device then holds the
+    cache, a chunk's scratch and one layer's fit, not every layer's queries); a fit brings one layer's
+    back and compresses to the cache it gives with the queries kept on the device."""
+    _, gpu = _pair("llama")
+    tok = CharTokenizer()
+    pre = kvfold.prefill(gpu, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(gpu, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.25), tokenizer=tok)
+    found = repeat.repeat_pass(ctx, scores=False)
+    assert all(q.device.type == "cpu" and q.is_pinned() for q in found.queries.values())
+    on_host = kvfold.prefill(gpu, tok, TEXT, use_chat_template=False).compress("kvzip+am_fit", 0.25)
+    monkeypatch.setattr(repeat, "queries_on_host", lambda device: False)
+    on_device = kvfold.prefill(gpu, tok, TEXT, use_chat_template=False).compress("kvzip+am_fit", 0.25)
+    for (_, a), (_, b) in zip(on_host.cache.folded_layers, on_device.cache.folded_layers, strict=True):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+@needs_cuda
+def test_the_repeat_pass_attention_on_cuda_takes_the_flash_kernel_in_16_bits():
+    """In bfloat16 on CUDA the attention over a cache and its log-sum-exp come from the flash kernel
+    (checked once a device), equal to the blocked float32 products within bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(2)
+    b, h_kv, groups, q_len, n, d = 1, 2, 4, 65, 700, 64
+    parts = [torch.randn(b, h, m, d, generator=gen) for h, m in ((h_kv * groups, q_len), (h_kv, n), (h_kv, n))]
+    query, keys, values = (t.to("cuda", torch.bfloat16) for t in parts)
+    assert attention.device_flash(query) is attention.DEVICE_FLASH_KERNEL
+    assert attention.DEVICE_FLASH_STATUS[f"{query.device} {query.dtype}"] == "fused"
+    out, lse = attention._attend_after_cache(query, keys, values, 0.125, with_lse=True)
+    ref_out, ref_lse = attention._attend_after_cache_split(query, keys, values, 0.125, with_lse=True)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=2e-2)
+    torch.testing.assert_close(lse.float(), ref_lse.float(), rtol=0, atol=2e-2)

@@ -75,6 +75,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "the answers mean nothing there; default: the model's own)",
     )
     p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="decode kvfold's caches through torch.compile over fixed tails (CUDA graphs on a GPU; the first "
+        "steps compile, untimed); methods that compress while decoding are refused",
+    )
+    p.add_argument(
         "--cachefile",
         action="store_true",
         help="cache files and chat memory (kvfold.evaluate.bench.saved_caches)",
@@ -129,6 +135,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             progress=not args.quiet,
             positions=args.positions,
             memory=bool(args.memory),
+            compiled=args.compiled,
         )
     else:
         from kvfold.evaluate.running.distributed import require_ray, run_on_ray
@@ -148,6 +155,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 threads=threads,
                 positions=args.positions,
                 memory=bool(args.memory),
+                compiled=args.compiled,
             ),
             **options,
         )

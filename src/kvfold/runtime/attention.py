@@ -243,6 +243,73 @@ def _dense_attention(
 
 FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 """The CPU flash-attention kernel that also returns each query's log-sum-exp (None in builds without it)."""
+CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16)
+"""Query dtypes :data:`FLASH_WITH_LSE` takes."""
+DEVICE_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""Query dtypes CUDA's flash kernel takes (:func:`device_flash`)."""
+
+
+def _cuda_flash_with_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, dropout: float, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's flash-attention kernel with each query's log-sum-exp, called as :data:`FLASH_WITH_LSE`
+    is: ``(output (B, H, q, D), log-sum-exp (B, H, q) float32)``."""
+    found = torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, dropout, causal, False, scale=scale)
+    return found[0], found[1]
+
+
+DEVICE_FLASH_KERNEL = _cuda_flash_with_lse
+"""The fused kernel :func:`device_flash` checks and hands out (tests put the CPU's in its place)."""
+DEVICE_FLASH_STATUS: dict[str, str] = {}
+"""Per device and dtype (``"cuda:0 torch.bfloat16"``), whether :func:`device_flash` found the fused
+kernel: ``"fused"``, or ``"blocked log-sum-exp (why)"``."""
+
+
+def device_flash(query: torch.Tensor):
+    """The fused kernel that gives each query's log-sum-exp off the CPU, or None: CUDA's flash
+    attention for 16-bit queries (head dimension at most 256), checked once per device and dtype
+    against :func:`_attend_after_cache_split` on a small problem (:data:`DEVICE_FLASH_STATUS` says
+    what was found). Where it applies, the repeat pass's log-sum-exp over the whole cache runs in the
+    kernel the model's own attention runs in, not as float32 products: at 32K tokens of
+    Llama-3.1-8B's shape those are about 280 TFLOP, several prefills on an H200."""
+    if query.device.type != "cuda" or query.dtype not in DEVICE_FLASH_DTYPES or query.shape[-1] > 256:
+        return None
+    key = f"{query.device} {query.dtype}"
+    if key not in DEVICE_FLASH_STATUS:
+        DEVICE_FLASH_STATUS[key] = _check_device_flash(query.device, query.dtype)
+    return DEVICE_FLASH_KERNEL if DEVICE_FLASH_STATUS[key] == "fused" else None
+
+
+def log_sum_exp_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How the attention over an uncompressed cache gives each query's log-sum-exp (the repeat pass)
+    for queries of ``dtype`` on ``device``: ``"fused (CPU kernel)"``, ``"fused (CUDA flash kernel)"``
+    or ``"blocked log-sum-exp (why)"`` (float32 products in blocks)."""
+    if device.type == "cpu":
+        on_cpu = FLASH_WITH_LSE is not None and dtype in CPU_FLASH_DTYPES
+        return "fused (CPU kernel)" if on_cpu else f"blocked log-sum-exp ({dtype} on the CPU)"
+    if device.type != "cuda" or dtype not in DEVICE_FLASH_DTYPES:
+        return f"blocked log-sum-exp ({dtype} on {device.type}: the flash kernel takes 16-bit queries on CUDA)"
+    return DEVICE_FLASH_STATUS.get(f"{device} {dtype}", "blocked log-sum-exp (not checked on this device yet)")
+
+
+def _check_device_flash(device: torch.device, dtype: torch.dtype) -> str:
+    """``"fused"`` when :data:`DEVICE_FLASH_KERNEL` gives :func:`_attend_after_cache_split`'s output
+    and log-sum-exp on a small GQA problem (2 KV heads of 3 query heads, 7 new tokens after 40),
+    else ``"blocked log-sum-exp (why)"``."""
+    gen = torch.Generator().manual_seed(0)
+    b, h_kv, groups, q_len, n, d = 1, 2, 3, 7, 47, 64
+    parts = [torch.randn(b, h, m, d, generator=gen) for h, m in ((h_kv * groups, q_len), (h_kv, n), (h_kv, n))]
+    query, keys, values = (t.to(device=device, dtype=dtype) for t in parts)
+    try:
+        out, lse = _attend_fused(DEVICE_FLASH_KERNEL, query, keys, values, d**-0.5)
+    except RuntimeError as err:  # a build or device without the kernel
+        return f"blocked log-sum-exp ({str(err).splitlines()[0][:120]})"
+    ref_out, ref_lse = _attend_after_cache_split(query, keys, values, d**-0.5, with_lse=True)
+    out_off = float((out.float() - ref_out.float()).abs().max())
+    lse_off = float((lse.float() - ref_lse.float()).abs().max())
+    if out_off > 0.05 or lse_off > 0.05:
+        return f"blocked log-sum-exp (the fused kernel is off by {out_off:.3g} in output, {lse_off:.3g} in log-sum-exp)"
+    return "fused"
 
 
 def _gives_log_sum_exp(query: torch.Tensor, layer: FoldedLayer) -> bool:
@@ -263,7 +330,7 @@ def _gives_log_sum_exp(query: torch.Tensor, layer: FoldedLayer) -> bool:
 
 def _cpu_flash(query: torch.Tensor) -> bool:
     """The fused CPU kernel applies: a CPU query in float32 or bfloat16, a build that has it."""
-    return FLASH_WITH_LSE is not None and query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16)
+    return FLASH_WITH_LSE is not None and query.device.type == "cpu" and query.dtype in CPU_FLASH_DTYPES
 
 
 def _is_cpu(device: torch.device) -> bool:
@@ -284,21 +351,29 @@ def _attend_after_cache(
     head folded into the query axis, the new block with the kernel's own causal mask. Neither part
     reads a mask, and the masked half of the new block is skipped (Attention Matching's repeat pass
     on SmolLM2 at 4K tokens: 19.9 → 18.4 s). On the CPU the fused kernel gives both parts'
-    log-sum-exp; elsewhere :func:`_attend_after_cache_split` computes them in blocks.
+    log-sum-exp, on CUDA in 16 bits its flash kernel (:func:`device_flash`); elsewhere
+    :func:`_attend_after_cache_split` computes them in blocks.
     """
+    flash = FLASH_WITH_LSE if _cpu_flash(query) else device_flash(query)
+    if flash is None or keys.shape[2] <= query.shape[2]:
+        return _attend_after_cache_split(query, keys, values, scaling, with_lse)
+    out, lse = _attend_fused(flash, query, keys, values, scaling)
+    return (out, lse) if with_lse else out
+
+
+def _attend_fused(flash, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+    """:func:`_attend_after_cache` by a fused kernel that gives the log-sum-exp (``flash``, called as
+    :data:`FLASH_WITH_LSE`), with older entries than the new ones: ``(output, log-sum-exp)``."""
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     old = n - q_len
-    if not _cpu_flash(query) or old <= 0:
-        return _attend_after_cache_split(query, keys, values, scaling, with_lse)
-    flash = FLASH_WITH_LSE
     groups = h_q // h_kv
     folded = query.reshape(b, h_kv, groups * q_len, d)
     out_old, lse_old = flash(folded, keys[:, :, :old], values[:, :, :old], 0.0, False, scale=scaling)
     new_keys = keys[:, :, old:].repeat_interleave(groups, dim=1)
     new_values = values[:, :, old:].repeat_interleave(groups, dim=1)
     out_new, lse_new = flash(query, new_keys, new_values, 0.0, True, scale=scaling)
-    return _merge_parts(query, out_old, lse_old.reshape(b, h_q, q_len), out_new, lse_new, with_lse)
+    return _merge_parts(query, out_old, lse_old.reshape(b, h_q, q_len), out_new, lse_new, True)
 
 
 def _merge_parts(
@@ -321,7 +396,14 @@ def _merge_parts(
 
 
 LSE_BLOCK_ELEMENTS = 1 << 25
-"""At most this many logits in one block of :func:`log_sum_exp_parts` (128 MB in float32)."""
+"""At most this many logits in one block of :func:`log_sum_exp_parts` on the CPU (128 MB in float32)."""
+ACCELERATOR_BLOCK_ELEMENTS = 1 << 27
+"""Logits (all KV heads together) of one block off the CPU, where each operation is a launch: 512 MB
+in float32, for :func:`log_sum_exp_parts` and KVzip's scores (:func:`kvfold.methods.core.repeat.max_received`).
+At 32K entries of Llama-3.1-8B's 8 KV heads a block of the CPU's size held 122 query rows, and a
+repeat forward's 2,048 rows took 17 blocks of about 8 launches a layer; this one holds 490 rows."""
+ACCELERATOR_LSE_BLOCK_ELEMENTS = ACCELERATOR_BLOCK_ELEMENTS
+""":func:`log_sum_exp_parts`'s blocks off the CPU (tests shrink them apart from the scores')."""
 
 
 def _attend_after_cache_split(
@@ -355,8 +437,8 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
     the new ones it sees (causally): two ``(B, H_q, q)`` tensors in float32 (float64 for float64
     queries); −inf where a part is empty.
 
-    Computed in blocks of query rows, at most :data:`LSE_BLOCK_ELEMENTS` logits and ``4·D`` rows
-    a KV head (a block is then about an eighth of the cache's bytes, at any length: few kernel
+    Computed in blocks of query rows, at most :data:`LSE_BLOCK_ELEMENTS` logits
+    (:data:`ACCELERATOR_LSE_BLOCK_ELEMENTS` off the CPU) and ``4·D`` rows a KV head (few kernel
     launches on a GPU, bounded memory everywhere)."""
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
@@ -364,15 +446,16 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
     old = n - q_len
     acc = torch.promote_types(query.dtype, torch.float32)
     folded = query.reshape(b * h_kv, groups * q_len, d)
-    key_t = keys.reshape(b * h_kv, n, d).transpose(1, 2)
+    key_t = keys.reshape(b * h_kv, n, d).transpose(1, 2).to(acc)  # once: not a float32 copy of the keys per block
     lse_old = torch.empty(b * h_kv, groups * q_len, dtype=acc, device=query.device)
     lse_new = torch.empty_like(lse_old)
-    rows = max(1, min(LSE_BLOCK_ELEMENTS // max(1, b * h_kv * n), 4 * d))
+    elements = LSE_BLOCK_ELEMENTS if _is_cpu(query.device) else ACCELERATOR_LSE_BLOCK_ELEMENTS
+    rows = max(1, min(elements // max(1, b * h_kv * n), 4 * d))
     position = torch.arange(groups * q_len, device=query.device) % q_len  # each folded row's query
     new_keys = torch.arange(q_len, device=query.device)
     for lo in range(0, groups * q_len, rows):
         hi = min(lo + rows, groups * q_len)
-        logits = torch.matmul(folded[:, lo:hi].to(acc), key_t.to(acc)).mul_(scaling)
+        logits = torch.matmul(folded[:, lo:hi].to(acc), key_t).mul_(scaling)
         lse_old[:, lo:hi] = torch.logsumexp(logits[..., :old], dim=-1)
         future = new_keys[None, :] > position[lo:hi, None]  # (rows, q): a new entry after the query
         lse_new[:, lo:hi] = torch.logsumexp(logits[..., old:].masked_fill_(future, float("-inf")), dim=-1)

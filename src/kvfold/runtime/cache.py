@@ -21,6 +21,12 @@ A layer holds at most two parts, in this order:
   writes the new token in place; capacity grows geometrically, so a decode step never copies the
   cache. Online (decode-time) methods edit it in place (:meth:`FoldedLayer.dense_buffers`).
 
+For a compiled decode (``torch.compile``, CUDA graphs) :meth:`FoldedLayer.fix_tail` fixes the tail's
+shape for a number of new tokens: each step writes its token at a slot counted on the device, the slots
+not yet written hold β = −inf, and no Python number changes from step to step, so the step is traced
+once (transformers' ``StaticLayer`` does the same for a full cache). :meth:`FoldedLayer.release_tail`
+makes it growable again.
+
 The layer also keeps a **logical length** (positions seen, including compressed ones) that is
 what ``get_seq_length()`` reports, so RoPE positions of new tokens continue where the
 uncompressed context ended (architecture invariant 4).
@@ -93,6 +99,10 @@ class FoldedLayer(CacheLayerMixin):
         self.num_heads = 0
         self.head_dim = 0
         self.spare = 0  # slots of capacity beyond the first fill (FoldedCache.set_spare_capacity)
+        # A fixed tail (fix_tail): the slots written, on the device, and the logical position of slot 0.
+        self._filled: torch.Tensor | None = None
+        self._fixed_base = 0
+        self._fixed_plain = False  # every β of the tail was 0 before it was fixed
 
     # ----------------------------------------------------------------- transformers API
     keys = _content_view(0, "keys")  # type: ignore[assignment]
@@ -111,6 +121,8 @@ class FoldedLayer(CacheLayerMixin):
         when the layer holds no stored rows; the kvfold attention reads those itself)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self._filled is not None:
+            return self._write_fixed(key_states, value_states)
         self.logical_length += key_states.shape[-2]
         self._append_dense(key_states, value_states)
         return self._keys[:, :, : self._length], self._values[:, :, : self._length]
@@ -119,7 +131,11 @@ class FoldedLayer(CacheLayerMixin):
         physical = self.physical_length
         return physical + query_length, self.logical_length - physical
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Positions seen (compressed ones included); a 0-d device tensor while the tail is fixed (as
+        transformers' ``StaticLayer``: read on the device by a compiled step, never back on the host)."""
+        if self._filled is not None:
+            return self._filled + self._fixed_base
         return self.logical_length
 
     def get_max_length(self) -> int:
@@ -355,6 +371,80 @@ class FoldedLayer(CacheLayerMixin):
         if self._keys is not None and self._keys.shape[2] > max(capacity, self._length):
             self._resize(max(capacity, self._length))
 
+    # -------------------------------------------------------- a fixed tail (compiled decode)
+    @property
+    def is_fixed(self) -> bool:
+        """Whether the tail's shape is fixed (:meth:`fix_tail`)."""
+        return self._filled is not None
+
+    def fix_tail(self, new_tokens: int) -> None:
+        """Give the dense tail room for ``new_tokens`` more entries and fix its shape, for a decode step
+        that is compiled once (module docstring).
+
+        The tail's capacity becomes its length plus ``new_tokens``; the slots not yet written get β = −inf
+        and attention reads the whole capacity. Each later :meth:`update` of one token writes the slot a
+        device counter names, sets its β to 0 and advances the counter, in place; :meth:`get_seq_length`
+        is then that counter plus the positions before the tail (a device tensor). The stored rows'
+        page index is built now, not in the first compiled step.
+
+        Raises:
+            ValueError: an empty layer, or a tail already fixed.
+        """
+        if not self.is_initialized or self._keys is None:
+            raise ValueError("fix_tail() needs a layer filled by a forward pass")
+        if self._filled is not None:
+            raise ValueError("fix_tail(): the tail is already fixed; release_tail() first")
+        if new_tokens < 1:
+            raise ValueError(f"fix_tail() needs at least one new token; got {new_tokens}")
+        n = self._length
+        self._fixed_plain = self._log_mass is None
+        self._resize(n + new_tokens)
+        self._ensure_log_mass()
+        self._log_mass[:, :, n:] = NEG_INF
+        self._filled = torch.tensor(n, dtype=torch.long, device=self._keys.device)
+        self._fixed_base = self.logical_length - n
+        self._length = n + new_tokens
+        self.is_compileable = True
+        held = (self._keys, self._values, self._log_mass, self._filled, *self._stored_tensors())
+        self.physical_length  # noqa: B018 - the stored rows' width read now (a compiled step reads it as a constant)
+        if not torch.compiler.is_compiling():  # buffers a captured graph writes in place, or reads every step
+            for tensor in held:
+                torch._dynamo.mark_static_address(tensor)
+
+    def release_tail(self) -> None:
+        """Make a fixed tail growable again (:meth:`fix_tail`): its written slots kept, the rest given
+        back, the logical length read once from the device counter."""
+        if self._filled is None:
+            return
+        filled = int(self._filled)
+        self._filled = None
+        self.logical_length = self._fixed_base + filled
+        self._length = filled
+        self._resize(filled)
+        if self._fixed_plain and not bool((self._log_mass != 0).any()):
+            self._log_mass = None
+        del self.is_compileable  # the class's False again
+
+    def _write_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token written in place at the fixed tail's next slot (:meth:`fix_tail`)."""
+        if key_states.shape[-2] != 1:
+            raise UserError(
+                f"a fixed tail takes one new token a step; got {key_states.shape[-2]} "
+                "(feed the question before fixing the tail, or release_tail() first)"
+            )
+        slot = self._filled.view(1)
+        self._keys.index_copy_(2, slot, key_states)
+        self._values.index_copy_(2, slot, value_states)
+        self._log_mass.index_fill_(2, slot, 0.0)
+        self._filled.add_(1)
+        return self._keys, self._values
+
+    def _stored_tensors(self) -> Iterator[torch.Tensor]:
+        """The stored rows' tensors and the index a decode step reads (built here if it was not)."""
+        if self.stored is not None:
+            yield from self.stored.tensors().values()
+            yield from self.stored.index_tensors()
+
     def set_log_mass(self, log_mass: torch.Tensor) -> None:
         """Overwrite β of the dense tail, ``(B, H, N)`` (−inf marks empty slots)."""
         self._ensure_log_mass()
@@ -401,6 +491,8 @@ class FoldedLayer(CacheLayerMixin):
             new._log_mass = None if self._log_mass is None else self._log_mass[:, :, :n].clone()
         if self.captured_queries is not None:
             new.captured_queries = self.captured_queries.clone()
+        if self._filled is not None:
+            new._filled = self._filled.clone()
         new.entry_stats = {name: t.clone() for name, t in self.entry_stats.items()}
         return new
 
@@ -588,6 +680,8 @@ class FoldedLayer(CacheLayerMixin):
         re-quantized or re-packed), the tail, captured queries and statistics edited along."""
         if not self.is_initialized:
             return
+        if self._filled is not None:
+            raise ValueError("a batch edit changes the rows of a fixed tail; release_tail() first")
         before = after = 0
         if self.stored is not None:
             rows, before = self.stored.num_rows, self.stored.width
@@ -715,6 +809,31 @@ class FoldedCache(Cache):
                 if own is not None:
                     layer.quantize(own)
         self.quant = config
+
+    def fix_tails(self, new_tokens: int) -> None:
+        """Fix every layer's tail for ``new_tokens`` decode steps of one token (:meth:`FoldedLayer.fix_tail`):
+        what a compiled decode step needs (:mod:`kvfold.pipeline.compiled_decode`).
+
+        Raises:
+            UserError: a layer kvfold does not hold (sliding-window layers grow and drop entries every
+                step), an online policy (it edits the cache between steps), or an empty cache.
+        """
+        if any(not isinstance(layer, FoldedLayer) for layer in self.layers):
+            raise UserError(
+                "a compiled decode needs every layer to be a full-attention FoldedLayer; this model has "
+                "sliding-window layers (decode it without --compiled)"
+            )
+        if self.policy is not None:
+            raise UserError("a compiled decode takes no online (decode-time) method; decode it without --compiled")
+        if not all(layer.is_initialized for layer in self.layers):
+            raise UserError("a compiled decode needs a prefilled cache")
+        for layer in self.layers:
+            layer.fix_tail(new_tokens)
+
+    def release_tails(self) -> None:
+        """Make every fixed tail growable again (:meth:`FoldedLayer.release_tail`)."""
+        for _, layer in self.folded_layers:
+            layer.release_tail()
 
     def set_spare_capacity(self, tokens: int) -> None:
         """Give every folded layer ``tokens`` slots of capacity beyond what its first fill (the

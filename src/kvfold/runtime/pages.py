@@ -17,6 +17,7 @@ pages of a row by their maximum logit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -50,6 +51,14 @@ class RowPages:
     def count(self) -> int:
         """Pages (P)."""
         return int(self.row.shape[0])
+
+    @cached_property
+    def first_page(self) -> Tensor:
+        """``(rows + 1,)`` int32: each row's first page, then the page count (pages are in row order), for
+        a kernel that walks a row's pages (:mod:`kvfold.runtime.triton_attention`); made on first use."""
+        per_row = torch.zeros(self.rows, dtype=torch.long, device=self.row.device)
+        per_row.index_add_(0, self.row, torch.ones_like(self.row))
+        return torch.cat([per_row.new_zeros(1), per_row.cumsum(0)]).to(torch.int32)
 
     def nbytes(self) -> int:
         """Bytes of the index held (built on the first read, kept with the rows)."""

@@ -348,6 +348,14 @@ class QuantizedRows:
             return pages_of(self.lengths, PAGE_SIZE, self.log_mass)
         return pages_of(self.lengths, self.config.key_group, self.log_mass, count=int(self.key_scale.shape[0]))
 
+    def index_tensors(self) -> tuple[Tensor, ...]:
+        """The index a decode step reads (:attr:`pages`, :attr:`outlier_slots` where entries are kept at
+        full precision), built now if it was not: before a decode step is compiled, so that the compiled
+        step only reads it."""
+        pages = self.pages
+        outliers = (self.outlier_slots,) if self.outlier_index.numel() else ()
+        return (pages.row, pages.slots, pages.bias, pages.first_page, *outliers)
+
     @cached_property
     def outlier_slots(self) -> Tensor:
         """``(O,)`` the slot of each full-precision entry in :attr:`pages` (flat: ``page · size + position``)."""

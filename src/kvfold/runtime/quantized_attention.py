@@ -25,6 +25,7 @@ from kvfold.runtime.native import ERRORS, attend_codes_kernel
 from kvfold.runtime.pages import empty_part, gather_pages, page_logits, page_softmax, sum_pages
 from kvfold.runtime.quantize import QuantizedRows, code_planes
 from kvfold.runtime.rows import FloatRows, float_part
+from kvfold.runtime.triton_attention import stored_part_triton, triton_applies
 
 Tensor = torch.Tensor
 
@@ -52,8 +53,11 @@ def stored_part(queries: Tensor, stored: QuantizedRows | FloatRows, scaling: flo
     """The stored part of :func:`attend_stored` alone, by the kernel where it applies: each row's
     maximum logit ``(R, M)`` (−inf for an empty row), its weights' sum ``(R, M)`` and weighted values
     ``(R, M, Dv)`` relative to it. Parts of one row's pieces merge by log-sum-exp, and
-    :func:`merge_with_tail` adds the row's tail. Rows at full precision are read by
-    :func:`~kvfold.runtime.rows.float_part`."""
+    :func:`merge_with_tail` adds the row's tail. On a GPU the Triton kernel reads the rows it applies
+    to (:mod:`kvfold.runtime.triton_attention`); otherwise rows at full precision are read by
+    :func:`~kvfold.runtime.rows.float_part`, and codes by the CPU's C kernel or PyTorch."""
+    if triton_applies(queries, stored):
+        return stored_part_triton(queries, stored, scaling)
     if isinstance(stored, FloatRows):
         return float_part(queries, stored, scaling)
     kernel = attend_codes_kernel() if native_applies(queries, stored) else None
@@ -80,9 +84,11 @@ def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_
 
 def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
     """Whether the compiled kernel can read these rows: float32 queries on the CPU, codes of 8, 4, 3
-    or 2 bits with one value scale an entry, no full-precision outlier entries."""
+    or 2 bits with one value scale an entry, no full-precision outlier entries, outside a step that
+    ``torch.compile`` traces (it compiles the PyTorch path; a ctypes call would break its graph)."""
     return (
         queries.device.type == "cpu"
+        and not torch.compiler.is_compiling()
         and queries.dtype == torch.float32
         and not stored.config.is_float
         and not stored.config.value_group

@@ -128,6 +128,12 @@ class FloatRows:
         (:mod:`kvfold.runtime.pages`), built on the first read and kept: what a decode step reads."""
         return pages_of(self.lengths, PAGE_SIZE, self.log_mass)
 
+    def index_tensors(self) -> tuple[Tensor, ...]:
+        """The index a decode step reads (:attr:`pages`), built now if it was not: before a decode step
+        is compiled, so that the compiled step only reads it."""
+        pages = self.pages
+        return (pages.row, pages.slots, pages.bias, pages.first_page)
+
     @cached_property
     def starts(self) -> Tensor:
         """``(R,)`` each row's first entry (made once: the rows do not change)."""

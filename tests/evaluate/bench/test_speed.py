@@ -8,9 +8,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from kvfold.cli.main import main
 from kvfold.evaluate.bench.speed import bench
+from kvfold.runtime.attention import log_sum_exp_path
 
 FIELDS = {
     "method",
@@ -153,6 +155,8 @@ def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path)
     assert kvzip["compress_over_repeat"] == pytest.approx(kvzip["compress_s"] / kvzip["repeat_s"])
     assert kvzip["compress_over_prefill"] == pytest.approx(kvzip["compress_s"] / kvzip["prefill_s"])
     assert streaming["repeat_s"] is None and streaming["compress_over_repeat"] is None  # no repeat pass
+    assert kvzip["repeat_attention"] == log_sum_exp_path(torch.device("cpu"), torch.float32)
+    assert streaming["repeat_attention"] is None
     assert streaming["compress_over_prefill"] == pytest.approx(streaming["compress_s"] / streaming["prefill_s"])
     assert full["compress_over_repeat"] is None
     table = (tmp_path / "bench.md").read_text()
@@ -278,3 +282,21 @@ def test_bench_measures_stock_transformers_beside_kvfolds_full_cache(tiny_dir, t
     stock = by_method["stock"]
     assert stock["speedup_over_limit"] == pytest.approx(stock["decode_tokens_per_s"] / stock["reference_tokens_per_s"])
     assert "| stock | 1.0 | 64 |" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_path_a_decode_takes_is_recorded():
+    """On a GPU: the Triton kernel for the formats it reads, PyTorch (and why) for the others; on the CPU:
+    the C kernel's status; nothing for a cache held unquantized."""
+    import torch
+
+    from kvfold.evaluate.bench.speed import quantized_attention_path
+    from kvfold.runtime import triton_attention
+    from tests.pipeline.test_compiled_decode import _cache
+
+    cuda = torch.device("cuda")
+    assert quantized_attention_path(_cache("rows")[1], cuda) is None
+    if triton_attention.available():
+        assert quantized_attention_path(_cache("int4")[1], cuda) == "triton"
+        assert quantized_attention_path(_cache("fp8")[1], cuda).startswith("torch (the Triton kernel does not read")
+    assert quantized_attention_path(_cache("int4")[1], torch.device("cpu")).startswith(("native", "torch"))
+    assert quantized_attention_path(_cache("int4")[1], torch.device("cpu"), compiled=True).startswith("torch (compiled")

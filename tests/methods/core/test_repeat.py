@@ -386,7 +386,7 @@ def test_the_device_path_scores_equal_the_fused_cpu_ones(monkeypatch):
     monkeypatch.setattr(attention, "log_sum_exp_parts", lambda *a: blocks.append(1) or real(*a))
     monkeypatch.setattr(attention, "_is_cpu", lambda device: False)
     monkeypatch.setattr(attention, "_cpu_flash", lambda query: False)
-    monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 500)
+    monkeypatch.setattr(attention, "ACCELERATOR_LSE_BLOCK_ELEMENTS", 500)  # the device path's blocks
     device_path = repeat.repeat_pass(ctx, forward_chunk=64)
     assert blocks  # the device path ran
     for i in fused.scores:
@@ -395,8 +395,56 @@ def test_the_device_path_scores_equal_the_fused_cpu_ones(monkeypatch):
 
 
 def test_score_blocks_are_cache_sized_on_the_cpu_and_large_elsewhere():
-    """CPU blocks keep their logits in cache (fewer rows as N grows); on a GPU a block is 4·D rows
-    at any length, so the scores at 32K entries are a few launches a layer, not hundreds."""
+    """CPU blocks keep their logits in cache (fewer rows as N grows); on a GPU a block is at least 4·D
+    rows and up to 512 MB of logits, so the scores at 32K entries are a few launches a layer, not
+    hundreds, and a chunk's span of 2K entries (8 KV heads) takes a forward's 8,192 rows at once."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert repeat.score_block_rows(cpu, 2048, 64) == 128 and repeat.score_block_rows(cpu, 32768, 64) == 16
-    assert repeat.score_block_rows(gpu, 32768, 128) == 512 == repeat.score_block_rows(gpu, 2048, 128)
+    assert repeat.score_block_rows(gpu, 32768, 128, heads=8) == 512
+    assert repeat.score_block_rows(gpu, 2048, 128, heads=8) == 8192
+
+
+def test_a_bfloat16_models_queries_are_held_as_computed_and_fit_as_in_float32():
+    """The repeat pass holds a bfloat16 model's queries in bfloat16 (half the bytes of the float32 copy
+    it held, the compression's peak), and the fits read them as before: the compressed cache equals the
+    one fitted on float32 copies of the same queries, bit for bit."""
+    model = kvfold.enable(make_tiny_model("llama").to(torch.bfloat16))
+    prefilled = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False)
+    held = prefilled.compress("kvzip+am_fit", 0.25)
+    (found, _), *_ = [v for k, v in prefilled.shared.items() if isinstance(k, tuple) and k[0] == "repeat_pass"]
+    assert found.queries and all(q.dtype == torch.bfloat16 for q in found.queries.values())
+    for layer_idx, q in list(found.queries.items()):
+        found.queries[layer_idx] = q.float()  # what the pass held before: a float32 copy
+    widened = prefilled.compress("kvzip+am_fit", 0.25)
+    for (_, a), (_, b) in zip(held.cache.folded_layers, widened.cache.folded_layers, strict=True):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_queries_are_recorded_on_the_cpu_there_and_on_the_host_from_an_accelerator():
+    """A CPU pass keeps its queries where it computes them; from an accelerator they go to host memory
+    (every layer's queries are held until the selection: twice the cache's bytes at Llama-3.1-8B's shape)."""
+    assert not repeat.queries_on_host(torch.device("cpu"))
+    assert repeat.queries_on_host(torch.device("cuda")) and repeat.queries_on_host(torch.device("mps"))
+    buffer = repeat.query_buffer((1, 2, 3, 4, 5), torch.bfloat16, torch.device("cpu"))
+    assert buffer.device.type == "cpu" and buffer.dtype == torch.bfloat16 and buffer.shape == (1, 2, 3, 4, 5)
+
+
+def test_an_accelerator_repeats_a_fresh_prefill_in_longer_forwards(monkeypatch):
+    """Over a fresh prefill off the CPU the attention holds no probabilities, so a forward takes 2,048
+    repeat tokens (a quarter of the launches); a compacted cache, or the CPU, keeps 512. The pass asks
+    with its device and whether the cache is a fresh prefill."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert repeat.forward_tokens(cuda, fresh=True) == repeat.ACCELERATOR_FORWARD_CHUNK == 2048
+    assert repeat.forward_tokens(cuda, fresh=False) == repeat.forward_tokens(cpu, fresh=True) == 512
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    asked = []
+    monkeypatch.setattr(repeat, "forward_tokens", lambda device, fresh: asked.append((device.type, fresh)) or 16)
+    pieces = repeat.repeat_pass(ctx, scores=True, queries=True)
+    whole = repeat.repeat_pass(ctx, forward_chunk=4096)
+    assert asked == [("cpu", True)]
+    for i in whole.scores:
+        torch.testing.assert_close(pieces.scores[i], whole.scores[i], rtol=1e-4, atol=1e-7)

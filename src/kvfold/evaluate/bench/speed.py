@@ -64,6 +64,7 @@ from kvfold.evaluate.bench.process import (
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.methods import build_method
 from kvfold.pipeline.memory import plan_memory
+from kvfold.runtime.attention import log_sum_exp_path
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
 from kvfold.runtime.models import load_model
@@ -94,6 +95,9 @@ class BenchConfig:
     memory: float | None = None
     """A memory budget (``--memory``: a fraction of the 16-bit full cache's bytes) in place of
     ``budget``, spent on tokens × bits by :func:`kvfold.pipeline.memory.plan_memory`."""
+    compiled: bool = False
+    """kvfold's decode steps (the method's, and ``full``'s beside it) through ``torch.compile`` over fixed
+    tails (``--compiled``; :class:`kvfold.pipeline.compiled_decode.CompiledDecode`; CUDA graphs on a GPU)."""
 
 
 def run_config(config: BenchConfig) -> dict:
@@ -153,7 +157,7 @@ def run_config(config: BenchConfig) -> dict:
             reference_length = Budget.parse(budget).count(config.length)
             reference_ids = context_ids(tokenizer, reference_length, config.batch).to(model.device)
             runs.append(prefill_ids(model, tokenizer, reference_ids, capture_window=0))
-        speeds = _decode_interleaved(model, runs, config.new_tokens)
+        speeds = _decode_interleaved(model, runs, config.new_tokens, config.compiled)
     return {
         **asdict(config),
         "budget": config.budget if not method.is_identity else 1.0,
@@ -170,17 +174,27 @@ def run_config(config: BenchConfig) -> dict:
         **memory_fields,
         "kv_bytes_reserved": compressed.kv_bytes_reserved,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
-        "quantized_attention": quantized_attention_path(compressed.cache, model.device),
+        "quantized_attention": quantized_attention_path(compressed.cache, model.device, config.compiled),
+        "repeat_attention": None if repeat_s is None else log_sum_exp_path(model.device, model.dtype),
     }
 
 
-def quantized_attention_path(cache, device) -> str | None:
-    """How a decode step read the quantized entries: ``native`` (the compiled kernel,
-    :mod:`kvfold.runtime.native`) or ``torch (why)``; None for a cache held unquantized."""
+def quantized_attention_path(cache, device, compiled: bool = False) -> str | None:
+    """How a decode step read the quantized entries: ``native`` (the CPU's compiled kernel,
+    :mod:`kvfold.runtime.native`), ``triton`` (the GPU's kernel, :mod:`kvfold.runtime.triton_attention`)
+    or ``torch (why)``; None for a cache held unquantized. ``compiled``: a compiled decode
+    (``--compiled``), which on the CPU reads codes by the PyTorch path that the compiler fuses."""
     if cache.quant is None:
         return None
     if getattr(device, "type", str(device)) != "cpu":
-        return "torch (not a CPU device)"
+        from kvfold.runtime.triton_attention import available, reads_rows
+
+        stored = [layer.stored for _, layer in cache.folded_layers if layer.stored is not None]
+        if not available():
+            return "torch (Triton is not installed)"
+        return "triton" if all(map(reads_rows, stored)) else f"torch (the Triton kernel does not read {cache.quant})"
+    if compiled:
+        return "torch (compiled: the C kernel is outside any graph)"
     from kvfold.runtime.native import status
 
     return status()
@@ -250,18 +264,19 @@ def _compress_in_place(source, method, budget):
     )
 
 
-def _decode_interleaved(model, contexts: list, new_tokens: int) -> list[float]:
+def _decode_interleaved(model, contexts: list, new_tokens: int, compiled: bool = False) -> list[float]:
     """Greedy decode of every context, one step of each in turn; steady-state tokens/s of each.
 
     Each context is a :class:`~kvfold.pipeline.context.CompressedContext` (its cache decodes under its
     online policy) or a :class:`~kvfold.pipeline.context.PrefilledContext` (a full cache) (see
-    :func:`time_interleaved`)."""
+    :func:`time_interleaved`); with ``compiled``, through :func:`_compiled_step` (no online policy)."""
     steppers = []
     for context in contexts:
         cache = context.cache
         cache.policy = getattr(context, "policy", None)
         source = getattr(context, "source", context)
-        steppers.append(Stepper(source.last_logits.argmax(-1), _cache_step(model, cache)))
+        step = _compiled_step(model, cache, new_tokens) if compiled else _cache_step(model, cache)
+        steppers.append(Stepper(source.last_logits.argmax(-1), step))
     return time_interleaved(steppers, new_tokens)
 
 
@@ -284,6 +299,14 @@ def _cache_step(model, cache) -> Callable[[Any], Any]:
         return model(input_ids=tokens[:, None], position_ids=position, past_key_values=cache).logits[:, -1]
 
     return step
+
+
+def _compiled_step(model, cache, new_tokens: int) -> Callable[[Any], Any]:
+    """A decode step over kvfold's cache with fixed tails, compiled once (:class:`CompiledDecode`; its
+    first steps, which compile, are among the untimed warm-up steps)."""
+    from kvfold.pipeline.compiled_decode import CompiledDecode
+
+    return CompiledDecode(model, cache, WARMUP_STEPS + new_tokens).step
 
 
 def time_interleaved(steppers: list[Stepper], new_tokens: int) -> list[float]:
@@ -345,7 +368,11 @@ def run_stock(config: BenchConfig) -> dict:
         prefill_s = device_clock(model.device) - start
         peak_rss = peak_rss_mb()
         release_freed_memory()
-        kvfold_step = _cache_step(model, reference.cache)
+        kvfold_step = (
+            _compiled_step(model, reference.cache, config.new_tokens)
+            if config.compiled
+            else _cache_step(model, reference.cache)
+        )
 
         def attention(name: str) -> Callable[[], None]:
             return lambda: model.set_attn_implementation(name)
@@ -429,11 +456,13 @@ def plan(
     device: str = "auto",
     positions: int | None = None,
     memory: bool = False,
+    compiled: bool = False,
 ) -> tuple[list[BenchConfig], list[BenchConfig]]:
     """The method configurations and the ``full`` runs at every length and batch.
 
     (``full`` at each compressed size is measured inside the method's own process.) With
-    ``memory`` the budgets are memory budgets (``--memory``).
+    ``memory`` the budgets are memory budgets (``--memory``); with ``compiled`` kvfold's decode steps
+    are compiled (:attr:`BenchConfig.compiled`).
     """
     runs, refs = [], {}
     bounded = prefill_chunk is not None
@@ -469,6 +498,9 @@ def plan(
                             budget if memory else None,
                         )
                     )
+    if compiled:
+        runs = [dataclasses.replace(c, compiled=True) for c in runs]
+        refs = {key: dataclasses.replace(c, compiled=True) for key, c in refs.items()}
     return runs, list(refs.values())
 
 
@@ -547,6 +579,7 @@ def bench(
     threads: int | None = None,
     positions: int | None = None,
     memory: bool = False,
+    compiled: bool = False,
 ) -> dict:
     """Run the benchmark and write ``bench.json``, ``bench.md`` and ``bench.png`` into ``out_dir``.
 
@@ -558,7 +591,7 @@ def bench(
     workers, which adds ``ray_workers`` to the result: who measured what). ``threads`` sets each
     measuring process's threads (None: torch's default). ``positions`` raises the model's positions
     for lengths past its window (:func:`extend_positions`; cost only). With ``memory`` the budgets
-    are memory budgets (fractions of the 16-bit full cache's bytes, ``--memory``).
+    are memory budgets (fractions of the 16-bit full cache's bytes, ``--memory``); ``compiled``: ``--compiled``.
 
     Returns:
         ``{"records": [...]}``: per configuration ``prefill_s``, ``compress_s``,
@@ -582,6 +615,7 @@ def bench(
         device,
         positions,
         memory,
+        compiled,
     )
     folder = Path(out_dir) if out_dir is not None else None
     with DirectoryLock(folder) if folder is not None else nullcontext():
@@ -640,7 +674,8 @@ def _describe(config: BenchConfig) -> str:
 def _config_key(config: BenchConfig | dict) -> str:
     """The identity of a configuration: every :class:`BenchConfig` field, as canonical JSON."""
     fields = asdict(config) if isinstance(config, BenchConfig) else config
-    return json.dumps({name: fields.get(name) for name in BenchConfig.__dataclass_fields__}, sort_keys=True)
+    defaults = {name: field.default for name, field in BenchConfig.__dataclass_fields__.items()}
+    return json.dumps({name: fields.get(name, defaults[name]) for name in defaults}, sort_keys=True)
 
 
 def load_finished_records(out_dir: Path) -> dict[str, dict]:
@@ -749,13 +784,18 @@ BENCH_COLUMNS = (
 def _bench_row(r: dict) -> list[str]:
     ratios = compression_ratios(r)
     return [
-        r["method"], str(r["budget"]), str(r["length"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
+        _method_cell(r), str(r["budget"]), str(r["length"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
         f"{r['compress_s']:.2f}", _cell(r.get("repeat_s")), _cell(ratios["compress_over_prefill"]),
         _cell(ratios["compress_over_repeat"]), f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
         f"{r['limit_speedup']:.2f}", f"{r['speedup_over_limit']:.2f}", f"{r['kv_bytes'] / 2**20:.1f}",
         f"{r['kv_bytes_full'] / 2**20:.1f}", _memory_cell(r), r.get("kv_format", "16"), f"{r['peak_rss_mb']:.0f}",
         _cell(r.get("compress_peak_over_cache")),
     ]  # fmt: skip
+
+
+def _method_cell(r: dict) -> str:
+    """The method, marked where kvfold's decode ran compiled (stock's own steps are what :data:`STOCK` says)."""
+    return r["method"] + (" (compiled)" if r.get("compiled") and r["method"] not in STOCK else "")
 
 
 def _memory_cell(r: dict) -> str:

@@ -11,7 +11,8 @@ the prefilled context (:meth:`CompressionContext.shared_result`), so ``kvzip``, 
 Memory: the repeat input runs ``forward_chunk`` tokens per forward, so the attention
 probabilities held at once are ``H_q × forward_chunk × (N + chunk)``, whatever the context length;
 a prefilled row runs over its own cache and gives the chunk's entries back afterwards
-(:func:`scratch_cache`), so the cache is held once, plus one chunk.
+(:func:`scratch_cache`), so the cache is held once, plus one chunk. On an accelerator the recorded
+queries go to host memory as they are computed (:func:`queries_on_host`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.kvzip_plus import HiddenNorms, weighted_received
+from kvfold.runtime.attention import ACCELERATOR_BLOCK_ELEMENTS
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import encode, template_parts
@@ -39,6 +41,17 @@ REPEAT_CHUNK = 2048
 """Context tokens repeated per chunk (KVzip's 2K chunks)."""
 FORWARD_CHUNK = 512
 """Repeat-input tokens per forward (bounds the attention probabilities held at once)."""
+ACCELERATOR_FORWARD_CHUNK = 2048
+"""Repeat-input tokens per forward on an accelerator over a fresh prefill, whose attention gives each
+query's log-sum-exp and holds no probabilities (:mod:`kvfold.runtime.attention`): a quarter of the
+forwards, each a few hundred launches (about 140 operators a layer at Llama-3.1-8B's shape)."""
+
+
+def forward_tokens(device: torch.device, fresh: bool) -> int:
+    """Repeat-input tokens per forward: :data:`ACCELERATOR_FORWARD_CHUNK` off the CPU over a fresh
+    prefill (``fresh``), else :data:`FORWARD_CHUNK` (a compacted cache's attention materialises
+    ``H_q × tokens × N`` probabilities)."""
+    return ACCELERATOR_FORWARD_CHUNK if fresh and device.type != "cpu" else FORWARD_CHUNK
 
 
 @dataclass
@@ -87,6 +100,25 @@ class RepeatPrompt:
         return inputs
 
 
+def queries_on_host(device: torch.device) -> bool:
+    """Whether a repeat pass computed on ``device`` records its queries in host memory: on an
+    accelerator. The queries of every layer are held until the global selection is done (twice the
+    cache's bytes for Llama-3.1-8B: 32 query heads of 8 KV heads, in the model's dtype), and a fit
+    reads one layer's at a time: held on the host, they leave the device's peak at the cache, one
+    chunk's scratch and one layer's fit (:meth:`ReferenceQueries.on
+    <kvfold.methods.compaction.attention_matching.queries.ReferenceQueries.on>` brings them back)."""
+    return device.type != "cpu"
+
+
+def query_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The buffer one layer's repeat queries are written into: on ``device``, or in host memory
+    (:func:`queries_on_host`), page-locked on CUDA so that each forward's copy runs without the host
+    waiting for it."""
+    if not queries_on_host(device):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
 SCORE_FIELDS = ("scores", "plus_scores", "span_scores", "span_plus_scores")
 """The scores a repeat pass can record (:class:`RepeatPass`)."""
 RECORDS = frozenset({*SCORE_FIELDS, "queries"})
@@ -105,8 +137,10 @@ class RepeatPass:
             received from the repeat input's queries, max over the GQA group (−inf on padding); empty when
             the pass did not record it.
         queries: ``(B, H_kv, n, D)`` the repeat input's post-RoPE queries, the ``G`` query heads
-            of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), float32
-            (float64 for float64 models); rows of a batch padded to the longest; empty when not recorded.
+            of a KV head pooled (query head ``h`` serves KV head ``h // G``; App. B.3), in the dtype the
+            model computed them in (stored as they are: the fits read them in float32 or wider, a layer
+            group at a time, so a bfloat16 model's queries hold half the bytes of a float32 copy at no loss);
+            rows of a batch padded to the longest; empty when not recorded.
         query_valid: ``(B, H_kv, n)`` bool.
         query_chunks: ``(B, H_kv, n)`` long, the repeat chunk each query was recorded in (its
             input repeats the context span :func:`token_chunks` assigns to that chunk; −1 on
@@ -209,19 +243,19 @@ class RepeatRecorder:
                 a, b = self.span
                 self._keep_max(within, layer_idx, received[..., a - lo : b - lo], a, b, slots)
         if self.record_queries:
-            dtype = torch.float64 if layer.dtype == torch.float64 else torch.float32
+            dtype = query.dtype  # exact: a float32 copy of bfloat16 queries held twice the bytes for nothing
             batch, heads_q, length, dim = query.shape
             groups = heads_q // layer.num_heads
             grouped = query.detach().reshape(batch, layer.num_heads, groups, length, dim)
             if layer_idx not in self.queries:  # one buffer, written in place: the queries are held once
                 shape = (batch, layer.num_heads, groups, max(self.tokens, length), dim)
-                self.queries[layer_idx] = torch.empty(shape, dtype=dtype, device=query.device)
+                self.queries[layer_idx] = query_buffer(shape, dtype, query.device)
                 self.filled[layer_idx] = 0
             lo = self.filled[layer_idx]
             if lo + length > self.queries[layer_idx].shape[3]:  # more tokens than announced: grow (a copy)
                 held = self.queries[layer_idx]
                 self.queries[layer_idx] = torch.cat([held, held.new_empty(*held.shape[:3], length, dim)], dim=3)
-            self.queries[layer_idx][:, :, :, lo : lo + length] = grouped
+            self.queries[layer_idx][:, :, :, lo : lo + length].copy_(grouped, non_blocking=True)
             self.filled[layer_idx] = lo + length
 
     def _keep_max(self, name: str, layer_idx: int, received: Tensor, lo: int, hi: int, slots: int) -> None:
@@ -272,14 +306,16 @@ query rows at 2K context entries, 32 at 8K; at 8K the scores took 77 ms per laye
 with 32 rows against 88 ms with 128)."""
 
 
-def score_block_rows(device: torch.device, entries: int, head_dim: int) -> int:
-    """Query rows in one block of :func:`max_received`. On the CPU, blocks whose ``(rows, N)``
-    logits stay in cache (:data:`BLOCK_ELEMENTS`); elsewhere ``4·D`` rows, a block about an eighth
-    of the cache's bytes at any length: on the H200 the CPU's 16-row blocks at 32K entries made
-    KVzip's scores launch-bound (Llama-3.1-8B's shape: 61 s of compression for a 4 s repeat pass)."""
+def score_block_rows(device: torch.device, entries: int, head_dim: int, heads: int = 1) -> int:
+    """Query rows in one block of :func:`max_received` (over ``heads`` KV heads at once). On the CPU,
+    blocks whose ``(rows, N)`` logits stay in cache (:data:`BLOCK_ELEMENTS`); elsewhere at least
+    ``4·D`` rows, and as many as :data:`~kvfold.runtime.attention.ACCELERATOR_BLOCK_ELEMENTS`
+    logits hold: on the H200 the CPU's 16-row blocks at 32K entries made KVzip's scores launch-bound
+    (Llama-3.1-8B's shape: 61 s of compression for a 4 s repeat pass), and a chunk's span of 2K
+    entries takes a forward's 8,192 rows in one block where ``4·D`` rows took 16."""
     if device.type == "cpu":
         return min(128, max(16, BLOCK_ELEMENTS // max(1, entries)))
-    return max(16, 4 * head_dim)
+    return max(16, 4 * head_dim, ACCELERATOR_BLOCK_ELEMENTS // max(1, entries * heads))
 
 
 def max_received(
@@ -324,7 +360,7 @@ def max_received(
     if row_norms is not None:  # a / ‖x_q‖ = exp(s·q·k − lse_q − log ‖x_q‖)
         lse = lse + row_norms.to(acc).log()[:, None, :]
     shift = lse.reshape(b * h_kv, rows, 1).neg()
-    block = score_block_rows(query.device, n, d)
+    block = score_block_rows(query.device, n, d, b * h_kv)
     if column_weights is not None:
         best = _max_per_head(folded, key_t, shift, scaling, q_len, block)  # (B·H_kv, G, N)
         weighted = best.exp_().reshape(b, h_kv, h_q // h_kv, n) * column_weights.to(acc).reshape(b, h_kv, -1, n)
@@ -358,7 +394,7 @@ def repeat_pass(
     cache: FoldedCache | None = None,
     scores: bool = True,
     queries: bool = True,
-    forward_chunk: int = FORWARD_CHUNK,
+    forward_chunk: int | None = None,
     plus: bool = False,
     records: frozenset[str] | None = None,
 ) -> RepeatPass:
@@ -372,7 +408,7 @@ def repeat_pass(
         cache: the cache the pass runs over (on-policy AM passes a partially compacted one).
         scores: record KVzip's scores (needs the attention probabilities).
         queries: record the repeat input's queries.
-        forward_chunk: repeat-input tokens per forward.
+        forward_chunk: repeat-input tokens per forward (None: :func:`forward_tokens`).
         plus: record KVzip+'s scores (``plus_scores``; the attention inputs' norms are read by
             forward pre-hooks on the attention modules while the pass runs).
         records: what to record, instead of ``scores``, ``queries`` and ``plus``: a subset of
@@ -390,6 +426,8 @@ def repeat_pass(
     batch, width = ctx.input_ids.shape
     lengths = ctx.context_lengths.tolist()
     device = ctx.input_ids.device
+    if forward_chunk is None:
+        forward_chunk = forward_tokens(device, ctx.is_fresh_prefill(cache))
     slots = {i: layer.physical_length for i, layer in cache.folded_layers}
     logical = next(layer.logical_length for _, layer in cache.folded_layers)  # positions seen
     spans = _chunk_spans(ctx, chunk, cache) if records & {"span_scores", "span_plus_scores"} else None
@@ -414,6 +452,8 @@ def repeat_pass(
                     work.policy = recorder
                     _repeat_forwards(ctx, work, ids, start, forward_chunk)
             recorders.append(recorder)
+    if "queries" in records and queries_on_host(device):  # the host reads them next: every copy must have landed
+        torch.accelerator.synchronize(device)
     return _collect(cache, recorders, chunk_of_token, records)
 
 

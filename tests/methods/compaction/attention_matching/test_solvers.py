@@ -203,3 +203,45 @@ def test_a_ridge_solve_reads_back_once_and_retries_only_the_problems_that_fail()
     retried = torch.linalg.solve(gram[1] + 1e3 * lam * torch.eye(3, dtype=F64), rhs[1])
     torch.testing.assert_close(out[1], retried)
     assert out[2].eq(0).all()
+
+
+def test_block_sizes_are_the_devices_unless_set():
+    """The CPU's blocks stay in its caches; a GPU's are large (each operation is a launch). A size set
+    in the configuration is kept on every device."""
+    cpu, gpu = FitConfig().sized(torch.device("cpu")), FitConfig().sized(torch.device("cuda"))
+    for name in ("group_bytes", "query_block", "statistics_rows", "statistics_bytes"):
+        assert getattr(cpu, name) == getattr(solve.CPU_FIT_SIZES, name)
+        assert getattr(gpu, name) == getattr(solve.ACCELERATOR_FIT_SIZES, name) > getattr(cpu, name)
+    assert FitConfig(query_block=7).sized(torch.device("cuda")).query_block == 7
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_fit_in_a_gpus_blocks_equals_the_fit_in_small_ones(monkeypatch, given):
+    """The same fit in one block of queries and one group (the accelerator's sizes) as in blocks of a
+    few queries and problems: the same keys, β and values up to summation order (in float64, where the
+    normal equations do not amplify it past the tolerance); and the statistics ran in one block where
+    the small sizes took many."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(2, 3, 40, 8, dtype=F64), torch.randn(2, 3, 40, 8, dtype=F64)
+    log_mass = torch.zeros(2, 3, 40, dtype=F64)
+    queries, valid = torch.randn(2, 3, 150, 8, dtype=F64), torch.ones(2, 3, 150, dtype=torch.bool)
+    chosen = torch.stack([torch.randperm(40)[:12].sort().values for _ in range(6)]).reshape(2, 3, 12)
+    blocks = []
+    real = solve.block_statistics
+    monkeypatch.setattr(solve, "block_statistics", lambda *a, **k: blocks.append(k["block"]) or real(*a, **k))
+    from kvfold.methods.compaction.attention_matching import features
+
+    calls = []
+    shifted = features.max_shifted_features
+    monkeypatch.setattr(features, "max_shifted_features", lambda *a: calls.append(1) or shifted(*a))
+    results = {}
+    small = FitConfig(query_block=16, statistics_rows=16, statistics_bytes=16 * 40 * 8, group_bytes=1)
+    for name, config in (("small", small), ("large", FitConfig().sized(torch.device("cuda")))):
+        calls.clear()
+        args = (keys, values, log_mass, queries, valid, torch.full((2, 3), 12), 8**-0.5, config)
+        results[name] = (fit_problems(*args, given=chosen if given else None), len(calls))
+    (large, large_calls), (small_fit, small_calls) = results["large"], results["small"]
+    assert large_calls == 1 and small_calls == 6 * 10  # 6 problems one at a time × 10 blocks of 16 queries
+    assert torch.equal(large.index, small_fit.index)
+    torch.testing.assert_close(large.log_mass, small_fit.log_mass, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(large.values, small_fit.values, rtol=1e-9, atol=1e-10)

@@ -297,10 +297,11 @@ def compact_layers(
     if not plans:
         return {}
     sums = {"mass_error": 0.0, "output_error": 0.0, "blocks": 0}
+    device = next(layer.keys.device for _, layer in targets)
     for group in layer_groups({i: queries[i].queries for i in plans}, STACK_BYTES):
         plan = {i: plans[i] for i in group}
-        cat = _stack_problems(plan, queries, scalings, by_chunk=chunk_of is not None)
-        device = cat["k"].device
+        held = {i: queries[i].on(device) for i in group}  # on the device while the group is fitted
+        cat = _stack_problems(plan, held, scalings, by_chunk=chunk_of is not None)
         result = fit_problems(
             cat["k"],
             cat["v"],

@@ -38,7 +38,7 @@ def max_shifted_features(
     shift = phi.amax(dim=-1)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
     phi.sub_(shift[..., None]).exp_()  # App. A.2: exp(ℓ − max ℓ), in place
-    if not bool(query_valid.all()):
+    if phi.device.type != "cpu" or not bool(query_valid.all()):  # on a GPU the read would cost more than the product
         phi.mul_(query_valid[..., None].to(phi.dtype))
     return phi, phi.sum(-1), shift
 
@@ -52,11 +52,13 @@ def block_statistics(
     scaling: Tensor,
     block: int = 256,
     squares: bool = True,
+    budget: int = STATISTICS_BYTES,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What highest-attention selection needs, one block of queries at a time (cache friendly):
-    the shift ``(P, n)``, the mass ``m`` ``(P, n)``, the target ``Y = Φ V / m`` ``(P, n, D)`` and
-    ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i`` (the mean squared attention weight; zeros
-    unless ``squares``: given keys need no selection score)."""
+    """What highest-attention selection needs, one block of ``block`` queries and a few problems
+    (``budget`` bytes of features) at a time: the shift ``(P, n)``, the mass ``m`` ``(P, n)``, the
+    target ``Y = Φ V / m`` ``(P, n, D)`` and ``Σ_i a_ij² / n`` ``(P, T)`` with ``a_ij = Φ_ij / m_i``
+    (the mean squared attention weight; zeros unless ``squares``: given keys need no selection
+    score). Small blocks stay in a CPU's caches; a GPU takes large ones (fewer launches)."""
     P, n, _ = queries.shape
     shift = queries.new_zeros(P, n)
     mass = queries.new_zeros(P, n)
@@ -65,7 +67,7 @@ def block_statistics(
     n_valid = query_valid.sum(-1).clamp_min(1).to(queries.dtype)
     # A few problems at a time: the (problems, block, T) features stay in cache through their
     # ten or so passes. Every operation is per problem, so the result is the same bit for bit.
-    step = max(1, STATISTICS_BYTES // max(1, block * keys.shape[1] * queries.element_size()))
+    step = max(1, budget // max(1, block * keys.shape[1] * queries.element_size()))
     for p0 in range(0, P, step):
         p1 = min(P, p0 + step)
         k, v, b0, sc = keys[p0:p1], values[p0:p1], beta0[p0:p1], scaling[p0:p1]

@@ -614,7 +614,7 @@ class AMFit(Folder):
             self._fold_preselected(layer_idx, layer, keep, lengths, ctx)
             return
         keys, values, log_mass, _ = layer.padded()
-        queries = ctx.memo["am_fit_queries"][layer_idx]
+        queries = ctx.memo["am_fit_queries"][layer_idx].on(keys.device)  # one layer's on the device at a time
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
         # kept entries of the template and the sinks stay verbatim: the fit matches the rest
         valid = torch.isfinite(log_mass)
@@ -716,7 +716,7 @@ class AMFit(Folder):
             forced |= candidates & protected.to(keep.device)
         target = self._selector.target_counts(layer_idx, layer, lengths, ctx).to(keep.device)
         fit_counts = (target - forced.sum(-1)).clamp(min=0)
-        queries = ctx.memo["am_fit_queries"][layer_idx]
+        queries = ctx.memo["am_fit_queries"][layer_idx].on(keys.device)
         span_mass = log_mass.masked_fill(forced, float("-inf"))
         result = fit_problems(
             keys,

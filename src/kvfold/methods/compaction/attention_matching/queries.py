@@ -74,7 +74,8 @@ class ReferenceQueries:
     """Reference queries of one layer, per KV head.
 
     Attributes:
-        queries: ``(B, H_kv, n, D)`` post-RoPE queries (float32, float64 for float64 models).
+        queries: ``(B, H_kv, n, D)`` post-RoPE queries: the repeat pass's in the model's dtype, pooled and
+            random ones in float32 (float64 for float64 models); the fits read them in float32 or wider.
         valid: ``(B, H_kv, n)`` bool; rows of a batch may hold different numbers of queries.
         chunk: ``(B, H_kv, n)`` long, the repeat chunk a repeat-prefill query was recorded in
             (:attr:`kvfold.methods.core.repeat.RepeatPass.query_chunks`), −1 for the queries of
@@ -94,12 +95,23 @@ class ReferenceQueries:
         """:attr:`chunk`, −1 everywhere when None."""
         return self.chunk if self.chunk is not None else torch.full_like(self.valid, -1, dtype=torch.long)
 
+    def on(self, device: torch.device) -> ReferenceQueries:
+        """These queries on ``device`` (themselves when already there): a repeat pass on an
+        accelerator holds its queries in host memory (:func:`kvfold.methods.core.repeat.queries_on_host`)
+        and a fit brings one layer's back while it runs."""
+        if self.queries.device == device:
+            return self
+        move = {"device": device, "non_blocking": True}
+        chunk = None if self.chunk is None else self.chunk.to(**move)
+        return ReferenceQueries(self.queries.to(**move), self.valid.to(**move), chunk)
+
     def cat(self, other: ReferenceQueries) -> ReferenceQueries:
         chunk = None
         if self.chunk is not None or other.chunk is not None:
             chunk = torch.cat([self.chunks_or_none(), other.chunks_or_none().to(self.valid.device)], dim=2)
+        dtype = torch.promote_types(self.queries.dtype, other.queries.dtype)  # repeat (model dtype) + pooled (float32)
         return ReferenceQueries(
-            torch.cat([self.queries, other.queries.to(self.queries)], dim=2),
+            torch.cat([self.queries.to(dtype), other.queries.to(device=self.queries.device, dtype=dtype)], dim=2),
             torch.cat([self.valid, other.valid], dim=2),
             chunk,
         )

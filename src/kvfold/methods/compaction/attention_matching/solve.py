@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
 from kvfold.methods.compaction.attention_matching.features import (
+    STATISTICS_BYTES,
     Group,
     block_statistics,
     fused_statistics,
@@ -58,7 +59,41 @@ from kvfold.runtime.quantize import QuantConfig
 Tensor = torch.Tensor
 
 DEFAULT_GROUP_BYTES = 192 << 20
-"""Bytes of ``(n, T)`` feature matrices processed at once (several such temporaries exist)."""
+"""Bytes of ``(n, T)`` feature matrices processed at once on the CPU (several such temporaries exist)."""
+
+
+@dataclass(frozen=True)
+class FitSizes:
+    """How much of a fit one operation covers, by device: the same fit in fewer, larger operations
+    where each operation costs a kernel launch.
+
+    Attributes:
+        group_bytes: memory for the problems fitted together (:attr:`FitConfig.group_bytes`).
+        query_block: reference queries per block of the streamed normal equations
+            (:attr:`FitConfig.query_block`).
+        statistics_rows: queries per block of the attention statistics
+            (:func:`~kvfold.methods.compaction.attention_matching.features.block_statistics`).
+        statistics_bytes: bytes of one ``(problems, rows, T)`` feature block there.
+    """
+
+    group_bytes: int
+    query_block: int
+    statistics_rows: int
+    statistics_bytes: int
+
+
+CPU_FIT_SIZES = FitSizes(DEFAULT_GROUP_BYTES, 1024, 256, STATISTICS_BYTES)
+"""Blocks that stay in a CPU's caches (a few MB of features at a time)."""
+ACCELERATOR_FIT_SIZES = FitSizes(1 << 30, 8192, 4096, 512 << 20)
+"""Blocks for a GPU, where every operation is a launch of a few microseconds whatever its size:
+Llama-3.1-8B's shape at 1K tokens ran 89,000 fit operations with the CPU's blocks (counted by
+``benchmarks/profile_compress.py --count``), most of them on blocks a GPU finishes in less than
+their launch. The device memory they add stays under a gibibyte and a half."""
+
+
+def fit_sizes(device: torch.device) -> FitSizes:
+    """The block sizes of a fit on ``device``: :data:`CPU_FIT_SIZES` or :data:`ACCELERATOR_FIT_SIZES`."""
+    return CPU_FIT_SIZES if device.type == "cpu" else ACCELERATOR_FIT_SIZES
 
 
 @dataclass
@@ -105,10 +140,11 @@ class FitConfig:
         value_ridge: ridge of the value fit relative to the mean Gram diagonal, toward the kept
             entries' own values (``C_v = V_S`` when the queries say nothing); None = ``ridge``.
         query_block: reference queries per block while the fit's statistics are accumulated
-            (memory follows the block, not the number of queries).
+            (memory follows the block, not the number of queries); None: by device (:func:`fit_sizes`).
         solver: ``"gram"`` (normal equations, fast) or ``"exact"`` (:mod:`kvfold.methods.compaction.linalg`,
             :mod:`kvfold.methods.compaction.omp`).
-        group_bytes: memory budget for the feature matrices of one group of problems.
+        group_bytes: memory budget for the feature matrices of one group of problems; None: by device.
+        statistics_rows, statistics_bytes: the blocks of the attention statistics; None: by device.
         value_storage: when the values will be stored in this integer format, the fitted values
             are rounded to its grid with error feedback (:mod:`.value_rounding`); None: left as
             fitted (the storage rounds each on its own).
@@ -127,9 +163,17 @@ class FitConfig:
     mass_weight: Literal["none", "relative"] = "none"
     value_ridge: float | None = None
     solver: Literal["gram", "exact"] = "gram"
-    group_bytes: int = DEFAULT_GROUP_BYTES
-    query_block: int = 1024
+    group_bytes: int | None = None
+    query_block: int | None = None
+    statistics_rows: int | None = None
+    statistics_bytes: int | None = None
     value_storage: QuantConfig | None = None
+
+    def sized(self, device: torch.device) -> FitConfig:
+        """This configuration with every block size left to the device filled in (:func:`fit_sizes`)."""
+        sizes = fit_sizes(device)
+        fill = {name: getattr(sizes, name) for name in sizes.__dataclass_fields__ if getattr(self, name) is None}
+        return replace(self, **fill) if fill else self
 
 
 @dataclass
@@ -197,6 +241,7 @@ def _fit_group(
     docstring); ``given`` ``(P, t)`` fixes the kept positions (−1 = unused slot) and only β and the
     values are fitted; ``candidates`` ``(P, T)`` bool limits the highest-attention keys to those
     entries."""
+    config = config.sized(group.keys.device)
     t_max = int(counts.max()) if group.keys.shape[0] else 0
     (P, T, d), n = group.keys.shape, group.queries.shape[1]
     omp = given is None and config.keys == "omp"
@@ -241,7 +286,10 @@ def _select_by_score(
     if given is not None and _fused_statistics_apply(K, Q, scale, config):
         shift, mass, target = fused_statistics(K, V, beta0, Q, qv, scale)
     else:
-        shift, mass, target, square = block_statistics(K, V, beta0, Q, qv, scale, squares=given is None)
+        shift, mass, target, square = block_statistics(
+            K, V, beta0, Q, qv, scale,
+            block=config.statistics_rows, squares=given is None, budget=config.statistics_bytes,
+        )  # fmt: skip
     selectable = torch.isfinite(beta0) if candidates is None else torch.isfinite(beta0) & candidates
     idx, ok, lengths = _kept_positions(square, selectable, counts, t_max, given)
     if config.solver != "exact":
@@ -561,7 +609,8 @@ def _bytes_per_problem(config: FitConfig, scored: bool, T: int, n: int, D: int, 
     def per_problem(t: int) -> int:
         if scored:  # a block of queries × T, then blocks × t
             rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
-            return size * (256 * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
+            statistics = min(n, config.statistics_rows)
+            return size * (statistics * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
         return size * (n * T + T * t + n * D)  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
 
     return per_problem
@@ -602,6 +651,7 @@ def fit_problems(
     Returns:
         A :class:`Compacted` with the same leading dims.
     """
+    config = config.sized(keys.device)
     batch = keys.shape[:-2]
     T, D = keys.shape[-2:]
     n = queries.shape[-2]

@@ -1,0 +1,89 @@
+"""The Triton kernel of :mod:`kvfold.runtime.triton_attention` (imported only where it runs: this module
+imports Triton, and Triton's interpreter, ``TRITON_INTERPRET=1``, is chosen when a kernel is defined)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def unpack(codes_ptr, entries, channels, valid, n_bytes, width, BITS: tl.constexpr):
+    """The codes of ``channels`` ``(C,)`` of ``entries`` ``(S,)``: ``(S, C)`` float32."""
+    base = codes_ptr + entries[:, None] * n_bytes
+    if BITS == 8:
+        return tl.load(base + channels[None, :], mask=valid, other=0).to(tl.float32)
+    elif BITS == 3:  # eight codes in three bytes, code i at bit 3i (little-endian)
+        bit = (channels % 8) * 3
+        byte = (channels // 8) * 3 + bit // 8
+        low = tl.load(base + byte[None, :], mask=valid, other=0).to(tl.int32)
+        spill = valid & ((byte + 1) < n_bytes)[None, :]
+        high = tl.load(base + byte[None, :] + 1, mask=spill, other=0).to(tl.int32)
+        return (((low | (high << 8)) >> (bit % 8)[None, :]) & 7).to(tl.float32)
+    else:  # 4 and 2 bits by planes: channel c in byte c % width, plane c // width
+        plane = channels // width
+        byte = tl.load(base + (channels % width)[None, :], mask=valid, other=0).to(tl.int32)
+        return ((byte >> (plane * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@triton.jit
+def stored_part_kernel(
+    q_ptr, first_page_ptr, slots_ptr, bias_ptr,
+    keys_ptr, values_ptr, key_scale_ptr, key_zero_ptr, value_scale_ptr, value_zero_ptr,
+    top_ptr, den_ptr, num_ptr,
+    m, d, dv, key_bytes, value_bytes, scaling,
+    BITS: tl.constexpr, SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    queries = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_valid = queries < m
+    channels = tl.arange(0, BLOCK_D)
+    value_channels = tl.arange(0, BLOCK_DV)
+    d_valid = channels < d
+    dv_valid = value_channels < dv
+    q = tl.load(
+        q_ptr + (row * m + queries)[:, None] * d + channels[None, :],
+        mask=q_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    position = tl.arange(0, SIZE)
+    start = tl.load(first_page_ptr + row)
+    end = tl.load(first_page_ptr + row + 1)
+    for page in range(start, end):
+        entries = tl.load(slots_ptr + page * SIZE + position)
+        bias = tl.load(bias_ptr + page * SIZE + position)
+        if BITS == 16:  # rows at full precision
+            keys = tl.load(keys_ptr + entries[:, None] * d + channels[None, :], mask=d_valid[None, :], other=0.0).to(
+                tl.float32
+            )
+            values = tl.load(
+                values_ptr + entries[:, None] * dv + value_channels[None, :], mask=dv_valid[None, :], other=0.0
+            ).to(tl.float32)
+        else:
+            key_codes = unpack(keys_ptr, entries, channels, d_valid[None, :], key_bytes, d * BITS // 8, BITS)
+            scale = tl.load(key_scale_ptr + page * d + channels, mask=d_valid, other=0.0).to(tl.float32)
+            zero = tl.load(key_zero_ptr + page * d + channels, mask=d_valid, other=0.0).to(tl.float32)
+            keys = key_codes * scale[None, :] + zero[None, :]
+            value_codes = unpack(
+                values_ptr, entries, value_channels, dv_valid[None, :], value_bytes, dv * BITS // 8, BITS
+            )
+            value_scale = tl.load(value_scale_ptr + entries).to(tl.float32)
+            value_zero = tl.load(value_zero_ptr + entries).to(tl.float32)
+            values = value_codes * value_scale[:, None] + value_zero[:, None]
+        logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scaling + bias[None, :]
+        new_best = tl.maximum(best, tl.max(logits, 1))
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a page of −inf alone: weights 0
+        weights = tl.exp(logits - shift[:, None])
+        rescale = tl.exp(best - shift)
+        total = total * rescale + tl.sum(weights, 1)
+        acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+        best = new_best
+    tl.store(top_ptr + row * m + queries, best, mask=q_valid)
+    tl.store(den_ptr + row * m + queries, total, mask=q_valid)
+    tl.store(
+        num_ptr + (row * m + queries)[:, None] * dv + value_channels[None, :],
+        acc,
+        mask=q_valid[:, None] & dv_valid[None, :],
+    )
