@@ -417,8 +417,19 @@ def test_the_fit_rounds_its_values_to_the_storage_grid_on_both_solvers():
     torch.testing.assert_close(fits[0].output_error, fits[1].output_error, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("feedback", [True, False])
-def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, feedback):
+@pytest.mark.parametrize(
+    "option,storage,rounds",
+    [
+        ("[value_feedback=true]", "int3[clip=1]", True),
+        ("[value_feedback=true]", "int4", True),
+        ("", "int3", True),  # auto: at most three bits
+        ("", "int4", False),
+        ("[value_feedback=auto]", "int2", True),
+        ("[value_feedback=false]", "int3", False),
+        ("[value_feedback=true]", "fp8", False),  # no integer grid to round to
+    ],
+)
+def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, option, storage, rounds):
     from kvfold.methods.compaction.attention_matching import method as am_method
 
     seen = []
@@ -431,12 +442,20 @@ def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, feedback):
     monkeypatch.setattr(am_method, "fit_problems", spy)
     model = kvfold.enable(make_tiny_model("llama"))
     context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
-    option = "[value_feedback=true]" if feedback else ""
-    context.compress(f"kvzip+am_fit{option}@int3[clip=1]", 0.25)
+    context.compress(f"kvzip+am_fit{option}@{storage}", 0.25)
     context.compress(f"kvzip+am_fit{option}", 0.25)  # unquantized: nothing to round to
     layers = len(seen) // 2
-    expected = QuantConfig.parse("int3[clip=1]") if feedback else None
+    expected = QuantConfig.parse(storage) if rounds else None
     assert seen[:layers] == [expected] * layers and seen[layers:] == [None] * layers
+
+
+def test_value_feedback_takes_auto_true_or_false():
+    from kvfold.methods.core.spec import SpecError
+
+    for text in ("auto", "true", "false", "on", "0"):
+        build_method(f"kvzip+am_fit[value_feedback={text}]")
+    with pytest.raises(SpecError, match="value_feedback is auto, true or false"):
+        build_method("kvzip+am_fit[value_feedback=sometimes]")
 
 
 @pytest.mark.parametrize("key_group,short", [(32, False), (128, True)])
