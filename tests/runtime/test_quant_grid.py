@@ -52,3 +52,33 @@ def test_the_search_keeps_min_max_where_nothing_is_gained_and_clips_a_lone_tail(
         else:
             assert errors[1] < errors[0] and searched[0] < plain[0]
     assert CLIP_FACTORS[0] == 1.0
+
+
+def test_the_search_in_one_batch_picks_the_grids_of_one_factor_at_a_time(monkeypatch):
+    """Every factor at once (small groups) and one after another (large ones) give the same grids,
+    along either dimension and with a mask; ties go to the first factor both ways."""
+    from kvfold.runtime import quant_grid
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 32, 16, generator=gen) * torch.rand(4, 1, 16, generator=gen).mul(4)
+    x[0, 5, :] = 7.0  # a lone tail in some groups
+    x[1] = torch.linspace(-1, 1, 8).repeat(4)[:, None]  # evenly spread: ties at min–max
+    mask = (torch.rand(4, 32, 16, generator=gen) > 0.2).float()
+    cases = [(dim, m) for dim in (1, -1) for m in (None, mask)]
+    for bits in (2, 3, 4):
+        for dim, m in cases:
+            low, high = x.amin(dim), x.amax(dim)
+            batched = group_params(x, low, high, bits, dim, True, m)
+            with monkeypatch.context() as patch:
+                patch.setattr(quant_grid, "CLIP_BATCH_ELEMENTS", 0)
+                looped = group_params(x, low, high, bits, dim, True, m)
+            assert torch.equal(batched[0], looped[0]) and torch.equal(batched[1], looped[1])
+            plain = minmax_params(low, high, bits)
+            assert not torch.equal(batched[0], plain[0])  # the search moved some grid
+    # a range whose middle, in float32, does not give its ends back: factor 1 is still min–max itself
+    low, high = torch.tensor([-0.0004962566308677197]), torch.tensor([1290.5985107421875])
+    mid = (low + high) / 2
+    moved, exact = minmax_params(mid - (mid - low), mid + (high - mid), 3), minmax_params(low, high, 3)
+    assert not (torch.equal(moved[0], exact[0]) and torch.equal(moved[1], exact[1]))
+    spread = torch.linspace(float(low), float(high), 8)[None]  # evenly spread: min–max is the best grid
+    assert group_params(spread, low, high, 3, -1, True) == minmax_params(low, high, 3)

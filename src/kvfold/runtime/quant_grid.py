@@ -61,27 +61,34 @@ CLIP_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
 """Fractions of a group's min–max range tried by the clipping search (``QuantConfig.clip``)."""
 
 
+CLIP_BATCH_ELEMENTS = 1 << 24
+"""Up to this many elements of ``x`` times the candidates, :func:`group_params` tries every clipping
+factor in one batch of operations (a few operations in all, where one candidate at a time issues
+each of them once a factor); larger groups of groups try them one after another (memory follows ``x``)."""
+
+
 def group_params(
     x: Tensor, low: Tensor, high: Tensor, bits: int, dim: int, clip: bool, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """float16 ``(scale, zero)`` of the groups of ``x`` that lie along ``dim`` (their ranges ``[low,
     high]``: ``x``'s shape with ``dim`` reduced): min–max (:func:`minmax_params`), or with ``clip`` the
     range shrunk toward its middle by the factor of :data:`CLIP_FACTORS` whose codes give ``x`` back
-    with the least squared error (summed where ``mask``, when given, is 1: the valid elements)."""
+    with the least squared error (summed where ``mask``, when given, is 1: the valid elements; of
+    equal errors the first factor)."""
     scale, zero = minmax_params(low, high, bits)
     if not clip:
         return scale, zero
     low, high = low.float(), high.float()
     mid = (low + high) / 2
+    if x.numel() * len(CLIP_FACTORS) <= CLIP_BATCH_ELEMENTS:
+        return _searched_at_once(x, low, mid, high, (scale, zero), bits, dim, mask)
     best = None
     for factor in CLIP_FACTORS:
         if factor != 1.0:
             s, z = minmax_params(mid - (mid - low) * factor, mid + (high - mid) * factor, bits)
         else:
             s, z = scale, zero
-        s_, z_ = s.unsqueeze(dim), z.unsqueeze(dim)
-        error = (dequantize_minmax(quantize_minmax(x, s_, z_, bits), s_, z_, torch.float32) - x.float()).square()
-        error = (error if mask is None else error * mask).sum(dim)
+        error = _clip_error(x, s.unsqueeze(dim), z.unsqueeze(dim), bits, dim, mask)
         if best is None:
             best, scale, zero = error, s, z
             continue
@@ -89,3 +96,32 @@ def group_params(
         best = torch.where(better, error, best)
         scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
     return scale, zero
+
+
+def _clip_error(x: Tensor, scale: Tensor, zero: Tensor, bits: int, dim: int, mask: Tensor | None) -> Tensor:
+    """Squared error of ``x`` given back by the grid ``(scale, zero)``, summed along ``dim``."""
+    error = (dequantize_minmax(quantize_minmax(x, scale, zero, bits), scale, zero, torch.float32) - x.float()).square()
+    return (error if mask is None else error * mask).sum(dim)
+
+
+def _searched_at_once(
+    x: Tensor,
+    low: Tensor,
+    mid: Tensor,
+    high: Tensor,
+    minmax: tuple[Tensor, Tensor],
+    bits: int,
+    dim: int,
+    mask: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`group_params`'s search with every factor of :data:`CLIP_FACTORS` along a new leading
+    dimension: the same grids as one factor at a time (``minmax``: the factor 1's, from the range
+    itself)."""
+    factors = torch.tensor(CLIP_FACTORS, dtype=torch.float32, device=low.device).reshape(-1, *([1] * low.dim()))
+    scales, zeros = minmax_params(mid - (mid - low) * factors, mid + (high - mid) * factors, bits)
+    whole = CLIP_FACTORS.index(1.0)
+    scales[whole], zeros[whole] = minmax
+    axis = dim % x.dim() + 1  # dim in the candidates' shape
+    error = _clip_error(x.unsqueeze(0), scales.unsqueeze(axis), zeros.unsqueeze(axis), bits, axis, mask)
+    pick = error.argmin(0, keepdim=True)  # the first of equal errors, as the loop keeps it
+    return scales.gather(0, pick).squeeze(0), zeros.gather(0, pick).squeeze(0)
