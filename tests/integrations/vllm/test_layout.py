@@ -136,3 +136,9 @@ def test_unservable_files_are_refused_in_one_line(saved, model_and_tokenizer, tm
     with pytest.raises(UnservableCacheError, match="outlier") as err:
         served_plan(cache, model.config, BLOCK_SIZE, torch.float32)
     assert "\n" not in str(err.value)
+    cache, _ = read_cache_file(saved["kvzip"], model.config)
+    for index, layer in enumerate(cache.layers):  # a wide layer (int3[wide=8]) among 3-bit ones
+        layer.quantize(QuantConfig(format="int8" if index == 3 else "int3"))
+    with pytest.raises(UnservableCacheError, match=r"different formats \(int3, int8\)") as err:
+        served_plan(cache, model.config, BLOCK_SIZE, torch.float32)
+    assert "\n" not in str(err.value)

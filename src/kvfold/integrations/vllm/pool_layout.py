@@ -63,7 +63,8 @@ def pool_rows(cache: FoldedCache) -> list[QuantizedRows] | list[FloatRows]:
     """Each layer's rows of a one-context file: its quantized rows, or its rows at full precision.
 
     Raises:
-        UnservableCacheError: layers some quantized and some not, a quantized layer with
+        UnservableCacheError: layers some quantized and some not or in different formats
+            (``wide``), a quantized layer with
             full-precision entries after its quantized ones, or a batch of several contexts.
     """
     rows: list = []
@@ -81,6 +82,9 @@ def pool_rows(cache: FoldedCache) -> list[QuantizedRows] | list[FloatRows]:
             rows.append(layer.stored)
     if len({isinstance(r, QuantizedRows) for r in rows}) > 1:
         raise UnservableCacheError("some layers are stored quantized and others not")
+    formats = {r.config.describe() for r in rows if isinstance(r, QuantizedRows)}
+    if len(formats) > 1:  # wide layers (``int3[wide=8]``): the pool reads every layer in one format
+        raise UnservableCacheError(f"its layers are stored in different formats ({', '.join(sorted(formats))})")
     return rows
 
 
