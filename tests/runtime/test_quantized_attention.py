@@ -49,7 +49,8 @@ LENGTHS = {
 
 
 FORMATS = ["int8", "int4", "int2", "int4[key_group=16]", "int3", "int4[outliers=2]", "fp8", "fp8[outliers=1]",
-           "int4[value_group=8]", "int2[value_group=16,outliers=1]"]  # fmt: skip
+           "int4[value_group=8]", "int2[value_group=16,outliers=1]", "int3[rotate=1]", "int4[outliers=2,rotate=1]",
+           "fp8[rotate=1]", "int2[value_group=16,rotate=1]"]  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -184,7 +185,7 @@ def test_the_paged_torch_path_equals_the_per_row_path_it_replaced(fmt):
     stored, queries, _, _ = _case([70, 0, 33, 1, 64, 5, 32], fmt, True, seed=2, m=4)
     stored.log_mass[70 + 33] = float("-inf")  # row 3's one entry holds nothing
     stored.__dict__.pop("pages", None)
-    got = module._stored_part_torch(queries, stored, SCALING)
+    got = module._rotated_back(stored, module._stored_part_torch(queries, stored, SCALING))  # rotate=1: as stored
     want = _per_row_part(queries, stored)
     assert got[0][1].eq(float("-inf")).all() and got[0][3].eq(float("-inf")).all()
     for a, b in zip(got, want, strict=True):

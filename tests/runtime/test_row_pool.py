@@ -103,6 +103,8 @@ def test_formats_the_pool_does_not_hold_are_refused():
     for fmt in ("fp8", "int4[outliers=1]", "int4[value_group=16]"):
         with pytest.raises(PoolError):
             plan_pool([torch.tensor([3])], QuantConfig.parse(fmt), D, D, CHUNK, beta=True)
+    with pytest.raises(PoolError, match="not rotated"):
+        plan_pool([torch.tensor([3])], QuantConfig.parse("int3[rotate=1]"), D, D, CHUNK, beta=True)
     with pytest.raises(PoolError, match="cannot hold one entry"):
         plan_pool([torch.tensor([3])], QuantConfig.parse("int4"), D, D, 64, beta=True)
 

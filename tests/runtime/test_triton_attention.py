@@ -109,6 +109,12 @@ def test_stored_part_takes_the_kernel_where_it_applies(monkeypatch):
         assert not triton_attention.reads_rows(stored), kv_format
         quantized_attention.stored_part(queries, stored, 0.2)
     assert len(calls) == 2
+    rotated = _rows("int3[rotate=1]", [9, 40])  # the kernel reads rotated codes; the part is rotated back
+    got = quantized_attention.stored_part(queries, rotated, 0.2)
+    assert len(calls) == 3
+    keys, values, beta = (t.double() for t in rotated.to_padded())
+    weights = (queries.double() @ keys.transpose(1, 2) * 0.2 + beta[:, None]).softmax(-1)
+    torch.testing.assert_close((got[2] / got[1][..., None]).double(), weights @ values, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not triton_attention.interpreted(), reason="the CPU's interpreter (on a GPU: test_cuda.py)")

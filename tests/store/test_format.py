@@ -40,6 +40,7 @@ METHODS = [
     "adakv:snapkv@int3",
     "snapkv+keepkv@fp8[outliers=1]",
     "kvzip@int3[wide=16,key_group=16]",
+    "kvzip+am_fit@int3[clip=1,rotate=1]",
 ]
 
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.pages import PAGE_SIZE, RowPages, pages_of, slots_of_entries
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
+from kvfold.runtime.value_rotation import rotate, rotate_back
 
 NEG_INF = float("-inf")
 INT_BITS = (8, 4, 3, 2)
@@ -68,6 +69,10 @@ class QuantConfig:
         wide: 8 or 16 (the model's dtype, unquantized): the storage of a layer whose rows hold on
             average at most one key group (``key_group`` entries), see :meth:`layer_format`; 0:
             every layer in ``format``.
+        rotate: 1 to store every value rotated by a fixed randomized Hadamard matrix
+            (:mod:`kvfold.runtime.value_rotation`): its size spread evenly over its channels before
+            the codes; attention rotates the stored part's weighted values back. The value dimension
+            must be a power of two. 0: values coded as they are.
     """
 
     format: str = "int4"
@@ -76,6 +81,7 @@ class QuantConfig:
     outliers: int = 0
     clip: int = 0
     wide: int = 0
+    rotate: int = 0
 
     FORMATS: ClassVar[tuple[str, ...]] = ("int8", "int4", "int3", "int2", "fp8")
 
@@ -86,6 +92,8 @@ class QuantConfig:
             raise QuantSpecError("key_group must be ≥ 1, value_group and outliers ≥ 0")
         if self.clip not in (0, 1):
             raise QuantSpecError(f"clip is 0 (min–max ranges) or 1 (searched ranges); got {self.clip}")
+        if self.rotate not in (0, 1):
+            raise QuantSpecError(f"rotate is 0 (values coded as they are) or 1 (rotated first); got {self.rotate}")
         if self.clip and self.is_float:
             raise QuantSpecError("clip applies to the integer formats: fp8 has no ranges to search")
         if self.wide not in (0, 8, 16) or (self.wide and (self.is_float or self.wide <= self.bits)):
@@ -296,6 +304,8 @@ class QuantizedRows:
                 raise ValueError(
                     f"quantized storage packs 8 codes at a time: the {name} dimension {d} is not a multiple of 8"
                 )
+        if config.rotate:  # every value, outliers too, stored rotated; to_padded and attention rotate back
+            values = rotate(values).to(values.dtype)
         lengths = lengths.to(device=keys.device, dtype=torch.long)
         valid = _entry_mask(lengths, width)
         outliers = outlier_entries(keys, valid, config.outliers)
@@ -407,6 +417,8 @@ class QuantizedRows:
             where = valid.nonzero(as_tuple=False)[self.outlier_index]
             keys[where[:, 0], where[:, 1]] = self.outlier_keys.to(keys.dtype)
             values[where[:, 0], where[:, 1]] = self.outlier_values.to(values.dtype)
+        if cfg.rotate:
+            values = rotate_back(values).to(self.dtype)
         log_mass = torch.full((rows, width), NEG_INF, dtype=torch.float32, device=valid.device)
         log_mass[valid] = 0.0 if self.log_mass is None else self.log_mass
         return keys, values, log_mass
@@ -722,6 +734,6 @@ def roundtrip_keys(keys: Tensor, lengths: Tensor, config: QuantConfig) -> Tensor
     """The keys ``(R, N, D)`` (first ``lengths[r]`` valid) as quantized storage gives them back:
     what attention will read after :meth:`QuantizedRows.from_padded` stores them (the values are
     not touched). Attention Matching fits β and the values to these keys."""
-    rows = QuantizedRows.from_padded(keys, keys, None, lengths, config)
+    rows = QuantizedRows.from_padded(keys, keys, None, lengths, replace(config, rotate=0))  # keys only
     out = rows.to_padded()[0]
     return torch.cat([out, keys[:, out.shape[1] :]], 1) if out.shape[1] < keys.shape[1] else out

@@ -14,6 +14,9 @@ values per entry. Two paths compute the same thing (both are tested against a fl
   output is ``(p ⊙ s_v) · codes_v + p · z_v``. A fixed number of batched operations a layer, and no
   value read back to the host (on a GPU nothing waits for the device).
 
+Rows that store their values rotated (``QuantConfig.rotate``, :mod:`kvfold.runtime.value_rotation`)
+are read the same way; their part's weighted values are rotated back before the tail is merged.
+
 Nothing but the page index outlives the call: codes are converted to numbers one layer at a time, freed after.
 """
 
@@ -26,6 +29,7 @@ from kvfold.runtime.pages import empty_part, gather_pages, page_logits, page_sof
 from kvfold.runtime.quantize import QuantizedRows, code_planes
 from kvfold.runtime.rows import FloatRows, float_part
 from kvfold.runtime.triton_attention import stored_part_triton, triton_applies
+from kvfold.runtime.value_rotation import rotate_back
 
 Tensor = torch.Tensor
 
@@ -46,7 +50,8 @@ def attend_stored(
     kernel = attend_codes_kernel() if native_applies(queries, stored) else None
     if kernel is None:
         return attend_stored_torch(queries, tail_logits, tail_values, stored, scaling)
-    return _with_tail(*_stored_part_native(kernel, queries, stored, scaling), tail_logits, tail_values)
+    part = _rotated_back(stored, _stored_part_native(kernel, queries, stored, scaling))
+    return _with_tail(*part, tail_logits, tail_values)
 
 
 def stored_part(queries: Tensor, stored: QuantizedRows | FloatRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -57,13 +62,26 @@ def stored_part(queries: Tensor, stored: QuantizedRows | FloatRows, scaling: flo
     to (:mod:`kvfold.runtime.triton_attention`); otherwise rows at full precision are read by
     :func:`~kvfold.runtime.rows.float_part`, and codes by the CPU's C kernel or PyTorch."""
     if triton_applies(queries, stored):
-        return stored_part_triton(queries, stored, scaling)
-    if isinstance(stored, FloatRows):
+        part = stored_part_triton(queries, stored, scaling)
+    elif isinstance(stored, FloatRows):
         return float_part(queries, stored, scaling)
-    kernel = attend_codes_kernel() if native_applies(queries, stored) else None
-    if kernel is None:
-        return _stored_part_torch(queries, stored, scaling)
-    return _stored_part_native(kernel, queries, stored, scaling)
+    else:
+        kernel = attend_codes_kernel() if native_applies(queries, stored) else None
+        if kernel is None:
+            part = _stored_part_torch(queries, stored, scaling)
+        else:
+            part = _stored_part_native(kernel, queries, stored, scaling)
+    return part if isinstance(stored, FloatRows) else _rotated_back(stored, part)
+
+
+def _rotated_back(stored: QuantizedRows, part: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """A stored part whose weighted values are back in the values' own coordinates: rotated back
+    (:func:`~kvfold.runtime.value_rotation.rotate_back`, one ``Dv × Dv`` product) where the rows store
+    rotated values (``QuantConfig.rotate``); attention is linear in the values."""
+    if not stored.config.rotate:
+        return part
+    top, den, num = part
+    return top, den, rotate_back(num).to(num.dtype)
 
 
 def merge_with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_values: Tensor) -> Tensor:
@@ -153,7 +171,7 @@ def attend_stored_torch(
     Returns:
         ``(R, M, Dv)``: ``softmax([q·k·scaling + β, tail_logits]) · [values, tail_values]``.
     """
-    return _with_tail(*_stored_part_torch(queries, stored, scaling), tail_logits, tail_values)
+    return _with_tail(*_rotated_back(stored, _stored_part_torch(queries, stored, scaling)), tail_logits, tail_values)
 
 
 def _stored_part_torch(queries: Tensor, stored: QuantizedRows, scaling: float) -> tuple[Tensor, Tensor, Tensor]:

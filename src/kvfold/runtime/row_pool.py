@@ -199,7 +199,8 @@ def check_poolable(config: QuantConfig | None) -> None:
     """Refuse a format whose rows the chunks do not hold.
 
     Raises:
-        PoolError: fp8, value groups within an entry, or full-precision outlier entries.
+        PoolError: fp8, value groups within an entry, full-precision outlier entries, or rotated
+            values.
     """
     if config is None:
         return
@@ -207,6 +208,8 @@ def check_poolable(config: QuantConfig | None) -> None:
         raise PoolError(f"format {config.describe()}: the pool holds integer codes with one value scale an entry")
     if config.outliers:
         raise PoolError(f"format {config.describe()}: the pool holds no full-precision outlier entries")
+    if config.rotate:
+        raise PoolError(f"format {config.describe()}: the pool reads values as they are, not rotated")
 
 
 def plan_pool(

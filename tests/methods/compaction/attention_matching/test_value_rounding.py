@@ -22,24 +22,30 @@ def _output_error(x: torch.Tensor, rounded: torch.Tensor, values: torch.Tensor) 
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_feedback_lowers_the_output_error_of_rounding(bits: int) -> None:
+@pytest.mark.parametrize("rotate", [0, 1])
+def test_feedback_lowers_the_output_error_of_rounding(bits: int, rotate: int) -> None:
     x, values = _problem()
-    storage = QuantConfig(format=f"int{bits}")
+    storage = QuantConfig(format=f"int{bits}", rotate=rotate)
     ok = torch.ones(values.shape[:2], dtype=torch.bool)
     plain = _output_error(x, round_entries(values, storage), values)
     fed = _output_error(x, feedback_round(values, x.mT @ x, ok, storage), values)
     assert bool((fed < 0.7 * plain).all()), (fed, plain)
 
 
-@pytest.mark.parametrize("storage", [INT3, QuantConfig(format="int3", value_group=8), QuantConfig("int2", clip=1)])
+@pytest.mark.parametrize(
+    "storage",
+    [INT3, QuantConfig(format="int3", value_group=8), QuantConfig("int2", clip=1), QuantConfig("int3", rotate=1)],
+)
 def test_rounded_values_are_what_storage_gives_back(storage: QuantConfig) -> None:
     x, values = _problem(P=3, t=10, D=16)
     ok = torch.ones(values.shape[:2], dtype=torch.bool)
     fed = feedback_round(values, x.mT @ x, ok, storage)
     stored = QuantizedRows.from_padded(torch.randn(3, 10, 16), fed, None, torch.full((3,), 10), storage)
     back = stored.to_padded()[1]
-    step = float((fed.amax(-1) - fed.amin(-1)).max()) / (2**storage.bits - 1)
-    assert torch.allclose(back, fed, atol=step * 1e-2)
+    assert (back - fed).norm() <= 0.05 * (fed - values).norm()  # the rounding kept, within 5% of itself
+    if not storage.rotate:  # rotated values come back through two float32 products: a few ulps of a scale apart
+        step = float((fed.amax(-1) - fed.amin(-1)).max()) / (2**storage.bits - 1)
+        assert torch.allclose(back, fed, atol=step * 1e-2)
 
 
 def test_unused_slots_take_no_error_and_uncoupled_entries_are_plainly_rounded() -> None:

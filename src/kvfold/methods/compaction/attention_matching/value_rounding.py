@@ -25,6 +25,7 @@ import torch
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
 from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.value_rotation import rotate, rotate_back
 
 Tensor = torch.Tensor
 
@@ -44,11 +45,11 @@ def round_entries(values: Tensor, storage: QuantConfig) -> Tensor:
     of ``value_group`` channels, min–max or searched ranges), as that storage gives them back."""
     dim = values.shape[-1]
     size = storage.value_group or dim
-    x = values.float().reshape(*values.shape[:-1], dim // size, size)
+    x = (rotate(values) if storage.rotate else values.float()).reshape(*values.shape[:-1], dim // size, size)
     scale, zero = group_params(x, x.amin(-1), x.amax(-1), storage.bits, -1, bool(storage.clip))
     codes = quantize_minmax(x, scale[..., None], zero[..., None], storage.bits)
-    out = dequantize_minmax(codes, scale[..., None], zero[..., None], torch.float32)
-    return out.reshape(values.shape).to(values.dtype)
+    out = dequantize_minmax(codes, scale[..., None], zero[..., None], torch.float32).reshape(values.shape)
+    return (rotate_back(out) if storage.rotate else out).to(values.dtype)
 
 
 def feedback_choice(option: str) -> str:
