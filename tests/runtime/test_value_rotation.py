@@ -54,3 +54,10 @@ def test_the_option_is_parsed_checked_and_named():
     assert QuantConfig(format="int3", rotate=1).describe() == "int3[rotate=1]"
     with pytest.raises(QuantSpecError, match="rotate is 0"):
         QuantConfig(format="int3", rotate=2)
+
+
+def test_a_value_dimension_that_is_not_a_power_of_two_is_refused_in_one_line():
+    keys, values = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
+    with pytest.raises(QuantSpecError, match="power of two; this model's is 48: leave rotate out") as err:
+        QuantizedRows.from_padded(keys, values, None, torch.tensor([5, 3]), QuantConfig(format="int3", rotate=1))
+    assert "\n" not in str(err.value)

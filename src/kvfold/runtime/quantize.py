@@ -305,6 +305,11 @@ class QuantizedRows:
                     f"quantized storage packs 8 codes at a time: the {name} dimension {d} is not a multiple of 8"
                 )
         if config.rotate:  # every value, outliers too, stored rotated; to_padded and attention rotate back
+            if value_dim & (value_dim - 1):
+                raise QuantSpecError(
+                    f"rotate=1 needs a value dimension that is a power of two; this model's is {value_dim}: "
+                    "leave rotate out"
+                )
             values = rotate(values).to(values.dtype)
         lengths = lengths.to(device=keys.device, dtype=torch.long)
         valid = _entry_mask(lengths, width)
