@@ -99,7 +99,7 @@ def _reference(scene: Scene, layer: int) -> list[torch.Tensor]:
     return out
 
 
-FORMATS = ["int8", "int4", "int3", "int2", "int4[key_group=16]", None]
+FORMATS = ["int8", "int4", "int3", "int2", "int4[key_group=16]", "int3[rotate=1]", None]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f or "full-precision")

@@ -11,7 +11,16 @@ import torch
 
 from kvfold.runtime.quantize import QuantConfig, QuantizedRows
 from kvfold.runtime.quantized_attention import attend_stored
-from kvfold.runtime.row_pool import FloatRows, PoolError, attend_layer, chunk_rows, pack_pool, plan_pool
+from kvfold.runtime.row_pool import (
+    FLAG_BETA,
+    FLAG_ROTATED,
+    FloatRows,
+    PoolError,
+    attend_layer,
+    chunk_rows,
+    pack_pool,
+    plan_pool,
+)
 
 D = 64
 SCALING = D**-0.5
@@ -103,8 +112,8 @@ def test_formats_the_pool_does_not_hold_are_refused():
     for fmt in ("fp8", "int4[outliers=1]", "int4[value_group=16]"):
         with pytest.raises(PoolError):
             plan_pool([torch.tensor([3])], QuantConfig.parse(fmt), D, D, CHUNK, beta=True)
-    with pytest.raises(PoolError, match="not rotated"):
-        plan_pool([torch.tensor([3])], QuantConfig.parse("int3[rotate=1]"), D, D, CHUNK, beta=True)
+    rotated = plan_pool([torch.tensor([3])], QuantConfig.parse("int3[rotate=1]"), D, D, CHUNK, beta=True)
+    assert rotated.flags == FLAG_BETA | FLAG_ROTATED  # every chunk's header says how its values lie
     with pytest.raises(PoolError, match="cannot hold one entry"):
         plan_pool([torch.tensor([3])], QuantConfig.parse("int4"), D, D, 64, beta=True)
 

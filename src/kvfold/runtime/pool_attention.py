@@ -42,6 +42,7 @@ from torch import Tensor
 
 from kvfold.runtime.native import ERRORS, PoolKernel, attend_pool_kernel
 from kvfold.runtime.row_pool import ChunkLayout, PoolPlan, attend_layer, chunk_rows
+from kvfold.runtime.value_rotation import value_rotation
 
 __all__ = [
     "EngineCaches",
@@ -93,7 +94,7 @@ class KernelFile(ctypes.Structure):
             for name in ("layers", "rows", "num_chunks", "chunk_bytes", "num_segments", "bits", "float_dtype")
         ],
         *[(name, ctypes.c_int64) for name in ("group", "dim", "vdim", "flags", "placeholders")],
-        *[(name, ctypes.c_void_p) for name in ("row_start", "segments", "chunk_segments", "rope")],
+        *[(name, ctypes.c_void_p) for name in ("row_start", "segments", "chunk_segments", "rope", "value_rotation")],
     ]
 
 
@@ -188,6 +189,8 @@ class PooledFile:
         turn: ``(D/2, 2)`` float64, cos and sin of the queries' turn by ``T − P``.
         row_start, segments, chunk_segments: :func:`segment_table`.
         struct: the kernel's ``kvf_file``, pointing into the tensors above.
+        rotation: ``(Dv, Dv)`` float32, the matrix the file's values were rotated by
+            (:mod:`kvfold.runtime.value_rotation`), or None.
     """
 
     plan: PoolPlan
@@ -197,6 +200,7 @@ class PooledFile:
     segments: Tensor
     chunk_segments: Tensor
     struct: KernelFile = field(repr=False)
+    rotation: Tensor | None = None
 
 
 def pooled_file(plan: PoolPlan, placeholders: int, shift: int, inv_freq: Tensor) -> PooledFile:
@@ -205,6 +209,7 @@ def pooled_file(plan: PoolPlan, placeholders: int, shift: int, inv_freq: Tensor)
     row_start, segments, chunk_segments = segment_table(plan)
     table = turn_table(inv_freq, shift)
     bits = 0 if plan.config is None else plan.config.bits
+    rotation = value_rotation(plan.value_dim).contiguous() if plan.config is not None and plan.config.rotate else None
     struct = KernelFile(
         layers=len(plan.rows_per_layer),
         rows=plan.rows_per_layer[0] if plan.rows_per_layer else 0,
@@ -222,8 +227,9 @@ def pooled_file(plan: PoolPlan, placeholders: int, shift: int, inv_freq: Tensor)
         segments=segments.data_ptr(),
         chunk_segments=chunk_segments.data_ptr(),
         rope=table.data_ptr(),
+        value_rotation=None if rotation is None else rotation.data_ptr(),
     )
-    return PooledFile(plan, placeholders, table, row_start, segments, chunk_segments, struct)
+    return PooledFile(plan, placeholders, table, row_start, segments, chunk_segments, struct, rotation)
 
 
 # ------------------------------------------------------------------------------------------ once per engine

@@ -10,7 +10,8 @@ layer it belongs to, so a request holds ``ceil(chunks / layers)`` blocks, about 
 Each chunk is a small :class:`~kvfold.runtime.quantize.QuantizedRows` of its own (the library's
 storage, KIVI's axes, Liu et al. 2024 §3), its rows being the segments it holds:
 
-* a 16-byte header: :data:`CHUNK_MAGIC`, the number of segments, flags (bit 0: β stored);
+* a 16-byte header: :data:`CHUNK_MAGIC`, the number of segments, flags (bit 0: β stored; bit 1:
+  rows at full precision; bit 2: values stored rotated);
 * then, each array aligned to :data:`ALIGN` bytes: the segments' lengths (int64), key codes, value
   codes, key scales and zero points (float16, one row a key group), value scales and zero points
   (float16, one an entry) and β (float32, when any layer has it).
@@ -50,6 +51,8 @@ ALIGN = 16
 """Every array of a chunk starts on a multiple of this many bytes (so a view of it is aligned)."""
 FLAG_BETA = 1
 FLAG_FLOAT = 2
+FLAG_ROTATED = 4
+"""Values stored rotated (``QuantConfig.rotate``): the kernel rotates the file part's weighted values back."""
 
 
 class PoolError(ValueError):
@@ -128,8 +131,9 @@ class PoolPlan:
 
     @property
     def flags(self) -> int:
-        """The flags every chunk's header holds (:data:`FLAG_BETA`, :data:`FLAG_FLOAT`)."""
-        return (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0)
+        """The flags every chunk's header holds (:data:`FLAG_BETA`, :data:`FLAG_FLOAT`, :data:`FLAG_ROTATED`)."""
+        rotated = self.config is not None and bool(self.config.rotate)
+        return (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0) | (FLAG_ROTATED if rotated else 0)
 
     def layer_parts(self, layer: int) -> list[tuple[int, int, int]]:
         """``(chunk, first segment, segments)`` of each chunk that holds segments of ``layer``, in order
@@ -199,8 +203,7 @@ def check_poolable(config: QuantConfig | None) -> None:
     """Refuse a format whose rows the chunks do not hold.
 
     Raises:
-        PoolError: fp8, value groups within an entry, full-precision outlier entries, or rotated
-            values.
+        PoolError: fp8, value groups within an entry, or full-precision outlier entries.
     """
     if config is None:
         return
@@ -208,8 +211,6 @@ def check_poolable(config: QuantConfig | None) -> None:
         raise PoolError(f"format {config.describe()}: the pool holds integer codes with one value scale an entry")
     if config.outliers:
         raise PoolError(f"format {config.describe()}: the pool holds no full-precision outlier entries")
-    if config.rotate:
-        raise PoolError(f"format {config.describe()}: the pool reads values as they are, not rotated")
 
 
 def plan_pool(

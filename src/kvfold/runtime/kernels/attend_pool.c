@@ -48,6 +48,7 @@
 #define HEADER_BYTES 16
 #define FLAG_BETA 1
 #define FLAG_FLOAT 2
+#define FLAG_ROTATED 4 /* values stored rotated by value_rotation: the file part's numerators rotated back */
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum { KEYS_CHANNEL_MAJOR = 0, KEYS_TABLE = 1 };
@@ -73,6 +74,7 @@ typedef struct {
     const int64_t *segments;       /* (num_segments, SEG_FIELDS) */
     const int64_t *chunk_segments; /* (num_chunks): the segments each chunk's header counts */
     const double *rope;            /* (dim / 2, 2): cos and sin of the turn of each rotated pair */
+    const float *value_rotation;   /* (vdim, vdim) T with FLAG_ROTATED: stored values are v · T; else NULL */
 } kvf_file;
 
 /* A request on a file, in this step. */
@@ -493,6 +495,24 @@ static inline const uint8_t *block_base(const kvf_engine *e, int64_t layer, int6
     return (const uint8_t *)(intptr_t)e->layer_cache[layer] + block * block_bytes;
 }
 
+/* The file part's weighted values back in the values' own coordinates: they were read as stored,
+ * v · T, so numerator i (its zero points' sum on every channel) becomes (num_i + zero_sum_i) · Tᵀ;
+ * attention is linear in the values. `scratch` holds dim floats. */
+static void rotate_back(softmax_state *s, const float *rotation, float *scratch, int64_t dim) {
+    for (int64_t i = 0; i < s->m; ++i) {
+        float *o = s->num + i * dim;
+        const float z = s->zero_sum[i];
+        for (int64_t c = 0; c < dim; ++c) {
+            const float *row = rotation + c * dim; /* T's row c: out_c = Σ_d (o_d + z) T[c][d] */
+            float acc = 0.0f;
+            for (int64_t d = 0; d < dim; ++d) acc += (o[d] + z) * row[d];
+            scratch[c] = acc;
+        }
+        memcpy(o, scratch, sizeof(float) * (size_t)dim);
+        s->zero_sum[i] = 0.0f;
+    }
+}
+
 /* The request's own tokens (served slots P .. seq_len − 1), with the queries as the engine turned them. */
 ALWAYS_INLINE int attend_own_tokens(const tile_job *job, softmax_state *s, const float *queries, float *block,
                                     int64_t dim) {
@@ -562,6 +582,7 @@ ALWAYS_INLINE int attend_tile_dim(const tile_job *job, float *ws, int64_t dim) {
     s.den = s.top + m, s.zero_sum = s.den + m, s.num = s.zero_sum + m, s.logits = s.num + m * dim;
     float *zero_dot = s.logits + BLOCK_ENTRIES * m, *block = zero_dot + m;
     CHECK(f && f->dim == dim && f->vdim == dim && f->rows == e->kv_heads && f->layers == e->layers);
+    CHECK(!(f->flags & FLAG_ROTATED) || f->value_rotation);
     CHECK(f->chunk_bytes <= e->kv_heads * e->block_size * 2 * dim * element_bytes(e->dtype));
     CHECK(f->bits != 0 || (f->float_dtype >= DT_F32 && f->float_dtype <= DT_F16));
     CHECK(r->query_start >= 0 && r->query_start + job->first_token + job->tokens <= job->step_tokens);
@@ -607,6 +628,7 @@ ALWAYS_INLINE int attend_tile_dim(const tile_job *job, float *ws, int64_t dim) {
         }
         if (status) return status;
     }
+    if (f->flags & FLAG_ROTATED) rotate_back(&s, f->value_rotation, block, dim);
     /* then the own tokens, with the engine's queries */
     const int status = attend_own_tokens(job, &s, queries, block, dim);
     if (status) return status;
@@ -666,6 +688,7 @@ static int call_fits(const kvf_engine *e, const kvf_request *requests, int64_t c
         if (f->bits != 0 && (f->bits < 2 || f->bits > 8 || f->bits == 5 || f->bits == 6 || f->bits == 7)) return 0;
         if (f->bits == 0 && (f->float_dtype < DT_F32 || f->float_dtype > DT_F16)) return 0;
         if (f->bits && f->group < 1) return 0;
+        if ((f->flags & FLAG_ROTATED) && (f->bits == 0 || !f->value_rotation)) return 0;
         if (f->num_chunks < 0 || (f->num_chunks + f->layers - 1) / f->layers > f->placeholders / e->block_size) return 0;
         if (r->query_len < 1 || r->query_start < 0 || r->query_start > tokens - r->query_len) return 0;
         if (r->seq_len - f->placeholders < r->query_len) return 0;
