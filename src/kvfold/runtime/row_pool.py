@@ -133,7 +133,8 @@ class PoolPlan:
     def flags(self) -> int:
         """The flags every chunk's header holds (:data:`FLAG_BETA`, :data:`FLAG_FLOAT`, :data:`FLAG_ROTATED`)."""
         rotated = self.config is not None and bool(self.config.rotate)
-        return (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0) | (FLAG_ROTATED if rotated else 0)
+        flags = (FLAG_BETA if self.beta else 0) | (FLAG_FLOAT if self.config is None else 0)
+        return flags | (FLAG_ROTATED if rotated else 0)
 
     def layer_parts(self, layer: int) -> list[tuple[int, int, int]]:
         """``(chunk, first segment, segments)`` of each chunk that holds segments of ``layer``, in order
