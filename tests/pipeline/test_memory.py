@@ -57,7 +57,7 @@ def test_the_rule_quantizes_more_as_the_budget_shrinks():
     assert rule_format(1.0) is None
     assert rule_format(0.6) == QuantConfig(format="int8")
     assert rule_format(0.5) == rule_format(0.0625) == rule_format(1 / 32) == QuantConfig(format="int4")
-    assert rule_format(1 / 64) == rule_format(1 / 128) == QuantConfig(format="int3", clip=1, rotate=1)
+    assert rule_format(1 / 64) == rule_format(1 / 128) == QuantConfig(format="int3")
     assert [row[0] for row in MEMORY_RULE] == sorted((row[0] for row in MEMORY_RULE), reverse=True)
 
 

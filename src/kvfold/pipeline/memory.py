@@ -38,7 +38,7 @@ MEMORY_RULE: tuple[tuple[float, str | None], ...] = (
     (1.0, None),
     (0.5625, "int8"),
     (SMALLEST_FOUR_BIT_MEMORY, "int4"),
-    (0.0, "int3[clip=1,rotate=1]"),
+    (0.0, "int3"),
 )
 """``(lowest memory, format)`` in decreasing order: the first row whose memory is at most the budget
 gives the format (:meth:`QuantConfig.parse`'s text; None: the model's dtype, no quantization). Chosen
@@ -46,11 +46,9 @@ on equal-bytes grids of ``kvzip+am_fit`` on seed 1's contexts of the headline su
 from 0.5625 on every token fits in 8 bits; below it 4 bits retained the most or tied at 1/16 (2K: 8,
 4, 3 and 2 bits); at 1/32 4 bits retained more at 2K (90 against 60 for 3 bits) and 3 bits a little
 more at 4K (81.5 against 77.8); at 1/64 3 bits retained more at 4K (44.4 against 22.2) and tied at
-2K. At 3 bits the values are rotated before their codes (``rotate=1``) and each group's range is
-searched (``clip=1``); with ``am_fit``'s ``value_feedback=auto`` the fitted values are rounded with
-error feedback. On RULER's prose needles at 2K (8 contexts a task, two seeds) this kept more prose
-than min–max codes with plain rounding (docs/memory.md has the table). Below 1/64 nothing was
-measured."""
+2K. Below 1/64 nothing was measured. Three ways to spend 3 bits better (``clip=1``, ``rotate=1``,
+``am_fit[value_feedback=true]``) retained more prose at 2K and are options, not the rule, until 4K
+is measured (docs/memory.md)."""
 
 ROW_LENGTH_BYTES = 8
 """Bytes a quantized row holds besides its entries: its length (int64)."""

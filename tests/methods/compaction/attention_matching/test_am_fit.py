@@ -421,11 +421,8 @@ def test_the_fit_rounds_its_values_to_the_storage_grid_on_both_solvers():
     "option,storage,rounds",
     [
         ("[value_feedback=true]", "int3[clip=1]", True),
-        ("[value_feedback=true]", "int4", True),
-        ("", "int3", True),  # auto: at most three bits
-        ("", "int4", False),
-        ("[value_feedback=auto]", "int2", True),
-        ("[value_feedback=false]", "int3", False),
+        ("[value_feedback=true]", "int4[rotate=1]", True),
+        ("", "int3", False),  # off by default
         ("[value_feedback=true]", "fp8", False),  # no integer grid to round to
     ],
 )
@@ -447,15 +444,6 @@ def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, option, sto
     layers = len(seen) // 2
     expected = QuantConfig.parse(storage) if rounds else None
     assert seen[:layers] == [expected] * layers and seen[layers:] == [None] * layers
-
-
-def test_value_feedback_takes_auto_true_or_false():
-    from kvfold.methods.core.spec import SpecError
-
-    for text in ("auto", "true", "false", "on", "0"):
-        build_method(f"kvzip+am_fit[value_feedback={text}]")
-    with pytest.raises(SpecError, match="value_feedback is auto, true or false"):
-        build_method("kvzip+am_fit[value_feedback=sometimes]")
 
 
 @pytest.mark.parametrize("key_group,short", [(32, False), (128, True)])

@@ -34,7 +34,6 @@ from kvfold.methods.compaction.attention_matching.queries import (
     pool_gqa_queries,
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
-from kvfold.methods.compaction.attention_matching.value_rounding import feedback_choice, rounds_with_feedback
 from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
 from kvfold.methods.core.head_schedule import HeadSchedule
 from kvfold.methods.core.model import layer_scaling
@@ -474,13 +473,11 @@ class AMFit(Folder):
             fit absorbs the keys' quantization error, and the fitted values are quantized after;
             ``after`` fits to the keys as they are and quantizes everything after the fit. Not in
             the paper (Attention Matching does not quantize).
-        value_feedback: ``auto`` (default), ``true`` or ``false``. With ``true`` and a cache stored in
-            integer codes, the fitted values are rounded to their grid entry by entry, each one's
-            error moved onto the entries not rounded yet through the fit's Gram matrix (GPTQ's
-            update, :mod:`.value_rounding`), so the output on the reference queries absorbs the
-            values' codes as it absorbs the keys' (``quant_order=before``). ``auto``: on for codes of
-            at most :data:`~.value_rounding.FEEDBACK_AUTO_BITS` bits, where it was measured to retain more
-            (docs/memory.md). Not in the paper.
+        value_feedback: when the cache is stored in integer codes, round the fitted values to their
+            grid entry by entry, moving each one's error onto the entries not rounded yet through the
+            fit's Gram matrix (GPTQ's update, :mod:`.value_rounding`), so the output on the reference
+            queries absorbs the values' codes as it absorbs the keys' (``quant_order=before``).
+            Off by default until it is measured at 4K (docs/memory.md). Not in the paper.
     """
 
     name: ClassVar[str] = "am_fit"
@@ -504,7 +501,7 @@ class AMFit(Folder):
     preselect: float = 1.0
     top_verbatim: float = 0.0
     quant_order: str = "before"
-    value_feedback: str = "auto"
+    value_feedback: bool = False
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -558,7 +555,6 @@ class AMFit(Folder):
             raise SpecError(f"am_fit: top_verbatim must be a fraction in [0, 1]; got {self.top_verbatim}")
         if self.quant_order not in ("before", "after"):
             raise SpecError(f"am_fit: quant_order must be before or after; got {self.quant_order!r}")
-        feedback_choice(self.value_feedback)
         if self.top_verbatim and self.preselect != 1.0:
             raise SpecError("am_fit: top_verbatim applies to the selector's own entries; use it without preselect")
 
@@ -577,7 +573,7 @@ class AMFit(Folder):
             solver=self.solver,  # type: ignore[arg-type]
         )
         quant = None if ctx is None or ctx.quant is None or lengths is None else ctx.quant.layer_format(lengths)
-        if quant is not None and rounds_with_feedback(self.value_feedback, quant):
+        if self.value_feedback and quant is not None and not quant.is_float:
             config = dataclasses.replace(config, value_storage=quant)
         return config
 

@@ -22,19 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
 from kvfold.runtime.quantize import QuantConfig
 from kvfold.runtime.value_rotation import rotate, rotate_back
 
 Tensor = torch.Tensor
-
-FEEDBACK_CHOICES = ("auto", "true", "false")
-"""``am_fit[value_feedback=…]``: ``auto`` rounds with feedback where it was measured to help."""
-FEEDBACK_AUTO_BITS = 3
-"""``value_feedback=auto`` rounds with feedback for integer codes of at most this many bits: within
-1/64 of the 16-bit cache (3 bits) it retained more prose than rounding each value on its own
-(docs/memory.md); 4 bits and wider, where the fit already kept what 16 bits keep, are left as they were."""
 
 DAMP = 0.01
 """GPTQ's dampening: ``λ = 0.01 · mean diag(H)`` added to ``H`` before it is inverted (Frantar et al. 2023, §4)."""
@@ -50,26 +42,6 @@ def round_entries(values: Tensor, storage: QuantConfig) -> Tensor:
     codes = quantize_minmax(x, scale[..., None], zero[..., None], storage.bits)
     out = dequantize_minmax(codes, scale[..., None], zero[..., None], torch.float32).reshape(values.shape)
     return (rotate_back(out) if storage.rotate else out).to(values.dtype)
-
-
-def feedback_choice(option: str) -> str:
-    """``value_feedback``'s text as one of :data:`FEEDBACK_CHOICES` (``1``/``yes``/``on`` read as
-    ``true``, ``0``/``no``/``off`` as ``false``); a :class:`~kvfold.methods.core.spec.SpecError` otherwise."""
-    text = str(option).strip().lower()
-    text = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(text, text)
-    if text not in FEEDBACK_CHOICES:
-        raise SpecError(f"am_fit: value_feedback is auto, true or false; got {option!r}")
-    return text
-
-
-def rounds_with_feedback(option: str, storage: QuantConfig | None) -> bool:
-    """Whether ``value_feedback=option`` rounds values stored in ``storage`` (None: the model's dtype)
-    with error feedback: never for floats (16 bits, fp8); ``auto`` for at most
-    :data:`FEEDBACK_AUTO_BITS` bits."""
-    if storage is None or storage.is_float:
-        return False
-    choice = feedback_choice(option)
-    return choice == "true" or (choice == "auto" and storage.bits <= FEEDBACK_AUTO_BITS)
 
 
 def _inverse_factor(gram: Tensor, ok: Tensor, damp: float) -> Tensor:
