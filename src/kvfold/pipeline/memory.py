@@ -46,9 +46,9 @@ on equal-bytes grids of ``kvzip+am_fit`` on seed 1's contexts of the headline su
 from 0.5625 on every token fits in 8 bits; below it 4 bits retained the most or tied at 1/16 (2K: 8,
 4, 3 and 2 bits); at 1/32 4 bits retained more at 2K (90 against 60 for 3 bits) and 3 bits a little
 more at 4K (81.5 against 77.8); at 1/64 3 bits retained more at 4K (44.4 against 22.2) and tied at
-2K. Below 1/64 nothing was measured. Three ways to spend 3 bits better (``clip=1``, ``rotate=1``,
-``am_fit[value_feedback=true]``) retained more prose at 2K and are options, not the rule, until 4K
-is measured (docs/memory.md)."""
+2K. Below 1/64 nothing was measured. Searched ranges with rounding by feedback (``clip=1`` with
+``am_fit[value_feedback=true]``) retained more prose at 2K on two seeds, rotated values (``rotate=1``)
+nothing more; they are options, not the rule, until 4K is measured (docs/memory.md)."""
 
 ROW_LENGTH_BYTES = 8
 """Bytes a quantized row holds besides its entries: its length (int64)."""
