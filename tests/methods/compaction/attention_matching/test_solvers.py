@@ -62,6 +62,55 @@ def test_problems_are_grouped_widest_first_within_the_width_slack_and_memory():
     assert solve._groups_by_width(todo[:0], counts, lambda t: t, group_bytes=1) == []
 
 
+def test_a_gpu_group_takes_narrower_problems_while_their_padding_costs_less_than_a_group():
+    """Where a group costs its launches, narrower problems join it padded to its width while their
+    padding's multiply-adds stay within the budget in all; none pads past it, memory still caps a
+    group, and with no budget (the CPU) the groups are the width slack's."""
+    counts = torch.tensor([11, 1704, 160, 1600, 1500, 150, 9])
+    todo = torch.arange(7)
+
+    def groups(budget, group_bytes=1 << 40):
+        padding = lambda widest, t: widest - t  # noqa: E731
+        return [g.tolist() for g in solve._groups_by_width(todo, counts, lambda t: t, group_bytes, padding, budget)]
+
+    assert groups(0) == [[1, 3, 4], [2, 5], [0, 6]]
+    assert groups(1544 + 1554) == [[1, 3, 4, 2, 5], [0, 6]]  # 160 and 150 padded to 1704; 11 would pass it
+    assert groups(1544 + 1553) == [[1, 3, 4, 2], [5, 0, 6]]  # 150 alone would pass it: it starts a group
+    assert groups(10**9) == [[1, 3, 4, 2, 5, 0, 6]]
+    assert groups(10**9, group_bytes=3 * 1704) == [[1, 3, 4], [2, 5, 0, 6]]  # three of 1,704 at most
+
+
+def test_a_gpu_fit_pads_narrow_problems_into_fewer_groups_and_fits_each_as_alone(monkeypatch):
+    """With the accelerator's sizes, problems of widths 40, 3, 38 and 12 (a global budget's heads) are
+    fitted in one group where the CPU takes three, and each problem's keys, β and values are what it
+    gets fitted alone."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(4, 64, 8, dtype=F64), torch.randn(4, 64, 8, dtype=F64)
+    log_mass = torch.zeros(4, 64, dtype=F64)
+    queries, valid = torch.randn(4, 300, 8, dtype=F64), torch.ones(4, 300, dtype=torch.bool)
+    widths = [40, 3, 38, 12]
+    given = torch.full((4, 40), -1)
+    for p, w in enumerate(widths):
+        given[p, :w] = torch.randperm(64)[:w].sort().values
+    fitted = []
+    real = solve._fit_group
+    monkeypatch.setattr(solve, "_fit_group", lambda group, *a: fitted.append(group.keys.shape[0]) or real(group, *a))
+    results = {}
+    for device in ("cpu", "cuda"):
+        config = FitConfig(beta_min=0.0, mass_weight="relative").sized(torch.device(device))
+        fitted.clear()
+        args = (keys, values, log_mass, queries, valid, torch.tensor(widths), 8**-0.5, config, given)
+        results[device] = (fit_problems(*args), list(fitted))
+    (cpu, cpu_groups), (gpu, gpu_groups) = results["cpu"], results["cuda"]
+    assert cpu_groups == [2, 1, 1] and gpu_groups == [4]
+    assert gpu.lengths.tolist() == widths
+    for p, w in enumerate(widths):
+        assert torch.equal(gpu.index[p, :w], cpu.index[p, :w])
+        torch.testing.assert_close(gpu.log_mass[p, :w], cpu.log_mass[p, :w], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(gpu.values[p, :w], cpu.values[p, :w], rtol=1e-9, atol=1e-10)
+        assert torch.isinf(gpu.log_mass[p, w:]).all()
+
+
 def test_a_fit_of_mixed_widths_equals_each_problem_fitted_alone():
     """``am_fit`` on given keys of very different widths (a global budget's heads) gives every
     problem what it gets when fitted alone, and each slot past a problem's width stays empty."""
@@ -209,7 +258,7 @@ def test_block_sizes_are_the_devices_unless_set():
     """The CPU's blocks stay in its caches; a GPU's are large (each operation is a launch). A size set
     in the configuration is kept on every device."""
     cpu, gpu = FitConfig().sized(torch.device("cpu")), FitConfig().sized(torch.device("cuda"))
-    for name in ("group_bytes", "query_block", "statistics_rows", "statistics_bytes"):
+    for name in ("group_bytes", "query_block", "statistics_rows", "statistics_bytes", "pad_products"):
         assert getattr(cpu, name) == getattr(solve.CPU_FIT_SIZES, name)
         assert getattr(gpu, name) == getattr(solve.ACCELERATOR_FIT_SIZES, name) > getattr(cpu, name)
     assert FitConfig(query_block=7).sized(torch.device("cuda")).query_block == 7

@@ -74,21 +74,36 @@ class FitSizes:
         statistics_rows: queries per block of the attention statistics
             (:func:`~kvfold.methods.compaction.attention_matching.features.block_statistics`).
         statistics_bytes: bytes of one ``(problems, rows, T)`` feature block there.
+        pad_products: multiply-adds a group may add in all by padding problems narrower than
+            :data:`WIDTH_SLACK` of its widest one to that width (:func:`_groups_by_width`), to save
+            the operators of groups of their own (:attr:`FitConfig.pad_products`).
     """
 
     group_bytes: int
     query_block: int
     statistics_rows: int
     statistics_bytes: int
+    pad_products: int
 
 
-CPU_FIT_SIZES = FitSizes(DEFAULT_GROUP_BYTES, 1024, 256, STATISTICS_BYTES)
-"""Blocks that stay in a CPU's caches (a few MB of features at a time)."""
-ACCELERATOR_FIT_SIZES = FitSizes(1 << 30, 8192, 4096, 512 << 20)
+CPU_FIT_SIZES = FitSizes(DEFAULT_GROUP_BYTES, 1024, 256, STATISTICS_BYTES, 0)
+"""Blocks that stay in a CPU's caches (a few MB of features at a time); no problem is padded past
+:data:`WIDTH_SLACK` (on a CPU the work is the time)."""
+
+GROUP_LAUNCH_PRODUCTS = 1 << 35
+"""About the multiply-adds a GPU does in float32 while the host launches one group of problems: a
+group dispatches about 360 operators (``benchmarks/profile_compress.py --count``) at about 5 µs each,
+1.8 ms, in which an H200 (about 67 TFLOP/s in float32, half of it reached) does about 3·10¹⁰
+multiply-adds. An estimate, not a measurement: a GPU run tells (``benchmarks/gpu.sh``)."""
+
+ACCELERATOR_FIT_SIZES = FitSizes(1 << 30, 8192, 4096, 512 << 20, GROUP_LAUNCH_PRODUCTS)
 """Blocks for a GPU, where every operation is a launch of a few microseconds whatever its size:
 Llama-3.1-8B's shape at 1K tokens ran 89,000 fit operations with the CPU's blocks (counted by
 ``benchmarks/profile_compress.py --count``), most of them on blocks a GPU finishes in less than
-their launch. The device memory they add stays under a gibibyte and a half."""
+their launch. The device memory they add stays under a gibibyte and a half. A group also takes
+narrower problems, padded to its width, while the padding costs fewer multiply-adds than a group's
+launches take (:data:`GROUP_LAUNCH_PRODUCTS`): KVzip's global ranking gives a layer's heads widths
+from a handful of entries to most of them, which made 5.5 groups a layer at 1K tokens of that shape."""
 
 
 def fit_sizes(device: torch.device) -> FitSizes:
@@ -145,6 +160,9 @@ class FitConfig:
             :mod:`kvfold.methods.compaction.omp`).
         group_bytes: memory budget for the feature matrices of one group of problems; None: by device.
         statistics_rows, statistics_bytes: the blocks of the attention statistics; None: by device.
+        pad_products: multiply-adds a group of problems may add by padding problems narrower than
+            :data:`WIDTH_SLACK` of its widest to that width (0: none; the fit is the same, its
+            work larger and its operators fewer); None: by device.
         value_storage: when the values will be stored in this integer format, the fitted values
             are rounded to its grid with error feedback (:mod:`.value_rounding`); None: left as
             fitted (the storage rounds each on its own).
@@ -167,6 +185,7 @@ class FitConfig:
     query_block: int | None = None
     statistics_rows: int | None = None
     statistics_bytes: int | None = None
+    pad_products: int | None = None
     value_storage: QuantConfig | None = None
 
     def sized(self, device: torch.device) -> FitConfig:
@@ -543,12 +562,24 @@ WIDTH_SLACK = 0.8
 """A group's narrowest problem keeps at least this fraction of its widest one's entries."""
 
 
-def _groups_by_width(todo: Tensor, counts: Tensor, per_problem: Callable[[int], int], group_bytes: int) -> list[Tensor]:
+def _groups_by_width(
+    todo: Tensor,
+    counts: Tensor,
+    per_problem: Callable[[int], int],
+    group_bytes: int,
+    padding: Callable[[int, int], int] | None = None,
+    pad_products: int = 0,
+) -> list[Tensor]:
     """Split the problems ``todo`` into groups fitted together: widest first, each group within
     ``group_bytes`` (``per_problem(t)`` bytes a problem of width ``t``) and no narrower than
     :data:`WIDTH_SLACK` of its widest problem. A group pads every problem to its widest one and
     the fit costs ``n·t²`` per problem, so under a global budget (one head of a layer keeping
-    1,700 entries, another 11) mixing widths would multiply the work."""
+    1,700 entries, another 11) mixing widths would multiply the work.
+
+    Where each group costs its launches (a GPU), a group also takes narrower problems while the
+    multiply-adds their padding adds (``padding(widest, width)`` each) stay within
+    ``pad_products`` in all: the work grows by at most a group's launches' worth, the operators
+    fall by a group's."""
     if todo.numel() == 0:
         return []
     order = counts[todo].argsort(descending=True, stable=True)
@@ -557,8 +588,13 @@ def _groups_by_width(todo: Tensor, counts: Tensor, per_problem: Callable[[int], 
     while start < len(widths):
         widest = widths[start]
         cap = max(1, int(group_bytes // max(1, per_problem(widest))))
-        stop = start + 1
-        while stop < len(widths) and stop - start < cap and widths[stop] >= WIDTH_SLACK * widest:
+        stop, padded = start + 1, 0
+        while stop < len(widths) and stop - start < cap:
+            if widths[stop] < WIDTH_SLACK * widest:
+                extra = padding(widest, widths[stop]) if padding is not None else pad_products + 1
+                if padded + extra > pad_products:
+                    break
+                padded += extra
             stop += 1
         groups.append(todo[start:stop])
         start = stop
@@ -614,6 +650,17 @@ def _bytes_per_problem(config: FitConfig, scored: bool, T: int, n: int, D: int, 
         return size * (n * T + T * t + n * D)  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
 
     return per_problem
+
+
+def _padding_products(scored: bool, T: int, n: int, d: int, D: int) -> Callable[[int, int], int]:
+    """Multiply-adds a problem of width ``t`` adds when padded to ``widest`` (the width terms of
+    :class:`ProductCount`)."""
+
+    def padding(widest: int, t: int) -> int:
+        grown = n * (2 * (widest * widest - t * t) + 2 * (d + D) * (widest - t))
+        return grown if scored else grown + n * T * (widest - t)
+
+    return padding
 
 
 def fit_problems(
@@ -681,8 +728,9 @@ def fit_problems(
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
     scored = given is not None or config.keys == "highest"
     per_problem = _bytes_per_problem(config, scored, T, n, D, 8 if dt == torch.float64 else 4)
+    padding = _padding_products(scored, T, n, D, values.shape[-1])
     histories: list[tuple[Tensor, Tensor]] = []
-    for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes):
+    for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes, padding, config.pad_products):
         inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale)
         group = Group.prepare(*(t[rows] for t in inputs), None if flat_compact is None else flat_compact[rows])
         chosen = [None if t is None else t[rows] for t in (given_flat, cand_flat)]
