@@ -125,6 +125,11 @@ def test_random_spec_builds_the_architecture_with_seeded_random_weights(tmp_path
     assert second.dtype == torch.bfloat16 and first.dtype == torch.float32
     for (name, a), (_, b) in zip(first.named_parameters(), second.named_parameters(), strict=True):
         torch.testing.assert_close(a.to(torch.bfloat16), b, msg=name)
+    # the weights are the seeded stream's, matrix after matrix, whatever transformers draws itself
+    generator, std = torch.Generator().manual_seed(0), model.config.initializer_range
+    matrices = [p for p in first.parameters() if p.dim() >= 2]
+    for parameter in matrices[:2]:
+        torch.testing.assert_close(parameter, torch.randn(parameter.shape, generator=generator) * std)
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.bin"))
     (tmp_path / "bare").mkdir()
     with pytest.raises(ModelLoadError, match="random:DIR needs a directory with config.json"):

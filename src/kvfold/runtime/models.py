@@ -245,13 +245,33 @@ def cause(err: BaseException, limit: int = 300) -> str:
 
 
 def random_model(config, dtype: torch.dtype, device: torch.device, seed: int = 0) -> PreTrainedModel:
-    """A model of ``config``'s architecture with seeded random weights (transformers' own
-    initialisation), built directly on ``device`` in ``dtype`` (``random:DIR`` specs)."""
+    """A model of ``config``'s architecture with seeded random weights, built directly on ``device``
+    in ``dtype`` (``random:DIR`` specs): transformers' own initialisation, then every matrix drawn
+    again (:func:`seeded_matrices`), so that a load gives the same weights in every dtype and under
+    every transformers version."""
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    seeded_matrices(model, seed, float(getattr(config, "initializer_range", 0.02)))
     return model
+
+
+def seeded_matrices(model: PreTrainedModel, seed: int, std: float) -> None:
+    """Every parameter of two or more dimensions (projections, embeddings) drawn again from
+    ``normal(0, std)`` in float32, parameter after parameter from one generator seeded with ``seed``
+    on the model's device, and cast to the parameter's dtype; vectors (norms, biases) keep
+    transformers' constants. transformers 5.17 draws its initialisation in the model's dtype, so a
+    bfloat16 load and a float32 load had different weights; later versions draw the same."""
+    first = next(model.parameters(), None)
+    if first is None:
+        return
+    generator = torch.Generator(device=first.device).manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                drawn = torch.randn(parameter.shape, generator=generator, dtype=torch.float32, device=parameter.device)
+                parameter.copy_(drawn.mul_(std))
 
 
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
