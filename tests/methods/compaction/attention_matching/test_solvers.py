@@ -62,6 +62,20 @@ def test_problems_are_grouped_widest_first_within_the_width_slack_and_memory():
     assert solve._groups_by_width(todo[:0], counts, lambda t: t, group_bytes=1) == []
 
 
+def _mixed_width_problems():
+    """Four problems of 64 entries and 300 queries (float64) whose given keys number 40, 3, 38 and 12:
+    a global budget's heads."""
+    torch.manual_seed(3)
+    keys, values = torch.randn(4, 64, 8, dtype=F64), torch.randn(4, 64, 8, dtype=F64)
+    log_mass = torch.zeros(4, 64, dtype=F64)
+    queries, valid = torch.randn(4, 300, 8, dtype=F64), torch.ones(4, 300, dtype=torch.bool)
+    widths = [40, 3, 38, 12]
+    given = torch.full((4, 40), -1)
+    for p, w in enumerate(widths):
+        given[p, :w] = torch.randperm(64)[:w].sort().values
+    return keys, values, log_mass, queries, valid, widths, given
+
+
 def test_a_gpu_group_takes_narrower_problems_while_their_padding_costs_less_than_a_group():
     """Where a group costs its launches, narrower problems join it padded to its width while their
     padding's multiply-adds stay within the budget in all; none pads past it, memory still caps a
@@ -84,14 +98,7 @@ def test_a_gpu_fit_pads_narrow_problems_into_fewer_groups_and_fits_each_as_alone
     """With the accelerator's sizes, problems of widths 40, 3, 38 and 12 (a global budget's heads) are
     fitted in one group where the CPU takes three, and each problem's keys, β and values are what it
     gets fitted alone."""
-    torch.manual_seed(3)
-    keys, values = torch.randn(4, 64, 8, dtype=F64), torch.randn(4, 64, 8, dtype=F64)
-    log_mass = torch.zeros(4, 64, dtype=F64)
-    queries, valid = torch.randn(4, 300, 8, dtype=F64), torch.ones(4, 300, dtype=torch.bool)
-    widths = [40, 3, 38, 12]
-    given = torch.full((4, 40), -1)
-    for p, w in enumerate(widths):
-        given[p, :w] = torch.randperm(64)[:w].sort().values
+    keys, values, log_mass, queries, valid, widths, given = _mixed_width_problems()
     fitted = []
     real = solve._fit_group
     monkeypatch.setattr(solve, "_fit_group", lambda group, *a: fitted.append(group.keys.shape[0]) or real(group, *a))
@@ -114,14 +121,7 @@ def test_a_gpu_fit_pads_narrow_problems_into_fewer_groups_and_fits_each_as_alone
 def test_a_fit_of_mixed_widths_equals_each_problem_fitted_alone():
     """``am_fit`` on given keys of very different widths (a global budget's heads) gives every
     problem what it gets when fitted alone, and each slot past a problem's width stays empty."""
-    torch.manual_seed(3)
-    keys, values = torch.randn(4, 64, 8, dtype=F64), torch.randn(4, 64, 8, dtype=F64)
-    log_mass = torch.zeros(4, 64, dtype=F64)
-    queries, valid = torch.randn(4, 300, 8, dtype=F64), torch.ones(4, 300, dtype=torch.bool)
-    widths = [40, 3, 38, 12]
-    given = torch.full((4, 40), -1)
-    for p, w in enumerate(widths):
-        given[p, :w] = torch.randperm(64)[:w].sort().values
+    keys, values, log_mass, queries, valid, widths, given = _mixed_width_problems()
     config = FitConfig(beta_min=0.0, mass_weight="relative")
     together = fit_problems(keys, values, log_mass, queries, valid, torch.tensor(widths), 8**-0.5, config, given)
     assert together.lengths.tolist() == widths
