@@ -11,11 +11,11 @@
 # TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
-# PHASES ("env tests compiled batch long memory profile report"; "short" is there too) and each phase's
+# PHASES ("env tests compiled batch long memory profile report"; "short" and "groups" are there too) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
-# T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40).
+# T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
-# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
+# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -114,6 +114,17 @@ if wants profile; then  # a few decode steps of kvzip's cache, by host and by de
   grep -E "prefills" "$OUT/profile-compress.txt"
 fi
 
+if wants groups; then  # kvzip+am_fit's compression at the short context with the CPU's groups of fits and the
+  # accelerator's padded ones, timed without a profiler: does the padding's work cost less than the launches it saves?
+  for products in 0 default; do
+    padding=(); [ "$products" = default ] || padding=(--pad-products "$products")
+    phase "groups $products" "$(( ${T_GROUPS:-90} / 2 ))" bash -c "'$PYTHON' benchmarks/profile_compress.py \
+      --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method kvzip+am_fit --budget 0.1 --plain \
+      ${padding[*]} 2>&1 | grep -E 'prefills|Error' >> '$OUT/groups.txt'"
+  done
+  cat "$OUT/groups.txt" 2>/dev/null
+fi
+
 if wants report; then
   {
     echo "# GPU run $(date -u +%F): $(basename "$SHAPE")$([ "$TINY" = 1 ] && echo ' (tiny)') on $DEVICE"
@@ -124,6 +135,7 @@ if wants report; then
     echo
     echo "CUDA tests: $(tail -n 1 "$OUT/test_cuda.txt" 2>/dev/null)"
     echo
+    [ -s "$OUT/groups.txt" ] && { echo "Groups of fits (profile_compress.py --plain):"; echo; sed 's/^/    /' "$OUT/groups.txt"; echo; }
     "$PYTHON" benchmarks/bench_table.py "$OUT"/bench-* | sed 's/^# kvfold bench/## kvfold bench/'
   } > "$OUT/README.md"
   say "wrote $OUT/README.md"

@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/profile_compress.py --length 4096 --method kvzip+am_fit [--budget 0.1]
         [--model smollm2-135m] [--device cpu] [--top 25] [--ops] [--count [--as-accelerator]]
+        [--plain [--repeat 2]] [--pad-products N]
 
 Prefills ``--length`` tokens of the bench's prose, then compresses once under cProfile (and, with
 ``--ops``, a second time under ``torch.profiler``) and prints the prefill and compression seconds,
@@ -17,7 +18,15 @@ Matching's fits, the rest) and by kvfold function, and the host reads
 paths and block sizes a GPU in 16 bits would (the repeat pass's forwards and its fused attention with
 the log-sum-exp, the CPU's kernel standing in for CUDA's; the fits'
 :data:`~kvfold.methods.compaction.attention_matching.solve.ACCELERATOR_FIT_SIZES`), so the count is
-the GPU's. docs/benchmarks.md, "Profiling".
+the GPU's.
+
+``--plain`` times the compression without a profiler (one untimed compression first, then
+``--repeat`` timed ones, the fastest printed, over a second prefill's time): a launch-bound GPU run
+pays cProfile's overhead on every launch. ``--pad-products N`` sets the multiply-adds a group of
+Attention Matching's problems may add by padding
+(:attr:`~kvfold.methods.compaction.attention_matching.solve.FitConfig.pad_products`; 0 is the CPU's
+grouping) on whatever device, to time the two groupings against each other.
+docs/benchmarks.md, "Profiling".
 """
 
 from __future__ import annotations
@@ -27,7 +36,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -127,6 +135,25 @@ def count(source, method, budget: Budget, top: int) -> None:
         print(f"  {n:>8,}  read: {where}")
 
 
+def set_pad_products(products: int) -> None:
+    """Every fit on this machine's devices pads its groups by ``products`` multiply-adds at most."""
+    from dataclasses import replace
+
+    from kvfold.methods.compaction.attention_matching import solve
+
+    chosen = {device: replace(sizes, pad_products=products) for device, sizes in
+              (("cpu", solve.CPU_FIT_SIZES), ("accelerator", solve.ACCELERATOR_FIT_SIZES))}  # fmt: skip
+    solve.fit_sizes = lambda device: chosen["cpu" if device.type == "cpu" else "accelerator"]
+
+
+def plain(source, method, budget: Budget, prefill: float, repeat: int, label: str) -> None:
+    """One untimed compression, then the fastest of ``repeat`` timed ones, without a profiler."""
+    _compress(source, method, budget)
+    best = min(_compress(source, method, budget)[0] for _ in range(max(1, repeat)))
+    print(f"{label}: prefill {prefill:.3f} s, compression {best:.3f} s ({best / prefill:.2f} prefills), "
+          f"fastest of {max(1, repeat)} after one untimed")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -139,20 +166,34 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="also profile the operators (torch.profiler)")
     parser.add_argument("--count", action="store_true", help="count operators and host reads instead of timing")
     parser.add_argument("--as-accelerator", action="store_true", help="with --count: a GPU's paths and block sizes")
+    parser.add_argument("--plain", action="store_true", help="time the compression without a profiler")
+    parser.add_argument("--repeat", type=int, default=2, help="with --plain: timed compressions (the fastest)")
+    parser.add_argument("--pad-products", type=int, default=None, help="the fits' padding budget (default: by device)")
     args = parser.parse_args()
     if args.as_accelerator:
         as_accelerator()
+    if args.pad_products is not None:
+        set_pad_products(args.pad_products)
 
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     ids = context_ids(tokenizer, args.length, 1).to(model.device)
     method = build_method(args.method)
     budget = Budget.parse(float(args.budget) if "." in args.budget else int(args.budget))
     with torch.inference_mode():
-        start = time.perf_counter()
+        start = device_clock(model.device)
         source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
-        prefill = time.perf_counter() - start
+        prefill = device_clock(model.device) - start  # the first prefill: warm-up included
+        if args.plain:  # a warm prefill is the unit
+            start = device_clock(model.device)
+            source = prefill_ids(model, tokenizer, ids, capture_window=64, methods=[method])
+            prefill = device_clock(model.device) - start
     if args.count:
         count(source, method, budget, args.top)
+        return
+    if args.plain:
+        padding = "by device" if args.pad_products is None else f"{args.pad_products:,}"
+        label = f"{args.method} at {args.budget}, {args.length} tokens, pad_products {padding}"
+        plain(source, method, budget, prefill, args.repeat, label)
         return
     profiler = cProfile.Profile()
     profiler.enable()
