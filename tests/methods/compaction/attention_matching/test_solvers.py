@@ -56,9 +56,9 @@ def test_problems_are_grouped_widest_first_within_the_width_slack_and_memory():
     counts = torch.tensor([11, 1704, 160, 1600, 1500, 150, 9])
     todo = torch.arange(7)
     groups = solve._groups_by_width(todo, counts, lambda t: t, group_bytes=1 << 40)
-    assert [g.tolist() for g in groups] == [[1, 3, 4], [2, 5], [0, 6]]
+    assert [(g.tolist(), widest) for g, widest in groups] == [([1, 3, 4], 1704), ([2, 5], 160), ([0, 6], 11)]
     capped = solve._groups_by_width(todo, counts, lambda t: t, group_bytes=3100)  # one 1600, two 1500s
-    assert [g.tolist() for g in capped] == [[1], [3], [4], [2, 5], [0, 6]]
+    assert [g.tolist() for g, _ in capped] == [[1], [3], [4], [2, 5], [0, 6]]
     assert solve._groups_by_width(todo[:0], counts, lambda t: t, group_bytes=1) == []
 
 
@@ -85,7 +85,7 @@ def test_a_gpu_group_takes_narrower_problems_while_their_padding_costs_less_than
 
     def groups(budget, group_bytes=1 << 40):
         padding = lambda widest, t: widest - t  # noqa: E731
-        return [g.tolist() for g in solve._groups_by_width(todo, counts, lambda t: t, group_bytes, padding, budget)]
+        return [g.tolist() for g, _ in solve._groups_by_width(todo, counts, lambda t: t, group_bytes, padding, budget)]
 
     assert groups(0) == [[1, 3, 4], [2, 5], [0, 6]]
     assert groups(1544 + 1554) == [[1, 3, 4, 2, 5], [0, 6]]  # 160 and 150 padded to 1704; 11 would pass it
@@ -101,7 +101,11 @@ def test_a_gpu_fit_pads_narrow_problems_into_fewer_groups_and_fits_each_as_alone
     keys, values, log_mass, queries, valid, widths, given = _mixed_width_problems()
     fitted = []
     real = solve._fit_group
-    monkeypatch.setattr(solve, "_fit_group", lambda group, *a: fitted.append(group.keys.shape[0]) or real(group, *a))
+    monkeypatch.setattr(
+        solve,
+        "_fit_group",
+        lambda group, *a, **k: fitted.append((group.keys.shape[0], k["t_max"])) or real(group, *a, **k),
+    )
     results = {}
     for device in ("cpu", "cuda"):
         config = FitConfig(beta_min=0.0, mass_weight="relative").sized(torch.device(device))
@@ -109,7 +113,7 @@ def test_a_gpu_fit_pads_narrow_problems_into_fewer_groups_and_fits_each_as_alone
         args = (keys, values, log_mass, queries, valid, torch.tensor(widths), 8**-0.5, config, given)
         results[device] = (fit_problems(*args), list(fitted))
     (cpu, cpu_groups), (gpu, gpu_groups) = results["cpu"], results["cuda"]
-    assert cpu_groups == [2, 1, 1] and gpu_groups == [4]
+    assert cpu_groups == [(2, 40), (1, 12), (1, 3)] and gpu_groups == [(4, 40)]  # widths known on the host
     assert gpu.lengths.tolist() == widths
     for p, w in enumerate(widths):
         assert torch.equal(gpu.index[p, :w], cpu.index[p, :w])

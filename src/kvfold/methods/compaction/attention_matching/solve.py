@@ -254,14 +254,22 @@ class _Selection:
 
 
 def _fit_group(
-    group: Group, counts: Tensor, config: FitConfig, given: Tensor | None = None, candidates: Tensor | None = None
+    group: Group,
+    counts: Tensor,
+    config: FitConfig,
+    given: Tensor | None = None,
+    candidates: Tensor | None = None,
+    *,
+    t_max: int | None = None,
 ) -> Compacted:
     """Compact the ``P`` problems of ``group`` at once to ``counts`` ``(P,)`` entries (see the module
     docstring); ``given`` ``(P, t)`` fixes the kept positions (−1 = unused slot) and only β and the
     values are fitted; ``candidates`` ``(P, T)`` bool limits the highest-attention keys to those
-    entries."""
+    entries; ``t_max``, when the caller knows it, is ``counts.max()`` (else it is read from the
+    device)."""
     config = config.sized(group.keys.device)
-    t_max = int(counts.max()) if group.keys.shape[0] else 0
+    if t_max is None:
+        t_max = int(counts.max()) if group.keys.shape[0] else 0
     (P, T, d), n = group.keys.shape, group.queries.shape[1]
     omp = given is None and config.keys == "omp"
     FIT_PRODUCTS.add(P, n, T, t_max, d, group.values.shape[-1], omp)
@@ -569,7 +577,7 @@ def _groups_by_width(
     group_bytes: int,
     padding: Callable[[int, int], int] | None = None,
     pad_products: int = 0,
-) -> list[Tensor]:
+) -> list[tuple[Tensor, int]]:
     """Split the problems ``todo`` into groups fitted together: widest first, each group within
     ``group_bytes`` (``per_problem(t)`` bytes a problem of width ``t``) and no narrower than
     :data:`WIDTH_SLACK` of its widest problem. A group pads every problem to its widest one and
@@ -579,7 +587,12 @@ def _groups_by_width(
     Where each group costs its launches (a GPU), a group also takes narrower problems while the
     multiply-adds their padding adds (``padding(widest, width)`` each) stay within
     ``pad_products`` in all: the work grows by at most a group's launches' worth, the operators
-    fall by a group's."""
+    fall by a group's.
+
+    Returns:
+        ``(rows, widest)`` a group: its problems and its widest problem's width (known on the host,
+        so the fit asks the device for none).
+    """
     if todo.numel() == 0:
         return []
     order = counts[todo].argsort(descending=True, stable=True)
@@ -596,7 +609,7 @@ def _groups_by_width(
                     break
                 padded += extra
             stop += 1
-        groups.append(todo[start:stop])
+        groups.append((todo[start:stop], widest))
         start = stop
     return groups
 
@@ -730,11 +743,11 @@ def fit_problems(
     per_problem = _bytes_per_problem(config, scored, T, n, D, 8 if dt == torch.float64 else 4)
     padding = _padding_products(scored, T, n, D, values.shape[-1])
     histories: list[tuple[Tensor, Tensor]] = []
-    for rows in _groups_by_width(todo, counts, per_problem, config.group_bytes, padding, config.pad_products):
+    for rows, widest in _groups_by_width(todo, counts, per_problem, config.group_bytes, padding, config.pad_products):
         inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale)
         group = Group.prepare(*(t[rows] for t in inputs), None if flat_compact is None else flat_compact[rows])
         chosen = [None if t is None else t[rows] for t in (given_flat, cand_flat)]
-        res = _fit_group(group, counts[rows], config, *chosen)
+        res = _fit_group(group, counts[rows], config, *chosen, t_max=widest)
         _write_rows(out, rows, res)
         if res.residual_history is not None:
             histories.append((rows, res.residual_history))
