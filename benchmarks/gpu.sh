@@ -11,11 +11,12 @@
 # TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
-# PHASES ("env tests compiled batch long memory profile report"; "short" and "groups" are there too) and each phase's
+# PHASES ("env tests compiled batch long memory profile report"; "short", "groups" and "suite" are there too) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
-# T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits).
+# T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits),
+# T_SUITE (300: the whole main suite, in SUITE_WORKERS (8) processes where pytest-xdist is installed).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
-# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
+# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/suite.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -114,6 +115,13 @@ if wants profile; then  # a few decode steps of kvzip's cache, by host and by de
   grep -E "prefills" "$OUT/profile-compress.txt"
 fi
 
+if wants suite; then  # the whole main suite with the GPU present (its Triton tests compile the kernel for real)
+  workers=(); "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}")
+  phase suite "${T_SUITE:-300}" bash -c "'$PYTHON' -m pytest -q -rfE -p no:cacheprovider ${workers[*]} \
+    --ignore=tests/integrations/vllm > '$OUT/suite.txt' 2>&1"
+  tail -n 15 "$OUT/suite.txt"
+fi
+
 if wants groups; then  # kvzip+am_fit's compression at the short context with the CPU's groups of fits and the
   # accelerator's padded ones, timed without a profiler: does the padding's work cost less than the launches it saves?
   for products in 0 default; do
@@ -134,6 +142,7 @@ if wants report; then
     echo '```'
     echo
     echo "CUDA tests: $(tail -n 1 "$OUT/test_cuda.txt" 2>/dev/null)"
+    [ -s "$OUT/suite.txt" ] && { echo; echo "The whole main suite: $(tail -n 1 "$OUT/suite.txt")"; }
     echo
     [ -s "$OUT/groups.txt" ] && { echo "Groups of fits (profile_compress.py --plain):"; echo; sed 's/^/    /' "$OUT/groups.txt"; echo; }
     "$PYTHON" benchmarks/bench_table.py "$OUT"/bench-* | sed 's/^# kvfold bench/## kvfold bench/'
