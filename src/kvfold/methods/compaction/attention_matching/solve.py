@@ -49,6 +49,12 @@ from kvfold.methods.compaction.attention_matching.features import (
     max_shifted_features,
     selected_features,
 )
+from kvfold.methods.compaction.attention_matching.grouping import (
+    GROUP_LAUNCH_PRODUCTS,
+    bytes_per_problem,
+    groups_by_width,
+    padding_products,
+)
 from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys, ridge_solve, symmetric_product
 from kvfold.methods.compaction.attention_matching.value_rounding import feedback_round
 from kvfold.methods.compaction.linalg import lstsq_ridge, nnls
@@ -74,8 +80,8 @@ class FitSizes:
         statistics_rows: queries per block of the attention statistics
             (:func:`~kvfold.methods.compaction.attention_matching.features.block_statistics`).
         statistics_bytes: bytes of one ``(problems, rows, T)`` feature block there.
-        pad_products: multiply-adds a group may add in all by padding problems narrower than
-            :data:`WIDTH_SLACK` of its widest one to that width (:func:`_groups_by_width`), to save
+        pad_products: multiply-adds a group may add in all by padding narrower problems to its width
+            (:func:`~kvfold.methods.compaction.attention_matching.grouping.groups_by_width`), to save
             the operators of groups of their own (:attr:`FitConfig.pad_products`).
     """
 
@@ -88,22 +94,16 @@ class FitSizes:
 
 CPU_FIT_SIZES = FitSizes(DEFAULT_GROUP_BYTES, 1024, 256, STATISTICS_BYTES, 0)
 """Blocks that stay in a CPU's caches (a few MB of features at a time); no problem is padded past
-:data:`WIDTH_SLACK` (on a CPU the work is the time)."""
-
-GROUP_LAUNCH_PRODUCTS = 1 << 35
-"""About the multiply-adds a GPU does in float32 while the host launches one group of problems: a
-group dispatches about 360 operators (``benchmarks/profile_compress.py --count``) at about 5 µs each,
-1.8 ms, in which an H200 (about 67 TFLOP/s in float32, half of it reached) does about 3·10¹⁰
-multiply-adds. An estimate, not a measurement: a GPU run tells (``benchmarks/gpu.sh``)."""
+the width slack (:mod:`~kvfold.methods.compaction.attention_matching.grouping`: on a CPU the work is
+the time)."""
 
 ACCELERATOR_FIT_SIZES = FitSizes(1 << 30, 8192, 4096, 512 << 20, GROUP_LAUNCH_PRODUCTS)
 """Blocks for a GPU, where every operation is a launch of a few microseconds whatever its size:
 Llama-3.1-8B's shape at 1K tokens ran 89,000 fit operations with the CPU's blocks (counted by
 ``benchmarks/profile_compress.py --count``), most of them on blocks a GPU finishes in less than
 their launch. The device memory they add stays under a gibibyte and a half. A group also takes
-narrower problems, padded to its width, while the padding costs fewer multiply-adds than a group's
-launches take (:data:`GROUP_LAUNCH_PRODUCTS`): KVzip's global ranking gives a layer's heads widths
-from a handful of entries to most of them, which made 5.5 groups a layer at 1K tokens of that shape."""
+narrower problems padded to its width, up to a group's launches' worth of multiply-adds
+(:mod:`~kvfold.methods.compaction.attention_matching.grouping`: 5.5 groups a layer before)."""
 
 
 def fit_sizes(device: torch.device) -> FitSizes:
@@ -161,8 +161,9 @@ class FitConfig:
         group_bytes: memory budget for the feature matrices of one group of problems; None: by device.
         statistics_rows, statistics_bytes: the blocks of the attention statistics; None: by device.
         pad_products: multiply-adds a group of problems may add by padding problems narrower than
-            :data:`WIDTH_SLACK` of its widest to that width (0: none; the fit is the same, its
-            work larger and its operators fewer); None: by device.
+            the width slack of its widest to that width
+            (:mod:`~kvfold.methods.compaction.attention_matching.grouping`; 0: none; the fit is the
+            same, its work larger and its operators fewer); None: by device.
         value_storage: when the values will be stored in this integer format, the fitted values
             are rounded to its grid with error feedback (:mod:`.value_rounding`); None: left as
             fitted (the storage rounds each on its own).
@@ -566,54 +567,6 @@ def _padded_histories(histories: list[tuple[Tensor, Tensor]], P: int, like: Tens
 # ---------------------------------------------------------------------------- all problems
 
 
-WIDTH_SLACK = 0.8
-"""A group's narrowest problem keeps at least this fraction of its widest one's entries."""
-
-
-def _groups_by_width(
-    todo: Tensor,
-    counts: Tensor,
-    per_problem: Callable[[int], int],
-    group_bytes: int,
-    padding: Callable[[int, int], int] | None = None,
-    pad_products: int = 0,
-) -> list[tuple[Tensor, int]]:
-    """Split the problems ``todo`` into groups fitted together: widest first, each group within
-    ``group_bytes`` (``per_problem(t)`` bytes a problem of width ``t``) and no narrower than
-    :data:`WIDTH_SLACK` of its widest problem. A group pads every problem to its widest one and
-    the fit costs ``n·t²`` per problem, so under a global budget (one head of a layer keeping
-    1,700 entries, another 11) mixing widths would multiply the work.
-
-    Where each group costs its launches (a GPU), a group also takes narrower problems while the
-    multiply-adds their padding adds (``padding(widest, width)`` each) stay within
-    ``pad_products`` in all: the work grows by at most a group's launches' worth, the operators
-    fall by a group's.
-
-    Returns:
-        ``(rows, widest)`` a group: its problems and its widest problem's width (known on the host,
-        so the fit asks the device for none).
-    """
-    if todo.numel() == 0:
-        return []
-    order = counts[todo].argsort(descending=True, stable=True)
-    todo, widths = todo[order], counts[todo][order].tolist()
-    groups, start = [], 0
-    while start < len(widths):
-        widest = widths[start]
-        cap = max(1, int(group_bytes // max(1, per_problem(widest))))
-        stop, padded = start + 1, 0
-        while stop < len(widths) and stop - start < cap:
-            if widths[stop] < WIDTH_SLACK * widest:
-                extra = padding(widest, widths[stop]) if padding is not None else pad_products + 1
-                if padded + extra > pad_products:
-                    break
-                padded += extra
-            stop += 1
-        groups.append((todo[start:stop], widest))
-        start = stop
-    return groups
-
-
 def _empty_result(P: int, t_max: int, dim: int, dt: torch.dtype, device: torch.device) -> Compacted:
     """Flat ``(P, …)`` buffers of :func:`fit_problems`: no entry kept, β = −inf."""
     return Compacted(
@@ -649,31 +602,6 @@ def _write_rows(out: Compacted, rows: Tensor, res: Compacted) -> None:
     out.lengths[rows] = res.lengths
     out.mass_error[rows] = res.mass_error
     out.output_error[rows] = res.output_error
-
-
-def _bytes_per_problem(config: FitConfig, scored: bool, T: int, n: int, D: int, size: int) -> Callable[[int], int]:
-    """Bytes one problem of width ``t`` holds while its group is fitted (``scored``: highest
-    attention or given keys, else OMP)."""
-
-    def per_problem(t: int) -> int:
-        if scored:  # a block of queries × T, then blocks × t
-            rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
-            statistics = min(n, config.statistics_rows)
-            return size * (statistics * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
-        return size * (n * T + T * t + n * D)  # OMP keeps Φ (n × T) and Φᵀ Φ_S (T × t)
-
-    return per_problem
-
-
-def _padding_products(scored: bool, T: int, n: int, d: int, D: int) -> Callable[[int, int], int]:
-    """Multiply-adds a problem of width ``t`` adds when padded to ``widest`` (the width terms of
-    :class:`ProductCount`)."""
-
-    def padding(widest: int, t: int) -> int:
-        grown = n * (2 * (widest * widest - t * t) + 2 * (d + D) * (widest - t))
-        return grown if scored else grown + n * T * (widest - t)
-
-    return padding
 
 
 def fit_problems(
@@ -740,10 +668,11 @@ def fit_problems(
         _copy_identity(out, ids, flat_lm, flat_values, D)
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
     scored = given is not None or config.keys == "highest"
-    per_problem = _bytes_per_problem(config, scored, T, n, D, 8 if dt == torch.float64 else 4)
-    padding = _padding_products(scored, T, n, D, values.shape[-1])
+    rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
+    per_problem = bytes_per_problem(scored, T, n, D, 8 if dt == torch.float64 else 4, rows_held, config.statistics_rows)
+    padding = padding_products(scored, T, n, D, values.shape[-1])
     histories: list[tuple[Tensor, Tensor]] = []
-    for rows, widest in _groups_by_width(todo, counts, per_problem, config.group_bytes, padding, config.pad_products):
+    for rows, widest in groups_by_width(todo, counts, per_problem, config.group_bytes, padding, config.pad_products):
         inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale)
         group = Group.prepare(*(t[rows] for t in inputs), None if flat_compact is None else flat_compact[rows])
         chosen = [None if t is None else t[rows] for t in (given_flat, cand_flat)]
