@@ -22,7 +22,7 @@ _EXPORTS = {
     "CacheFileError": "kvfold.store.format",
     "CompressedContext": "kvfold.pipeline.context",
     "FoldedCache": "kvfold.runtime.cache",
-    "FoldedLayer": "kvfold.runtime.cache",
+    "FoldedLayer": "kvfold.runtime.folded_layer",
     "PrefilledContext": "kvfold.pipeline.context",
     "available_methods": "kvfold.methods",
     "build_method": "kvfold.methods",
@@ -72,8 +72,9 @@ if TYPE_CHECKING:  # what static tools see; at run time :func:`__getattr__` impo
     from kvfold.pipeline.context import CompressedContext, PrefilledContext, build_prompt, prefill
     from kvfold.runtime.attention import enable
     from kvfold.runtime.budget import Budget
-    from kvfold.runtime.cache import FoldedCache, FoldedLayer
+    from kvfold.runtime.cache import FoldedCache
     from kvfold.runtime.errors import UserError
+    from kvfold.runtime.folded_layer import FoldedLayer
     from kvfold.runtime.models import load_model, prepare_model
     from kvfold.store.chat import load_chat, save_chat
     from kvfold.store.format import CacheFileError

@@ -14,7 +14,7 @@ from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
 from kvfold.pipeline.chunked import prefill_chunked
 from kvfold.pipeline.context import greedy_decode
 from kvfold.runtime.attention import attention_modules
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 from tests.conftest import CharTokenizer, make_tiny_model
 
 

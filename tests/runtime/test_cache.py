@@ -1,4 +1,5 @@
-"""FoldedCache / FoldedLayer: β exactness, per-head lengths, memory accounting, edits."""
+"""FoldedCache (with the kvfold attention): β exactness, per-head lengths, memory accounting, copies,
+scratch passes and batch edits."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kvfold.runtime.attention import kvfold_attention
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.rows import FloatRows
 
 B, HKV, G, D = 2, 3, 2, 8
@@ -129,15 +130,6 @@ def test_memory_accounting_matches_tensors_held():
     assert layer_b.nbytes() < 0.5 * dense_equivalent  # per-head budgets really free memory
 
 
-def test_logical_length_survives_compression():
-    k = torch.randn(1, HKV, 20, D)
-    cache = _filled_cache(k, k.clone())
-    cache.layers[0].replace(k[:, :, :5], k[:, :, :5].clone())
-    assert cache.get_seq_length() == 20
-    assert cache.layers[0].physical_length == 5
-    assert cache.layers[0].get_mask_sizes(1) == (6, 15)
-
-
 def test_copy_is_independent():
     k = torch.randn(1, HKV, 8, D)
     cache = _filled_cache(k, k.clone())
@@ -147,19 +139,6 @@ def test_copy_is_independent():
     assert clone.layers[0].physical_length == 2
 
 
-def test_replace_rejects_nan_and_inf():
-    k = torch.randn(1, HKV, 8, D)
-    cache = _filled_cache(k, k.clone())
-    bad = k.clone()
-    bad[0, 1, 3, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN or inf"):
-        cache.layers[0].replace(bad, k)
-    beta = torch.zeros(1, HKV, 8)
-    beta[0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match="NaN or inf"):
-        cache.layers[0].replace(k, k, beta)
-
-
 def test_batch_select_keeps_ragged_rows():
     k = torch.randn(2, HKV, 20, D)
     cache = _filled_cache(k, k.clone())
@@ -167,24 +146,6 @@ def test_batch_select_keeps_ragged_rows():
     cache.layers[0].replace(k, k.clone(), lengths=lengths)
     cache.batch_select_indices(torch.tensor([1]))
     assert torch.equal(cache.layers[0].row_lengths(), lengths[1:])
-
-
-def test_crop_is_refused_with_a_clear_error():
-    k = torch.randn(1, HKV, 4, D)
-    cache = _filled_cache(k, k.clone())
-    with pytest.raises(NotImplementedError, match="cannot be cropped"):
-        cache.layers[0].crop(-1)
-
-
-def test_folded_layer_dense_growth_is_amortised():
-    layer = FoldedLayer()
-    k = torch.randn(1, HKV, 100, D)
-    layer.update(k, k.clone())
-    capacities = set()
-    for _ in range(50):
-        layer.update(torch.randn(1, HKV, 1, D), torch.randn(1, HKV, 1, D))
-        capacities.add(layer._keys.shape[2])
-    assert len(capacities) <= 5  # a handful of reallocations for 50 steps, not one per step
 
 
 def test_a_scratch_gives_back_what_its_forwards_append():

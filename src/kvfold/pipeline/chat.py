@@ -53,9 +53,10 @@ from kvfold.methods import ComposedMethod, CompressionContext, build_method
 from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, build_prompt, encode, greedy_decode
 from kvfold.pipeline.recompact import limit_head_entries, pin_entries, recompacts_by_repeat_pass
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.defaults import DEFAULT_CHAT_BUDGET, RECOMMENDED
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 MARK = "\u241e"
 """A character that tokenizers and templates leave alone (as in :func:`kvfold.pipeline.context.build_prompt`)."""

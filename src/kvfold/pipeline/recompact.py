@@ -39,7 +39,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvfold.methods import ComposedMethod, CompressionContext, Method, Selector
 from kvfold.methods.core.repeat import REPEAT_CHUNK, RepeatPass, shared_repeat_pass
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 Entries = tuple[Tensor, Tensor, Tensor]

@@ -10,7 +10,7 @@ Paths:
   stock model); left padding found in the mask is recorded as β = −inf; the cache's prefill
   observers (if any) then see the layer's queries (e.g. H2O accumulates their attention).
 * **a layer with stored rows** (per-head lengths, quantized entries: see
-  :mod:`kvfold.runtime.cache`) — the stored rows' part, each row's maximum logit, weights' sum and
+  :mod:`kvfold.runtime.folded_layer`) — the stored rows' part, each row's maximum logit, weights' sum and
   weighted values (:func:`kvfold.runtime.quantized_attention.stored_part`: the compiled kernel or
   PyTorch over the codes, batched gathers over full-precision rows), merged by log-sum-exp with the
   dense tail, whose last ``q`` entries are the new tokens (causal among themselves). A policy that
@@ -34,9 +34,11 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.quantized_attention import merge_with_tail, stored_part
+from kvfold.runtime.rows import NEG_INF
 
 ATTN_IMPLEMENTATION = "kvfold"
 
@@ -123,7 +125,7 @@ def kvfold_attention(
     else:
         _check_sliding_window(layer, kwargs.get("sliding_window"))
         if need_probs and getattr(policy, "accepts_log_sum_exp", False) and _gives_log_sum_exp(query, layer):
-            keys, values, _ = _dense_views(layer)
+            keys, values, _ = layer.tail()
             out, lse = _attend_after_cache(query, keys, values, scaling, with_lse=True)
             policy.after_forward(module.layer_idx, layer, query, None, None, log_sum_exp=lse, scaling=scaling)
             return out.transpose(1, 2), None
@@ -149,7 +151,7 @@ def _stored_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float) -
     rows, m = b * h_kv, (h_q // h_kv) * q_len
     acc = torch.promote_types(query.dtype, torch.float32)
     folded = query.reshape(b, h_kv, m, d).to(acc)
-    tail_keys, tail_values, tail_beta = _dense_views(layer)
+    tail_keys, tail_values, tail_beta = layer.tail()
     fresh = _tail_logits(folded, tail_keys, tail_beta, q_len, scaling).view(rows, m, -1)
     tail_values = tail_values.reshape(rows, -1, tail_values.shape[-1]).to(acc)
     out = merge_with_tail(*stored_part(folded.view(rows, m, d), layer.stored, scaling), fresh, tail_values)
@@ -186,7 +188,7 @@ def _padded_attention(
     """
     b, h_q, q_len, d = query.shape
     q_keys, q_values, q_beta = layer.stored_padded()
-    tail_keys, tail_values, tail_beta = _dense_views(layer)
+    tail_keys, tail_values, tail_beta = layer.tail()
     keys = torch.cat([q_keys, tail_keys.to(q_keys.dtype)], 2)
     values = torch.cat([q_values, tail_values.to(q_values.dtype)], 2)
     h_kv, n = keys.shape[1], keys.shape[2]
@@ -219,7 +221,7 @@ def _dense_attention(
         ``(B, H_q, q, N)`` and the scaled scores before β ``(B, H_kv, G·q, N)``, else None.
     """
     b, h_q, q_len, d = query.shape
-    keys, values, log_mass = _dense_views(layer)
+    keys, values, log_mass = layer.tail()
     h_kv, n = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
     if log_mass is None and q_len > 1 and not need_probs:
@@ -320,8 +322,7 @@ def _gives_log_sum_exp(query: torch.Tensor, layer: FoldedLayer) -> bool:
     probability path."""
     q_len = query.shape[2]
     uncompressed = (
-        layer.stored is None
-        and layer._log_mass is None  # noqa: SLF001 - the attention is the layer's reader
+        not layer.has_log_mass  # no stored rows, and every β of the tail 0
         and q_len > 1
         and layer.physical_length > q_len
     )
@@ -463,19 +464,9 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
     return lse_old.view(shape).reshape(b, h_q, q_len), lse_new.view(shape).reshape(b, h_q, q_len)
 
 
-def _dense_views(layer: FoldedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    n = layer._length  # noqa: SLF001 - the attention is the layer's reader
-    log_mass = layer._log_mass  # noqa: SLF001
-    return (
-        layer._keys[:, :, :n],  # noqa: SLF001
-        layer._values[:, :, :n],  # noqa: SLF001
-        None if log_mass is None else log_mass[:, :, :n],
-    )
-
-
 def _dense_bias(layer: FoldedLayer, q_len: int, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
     """Additive bias for the folded query: β over old entries, causal over the new ``q_len``."""
-    _, _, log_mass = _dense_views(layer)
+    _, _, log_mass = layer.tail()
     n = layer.physical_length
     if q_len == 1:
         if log_mass is None:

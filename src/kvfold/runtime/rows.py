@@ -1,6 +1,6 @@
 """Ragged rows at full precision: the stored part of a folded layer when it is not quantized.
 
-A :class:`~kvfold.runtime.cache.FoldedLayer` holds at most two parts: a ragged *stored* part, the
+A :class:`~kvfold.runtime.folded_layer.FoldedLayer` holds at most two parts: a ragged *stored* part, the
 compressed entries of rows (batch × KV head) of different lengths, followed by a dense *tail* of
 equal length for every row (what is appended after: the question, generated tokens). The stored
 part is quantized (:class:`~kvfold.runtime.quantize.QuantizedRows`) or at full precision
@@ -51,6 +51,22 @@ def ragged_saves_memory(lengths: Tensor, padded_length: int) -> bool:
     dense = rows * int(lengths.max())
     ragged = int(((lengths + ROW_ROUNDING - 1) // ROW_ROUNDING).clamp(min=1).sum()) * ROW_ROUNDING
     return ragged < dense * 7 / 8 and padded_length > 0
+
+
+def compact_rows(
+    keys: Tensor, values: Tensor, log_mass: Tensor, valid: Tensor, lengths: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Padded rows ``(B, H, N, ·)`` with their valid entries (``valid``: finite β) moved to each row's
+    first ``lengths`` slots, in order; β = −inf after them."""
+    n = valid.shape[-1]
+    order = torch.where(valid, torch.arange(n, device=valid.device), n).sort(-1).values
+    order = order.clamp_max(n - 1)
+    take = order[..., None]
+    keys = keys.gather(2, take.expand(-1, -1, -1, keys.shape[-1]))
+    values = values.gather(2, take.expand(-1, -1, -1, values.shape[-1]))
+    in_row = torch.arange(n, device=valid.device) < lengths[..., None]
+    log_mass = log_mass.gather(2, order).masked_fill(~in_row, NEG_INF)
+    return keys, values, log_mass
 
 
 @dataclass

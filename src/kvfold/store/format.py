@@ -1,7 +1,7 @@
 """Saved caches: a compacted :class:`~kvfold.runtime.cache.FoldedCache` in a file, loaded in another process.
 
 A cache file is a `safetensors <https://huggingface.co/docs/safetensors>`_ file. Its tensors are
-what the cache physically holds and nothing more (:meth:`FoldedLayer.live_tensors`): per layer
+what the cache physically holds and nothing more (:func:`kvfold.store.layer_tensors.layer_tensors`): per layer
 ``layer.<i>.keys``, ``.values``, ``.log_mass`` (β; absent when every β is 0), ``.row_lengths``
 (paged layers, per-head lengths), ``.stat.<name>`` (per-entry statistics an online policy
 continues from) and, for online methods, ``.captured_queries``; optionally ``context.token_ids``

@@ -13,7 +13,8 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from kvfold.methods import CompressionContext, build_method
 from kvfold.pipeline.context import CompressedContext, PrefilledContext
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.models import resolve_dtype
 from kvfold.runtime.quantize import QuantConfig
 from kvfold.store.format import (
@@ -30,6 +31,7 @@ from kvfold.store.format import (
     read_info,
     read_tensors,
 )
+from kvfold.store.layer_tensors import layer_from_tensors
 from kvfold.store.validate import Expected, validate_header, validate_tensors
 
 __all__ = ["load_cache", "load_context", "load_file", "read_cache"]
@@ -98,7 +100,7 @@ def _build_cache(
         if kind == "empty":
             continue
         if kind == "folded" and isinstance(slot, FoldedLayer):
-            cache.layers[index] = FoldedLayer.from_live_tensors(
+            cache.layers[index] = layer_from_tensors(
                 spec["layout"],
                 own,
                 logical_length=spec["logical_length"],

@@ -22,8 +22,9 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvfold.pipeline.context import CompressedContext
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.files import atomic_path
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.store.format import (
     FORMAT,
     FORMAT_VERSION,
@@ -34,6 +35,7 @@ from kvfold.store.format import (
     kvfold_version,
     model_fingerprint,
 )
+from kvfold.store.layer_tensors import layer_tensors
 
 __all__ = ["save_cache", "save_context"]
 
@@ -137,7 +139,7 @@ def _layer_tensors(cache: FoldedCache, queries: bool) -> tuple[list[dict], dict[
             if not layer.is_initialized:
                 layers.append({"kind": "empty"})
                 continue
-            layout, content = layer.live_tensors(queries=queries)
+            layout, content = layer_tensors(layer, queries=queries)
             layers.append(
                 {
                     "kind": "folded",

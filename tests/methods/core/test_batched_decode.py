@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvfold.methods.core.batched_decode import LayerBatch, gather_slots, move_newest, write_slots
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 
 class _Recorder(LayerBatch):

@@ -21,7 +21,8 @@ from kvfold.methods.eviction.h2o import H2OPrefillObserver
 from kvfold.methods.eviction.kvzip import RepeatPrompt
 from kvfold.methods.eviction.snapkv import pyramid_layer_budgets
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from tests.conftest import FAMILIES, CharTokenizer, make_tiny_model
 
 F64 = torch.float64

@@ -24,7 +24,7 @@ from kvfold.methods.merging.d2o import D2OMerge
 from kvfold.methods.merging.kvmerger import KVMerger
 from kvfold.methods.merging.zsmerge.merge import BudgetSplit, fold_layers
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 F64 = torch.float64
 DIM = 4

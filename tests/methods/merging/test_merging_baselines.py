@@ -14,7 +14,8 @@ from kvfold.methods.merging.cam import cam_merge, merge_sets
 from kvfold.methods.merging.d2o import D2OMerge, attention_variance, d2o_merge, ema_thresholds, variance_layer_budgets
 from kvfold.methods.merging.kvmerger import gaussian_merge, layer_joins, merging_sets
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from tests.conftest import FAMILIES, CharTokenizer, make_tiny_model
 
 F64 = torch.float64

@@ -50,9 +50,10 @@ from kvfold.evaluate.diagnostics.mergemap_report import mergemap_markdown, plot_
 from kvfold.methods import build_method
 from kvfold.pipeline.context import PrefilledContext
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock, atomic_write_text
+from kvfold.runtime.folded_layer import FoldedLayer
 
 __all__ = [
     "MergeMapResult",

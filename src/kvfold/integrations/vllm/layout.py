@@ -22,8 +22,9 @@ import os
 
 import torch
 
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.pool_attention import turn, turn_table
 
 LINEAR_ROPE_TYPES = ("default", "linear", "llama3")

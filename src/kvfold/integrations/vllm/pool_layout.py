@@ -16,7 +16,8 @@ from functools import cached_property
 import torch
 
 from kvfold.integrations.vllm.layout import UnservableCacheError, rope_inverse_frequencies
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.pool_attention import PooledFile, pooled_file
 from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.row_pool import FloatRows, PoolError, PoolPlan, pack_pool, plan_pool

@@ -48,7 +48,9 @@ from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_qu
 from kvfold.methods.core.model import layer_scaling, prefill_again
 from kvfold.methods.core.scoring import window_attention
 from kvfold.methods.core.spec import SpecError
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 

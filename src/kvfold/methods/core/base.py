@@ -19,8 +19,10 @@ from transformers import PreTrainedModel
 
 from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spec
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.quantize import QuantConfig, QuantSpecError
+from kvfold.runtime.rows import NEG_INF
 from kvfold.runtime.timing import device_clock
 
 # ------------------------------------------------------------------------- context

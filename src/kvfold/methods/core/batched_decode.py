@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 
@@ -24,7 +24,7 @@ StepInput = tuple[int, FoldedLayer, Tensor, "Tensor | None", "Tensor | None"]
 """What the attention hands a policy: ``(layer_idx, layer, query, probs, logits)``."""
 
 Buffers = tuple[Tensor, Tensor, Tensor]
-"""A layer's :meth:`~kvfold.runtime.cache.FoldedLayer.dense_buffers`: keys, values, β."""
+"""A layer's :meth:`~kvfold.runtime.folded_layer.FoldedLayer.dense_buffers`: keys, values, β."""
 
 
 class LayerBatch:

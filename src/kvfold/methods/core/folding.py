@@ -19,8 +19,8 @@ import torch
 from kvfold.methods.core.base import CompressionContext, Folder, gather_entries
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.scoring import compute_dtype, pool_gqa, window_attention
-from kvfold.runtime.cache import FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -15,8 +15,9 @@ from transformers import PreTrainedModel
 
 from kvfold.methods.core.base import CompressionContext
 from kvfold.runtime.attention import attention_modules, attention_scalings
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

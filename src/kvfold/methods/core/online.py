@@ -15,7 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.rows import NEG_INF
 
 PROTECTED = float("inf")
 POSITION_STAT = "online.position"

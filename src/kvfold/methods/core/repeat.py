@@ -28,8 +28,9 @@ import torch
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.kvzip_plus import HiddenNorms, weighted_received
 from kvfold.runtime.attention import ACCELERATOR_BLOCK_ELEMENTS
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.prompts import encode, template_parts
 from kvfold.runtime.timing import device_clock
 

@@ -8,8 +8,8 @@ import torch
 
 from kvfold.methods.core.base import CompressionContext, Selector
 from kvfold.methods.core.selection import protected_mask
-from kvfold.runtime.cache import FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -20,7 +20,7 @@ from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import layer_content
 from kvfold.methods.eviction.leverage import PAPER, layer_leverage
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

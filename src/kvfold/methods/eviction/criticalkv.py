@@ -18,8 +18,8 @@ from kvfold.methods.core.scoring import GqaReduce, compute_dtype, gqa_groups, ma
 from kvfold.methods.core.selection import as_counts, topk_keep
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import layer_content
-from kvfold.runtime.cache import FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -17,7 +17,7 @@ from kvfold.methods.core.model import layer_scaling, rope_tables, unrotate
 from kvfold.methods.core.scoring import GqaReduce, compute_dtype, gqa_groups, mask_invalid, pool_gqa
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import captured_window, first_valid, layer_content
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -20,8 +20,8 @@ from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import GqaReduce, causal_probs, compute_dtype, mask_invalid, pool_gqa
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, last_valid, layer_content, online_limits
-from kvfold.runtime.cache import FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

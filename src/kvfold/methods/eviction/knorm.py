@@ -15,7 +15,7 @@ from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import compute_dtype, mask_invalid
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid, layer_content, online_limits
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

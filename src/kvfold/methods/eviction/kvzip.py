@@ -23,8 +23,8 @@ from kvfold.methods.core.repeat import RepeatPrompt, shared_repeat_pass
 from kvfold.methods.core.scoring import pool_tokens
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
-from kvfold.runtime.cache import FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 SCOPES = ("all", "chunk", "auto")

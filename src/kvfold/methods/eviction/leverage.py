@@ -18,7 +18,7 @@ from kvfold.methods.core.model import pre_rope_keys
 from kvfold.methods.core.scoring import zscore
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -11,7 +11,7 @@ from kvfold.methods.core.base import CompressionContext, Selector, Standalone, r
 from kvfold.methods.core.online import RecencyEviction
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 
 @register

@@ -19,7 +19,7 @@ from kvfold.methods.core.scoring import GqaReduce, mask_invalid, pool_gqa, pool_
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import captured_window, layer_content
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -16,7 +16,7 @@ from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.scoring import compute_dtype, gqa_groups, mask_invalid, window_attention
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.eviction.common import captured_window, layer_content, online_limits
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -56,7 +56,7 @@ from kvfold.methods.core.base import CompressionContext, Standalone, register
 from kvfold.methods.core.folding import FoldSite, MergingFolder, compute_dtype, kept_mask, window_scores
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

@@ -27,7 +27,8 @@ from kvfold.methods.merging.keepkv.scores import (
 )
 from kvfold.pipeline.context import greedy_decode
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from tests.conftest import FAMILIES, make_tiny_model
 from tests.runtime.test_attention import _CharTokenizer
 

@@ -14,8 +14,10 @@ from kvfold.methods.compaction.attention_matching.queries import (
 from kvfold.methods.compaction.attention_matching.solve import Compacted, FitConfig, fit_problems
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.spec import SpecError
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.prompts import context_text_ids
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 

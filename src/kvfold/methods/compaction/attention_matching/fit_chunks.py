@@ -38,7 +38,7 @@ from kvfold.methods.compaction.attention_matching.solve import Compacted, FitCon
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.repeat import REPEAT_CHUNK, token_chunks
 from kvfold.methods.core.spec import SpecError
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

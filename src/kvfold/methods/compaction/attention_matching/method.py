@@ -39,7 +39,7 @@ from kvfold.methods.core.head_schedule import HeadSchedule
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.repeat import REPEAT_CHUNK
 from kvfold.methods.core.spec import SpecError
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.quantize import roundtrip_keys
 
 Tensor = torch.Tensor

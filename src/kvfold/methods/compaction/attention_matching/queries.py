@@ -40,8 +40,9 @@ from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.repeat import REPEAT_CHUNK, repeat_pass, shared_repeat_pass
 from kvfold.methods.core.spec import SpecError
-from kvfold.runtime.cache import FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.prompts import context_text_ids, turn_ids
 
 Tensor = torch.Tensor

@@ -21,7 +21,7 @@ from kvfold.methods.core.batched_decode import Buffers, LayerBatch, StepInput, g
 from kvfold.methods.core.online import PROTECTED
 from kvfold.methods.merging.keepkv.merge import zip_merge_pair
 from kvfold.methods.merging.keepkv.scores import ema_fold_group_
-from kvfold.runtime.cache import NEG_INF
+from kvfold.runtime.rows import NEG_INF
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvfold.methods.eviction.h2o import H2OOnline

@@ -12,7 +12,7 @@ import torch
 from kvfold.methods.core.folding import kept_mask
 from kvfold.methods.core.scoring import compute_dtype
 from kvfold.methods.core.selection import priority_order, topk_keep
-from kvfold.runtime.cache import NEG_INF
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 _SIM_CHUNK = 1 << 22

@@ -20,8 +20,8 @@ from kvfold.methods.eviction.h2o import H2O, H2OOnline
 from kvfold.methods.merging.keepkv.merge import best_match, merge_first_keep, merged_weight, zip_merge
 from kvfold.methods.merging.keepkv.online import KeepKVOnline, LayerPolicies
 from kvfold.methods.merging.keepkv.scores import STAT_LOG_SCORE, STAT_WEIGHT, folded_scalings, window_log_scores
-from kvfold.runtime.cache import FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
 
 PAPER = "Tian et al. 2025, KeepKV: Achieving Periodic Lossless KV Cache Compression for Efficient LLM Inference"
 

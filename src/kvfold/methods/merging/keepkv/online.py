@@ -19,7 +19,9 @@ from kvfold.methods.merging.keepkv.scores import (
     step_log_scores,
     window_log_scores,
 )
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 _TALLY_BATCH = 256

@@ -11,7 +11,7 @@ import torch
 from kvfold.methods.core.base import CompressionContext
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.scoring import compute_dtype
-from kvfold.runtime.cache import NEG_INF
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 

@@ -20,7 +20,7 @@ import torch
 
 from kvfold.methods.core.batched_decode import Buffers, LayerBatch, StepInput, gather_slots, move_newest, write_slots
 from kvfold.methods.merging.zsmerge.merge import join_nearest_slot
-from kvfold.runtime.cache import NEG_INF
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 

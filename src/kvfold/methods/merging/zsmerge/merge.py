@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from kvfold.methods.core.scoring import compute_dtype, pool_gqa, pool_tokens, window_attention
 from kvfold.methods.core.selection import topk_keep
-from kvfold.runtime.cache import NEG_INF, FoldedLayer
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 

@@ -24,7 +24,7 @@ from kvfold.methods.merging.zsmerge.merge import (
 )
 from kvfold.methods.merging.zsmerge.online import ZSMergeOnline
 from kvfold.runtime.attention import attention_scalings
-from kvfold.runtime.cache import FoldedLayer
+from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
 

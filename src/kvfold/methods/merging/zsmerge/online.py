@@ -23,8 +23,10 @@ from kvfold.methods.merging.zsmerge.merge import (
     merge_into_slots,
     prefill_scores,
 )
-from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
+from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.rows import NEG_INF
 
 Tensor = torch.Tensor
 STEP_BLOCK = 64
