@@ -15,7 +15,7 @@ from kvfold.pipeline.context import CompressedContext, PrefilledContext
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache, FoldedLayer
 from kvfold.runtime.models import resolve_dtype
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from kvfold.store.format import (
     REDO,
     CacheFileError,

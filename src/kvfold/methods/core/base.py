@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spec
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import NEG_INF, FoldedCache, FoldedLayer
-from kvfold.runtime.quantize import QuantConfig, QuantSpecError
+from kvfold.runtime.quant_config import QuantConfig, QuantSpecError
 from kvfold.runtime.timing import device_clock
 
 # ------------------------------------------------------------------------- context
