@@ -11,7 +11,7 @@ import kvfold
 from kvfold.pipeline.compiled_decode import CompiledDecode
 from kvfold.runtime import quantized_attention
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from kvfold.runtime.rows import FloatRows
 from tests.conftest import CharTokenizer, make_tiny_model
 

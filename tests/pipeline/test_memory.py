@@ -22,7 +22,7 @@ from kvfold.pipeline.memory import (
 )
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from tests.conftest import TINY, CharTokenizer, make_tiny_model
 
 TEXT = "The vault code is 4712. Ships sail at dawn; the harbour keeps its lights on all night. " * 5

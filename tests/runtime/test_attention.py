@@ -245,7 +245,7 @@ def test_a_decode_step_over_stored_rows_reads_nothing_back_to_the_host(kv_format
     synchronisation), and its logits equal the step's on a copy of the same cache read densely."""
     from kvfold.runtime import quantized_attention
     from kvfold.runtime.host_syncs import HostSyncCounter
-    from kvfold.runtime.quantize import QuantConfig
+    from kvfold.runtime.quant_config import QuantConfig
 
     monkeypatch.setattr(quantized_attention, "native_applies", lambda *a: False)  # the GPU's path, here
     model = kvfold.enable(make_tiny_model("llama", num_key_value_heads=3, num_attention_heads=6))

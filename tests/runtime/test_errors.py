@@ -10,7 +10,8 @@ from kvfold.runtime.errors import UserError
 
 USER_ERRORS = [
     ("kvfold.methods.core.spec", "SpecError"),
-    ("kvfold.runtime.quantize", "QuantSpecError"),
+    ("kvfold.runtime.quant_config", "QuantSpecError"),
+    ("kvfold.runtime.quantized_checks", "QuantizedTensorsError"),
     ("kvfold.runtime.models", "ModelLoadError"),
     ("kvfold.store.format", "CacheFileError"),
     ("kvfold.store.format", "CorruptCacheFileError"),

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvfold.runtime import native
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.quantized_attention import _stored_part_native, _stored_part_torch
 
 D, SCALING = 16, 0.25

@@ -23,7 +23,8 @@ from kvfold.runtime.pool_attention import (
     turn,
     turn_table,
 )
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.row_pool import FloatRows, PoolError, chunk_rows, pack_pool
 
 D, KV_HEADS, Q_HEADS, LAYERS, BLOCK = 32, 3, 9, 4, 8

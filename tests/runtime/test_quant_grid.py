@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kvfold.runtime.codes import INT_BITS
 from kvfold.runtime.quant_grid import CLIP_FACTORS, dequantize_minmax, group_params, minmax_params, quantize_minmax
-from kvfold.runtime.quantize import INT_BITS
 
 
 def test_minmax_grid_covers_the_range_in_float16():

@@ -1,5 +1,5 @@
-"""Quantized storage (kvfold.runtime.quantize) and quantized folded layers: packing, error bounds
-against float64, β untouched, bytes in closed form, attention over quantized layers, batch edits."""
+"""Quantized storage (kvfold.runtime.quantize) and quantized folded layers: error bounds against
+float64, β untouched, bytes in closed form, attention over quantized layers, batch edits."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ import torch
 
 import kvfold
 from kvfold.runtime.cache import FoldedCache
-from kvfold.runtime.quantize import (
-    FP8_MAX,
-    INT_BITS,
-    QuantConfig,
-    QuantizedRows,
-    QuantSpecError,
-    pack_codes,
-    unpack_codes,
-)
+from kvfold.runtime.codes import INT_BITS
+from kvfold.runtime.quant_config import QuantConfig, QuantSpecError
+from kvfold.runtime.quantize import FP8_MAX, QuantizedRows
 from tests.conftest import CharTokenizer, make_tiny_model
 
 R, N, D = 5, 70, 16
@@ -38,24 +32,6 @@ def _rows(seed: int = 0, outlier_channel: bool = True) -> tuple[torch.Tensor, to
 
 def _valid(lengths: torch.Tensor, width: int) -> torch.Tensor:
     return torch.arange(width)[None, :] < lengths[:, None]
-
-
-@pytest.mark.parametrize("bits", INT_BITS)
-def test_packing_round_trips_every_code_exactly(bits):
-    codes = torch.randint(0, 1 << bits, (7, 3, 64), dtype=torch.uint8)
-    packed = pack_codes(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.shape == (7, 3, 64 * bits // 8)
-    assert torch.equal(unpack_codes(packed, bits), codes)
-    # every code has its own bits: changing one code changes exactly its own unpacked value
-    codes[0, 0, 5] = (int(codes[0, 0, 5]) + 1) % (1 << bits)
-    assert torch.equal(unpack_codes(pack_codes(codes, bits), bits), codes)
-
-
-def test_packing_is_dense_by_planes_and_little_endian():
-    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]], dtype=torch.uint8)
-    assert pack_codes(codes, 4).tolist() == [[0x51, 0x62, 0x73, 0x04]]  # by planes: code j and code j + 4
-    word = sum(c << (3 * i) for i, c in enumerate(codes[0].tolist()))
-    assert pack_codes(codes, 3).tolist() == [[word & 0xFF, (word >> 8) & 0xFF, word >> 16]]
 
 
 @pytest.mark.parametrize("bits", INT_BITS)
@@ -194,17 +170,6 @@ def test_a_quantized_layer_holds_the_closed_form_bytes(lengths, fmt):
     assert cache.memory_ratio() == pytest.approx(expected / (2 * 2 * n * D * 2 * 2))
 
 
-def test_config_parsing_and_errors():
-    assert QuantConfig.parse("4") == QuantConfig(format="int4")
-    assert QuantConfig.parse(2) == QuantConfig(format="int2")
-    assert QuantConfig.parse("int4[key_group=64,outliers=2]") == QuantConfig("int4", key_group=64, outliers=2)
-    assert QuantConfig.parse("int4[key_group=64]").describe() == "int4[key_group=64]"
-    assert QuantConfig.parse("16") is None and QuantConfig.parse(None) is None
-    for bad in ("int5", "fp4", "int4[group=3]", "int4[key_group=x]", "int4[key_group=0]"):
-        with pytest.raises(QuantSpecError):
-            QuantConfig.parse(bad)
-
-
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_searched_ranges_give_keys_and_values_back_closer_than_min_max(bits):
     """``clip=1``: every group's squared error is at most min–max's (1.0 is among the factors), and
@@ -254,14 +219,6 @@ def test_wide_layers_of_short_rows_are_stored_wider_or_in_the_models_dtype():
         with pytest.raises(QuantSpecError):
             QuantConfig.parse(bad)
     assert QuantConfig.parse("int3[wide=16]").describe() == "int3[wide=16]"
-
-
-def test_clip_is_a_format_option_that_reads_back():
-    assert QuantConfig.parse("int3[clip=1]") == QuantConfig("int3", clip=1)
-    assert QuantConfig.parse("int3[clip=1]").describe() == "int3[clip=1]"
-    for bad in ("int3[clip=2]", "fp8[clip=1]"):
-        with pytest.raises(QuantSpecError):
-            QuantConfig.parse(bad)
 
 
 # ---------------------------------------------------------------- quantized layers in a model

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvfold.runtime import native
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.quantized_attention import attend_stored, attend_stored_torch, native_applies
 
 D = 32

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.quantized_attention import attend_stored
 from kvfold.runtime.row_pool import (
     FLAG_BETA,

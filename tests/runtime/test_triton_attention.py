@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvfold.runtime import quantized_attention, triton_attention
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.rows import FloatRows
 
 pytestmark = pytest.mark.skipif(not triton_attention.available(), reason="Triton is not installed")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows, QuantSpecError
+from kvfold.runtime.quant_config import QuantConfig, QuantSpecError
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.value_rotation import rotate, rotate_back, rotation_signs, value_rotation
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvfold.runtime.folded_layer import FoldedLayer
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from kvfold.store.layer_tensors import layer_from_tensors, layer_tensors
 
 B, H, N, D = 2, 3, 24, 8

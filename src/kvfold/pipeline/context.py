@@ -40,7 +40,7 @@ from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.prompts import PromptParts, build_prompt, encode  # noqa: F401 - PromptParts: re-exported
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from kvfold.runtime.timing import device_clock
 
 DEFAULT_SNAPSHOT_WINDOW = 64

@@ -2,7 +2,7 @@
 
 A memory budget ``m`` says the compressed cache may hold ``m`` times the bytes of the full cache
 in 16 bits (the dtype a GPU user holds), whatever dtype the model computes in. The bytes an entry
-holds depend on its storage (:meth:`kvfold.runtime.quantize.QuantConfig.entry_bytes`: codes,
+holds depend on its storage (:meth:`kvfold.runtime.quant_config.QuantConfig.entry_bytes`: codes,
 scales, zero points and β), so the same ``m`` keeps about three times the tokens at 4 bits as at
 16. :func:`plan_memory` chooses the precision (unless the method's spec names one, ``@int4`` or
 ``@16``) by :data:`MEMORY_RULE` and the number of tokens that fits; the compression is then
@@ -28,7 +28,7 @@ from kvfold.methods.core.base import ComposedMethod, Standalone
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig
+from kvfold.runtime.quant_config import SIXTEEN_BIT, QuantConfig
 
 SMALLEST_FOUR_BIT_MEMORY = 2**-5.5
 """Below this memory (about 1/45 of the 16-bit cache, halfway between 1/32 and 1/64 on a log axis)

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.folded_layer import FoldedLayer
-from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig
+from kvfold.runtime.quant_config import SIXTEEN_BIT, QuantConfig
 
 
 class FoldedCache(Cache):

@@ -42,7 +42,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.quantize import SIXTEEN_BIT, QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import SIXTEEN_BIT, QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.rows import NEG_INF, FloatRows, compact_rows, grow_capacity, ragged_saves_memory
 
 

@@ -5,9 +5,10 @@ Cache*, §3): asymmetric min–max integers, **keys per channel** over groups of
 consecutive entries of a row (outlier channels then widen only their own channel's range) and
 **values per entry** over groups of ``value_group`` channels (a merged or fitted value with a wide
 range coarsens no other entry). Codes of 8, 4, 3 and 2 bits are packed into bytes (eight codes in
-``bits`` bytes), scales and zero points are float16, so the memory is really freed and counted.
-The ``fp8`` format stores e4m3 numbers (as engines ship their fp8 caches) with one float32 scale per
-row for keys and one for values.
+``bits`` bytes, :mod:`kvfold.runtime.codes`), scales and zero points are float16, so the memory is
+really freed and counted. The ``fp8`` format stores e4m3 numbers (as engines ship their fp8 caches)
+with one float32 scale per row for keys and one for values. The format and its options are a
+:class:`~kvfold.runtime.quant_config.QuantConfig`.
 
 β (the log-mass) stays in float32, unquantized. A few entries per row with outlying keys (the
 attention sinks) can be kept in full precision (``outliers``): they are left out of their group's
@@ -16,225 +17,29 @@ range and stored apart, and counted.
 Rows (batch × KV head) may hold different numbers of entries: the storage is ragged (entries of
 all rows one after the other), so per-head budgets keep their memory saving. Nothing here holds a
 dequantized copy: :meth:`QuantizedRows.to_padded` builds one layer's keys and values when the
-attention reads them, and drops them after.
+attention reads them, and drops them after. Rows read back from a cache file are checked first
+(:mod:`kvfold.runtime.quantized_checks`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from kvfold.runtime.errors import UserError
+from kvfold.runtime.codes import pack_codes, unpack_codes
 from kvfold.runtime.pages import PAGE_SIZE, RowPages, pages_of, slots_of_entries
+from kvfold.runtime.quant_config import SIXTEEN_BIT, QuantConfig, QuantSpecError
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
+from kvfold.runtime.quantized_checks import check_quantized_tensors
 from kvfold.runtime.value_rotation import rotate, rotate_back
 
 NEG_INF = float("-inf")
-INT_BITS = (8, 4, 3, 2)
-"""Widths of the integer formats."""
 FP8_MAX = 448.0
 """Largest finite e4m3 number (``torch.finfo(torch.float8_e4m3fn).max``)."""
-SIXTEEN_BIT = 2
-"""Bytes of an unquantized element as a GPU user holds it (bf16 / fp16)."""
-
-
-class QuantSpecError(UserError):
-    """A quantization format or option that does not exist."""
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    """How a folded cache's entries are stored.
-
-    Attributes:
-        format: ``int8``, ``int4``, ``int3``, ``int2`` or ``fp8``.
-        key_group: entries of a row per key group (each channel of a group shares a scale and a zero
-            point; KIVI's group size, 32).
-        value_group: channels per value group of an entry (0: the whole head, one scale and zero
-            point per entry).
-        outliers: entries per row kept in full precision: those whose key lies farthest outside its
-            row's per-channel range (the attention sinks and the first tokens, whose keys widen a
-            group's range for every entry in it).
-        clip: 1 to search each group's range (a key channel over its group of entries, a value
-            group of an entry) for the one that gives the group back with the least squared error:
-            its min–max range shrunk toward its middle by a factor of
-            :data:`~kvfold.runtime.quant_grid.CLIP_FACTORS`, the values outside clamped to the end
-            codes (the clipping search of weight quantizers, e.g. AWQ, Lin et al. 2024 §3.2); 0:
-            min–max. The stored tensors are the same either way.
-        wide: 8 or 16 (the model's dtype, unquantized): the storage of a layer whose rows hold on
-            average at most one key group (``key_group`` entries), see :meth:`layer_format`; 0:
-            every layer in ``format``.
-        rotate: 1 to store every value rotated by a fixed randomized Hadamard matrix
-            (:mod:`kvfold.runtime.value_rotation`): its size spread evenly over its channels before
-            the codes; attention rotates the stored part's weighted values back. The value dimension
-            must be a power of two. 0: values coded as they are.
-    """
-
-    format: str = "int4"
-    key_group: int = 32
-    value_group: int = 0
-    outliers: int = 0
-    clip: int = 0
-    wide: int = 0
-    rotate: int = 0
-
-    FORMATS: ClassVar[tuple[str, ...]] = ("int8", "int4", "int3", "int2", "fp8")
-
-    def __post_init__(self) -> None:
-        if self.format not in self.FORMATS:
-            raise QuantSpecError(f"unknown KV format {self.format!r}; use one of {', '.join(self.FORMATS)}")
-        if self.key_group < 1 or self.value_group < 0 or self.outliers < 0:
-            raise QuantSpecError("key_group must be ≥ 1, value_group and outliers ≥ 0")
-        if self.clip not in (0, 1):
-            raise QuantSpecError(f"clip is 0 (min–max ranges) or 1 (searched ranges); got {self.clip}")
-        if self.rotate not in (0, 1):
-            raise QuantSpecError(f"rotate is 0 (values coded as they are) or 1 (rotated first); got {self.rotate}")
-        if self.clip and self.is_float:
-            raise QuantSpecError("clip applies to the integer formats: fp8 has no ranges to search")
-        if self.wide not in (0, 8, 16) or (self.wide and (self.is_float or self.wide <= self.bits)):
-            raise QuantSpecError(
-                f"wide is 8 or 16 bits, wider than an integer format's own; got wide={self.wide} for {self.format}"
-            )
-
-    @property
-    def bits(self) -> int:
-        """Bits per stored element (8 for fp8)."""
-        return 8 if self.format == "fp8" else int(self.format[3:])
-
-    @property
-    def is_float(self) -> bool:
-        return self.format == "fp8"
-
-    @classmethod
-    def parse(cls, text: str | int | None) -> QuantConfig | None:
-        """``"int4"``, ``"4"``, ``4``, ``"fp8"``, ``"int4[key_group=64,outliers=2]"``; ``"16"``/``"none"``
-        /None mean no quantization.
-
-        Raises:
-            QuantSpecError: an unknown format or option, naming what is valid.
-        """
-        if text is None:
-            return None
-        text = str(text).strip().lower()
-        options: dict[str, int] = {}
-        if "[" in text:
-            if not text.endswith("]"):
-                raise QuantSpecError(f"{text!r}: options go in brackets at the end, e.g. int4[key_group=32]")
-            text, body = text[:-1].split("[", 1)
-            names = {f.name for f in fields(cls)} - {"format"}
-            for item in filter(None, (p.strip() for p in body.split(","))):
-                key, sep, value = item.partition("=")
-                if not sep or key.strip() not in names:
-                    raise QuantSpecError(f"{item!r}: KV format options are {', '.join(sorted(names))} (key=value)")
-                try:
-                    options[key.strip()] = int(value)
-                except ValueError:
-                    raise QuantSpecError(f"{item!r}: {key.strip()} takes a whole number") from None
-        if text in ("16", "32", "none", "full", "bf16", "fp16", "fp32"):
-            if options:
-                raise QuantSpecError(f"{text!r} is unquantized and takes no options")
-            return None
-        if text.isdigit():
-            text = f"int{text}"
-        return cls(format=text, **options)
-
-    def describe(self) -> str:
-        """The canonical text (``int4``, ``int4[key_group=64]``) that :meth:`parse` reads back."""
-        defaults = QuantConfig(format=self.format)
-        names = [f.name for f in fields(self) if f.name != "format"]
-        extra = [f"{n}={getattr(self, n)}" for n in names if getattr(self, n) != getattr(defaults, n)]
-        return self.format + (f"[{','.join(extra)}]" if extra else "")
-
-    def layer_format(self, lengths: torch.Tensor) -> QuantConfig | None:
-        """The storage of one layer whose rows hold ``lengths`` entries: this format, or with ``wide``
-        and rows of on average at most one key group, ``wide`` bits (None for 16: the model's dtype).
-
-        A row that short pays a whole key group's scales and zero points (``4·D`` bytes) for its few
-        entries, and each of its entries carries a large share of its layer's attention, so its codes'
-        rounding moves the layer's output most; a wider storage costs few bytes there. Under KVzip's
-        global ranking at the smallest budgets most layers keep a handful of entries a row while a few
-        keep hundreds (docs/memory.md, "Layers that keep few entries").
-        """
-        plain = replace(self, wide=0)
-        if not self.wide or float(lengths.float().mean()) > self.key_group:
-            return plain
-        return None if self.wide == 16 else replace(plain, format=f"int{self.wide}")
-
-    def entry_bytes(self, head_dim: int, value_dim: int | None = None, log_mass: bool = True) -> float:
-        """Bytes one entry of one row holds, on average (codes, scales, zero points, β): the
-        closed form :meth:`QuantizedRows.nbytes` adds up (its groups rounded up per row)."""
-        value_dim = head_dim if value_dim is None else value_dim
-        codes = (head_dim + value_dim) * self.bits / 8
-        if self.is_float:
-            scales = 0.0
-        else:
-            groups = math.ceil(value_dim / (self.value_group or value_dim))
-            scales = 2 * SIXTEEN_BIT * (head_dim / self.key_group + groups)
-        return codes + scales + (4 if log_mass else 0)
-
-
-# ------------------------------------------------------------------------------- packing
-def pack_codes(codes: Tensor, bits: int) -> Tensor:
-    """Pack integer codes ``(..., n)`` (each < 2**bits, n a multiple of 8) into ``(..., n·bits/8)`` bytes.
-
-    4 and 2 bits are packed by planes: byte ``j`` holds codes ``j``, ``j + n/p``, … (``p = 8/bits``
-    codes a byte), code ``k·n/p + j`` at bit ``k·bits``, so each plane unpacks as one contiguous
-    block (:func:`code_planes`). 3 bits: eight codes in three bytes, code ``i`` at bit ``3i``.
-    """
-    if bits not in INT_BITS:
-        raise ValueError(f"bits must be one of {INT_BITS}")
-    codes = codes.to(torch.uint8)
-    if bits == 8:
-        return codes.contiguous()
-    *lead, n = codes.shape
-    if n % 8:
-        raise ValueError(f"pack_codes needs a multiple of 8 codes per row; got {n}")
-    if 8 % bits == 0:
-        per = 8 // bits
-        planes = codes.reshape(*lead, per, n // per)
-        out = planes[..., 0, :].clone()
-        for i in range(1, per):
-            out |= planes[..., i, :] << (i * bits)
-        return out
-    grouped = codes.reshape(*lead, n // 8, 8).to(torch.int32)
-    word = grouped[..., 0].clone()
-    for i in range(1, 8):
-        word |= grouped[..., i] << (i * bits)
-    shifts = torch.arange(0, 8 * bits, 8, device=codes.device, dtype=torch.int32)
-    return ((word[..., None] >> shifts) & 0xFF).to(torch.uint8).reshape(*lead, n // 8 * bits)
-
-
-def unpack_codes(packed: Tensor, bits: int) -> Tensor:
-    """Inverse of :func:`pack_codes`: ``(..., n·bits/8)`` bytes to ``(..., n)`` uint8 codes."""
-    if bits == 8:
-        return packed
-    *lead, m = packed.shape
-    mask = (1 << bits) - 1
-    if 8 % bits == 0:
-        return torch.cat(code_planes(packed, bits), -1)
-    grouped = packed.reshape(*lead, m // bits, bits).to(torch.int32)
-    word = grouped[..., 0].clone()
-    for j in range(1, bits):
-        word |= grouped[..., j] << (8 * j)
-    shifts = torch.arange(0, 8 * bits, bits, device=packed.device, dtype=torch.int32)
-    return ((word[..., None] >> shifts) & mask).to(torch.uint8).reshape(*lead, m // bits * 8)
-
-
-def code_planes(packed: Tensor, bits: int) -> list[Tensor]:
-    """The code planes of bytes packed by :func:`pack_codes` (4 or 2 bits): ``8/bits`` uint8 tensors
-    ``(..., m)``, plane ``k`` holding codes ``k·m … (k+1)·m − 1`` of each row (8 and 3 bits: one
-    plane, every code)."""
-    if bits == 8:
-        return [packed]
-    if 8 % bits:
-        return [unpack_codes(packed, bits)]
-    mask = (1 << bits) - 1
-    return [(packed >> (k * bits)) & mask if k else packed & mask for k in range(8 // bits)]
 
 
 # -------------------------------------------------------------------------- ragged rows
@@ -529,149 +334,6 @@ class QuantizedRows:
             value_dim=value_dim,
             dtype=dtype,
         )
-
-
-# ------------------------------------------------------------------------------ checks
-class QuantizedTensorsError(UserError):
-    """Tensors of quantized rows that contradict their format or each other (a damaged or crafted
-    cache file). ``tensor`` names the one at fault (``key_scale``), ``problem`` says what is wrong."""
-
-    def __init__(self, tensor: str, problem: str) -> None:
-        super().__init__(f"{tensor}: {problem}")
-        self.tensor = tensor
-        self.problem = problem
-
-
-def _shape_text(shape: tuple[int, ...] | torch.Size) -> str:
-    return "(" + ", ".join(str(int(n)) for n in shape) + ")"
-
-
-def check_tensor(
-    name: str, tensor: Tensor, shape: tuple[int, ...], dtype: torch.dtype, error: type[Exception] | None = None
-) -> None:
-    """Refuse ``tensor`` unless it has exactly ``dtype`` and ``shape`` (read from its metadata only).
-
-    Raises:
-        QuantizedTensorsError: (or ``error(name, problem)``) naming the tensor and what was expected.
-    """
-    make = error or QuantizedTensorsError
-    if tensor.dtype != dtype:
-        raise make(
-            name, f"dtype {str(tensor.dtype).replace('torch.', '')}, expected {str(dtype).replace('torch.', '')}"
-        )
-    if tuple(tensor.shape) != tuple(shape):
-        raise make(name, f"shape {_shape_text(tensor.shape)}, expected {_shape_text(shape)}")
-
-
-def _check_finite(name: str, tensor: Tensor, positive: bool = False) -> None:
-    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
-        raise QuantizedTensorsError(name, "holds NaN or infinite numbers")
-    if positive and tensor.numel() and not bool((tensor > 0).all()):
-        raise QuantizedTensorsError(name, "holds scales that are not positive")
-
-
-def _row_lengths(tensors: dict[str, Tensor], rows: int | None) -> list[int]:
-    """The checked row lengths (int64, ``(rows,)``, each in ``[0, stored codes]``) as Python ints."""
-    lengths = tensors["lengths"]
-    if lengths.dtype != torch.int64 or lengths.dim() != 1 or (rows is not None and lengths.shape[0] != rows):
-        expected = "(rows,)" if rows is None else f"({rows},)"
-        raise QuantizedTensorsError(
-            "lengths", f"dtype {str(lengths.dtype).replace('torch.', '')} shape {_shape_text(lengths.shape)}, "
-            f"expected int64 {expected}"
-        )  # fmt: skip
-    if tensors["key_codes"].dim() != 2:
-        raise QuantizedTensorsError("key_codes", f"{tensors['key_codes'].dim()} dimensions, expected 2")
-    stored = tensors["key_codes"].shape[0]
-    if lengths.numel() and (bool((lengths < 0).any()) or bool((lengths > stored).any())):
-        raise QuantizedTensorsError("lengths", f"a row length is negative or past the {stored} stored entries")
-    return [int(n) for n in lengths.tolist()]
-
-
-def check_quantized_tensors(
-    tensors: dict[str, Tensor],
-    config: QuantConfig,
-    head_dim: int,
-    value_dim: int,
-    dtype: torch.dtype,
-    rows: int | None = None,
-) -> None:
-    """Refuse quantized rows whose tensors (:meth:`QuantizedRows.tensors`) do not fit ``config``,
-    the dimensions, ``dtype`` (of the full-precision outliers) and each other, before anything reads
-    them: names, dtypes, shapes (codes ``ceil(D·bits/8)`` bytes an entry as :func:`pack_codes` packs
-    them; one key scale and zero point a group of ``key_group`` entries of a row; value scales a
-    value group), row lengths (``rows`` of them when given, non-negative, adding up to the stored
-    entries), finite positive scales, finite zero points and β, outlier indices in range, increasing
-    and at most ``outliers`` a row. Shapes are checked before values, so a lie about a size is
-    refused before any read.
-
-    Raises:
-        QuantizedTensorsError: naming the first tensor at fault.
-    """
-    zeros = () if config.is_float else ("key_zero", "value_zero")
-    needed = {"lengths", "key_codes", "value_codes", "key_scale", "value_scale", "outlier_index", "outlier_keys"}
-    needed |= {"outlier_values", *zeros}
-    for name in sorted(needed - set(tensors)):
-        raise QuantizedTensorsError(name, "missing")
-    for name in sorted(set(tensors) - needed - {"log_mass"}):
-        raise QuantizedTensorsError(name, f"not a tensor of {config.format} rows")
-    if not config.is_float:
-        for what, d in (("head", head_dim), ("value", value_dim)):
-            if d % 8:
-                raise QuantizedTensorsError("key_codes", f"the {what} dimension {d} is not a multiple of 8")
-        if value_dim % (config.value_group or value_dim):
-            raise QuantizedTensorsError("value_scale", f"value_group {config.value_group} does not divide {value_dim}")
-    lengths = _row_lengths(tensors, rows)
-    entries, count = sum(lengths), len(lengths)
-    u8 = torch.uint8
-    stored = tensors["key_codes"].shape[0]
-    if entries != stored:
-        raise QuantizedTensorsError(
-            "key_codes", f"{stored} entries, but the row lengths (q.lengths) add up to {entries}"
-        )
-    check_tensor("key_codes", tensors["key_codes"], (entries, -(-head_dim * config.bits // 8)), u8)
-    check_tensor("value_codes", tensors["value_codes"], (entries, -(-value_dim * config.bits // 8)), u8)
-    if config.is_float:
-        scales = {"key_scale": (count, 1), "value_scale": (count, 1)}
-        scale_dtype = torch.float32
-    else:
-        groups = sum(-(-n // config.key_group) for n in lengths)
-        per_entry = value_dim // (config.value_group or value_dim)
-        scales = {"key_scale": (groups, head_dim), "key_zero": (groups, head_dim)}
-        scales |= {"value_scale": (entries, per_entry), "value_zero": (entries, per_entry)}
-        scale_dtype = torch.float16
-    for name, shape in scales.items():
-        check_tensor(name, tensors[name], shape, scale_dtype)
-    if "log_mass" in tensors:
-        check_tensor("log_mass", tensors["log_mass"], (entries,), torch.float32)
-    _check_outliers(tensors, config, entries, count, head_dim, value_dim, dtype)
-    for name in scales:
-        _check_finite(name, tensors[name], positive=name.endswith("scale"))
-    if "log_mass" in tensors:
-        _check_finite("log_mass", tensors["log_mass"])
-
-
-def _check_outliers(
-    tensors: dict[str, Tensor], config: QuantConfig, entries: int, rows: int, head_dim: int, value_dim: int,
-    dtype: torch.dtype,
-) -> None:  # fmt: skip
-    """The full-precision entries: indices in ``[0, entries)``, increasing, at most ``outliers`` a row;
-    their keys and values of ``dtype``, finite."""
-    index = tensors["outlier_index"]
-    if index.dtype != torch.int64 or index.dim() != 1 or index.shape[0] > config.outliers * rows:
-        raise QuantizedTensorsError(
-            "outlier_index", f"dtype {str(index.dtype).replace('torch.', '')} shape {_shape_text(index.shape)}, "
-            f"expected int64 (at most {config.outliers * rows},)"
-        )  # fmt: skip
-    count = int(index.shape[0])
-    check_tensor("outlier_keys", tensors["outlier_keys"], (count, head_dim), dtype)
-    check_tensor("outlier_values", tensors["outlier_values"], (count, value_dim), dtype)
-    if count:
-        if bool((index < 0).any()) or bool((index >= entries).any()):
-            raise QuantizedTensorsError("outlier_index", f"an index is outside the {entries} stored entries")
-        if count > 1 and not bool((index[1:] > index[:-1]).all()):
-            raise QuantizedTensorsError("outlier_index", "indices are not increasing (repeated or out of order)")
-        for name in ("outlier_keys", "outlier_values"):
-            _check_finite(name, tensors[name])
 
 
 def entry_ranges(first: Tensor, counts: Tensor) -> Tensor:

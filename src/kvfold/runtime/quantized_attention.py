@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from kvfold.runtime.codes import code_planes
 from kvfold.runtime.native import ERRORS, attend_codes_kernel
 from kvfold.runtime.pages import empty_part, gather_pages, page_logits, page_softmax, sum_pages
-from kvfold.runtime.quantize import QuantizedRows, code_planes
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.rows import FloatRows, float_part
 from kvfold.runtime.triton_attention import stored_part_triton, triton_applies
 from kvfold.runtime.value_rotation import rotate_back

@@ -40,7 +40,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.quantized_attention import merge_with_tail, stored_part
 from kvfold.runtime.rows import FloatRows
 

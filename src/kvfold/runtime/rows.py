@@ -33,7 +33,8 @@ from kvfold.runtime.pages import (
     pages_of,
     sum_pages,
 )
-from kvfold.runtime.quantize import SIXTEEN_BIT, entry_ranges
+from kvfold.runtime.quant_config import SIXTEEN_BIT
+from kvfold.runtime.quantize import entry_ranges
 
 ROW_ROUNDING = 16
 """Entries a row is rounded up to when :func:`ragged_saves_memory` weighs ragged rows against padding."""

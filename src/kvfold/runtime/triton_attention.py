@@ -5,7 +5,7 @@ maximum logit, and relative to it its weights' sum and weighted values; merged w
 log-sum-exp afterwards), fused: one program a row (batch × KV head) and block of its queries walks the
 row's pages (:mod:`kvfold.runtime.pages`: one key group a page for integer codes, 32 entries for rows at
 full precision), reads each page's codes where they lie, unpacks them (8 bits; 4 and 2 bits by planes;
-3 bits, eight codes in three bytes: :func:`kvfold.runtime.quantize.pack_codes`), applies the page's key
+3 bits, eight codes in three bytes: :func:`kvfold.runtime.codes.pack_codes`), applies the page's key
 scales and zero points and each entry's value scale and zero point, adds β, and keeps one running
 softmax over the pages (online softmax, Milakov & Gimelshein 2018; the order of FlashAttention, Dao et
 al. 2022 §3.1). Nothing is dequantized into memory and nothing is read back to the host.

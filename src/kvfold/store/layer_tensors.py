@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from kvfold.runtime.folded_layer import FoldedLayer
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.rows import FloatRows
 
 

@@ -16,7 +16,7 @@ from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.models import resolve_dtype
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from kvfold.store.format import (
     REDO,
     CacheFileError,

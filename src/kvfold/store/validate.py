@@ -32,7 +32,8 @@ from torch import Tensor
 
 from kvfold.methods import build_method
 from kvfold.runtime.budget import Budget
-from kvfold.runtime.quantize import QuantConfig, QuantizedTensorsError, check_quantized_tensors, check_tensor
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantized_checks import QuantizedTensorsError, check_quantized_tensors, check_tensor
 from kvfold.store.format import InvalidCacheFileError, one_line
 
 __all__ = ["Expected", "validate_header", "validate_layer", "validate_tensors"]

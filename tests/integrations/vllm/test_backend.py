@@ -17,7 +17,8 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAtte
 from kvfold.integrations.vllm import backend
 from kvfold.runtime import native, pool_attention
 from kvfold.runtime.pool_attention import EngineCaches, StepRequest, attend_request_per_chunk, pooled_file
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.row_pool import pack_pool
 
 D, KV_HEADS, Q_HEADS, LAYERS, BLOCK, NUM_BLOCKS = 64, 3, 9, 2, 32, 40

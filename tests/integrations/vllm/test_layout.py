@@ -29,7 +29,7 @@ from kvfold.integrations.vllm.pool_layout import chunk_bytes, pool_rows, served_
 from kvfold.integrations.vllm.settings import BLOCK_SIZE
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.prompts import build_prompt, encode
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from tests.integrations.vllm.conftest import MEMORY, METHODS
 
 

@@ -21,7 +21,7 @@ from kvfold.methods.core.spec import Component, ParsedSpec, SpecError, parse_spe
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.folded_layer import FoldedLayer
-from kvfold.runtime.quantize import QuantConfig, QuantSpecError
+from kvfold.runtime.quant_config import QuantConfig, QuantSpecError
 from kvfold.runtime.rows import NEG_INF
 from kvfold.runtime.timing import device_clock
 

@@ -13,7 +13,7 @@ import kvfold
 from kvfold.methods import build_method
 from kvfold.methods.compaction.attention_matching.method import AMFit
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64

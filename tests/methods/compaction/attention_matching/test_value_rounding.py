@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvfold.methods.compaction.attention_matching.value_rounding import feedback_round, round_entries
-from kvfold.runtime.quantize import QuantConfig, QuantizedRows
+from kvfold.runtime.quant_config import QuantConfig
+from kvfold.runtime.quantize import QuantizedRows
 
 INT3 = QuantConfig(format="int3")
 

@@ -560,7 +560,7 @@ class AMFit(Folder):
 
     def fit_config(self, ctx: CompressionContext | None = None, lengths: Tensor | None = None) -> FitConfig:
         """The fit's settings; with ``value_feedback`` and a layer stored in integer codes (``ctx.quant``,
-        as :meth:`~kvfold.runtime.quantize.QuantConfig.layer_format` gives it for rows of ``lengths``
+        as :meth:`~kvfold.runtime.quant_config.QuantConfig.layer_format` gives it for rows of ``lengths``
         entries), the values are rounded to that storage's grid by the fit."""
         config = FitConfig(
             keys="highest",

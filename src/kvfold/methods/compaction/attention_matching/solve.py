@@ -60,7 +60,7 @@ from kvfold.methods.compaction.attention_matching.value_rounding import feedback
 from kvfold.methods.compaction.linalg import lstsq_ridge, nnls
 from kvfold.methods.compaction.omp import gather_columns, omp_select
 from kvfold.runtime.attention import FLASH_WITH_LSE
-from kvfold.runtime.quantize import QuantConfig
+from kvfold.runtime.quant_config import QuantConfig
 
 Tensor = torch.Tensor
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from kvfold.runtime.quant_config import QuantConfig
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
-from kvfold.runtime.quantize import QuantConfig
 from kvfold.runtime.value_rotation import rotate, rotate_back
 
 Tensor = torch.Tensor
