@@ -7,7 +7,6 @@ from kvfold.methods import builtin  # noqa: F401 - registers the built-in method
 from kvfold.methods.core.base import (
     REGISTRY,
     ComposedMethod,
-    CompressionContext,
     Folder,
     Method,
     Selector,
@@ -17,6 +16,7 @@ from kvfold.methods.core.base import (
     build_method,
     register,
 )
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.spec import SpecError, parse_spec, split_specs
 from kvfold.runtime.defaults import RECOMMENDED  # written there: the command line reads it without torch
 

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method
+from kvfold.methods.core.base import ComposedMethod, build_method
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.pipeline.context import DEFAULT_SNAPSHOT_WINDOW, CompressedContext, PrefilledContext, check_length
 from kvfold.pipeline.recompact import recompacts_by_repeat_pass, streaming_step
 from kvfold.runtime.budget import Budget

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvfold.methods.core.base import ComposedMethod, CompressionContext, build_method, with_format
+from kvfold.methods.core.base import ComposedMethod, build_method, with_format
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.repeat import PLANNED_RECORDS, UNPLANNED
 from kvfold.pipeline.memory import (
     MAX_RETRIES,

@@ -43,7 +43,8 @@ from typing import ClassVar
 import torch
 
 from kvfold.methods.compaction.linalg import max_shifted_exp, ridge_dual, ridge_dual_cg
-from kvfold.methods.core.base import CompressionContext, register
+from kvfold.methods.core.base import register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.folding import FoldSite, MergingFolder, fresh_window_queries
 from kvfold.methods.core.model import layer_scaling, prefill_again
 from kvfold.methods.core.scoring import window_attention

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Folder, gather_entries
+from kvfold.methods.core.base import Folder, gather_entries
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.scoring import compute_dtype, pool_gqa, window_attention
 from kvfold.runtime.errors import UserError

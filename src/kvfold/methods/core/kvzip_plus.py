@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import attention_module, o_proj_weight
 
 Tensor = torch.Tensor

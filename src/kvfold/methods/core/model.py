@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.runtime.attention import attention_modules, attention_scalings
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.kvzip_plus import HiddenNorms, weighted_received
 from kvfold.runtime.attention import ACCELERATOR_BLOCK_ELEMENTS
 from kvfold.runtime.cache import FoldedCache

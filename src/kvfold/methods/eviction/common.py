@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector
+from kvfold.methods.core.base import Selector
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.selection import protected_mask
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.folded_layer import FoldedLayer

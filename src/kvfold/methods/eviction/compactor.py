@@ -13,7 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import observe_prefill
 from kvfold.methods.core.scoring import compute_dtype, gqa_groups, mask_invalid, pool_tokens, zscore
 from kvfold.methods.core.selection import protected_mask

@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Wrapper, register
+from kvfold.methods.core.base import Wrapper, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import o_proj_weight
 from kvfold.methods.core.scoring import GqaReduce, compute_dtype, gqa_groups, mask_invalid, pool_gqa
 from kvfold.methods.core.selection import as_counts, topk_keep

@@ -12,7 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import layer_scaling, rope_tables, unrotate
 from kvfold.methods.core.scoring import GqaReduce, compute_dtype, gqa_groups, mask_invalid, pool_gqa
 from kvfold.methods.core.spec import SpecError

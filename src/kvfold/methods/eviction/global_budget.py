@@ -13,8 +13,9 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import ComposedMethod, CompressionContext, Wrapper, register
+from kvfold.methods.core.base import ComposedMethod, Wrapper, register
 from kvfold.methods.core.budgets import global_head_budgets
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.scoring import zscore
 from kvfold.methods.core.spec import SpecError
 

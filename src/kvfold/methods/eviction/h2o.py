@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import observe_prefill
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import GqaReduce, causal_probs, compute_dtype, mask_invalid, pool_gqa

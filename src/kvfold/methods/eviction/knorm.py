@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.online import PROTECTED, OnlineEviction
 from kvfold.methods.core.scoring import compute_dtype, mask_invalid
 from kvfold.methods.core.spec import SpecError

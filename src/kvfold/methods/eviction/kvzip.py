@@ -16,8 +16,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
 from kvfold.methods.core.budgets import global_head_budgets
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.head_schedule import HeadSchedule
 from kvfold.methods.core.repeat import RepeatPrompt, shared_repeat_pass
 from kvfold.methods.core.scoring import pool_tokens

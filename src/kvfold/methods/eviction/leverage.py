@@ -13,7 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import pre_rope_keys
 from kvfold.methods.core.scoring import zscore
 from kvfold.methods.core.spec import SpecError

@@ -7,7 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, Standalone, register
+from kvfold.methods.core.base import Selector, Standalone, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.online import RecencyEviction
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.common import first_valid

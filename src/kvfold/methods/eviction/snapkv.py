@@ -12,8 +12,9 @@ from typing import ClassVar, Literal
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
 from kvfold.methods.core.budgets import apportion, check_layer_budgets
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.scoring import GqaReduce, mask_invalid, pool_gqa, pool_tokens, window_attention
 from kvfold.methods.core.selection import protected_mask

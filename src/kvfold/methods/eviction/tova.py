@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, Selector, register
+from kvfold.methods.core.base import Selector, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.scoring import compute_dtype, gqa_groups, mask_invalid, window_attention

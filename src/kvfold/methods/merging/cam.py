@@ -34,7 +34,8 @@ from typing import ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, register
+from kvfold.methods.core.base import register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.folding import FoldSite, MergingFolder, row_uniforms, window_scores
 from kvfold.methods.core.spec import SpecError
 

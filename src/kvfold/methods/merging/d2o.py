@@ -47,8 +47,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.methods.core.base import ComposedMethod, CompressionContext, Standalone, register
+from kvfold.methods.core.base import ComposedMethod, Standalone, register
 from kvfold.methods.core.budgets import apportion
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.folding import FoldSite, MergingFolder, compute_dtype, window_scores
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.eviction.h2o import H2O, H2OPrefillObserver

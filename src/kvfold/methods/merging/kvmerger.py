@@ -52,7 +52,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.methods.core.base import CompressionContext, Standalone, register
+from kvfold.methods.core.base import Standalone, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.folding import FoldSite, MergingFolder, compute_dtype, kept_mask, window_scores
 from kvfold.methods.core.selection import protected_mask
 from kvfold.methods.core.spec import SpecError

@@ -12,7 +12,7 @@ from kvfold.methods.compaction.attention_matching.queries import (
     ReferenceQueries,
 )
 from kvfold.methods.compaction.attention_matching.solve import Compacted, FitConfig, fit_problems
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.folded_layer import FoldedLayer

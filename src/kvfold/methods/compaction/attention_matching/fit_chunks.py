@@ -35,7 +35,7 @@ import torch
 
 from kvfold.methods.compaction.attention_matching.queries import ReferenceQueries, group_by_chunk
 from kvfold.methods.compaction.attention_matching.solve import Compacted, FitConfig, fit_problems
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.repeat import REPEAT_CHUNK, token_chunks
 from kvfold.methods.core.spec import SpecError
 from kvfold.runtime.folded_layer import FoldedLayer

@@ -34,7 +34,8 @@ from kvfold.methods.compaction.attention_matching.queries import (
     pool_gqa_queries,
 )
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
-from kvfold.methods.core.base import CompressionContext, Folder, Standalone, register
+from kvfold.methods.core.base import Folder, Standalone, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.head_schedule import HeadSchedule
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.repeat import REPEAT_CHUNK

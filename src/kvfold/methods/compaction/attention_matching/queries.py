@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import prefill_again
 from kvfold.methods.core.repeat import REPEAT_CHUNK, repeat_pass, shared_repeat_pass
 from kvfold.methods.core.spec import SpecError

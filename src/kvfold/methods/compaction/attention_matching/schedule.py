@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, build_method
+from kvfold.methods.core.base import build_method
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.head_schedule import HeadSchedule, config_hash
 from kvfold.methods.core.model import model_name
 from kvfold.runtime.budget import Budget

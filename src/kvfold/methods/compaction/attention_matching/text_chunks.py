@@ -17,7 +17,7 @@ import torch
 from kvfold.methods.compaction.attention_matching.compact import compact_layers
 from kvfold.methods.compaction.attention_matching.queries import QueryOptions, extract_reference_queries
 from kvfold.methods.compaction.attention_matching.solve import FitConfig
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.prompts import context_text_ids

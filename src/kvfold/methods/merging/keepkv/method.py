@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext, register
+from kvfold.methods.core.base import register
 from kvfold.methods.core.budgets import cosine_layer_budgets
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.folding import FoldSite, MergingFolder, kept_mask
 from kvfold.methods.core.online import OnlineEviction
 from kvfold.methods.core.spec import SpecError

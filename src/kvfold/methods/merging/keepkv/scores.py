@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from kvfold.methods.core.base import CompressionContext
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.model import layer_scaling
 from kvfold.methods.core.scoring import compute_dtype
 from kvfold.runtime.rows import NEG_INF

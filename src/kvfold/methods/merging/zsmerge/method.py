@@ -11,7 +11,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvfold.methods.core.base import CompressionContext, Standalone, register
+from kvfold.methods.core.base import Standalone, register
+from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.folding import fresh_window_queries
 from kvfold.methods.core.spec import SpecError
 from kvfold.methods.merging.zsmerge.merge import (
