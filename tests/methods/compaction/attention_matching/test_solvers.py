@@ -268,3 +268,43 @@ def test_a_fit_in_a_gpus_blocks_equals_the_fit_in_small_ones(monkeypatch, given)
     assert torch.equal(large.index, small_fit.index)
     torch.testing.assert_close(large.log_mass, small_fit.log_mass, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(large.values, small_fit.values, rtol=1e-9, atol=1e-10)
+
+
+def _feature_grams(t: int, scale: float, seed: int = 0) -> torch.Tensor:
+    """Gram matrices ``ΦᵀΦ`` of nonnegative features (``exp`` of logits, as the fits' are), batch of 3."""
+    g = torch.Generator().manual_seed(seed)
+    phi = (torch.randn(3, 2 * t, t, generator=g, dtype=torch.float64) * 1.5).exp() * scale
+    return phi.mT @ phi
+
+
+@pytest.mark.parametrize("t", [48, 200])
+@pytest.mark.parametrize("scale", [1e-6, 1.0, 1e6])
+def test_top_eigenvalue_bounds_the_largest_eigenvalue_as_the_step_needs(t, scale):
+    """:func:`solvers.top_eigenvalue` in float32 against float64's ``eigvalsh``: exact up to 64 entries;
+    past that at least λ_max (a projected-gradient step of 1/L never increases the residual) and at
+    most 1.05·λ_max and the trace, at Gram magnitudes from 1e-12 to 1e12 (no overflow or underflow
+    between normalisations), with all-zero (padded) problems giving 0."""
+    grams = _feature_grams(t, scale)
+    exact = torch.linalg.eigvalsh(grams)[..., -1]
+    padded = torch.cat([grams, torch.zeros(1, t, t, dtype=grams.dtype)]).float()
+    got = solvers.top_eigenvalue(padded).double()
+    assert got[-1] == 0
+    if t <= 64:
+        torch.testing.assert_close(got[:-1], exact, rtol=1e-5, atol=0)
+    else:
+        assert bool((got[:-1] >= exact * (1 - 1e-5)).all()) and bool((got[:-1] <= 1.05 * exact * (1 + 1e-5)).all())
+        assert bool((got[:-1] <= grams.diagonal(dim1=-2, dim2=-1).sum(-1) * (1 + 1e-5)).all())
+
+
+@pytest.mark.parametrize("iters", [30, 33])
+def test_top_eigenvalue_normalising_every_few_steps_is_power_iteration_normalised_every_step(iters):
+    """The direction of every-few-steps normalisation is power iteration's: the estimate equals one
+    that normalises every step (float64, well-conditioned)."""
+    grams = _feature_grams(120, 1.0, seed=1)
+    v = torch.full(grams.shape[:-1], 120**-0.5, dtype=grams.dtype)
+    for _ in range(iters):
+        u = (grams @ v[..., None])[..., 0]
+        v = u / u.norm(dim=-1, keepdim=True)
+    every_step = 1.05 * (v * (grams @ v[..., None])[..., 0]).sum(-1)
+    every_step = torch.minimum(every_step, grams.diagonal(dim1=-2, dim2=-1).sum(-1))
+    torch.testing.assert_close(solvers.top_eigenvalue(grams, iters), every_step, rtol=1e-12, atol=0)
