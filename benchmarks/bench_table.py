@@ -17,7 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvfold.evaluate.bench.speed import RECORDS_FILE, bench_markdown, compression_ratios
+from kvfold.evaluate.bench.records import RECORDS_FILE, compression_ratios
+from kvfold.evaluate.bench.report import bench_markdown
 from kvfold.runtime.files import read_jsonl
 
 

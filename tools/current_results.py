@@ -51,7 +51,7 @@ def summarize(runs: Sequence[Path], command: str | None = None) -> dict[str, Any
     Raises:
         ValueError: a directory that is neither, runs of several kinds or configurations.
     """
-    from kvfold.evaluate.bench.speed import BENCH_FILE, merge_bench_results, read_bench_run
+    from kvfold.evaluate.bench.report import BENCH_FILE, merge_bench_results, read_bench_run
     from kvfold.evaluate.running.results import merge_runs, read_run
 
     sources = [str(path) for path in runs]
@@ -100,7 +100,7 @@ def retention_table(summary: Mapping[str, Any]) -> str:
 
 def cost_table(summary: Mapping[str, Any]) -> str:
     """Bench records by method and length: compression time and peak over the prefill's and the cache's."""
-    from kvfold.evaluate.bench.speed import compression_ratios
+    from kvfold.evaluate.bench.records import compression_ratios
     from kvfold.evaluate.reporting.tables import markdown_table
 
     def cell(value: float | None, digits: int = 2, suffix: str = "×") -> str:

@@ -93,7 +93,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def _grid(args: argparse.Namespace) -> tuple[list[str], list[str], list[int]]:
     """The method specs (each built once: unknown methods or options fail here), budget labels and
     lengths of the sweep."""
-    from kvfold.evaluate.bench.speed import STOCK
+    from kvfold.evaluate.bench.records import STOCK
     from kvfold.methods import build_method, split_specs
     from kvfold.runtime.budget import Budget
 

@@ -366,7 +366,7 @@ def run_report(args: argparse.Namespace) -> int:
     ``kvfold fidelity`` and ``kvfold bench`` print. Runs of different configurations (another
     dataset, length, model) are reported apart, each under a heading that names it.
     """
-    from kvfold.evaluate.bench.speed import BENCH_FILE, read_bench_run
+    from kvfold.evaluate.bench.report import BENCH_FILE, read_bench_run
     from kvfold.evaluate.running.results import RUN_KINDS, group_runs, read_run
 
     benches = [path for path in args.runs if (path / BENCH_FILE).is_file()]
@@ -411,7 +411,7 @@ def _report_group(args: argparse.Namespace, group: list, out: Path | None, sever
 def _report_benches(args: argparse.Namespace, results: list[dict], sections: list[str]) -> None:
     """Bench directories: merged (one model), their table printed or added to ``sections``, and with
     ``--out`` their ``bench.md``, ``bench.json`` and plots written there."""
-    from kvfold.evaluate.bench.speed import bench_markdown, merge_bench_results, write_bench_report
+    from kvfold.evaluate.bench.report import bench_markdown, merge_bench_results, write_bench_report
 
     result = merge_bench_results(results)
     if args.out is not None:

@@ -194,15 +194,6 @@ def test_the_bench_compresses_under_the_prefills_plan():
     assert found.recorded == {"scores"} and not found.queries
 
 
-def test_compression_ratios_of_an_older_record_without_repeat_time():
-    from kvfold.evaluate.bench.speed import compression_ratios
-
-    assert compression_ratios({"compress_s": 3.0, "prefill_s": 2.0}) == {
-        "compress_over_prefill": 1.5,
-        "compress_over_repeat": None,
-    }
-
-
 @pytest.mark.parametrize(
     ("spec", "uses"),
     [
@@ -268,7 +259,8 @@ def test_bench_measures_stock_transformers_beside_kvfolds_full_cache(tiny_dir, t
     process with the compiler left out (compiling takes minutes here; ``benchmarks/gpu.sh`` runs it)."""
     import torch
 
-    from kvfold.evaluate.bench.speed import BenchConfig, run_stock
+    from kvfold.evaluate.bench.records import BenchConfig
+    from kvfold.evaluate.bench.speed import run_stock
 
     result = bench(str(tiny_dir), ["stock"], [0.25, 0.5], [64], [1], new_tokens=3, out_dir=tmp_path, progress=False)
     by_method = {r["method"]: r for r in result["records"]}

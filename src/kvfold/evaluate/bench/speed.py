@@ -38,12 +38,15 @@ resident set's high-water mark reset after the prefill on Linux, torch's allocat
 and ``compress_peak_over_cache`` that peak over the full cache's bytes: the working memory a
 method needs beyond the cache it compresses. ``scaling.png`` plots it and ``compress_over_prefill``
 against the length.
+
+This module runs the measurements. What a configuration and its record are, and the records file a
+run resumes from: :mod:`kvfold.evaluate.bench.records`; the files a finished bench writes
+(``bench.json``, ``bench.md``, the plots): :mod:`kvfold.evaluate.bench.report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -61,43 +64,24 @@ from kvfold.evaluate.bench.process import (
     spawn_worker,
     worker_main,
 )
-from kvfold.evaluate.reporting.tables import markdown_table
+from kvfold.evaluate.bench.records import (
+    RECORDS_FILE,
+    STOCK,
+    BenchConfig,
+    compression_ratios,
+    config_key,
+    load_finished_records,
+)
+from kvfold.evaluate.bench.report import write_bench_report
 from kvfold.methods import build_method
 from kvfold.pipeline.memory import plan_memory
 from kvfold.runtime.attention import log_sum_exp_path
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.files import DirectoryLock, atomic_path, atomic_write_text, read_jsonl
+from kvfold.runtime.files import DirectoryLock
 from kvfold.runtime.models import load_model
 from kvfold.runtime.timing import device_clock
 
 WARMUP_STEPS = 4
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One measured configuration."""
-
-    model: str
-    method: str
-    budget: float | int
-    length: int
-    batch: int
-    new_tokens: int = 64
-    prefill_chunk: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    bounded_memory: bool = False
-    """Peak RSS with glibc's mmap threshold fixed (every configuration of a ``--prefill-chunk``
-    sweep, ``full`` included; see :func:`set_mmap_threshold`)."""
-    positions: int | None = None
-    """The model's positions raised to this many (``--positions``; RoPE past the trained window:
-    the answers mean nothing, the costs are the model's), or None: the model's own."""
-    memory: float | None = None
-    """A memory budget (``--memory``: a fraction of the 16-bit full cache's bytes) in place of
-    ``budget``, spent on tokens × bits by :func:`kvfold.pipeline.memory.plan_memory`."""
-    compiled: bool = False
-    """kvfold's decode steps (the method's, and ``full``'s beside it) through ``torch.compile`` over fixed
-    tails (``--compiled``; :class:`kvfold.pipeline.compiled_decode.CompiledDecode`; CUDA graphs on a GPU)."""
 
 
 def run_config(config: BenchConfig) -> dict:
@@ -231,16 +215,6 @@ def time_repeat_pass(source) -> float:
     return device_clock(source.model.device) - start
 
 
-def compression_ratios(record: dict) -> dict:
-    """``compress_over_prefill`` and ``compress_over_repeat`` of a record (None without the
-    reference time; records of an older kvfold have no ``repeat_s``)."""
-    compress, prefill, repeat = record.get("compress_s"), record.get("prefill_s"), record.get("repeat_s")
-    return {
-        "compress_over_prefill": compress / prefill if compress is not None and prefill else None,
-        "compress_over_repeat": compress / repeat if compress is not None and repeat else None,
-    }
-
-
 def _compress_in_place(source, method, budget):
     """Like :meth:`PrefilledContext.compress` but without copying the full cache first."""
     import torch
@@ -327,13 +301,6 @@ def time_interleaved(steppers: list[Stepper], new_tokens: int) -> list[float]:
             if step >= WARMUP_STEPS:
                 times[index].append(device_clock(device) - start)
     return [s.tokens.shape[0] / statistics.median(steps) for s, steps in zip(steppers, times, strict=True)]
-
-
-STOCK = {
-    "stock": "transformers' DynamicCache with SDPA, eager",
-    "stock-static": "transformers' StaticCache with SDPA, the forward compiled (torch.compile; CUDA graphs on a GPU)",
-}
-"""Stock transformers measured by ``kvfold bench`` beside kvfold (``--methods full,stock,stock-static``)."""
 
 
 def run_stock(config: BenchConfig) -> dict:
@@ -531,19 +498,19 @@ class BenchItem:
 
     def unit_keys(self) -> list[str]:
         """The keys of the records this item produces, in the order it produces them."""
-        return [key for key in map(_config_key, self.configs) if key not in self.skip]
+        return [key for key in map(config_key, self.configs) if key not in self.skip]
 
     @staticmethod
     def row_key(row: Mapping[str, Any]) -> str:
-        """The key of a record (:func:`_config_key`)."""
-        return _config_key(dict(row))
+        """The key of a record (:func:`config_key`)."""
+        return config_key(dict(row))
 
     def run(
         self, model: Any = None, tokenizer: Any = None, status: Callable[[str], None] | None = None
     ) -> Iterator[dict]:
         """Measure the configurations not in ``skip`` (the model is loaded by each child, not here)."""
         for config in self.configs:
-            if _config_key(config) in self.skip:
+            if config_key(config) in self.skip:
                 continue
             if status is not None:
                 status(f"{config.method} @ {config.budget}, {config.length} tokens x {config.batch}")
@@ -557,7 +524,7 @@ def plan_items(
     items: list[BenchItem] = []
     for ref in refs:
         configs = (ref, *(c for c in runs if (c.length, c.batch) == (ref.length, ref.batch)))
-        keys = [_config_key(c) for c in configs]
+        keys = [config_key(c) for c in configs]
         if any(key not in done for key in keys):
             items.append(BenchItem(len(items), configs, frozenset(k for k in keys if k in done), threads))
     return items
@@ -638,7 +605,7 @@ def bench(
         worker_of = getattr(runner, "worker_of", None)
         if worker_of is not None:  # on Ray: the worker (host:pid) that measured each configuration of this run
             result["ray_workers"] = {
-                _describe(c): worker_of[_config_key(c)] for c in [*refs, *runs] if _config_key(c) in worker_of
+                _describe(c): worker_of[config_key(c)] for c in [*refs, *runs] if config_key(c) in worker_of
             }
         if folder is not None:
             write_bench_report(result, folder)
@@ -648,8 +615,8 @@ def bench(
 def _with_ratios(runs: list[BenchConfig], refs: list[BenchConfig], done: Mapping[str, dict]) -> list[dict]:
     """The records of a sweep, ``full`` first, with their ratios to ``full`` at the same length and
     batch (``speedup``, ``limit_speedup``, ``speedup_over_limit``) and :func:`compression_ratios`."""
-    measured = {(c.length, c.batch): done[_config_key(c)] for c in refs}
-    records = [done[_config_key(c)] for c in runs]
+    measured = {(c.length, c.batch): done[config_key(c)] for c in refs}
+    records = [done[config_key(c)] for c in runs]
     full_records = [measured[(c.length, c.batch)] for c in refs]
     for record in records:
         full = measured[(record["length"], record["batch"])]
@@ -663,224 +630,9 @@ def _with_ratios(runs: list[BenchConfig], refs: list[BenchConfig], done: Mapping
     return [*full_records, *records]
 
 
-RECORDS_FILE = "records.jsonl"
-
-
 def _describe(config: BenchConfig) -> str:
     """``"streamingllm @ 0.1, 2048 tokens x 1"``."""
     return f"{config.method} @ {config.budget}, {config.length} tokens x {config.batch}"
-
-
-def _config_key(config: BenchConfig | dict) -> str:
-    """The identity of a configuration: every :class:`BenchConfig` field, as canonical JSON."""
-    fields = asdict(config) if isinstance(config, BenchConfig) else config
-    defaults = {name: field.default for name, field in BenchConfig.__dataclass_fields__.items()}
-    return json.dumps({name: fields.get(name, defaults[name]) for name in defaults}, sort_keys=True)
-
-
-def load_finished_records(out_dir: Path) -> dict[str, dict]:
-    """Records of configurations already measured into ``out_dir`` (a resumed run skips them).
-
-    A configuration is reused only when every field matches (model, method, budget, length, batch,
-    new tokens, prefill chunk, dtype, device); anything else is measured again. A torn last line
-    (a run killed in the middle of a write) is dropped from the file and measured again.
-
-    Raises:
-        ValueError: a damaged line elsewhere, with its number (the file is not changed).
-    """
-    done = {}
-    for record in read_jsonl(out_dir / RECORDS_FILE, repair=True, check=_config_key, what="bench record"):
-        done[_config_key(record)] = record
-    return done
-
-
-BENCH_FILE = "bench.json"
-"""The result of a finished bench, in its ``--out`` folder (``kvfold report`` reads it back)."""
-
-
-def read_bench_run(out_dir: str | Path) -> dict:
-    """The result a finished ``kvfold bench`` wrote into ``out_dir`` (``{"model", "records"}``).
-
-    Raises:
-        ValueError: no ``bench.json`` there (a bench not finished, or not a bench folder), or a
-            damaged one.
-    """
-    path = Path(out_dir) / BENCH_FILE
-    if not path.is_file():
-        raise UserError(f"{out_dir} holds no {BENCH_FILE}: not a finished kvfold bench --out folder (rerun it)")
-    try:
-        result = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:
-        raise UserError(f"{path} is not valid JSON ({err}): it was edited or damaged; rerun the bench") from None
-    if not isinstance(result, dict) or not isinstance(result.get("records"), list):
-        raise UserError(f"{path} has no records: not written by kvfold bench")
-    return result
-
-
-def merge_bench_results(results: list[dict]) -> dict:
-    """Several benches of one model as one: their records together, a configuration measured twice
-    taken from the first (``full`` is measured by every bench).
-
-    Raises:
-        ValueError: benches of different models (their speeds do not compare).
-    """
-    models = list(dict.fromkeys(str(r.get("model")) for r in results))
-    if len(models) > 1:
-        raise UserError(f"the bench folders measured different models ({', '.join(models)}); report them apart")
-    kept: dict[str, dict] = {}
-    for result in results:
-        for record in result["records"]:
-            kept.setdefault(_config_key(record), record)
-    return {"model": models[0], "records": list(kept.values())}
-
-
-def bench_markdown(result: dict) -> str:
-    """The page ``bench.md`` holds: a heading, how to read the columns, one row per configuration."""
-    rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
-    lines = [
-        f"# kvfold bench — {result['model']}",
-        "",
-        "Decode throughput is steady state (after warm-up, prefill excluded), summed over the batch. "
-        "Decode speed is the batch over the median step time. "
-        "`speedup` is against `full` at the same length; `limit` is `full` at the compressed size against "
-        "`full` at the length (the ceiling); `full` at the compressed size decodes in the method's own process, "
-        "step for step with it, so `speedup/limit` is a paired ratio. Peak RSS is each configuration's own "
-        "process (prefill and compression). `repeat s` is the repeat pass alone (methods that run it); "
-        "`c/prefill` and `c/repeat` are the compression time over the prefill and over the repeat pass; "
-        "`c peak/cache` is the compression's peak memory over the prefilled process, over the full cache's bytes. "
-        "`KV MB` is what the cache holds here (codes, scales, β; capacity and page rounding apart); `of 16-bit` "
-        "is the cache's bytes over the full cache's at 16 bits (unquantized elements counted at 16 bits).",
-        "",
-        markdown_table(BENCH_COLUMNS, map(_bench_row, rows)),
-    ]
-    if result.get("ray_workers"):
-        lines += [
-            "",
-            "Measured on Ray workers (each a machine's share: a `speedup` divides by the `full` measured by the "
-            "same worker; workers on one machine contend):",
-            "",
-            *(f"* {what}: `{worker}`" for what, worker in result["ray_workers"].items()),
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def write_bench_report(result: dict, out_dir: Path) -> None:
-    """``bench.json``, ``bench.md`` (a table) and ``bench.png`` (throughput and memory vs length)."""
-    atomic_write_text(out_dir / BENCH_FILE, json.dumps(result, indent=2))
-    atomic_write_text(out_dir / "bench.md", bench_markdown(result))
-    rows = sorted(result["records"], key=lambda r: (r["batch"], r["length"], r["method"], str(r["budget"])))
-    _plot(rows, out_dir / "bench.png")
-    if any(r.get("compress_peak_over_cache") is not None for r in rows):
-        _plot_scaling(rows, out_dir / "scaling.png")
-
-
-BENCH_COLUMNS = (
-    "method", "budget", "length", "batch", "prefill s", "compress s", "repeat s", "c/prefill", "c/repeat",
-    "decode tok/s", "speedup", "limit", "speedup/limit", "KV MB", "full KV MB", "of 16-bit", "format",
-    "peak RSS MB", "c peak/cache",
-)  # fmt: skip
-
-
-def _bench_row(r: dict) -> list[str]:
-    ratios = compression_ratios(r)
-    return [
-        _method_cell(r), str(r["budget"]), str(r["length"]), str(r["batch"]), f"{r['prefill_s']:.2f}",
-        f"{r['compress_s']:.2f}", _cell(r.get("repeat_s")), _cell(ratios["compress_over_prefill"]),
-        _cell(ratios["compress_over_repeat"]), f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
-        f"{r['limit_speedup']:.2f}", f"{r['speedup_over_limit']:.2f}", f"{r['kv_bytes'] / 2**20:.1f}",
-        f"{r['kv_bytes_full'] / 2**20:.1f}", _memory_cell(r), r.get("kv_format", "16"), f"{r['peak_rss_mb']:.0f}",
-        _cell(r.get("compress_peak_over_cache")),
-    ]  # fmt: skip
-
-
-def _method_cell(r: dict) -> str:
-    """The method, marked where kvfold's decode ran compiled (stock's own steps are what :data:`STOCK` says)."""
-    return r["method"] + (" (compiled)" if r.get("compiled") and r["method"] not in STOCK else "")
-
-
-def _memory_cell(r: dict) -> str:
-    """The cache's bytes over the 16-bit full cache's (records of an older kvfold: unquantized, so
-    their ratio in the model's dtype)."""
-    ratio = r.get("memory_ratio", r["kv_bytes"] / r["kv_bytes_full"])
-    return f"{ratio:.4f}"
-
-
-def _cell(value: float | None) -> str:
-    return "—" if value is None else f"{value:.2f}"
-
-
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(2, len(batches), figsize=(6 * len(batches), 8), squeeze=False)
-    for col, batch in enumerate(batches):
-        series: dict[str, list[dict]] = {}
-        for r in rows:
-            if r["batch"] == batch:
-                label = r["method"] if r["method"] == "full" else f"{r['method']} @ {r['budget']}"
-                series.setdefault(label, []).append(r)
-        for label, points in sorted(series.items()):
-            points.sort(key=lambda r: r["length"])
-            style = {"linestyle": "--", "color": "black"} if label == "full" else {"marker": "o"}
-            lengths = [p["length"] for p in points]
-            axes[0][col].plot(lengths, [p["decode_tokens_per_s"] for p in points], label=label, **style)
-            axes[1][col].plot(lengths, [p["peak_rss_mb"] for p in points], label=label, **style)
-        axes[0][col].set_title(f"decode throughput, batch {batch}")
-        axes[0][col].set_ylabel("tokens / s (summed over batch)")
-        axes[1][col].set_title(f"peak resident memory, batch {batch}")
-        axes[1][col].set_ylabel("MB")
-        for row in (0, 1):
-            axes[row][col].set_xlabel("context length (tokens)")
-            axes[row][col].set_xscale("log", base=2)
-            axes[row][col].grid(True, alpha=0.3)
-            axes[row][col].legend(fontsize=8)
-    _save_figure(fig, path)
-
-
-def _plot_scaling(rows: list[dict], path: Path) -> None:
-    """Compression ÷ prefill and the compression's peak memory ÷ the full cache against the length,
-    one line per method @ budget and batch (records without the measures are left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    measures = (
-        ("compress_over_prefill", "compression ÷ prefill (time)"),
-        ("compress_peak_over_cache", "compression peak memory ÷ full cache"),
-    )
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for axis, (name, title) in zip(axes, measures, strict=True):
-        series: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            value = {**r, **compression_ratios(r)}.get(name)
-            if r["method"] != "full" and value is not None:
-                series.setdefault(f"{r['method']} @ {r['budget']} ×{r['batch']}", []).append((r["length"], value))
-        for label, points in sorted(series.items()):
-            points.sort()
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-        axis.set_title(title)
-        axis.set_xlabel("context length (tokens)")
-        axis.set_xscale("log", base=2)
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=7)
-    _save_figure(fig, path)
-
-
-def _save_figure(fig, path: Path) -> None:
-    """Lay out ``fig``, write it to ``path`` atomically, and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=110)
-    finally:
-        plt.close(fig)
 
 
 WORKERS = {"config": lambda raw: run_config(BenchConfig(**raw))}
