@@ -13,9 +13,10 @@ import json
 from pathlib import Path
 
 from kvfold.evaluate.bench.records import STOCK, compression_ratios, config_key
+from kvfold.evaluate.reporting.plots import save_figure
 from kvfold.evaluate.reporting.tables import markdown_table
 from kvfold.runtime.errors import UserError
-from kvfold.runtime.files import atomic_path, atomic_write_text
+from kvfold.runtime.files import atomic_write_text
 
 BENCH_FILE = "bench.json"
 """The result of a finished bench, in its ``--out`` folder (``kvfold report`` reads it back)."""
@@ -161,7 +162,8 @@ def _plot(rows: list[dict], path: Path) -> None:
             axes[row][col].set_xscale("log", base=2)
             axes[row][col].grid(True, alpha=0.3)
             axes[row][col].legend(fontsize=8)
-    _save_figure(fig, path)
+    fig.tight_layout()
+    save_figure(fig, path)
 
 
 def _plot_scaling(rows: list[dict], path: Path) -> None:
@@ -191,16 +193,5 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
         axis.set_xscale("log", base=2)
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize=7)
-    _save_figure(fig, path)
-
-
-def _save_figure(fig, path: Path) -> None:
-    """Lay out ``fig``, write it to ``path`` atomically, and close it."""
-    import matplotlib.pyplot as plt
-
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=110)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
