@@ -8,7 +8,8 @@ Each module below defines its methods with the ``@register`` decorator of
 """
 
 from kvfold.methods.compaction import grkv  # noqa: F401 - registers grkv
-from kvfold.methods.compaction.attention_matching import method as attention_matching  # noqa: F401 - am_*
+from kvfold.methods.compaction.attention_matching import fit_folder  # noqa: F401 - registers am_fit
+from kvfold.methods.compaction.attention_matching import method as attention_matching  # noqa: F401 - the am_* variants
 from kvfold.methods.eviction import (  # noqa: F401 - registers the eviction methods and wrappers
     adakv,
     compactor,

@@ -12,9 +12,9 @@ logical length are unchanged: appended tokens get the positions they would have 
 Modules: reference queries (:mod:`.queries`), the batched fits (:mod:`.solve`), nonuniform head
 budgets (:mod:`.schedule`), a layer's spans and chunks compacted (:mod:`.compact`), fits by repeat
 chunk that grow linearly with the context (:mod:`.fit_chunks`), text chunks compacted on their own
-(:mod:`.text_chunks`), and the registered variants (§4 "Compared Variants"),
-online compaction (App. F.3) and the β-and-value refit after any selector (``snapkv+am_fit``) in
-:mod:`.method`.
+(:mod:`.text_chunks`), the registered variants (§4 "Compared Variants") and online compaction
+(App. F.3) in :mod:`.method`, the β-and-value refit after any selector (``snapkv+am_fit``) in
+:mod:`.fit_folder`, and the options both share (:mod:`.options`).
 
 Variants (§4): ``am_omp`` (OMP keys, self-study + repeat-prefill queries), ``am_omp_fast`` (OMP
 with k = 4 keys per step, refit every τ = 2 steps, App. C.1), ``am_highest`` (highest-attention

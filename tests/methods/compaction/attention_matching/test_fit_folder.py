@@ -11,7 +11,7 @@ import torch
 
 import kvfold
 from kvfold.methods import build_method
-from kvfold.methods.compaction.attention_matching.method import AMFit
+from kvfold.methods.compaction.attention_matching.fit_folder import AMFit
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
 from kvfold.runtime.quant_config import QuantConfig
 from tests.conftest import CharTokenizer, make_tiny_model
@@ -357,16 +357,16 @@ def test_top_verbatim_options_are_checked():
 def test_am_fit_fits_to_the_keys_as_stored_then_stores_the_fitted_values(monkeypatch, order):
     """``quant_order=before`` (default): β and the values are fitted to the kept keys exactly as the
     quantized cache then holds them; ``after``: to the keys as they were."""
-    from kvfold.methods.compaction.attention_matching import method as am_method
+    from kvfold.methods.compaction.attention_matching import fit_folder
 
     seen = []
-    real = am_method.fit_problems
+    real = fit_folder.fit_problems
 
     def spy(*args, **kwargs):
         seen.append((args[0], kwargs.get("given"), kwargs.get("compact_keys")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(am_method, "fit_problems", spy)
+    monkeypatch.setattr(fit_folder, "fit_problems", spy)
     model = kvfold.enable(make_tiny_model("llama"))
     context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
     spec = "kvzip+am_fit@int4" if order == "before" else "kvzip+am_fit[quant_order=after]@int4"
@@ -427,16 +427,16 @@ def test_the_fit_rounds_its_values_to_the_storage_grid_on_both_solvers():
     ],
 )
 def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, option, storage, rounds):
-    from kvfold.methods.compaction.attention_matching import method as am_method
+    from kvfold.methods.compaction.attention_matching import fit_folder
 
     seen = []
-    real = am_method.fit_problems
+    real = fit_folder.fit_problems
 
     def spy(*args, **kwargs):
         seen.append(args[7].value_storage)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(am_method, "fit_problems", spy)
+    monkeypatch.setattr(fit_folder, "fit_problems", spy)
     model = kvfold.enable(make_tiny_model("llama"))
     context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
     context.compress(f"kvzip+am_fit{option}@{storage}", 0.25)
@@ -450,16 +450,16 @@ def test_value_feedback_gives_the_fit_the_caches_format(monkeypatch, option, sto
 def test_a_wide_layer_is_fitted_to_its_keys_as_it_stores_them(monkeypatch, key_group, short):
     """``@int3[wide=16]``: a layer whose rows hold at most one key group stays in the model's dtype, so
     its fit reads its kept keys as they are; the other layers' fits read them in 3 bits."""
-    from kvfold.methods.compaction.attention_matching import method as am_method
+    from kvfold.methods.compaction.attention_matching import fit_folder
 
     seen = []
-    real = am_method.fit_problems
+    real = fit_folder.fit_problems
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("compact_keys"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(am_method, "fit_problems", spy)
+    monkeypatch.setattr(fit_folder, "fit_problems", spy)
     model = kvfold.enable(make_tiny_model("llama"))
     context = kvfold.prefill(model, CharTokenizer(), TEXT * 4, use_chat_template=False, methods="kvzip+am_fit")
     small = context.compress(f"kvzip+am_fit@int3[wide=16,key_group={key_group}]", 0.25)
