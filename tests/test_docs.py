@@ -400,13 +400,19 @@ DEAD_REFERENCES = re.compile(
 
 
 def _source_and_doc_files() -> list[Path]:
-    files = sorted((ROOT / "src").rglob("*.py")) + [README, *sorted(DOCS.rglob("*.md"))]
-    return [path for path in files if "__pycache__" not in path.parts]
+    """Code (the package, its tests, benchmarks and tools) and docs; not this file, whose check has
+    examples of what it finds."""
+    code = [
+        path for folder in ("src", "tests", "benchmarks", "tools") for path in sorted((ROOT / folder).rglob("*.py"))
+    ]
+    files = code + [README, *sorted(DOCS.rglob("*.md"))]
+    return [path for path in files if "__pycache__" not in path.parts and path != Path(__file__).resolve()]
 
 
 def test_no_file_cites_the_developers_notes_or_issue_numbers():
-    """Docstrings and docs cite the papers, public projects (``owner/repo#N``) and the project's own
-    docs: no ``shared/`` notes and no numbered issues a reader cannot open."""
+    """Docstrings, comments and docs (of the package, its tests, benchmarks and tools) cite the papers,
+    public projects (``owner/repo#N``) and the project's own docs: no ``shared/`` notes and no numbered
+    issues a reader cannot open."""
     found = []
     for path in _source_and_doc_files():
         for number, line in enumerate(_text(path).splitlines(), 1):

@@ -1,4 +1,4 @@
-"""The fault tour (issue 36): every command that writes, met with bad input, failed I/O and interruption.
+"""The fault tour: every command that writes, met with bad input, failed I/O and interruption.
 
 The commands run for real on a tiny random model saved to a folder:
 

@@ -1,4 +1,4 @@
-"""The shape of the package (issue 34): a short top level, imports that point downward only, no
+"""The shape of the package: a short top level, imports that point downward only, no
 private names across modules, and functions a reader takes in at once.
 
 These read the source as text (``ast``); they run nothing of kvfold.

@@ -1,7 +1,9 @@
-"""Mutation run (issue 25): replace each merging method's merge step by plain eviction, run its tests, restore.
+"""Mutation run: replace each merging method's merge step by plain eviction, run its tests, restore.
 
 Usage: .venv/bin/python tools/mutate_merging.py [keepkv grkv grkv_solve cam d2o kvmerger zsmerge]
 Prints, per mutation, the pytest summary and the tests that fail (each must fail at least one).
+:func:`stale_mutations` lists mutations a refactor left pointing at code that is gone
+(``tests/tools/test_mutate_merging.py`` checks there are none).
 """
 
 import os
@@ -30,7 +32,7 @@ M = {
             ),
             (
                 "src/kvfold/methods/merging/keepkv/decode.py",
-                "goes = leaving & (similarity > folder.threshold)",
+                "goes = leaving & (similarity > self.folder.folder.threshold)",
                 "goes = leaving & False",
             ),
         ],
@@ -97,20 +99,17 @@ M = {
                 "    a = act[..., None]\n",
                 "    a = (act & (fill < b_r))[..., None]\n",
             ),
-            (
-                "src/kvfold/methods/merging/zsmerge/online.py",
-                "        w_new = w + 1.0  # w_r̂ ← w_r̂ + 1\n        k_new = ((w * k_old + k_t) / w_new).unsqueeze(2)  # eq. 7\n        v_new = ((w * v_old + v_t) / w_new).unsqueeze(2)",
-                "        w_new = w\n        k_new = k_old.unsqueeze(2)\n        v_new = v_old.unsqueeze(2)",
+            (  # the steady step of both decode paths (online.py, decode.py): the victim joins no slot
+                "src/kvfold/methods/merging/zsmerge/merge.py",
+                "    w_new = w + 1.0  # w_r̂ ← w_r̂ + 1\n"
+                "    k_new = ((w * k_old + k_t) / w_new).unsqueeze(-2)  # eq. 7\n"
+                "    v_new = ((w * v_old + v_t) / w_new).unsqueeze(-2)",
+                "    w_new = w\n    k_new = k_old.unsqueeze(-2)\n    v_new = v_old.unsqueeze(-2)",
             ),
             (
                 "src/kvfold/methods/merging/zsmerge/online.py",
-                "            added = merging.to(acc)\n",
-                "            added = opens.to(acc)\n            k_t, v_t = k_t * opens[..., None], v_t * opens[..., None]\n",
-            ),
-            (
-                "src/kvfold/methods/merging/zsmerge/decode.py",
-                "        w_new = w + 1.0\n        k_new = ((w * k_old + k_t) / w_new).unsqueeze(3)\n        v_new = ((w * v_old + v_t) / w_new).unsqueeze(3)",
-                "        w_new = w\n        k_new = k_old.unsqueeze(3)\n        v_new = v_old.unsqueeze(3)",
+                "        added = merging.to(acc)\n",
+                "        added = opens.to(acc)\n        k_t, v_t = k_t * opens[..., None], v_t * opens[..., None]\n",
             ),
         ],
         [
@@ -120,30 +119,49 @@ M = {
         ],
     ),
 }
-which = sys.argv[1:] or list(M)
-env = dict(os.environ, PYTHONPATH="src", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
-for name in which:
-    edits, tests = M[name]
-    saved = {}
-    try:
-        for path, old, new in edits:
-            p = ROOT / path
-            text = saved.setdefault(path, p.read_text()) if path not in saved else p.read_text()
-            assert text.count(old) == 1, (name, path, old[:60], text.count(old))
-            p.write_text(text.replace(old, new))
-        out = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "-rf", *tests],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-        ).stdout
-    finally:
-        for path, text in saved.items():
-            (ROOT / path).write_text(text)
-    failed = [l.split(" ", 1)[1].split(" - ")[0] for l in out.splitlines() if l.startswith("FAILED")]
-    summary = out.strip().splitlines()[-1]
-    print(f"## {name}: {summary}")
-    for f in failed:
-        print("   FAILED", f)
-    sys.stdout.flush()
+
+
+def stale_mutations(root: pathlib.Path = ROOT) -> list[str]:
+    """Mutations whose code no longer occurs exactly once, and test files that no longer exist: what a
+    refactor left behind (a mutation that edits nothing would pass for one its tests catch)."""
+    stale = []
+    for name, (edits, tests) in M.items():
+        for path, old, _ in edits:
+            count = (root / path).read_text().count(old)
+            if count != 1:
+                stale.append(f"{name}: {path} holds {old[:60]!r} {count} times")
+        stale.extend(f"{name}: no test file {test}" for test in tests if not (root / test).exists())
+    return stale
+
+
+def main(which: list[str]) -> None:
+    env = dict(os.environ, PYTHONPATH="src", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    for name in which:
+        edits, tests = M[name]
+        saved = {}
+        try:
+            for path, old, new in edits:
+                p = ROOT / path
+                text = saved.setdefault(path, p.read_text()) if path not in saved else p.read_text()
+                assert text.count(old) == 1, (name, path, old[:60], text.count(old))
+                p.write_text(text.replace(old, new))
+            out = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "-rf", *tests],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            ).stdout
+        finally:
+            for path, text in saved.items():
+                (ROOT / path).write_text(text)
+        failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED")]
+        summary = out.strip().splitlines()[-1]
+        print(f"## {name}: {summary}")
+        for test in failed:
+            print("   FAILED", test)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(M))

@@ -161,7 +161,7 @@ def test_new_tokens_after_an_uncompressed_cache_match_one_masked_attention(dtype
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_masked_path_and_its_blocked_log_sum_exp_equal_float64(dtype, monkeypatch):
-    """The path other devices take (issue 33: on CUDA no mask, no ``(H_q, q, N)`` matrix): the old
+    """The path other devices take (long contexts: on CUDA no mask, no ``(H_q, q, N)`` matrix): the old
     entries unmasked with the query heads folded, the new block causal, merged by each part's
     log-sum-exp computed in blocks of a few query rows; output and log-sum-exp equal a float64
     reference, GQA included, and so does a block with no old entries."""

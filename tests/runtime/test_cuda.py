@@ -2,7 +2,7 @@
 
 Each CUDA test runs the same work on the CPU and on CUDA and compares, or bounds what CUDA allocates:
 no compression equals stock transformers there too, the repeat pass takes the masked kernel with a
-blocked log-sum-exp (no ``(H_q, q, N)`` probabilities, issue 33) and the recommended pipeline keeps
+blocked log-sum-exp (no ``(H_q, q, N)`` probabilities at long contexts) and the recommended pipeline keeps
 what it keeps on the CPU. A compressed cache is compared by what attention reads
 (:mod:`tests.runtime.cache_reads`): exactly for selections, against the CPU's own float32 accuracy
 (float64 as the reference) for Attention Matching's fits, whose β is poorly determined. The float32

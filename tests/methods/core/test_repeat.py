@@ -125,7 +125,7 @@ def test_the_fused_repeat_pass_scores_equal_the_eager_ones(monkeypatch):
 
 
 def test_each_repeat_query_knows_its_chunk_and_each_token_the_chunk_that_repeats_it():
-    """Fits by repeat chunk (issue 33) pair a chunk's context entries with the queries recorded while
+    """Fits by repeat chunk (long contexts) pair a chunk's context entries with the queries recorded while
     that chunk was repeated: the queries' chunks follow the repeat inputs (G query heads per KV head,
     head-major), and the tokens :func:`token_chunks` gives chunk ``c`` are the ones its input repeats."""
     tok = CharTokenizer()
@@ -372,7 +372,7 @@ def test_a_prefill_for_a_repeat_pass_method_leaves_room_for_the_pass():
 
 def test_the_device_path_scores_equal_the_fused_cpu_ones(monkeypatch):
     """Off the CPU the repeat pass gets each query's log-sum-exp from the masked kernel and a
-    blocked log-sum-exp (issue 33: no ``(H_q, q, N)`` probabilities on CUDA). Run here on the CPU,
+    blocked log-sum-exp (long contexts: no ``(H_q, q, N)`` probabilities on CUDA). Run here on the CPU,
     in blocks of a few rows, it gives the fused CPU kernel's scores and queries."""
     from kvfold.runtime import attention
 

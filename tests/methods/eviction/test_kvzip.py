@@ -1,5 +1,5 @@
-"""KVzip's successors as options of its scores (issue 35): KVzip+ normalization (``kvzip[plus=true]``,
-Jégou & Jeblick 2026) and structure demotion (``kvzip[demote=0.25]``, kvpress PR #288).
+"""KVzip's successors as options of its scores: KVzip+ normalization (``kvzip[plus=true]``,
+Jégou & Jeblick 2026) and structure demotion (``kvzip[demote=0.25]``, NVIDIA/kvpress#288).
 
 KVzip+ is checked against a float64 reference written here with explicit loops over layers, heads,
 repeat queries and entries, from the stock (eager) model's attention probabilities, the hidden

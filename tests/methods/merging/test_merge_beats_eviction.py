@@ -3,7 +3,7 @@
 Each folder runs through its own ``fold`` (ZSMerge through its offline fold, Algorithm 1) on a layer
 built so that the merged cache reproduces the full cache's attention output exactly, while the
 same selection with the evicted entries dropped does not. Replacing a method's merge step by
-eviction makes its test here fail (the mutation run of issue 25).
+eviction makes its test here fail (the mutation run of tools/mutate_merging.py).
 
 The layer: pairs of entries that share a key (unit basis vectors, so every cosine is exactly 0
 or 1), an evicted entry right before its kept twin. With every pair's key shared, folding the

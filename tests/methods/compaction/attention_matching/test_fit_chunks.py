@@ -1,4 +1,4 @@
-"""Fits that grow linearly (issue 33; Zweiger et al. 2026 §3.5, App. C.3): each repeat chunk's kept
+"""Fits that grow linearly (long contexts; Zweiger et al. 2026 §3.5, App. C.3): each repeat chunk's kept
 entries fitted on the queries recorded while that chunk was repeated
 (:mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
 

@@ -1,4 +1,4 @@
-"""KeepKV's layer-batched decode step (issue 10): the same cache as the per-layer step."""
+"""KeepKV's layer-batched decode step: the same cache as the per-layer step."""
 
 from __future__ import annotations
 

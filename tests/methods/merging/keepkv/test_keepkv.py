@@ -1,4 +1,4 @@
-"""KeepKV (issue 6): ZIP-merging, electoral votes, EMA scores, prefill order, online merging.
+"""KeepKV: ZIP-merging, electoral votes, EMA scores, prefill order, online merging.
 
 The paper's theorems are property tests: Theorem 3 (the ZIP-merge leaves the scoring query's
 output unchanged, in float64), Theorem 2 (a convex merge without votes shrinks the merged pair's

@@ -1,4 +1,4 @@
-"""ZSMerge's layer-batched steady decode step (issue 10): the same cache as the per-layer step."""
+"""ZSMerge's layer-batched steady decode step: the same cache as the per-layer step."""
 
 from __future__ import annotations
 

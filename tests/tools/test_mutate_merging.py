@@ -1,0 +1,31 @@
+"""tools/mutate_merging.py: every mutation still edits the code it names (a refactor that moves a merge
+step must move its mutation along, or the mutation run checks nothing)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("mutate_merging", ROOT / "tools" / "mutate_merging.py")
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+
+
+def test_every_mutation_names_code_that_occurs_once_and_tests_that_exist():
+    assert tool.stale_mutations() == []
+
+
+def test_a_mutation_of_code_that_is_gone_is_reported(tmp_path):
+    """A tree holding every mutated line once, except ``cam``'s: only ``cam`` is reported."""
+    held: dict[str, str] = {}
+    for name, (edits, tests) in tool.M.items():
+        for path, old, _ in edits:
+            held[path] = held.get(path, "") + ("\n" + old + "\n" if name != "cam" else "")
+        for test in tests:
+            held.setdefault(test, "")
+    for path, text in held.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    stale = tool.stale_mutations(tmp_path)
+    assert stale and all(line.startswith("cam: ") for line in stale)
