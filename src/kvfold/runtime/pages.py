@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 NEG_INF = float("-inf")
+"""β of a slot that holds nothing (padding, an empty row's tail): it adds −inf to the slot's logit."""
 PAGE_SIZE = 32
 """Entries a page of full-precision rows holds (quantized rows use their key group: one scale a page)."""
 

@@ -31,13 +31,12 @@ import torch
 from torch import Tensor
 
 from kvfold.runtime.codes import pack_codes, unpack_codes
-from kvfold.runtime.pages import PAGE_SIZE, RowPages, pages_of, slots_of_entries
+from kvfold.runtime.pages import NEG_INF, PAGE_SIZE, RowPages, pages_of, slots_of_entries
 from kvfold.runtime.quant_config import SIXTEEN_BIT, QuantConfig, QuantSpecError
 from kvfold.runtime.quant_grid import dequantize_minmax, group_params, quantize_minmax
 from kvfold.runtime.quantized_checks import check_quantized_tensors
 from kvfold.runtime.value_rotation import rotate, rotate_back
 
-NEG_INF = float("-inf")
 FP8_MAX = 448.0
 """Largest finite e4m3 number (``torch.finfo(torch.float8_e4m3fn).max``)."""
 
