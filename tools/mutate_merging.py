@@ -1,15 +1,18 @@
 """Mutation run: replace each merging method's merge step by plain eviction, run its tests, restore.
 
 Usage: .venv/bin/python tools/mutate_merging.py [keepkv grkv grkv_solve cam d2o kvmerger zsmerge]
-Prints, per mutation, the pytest summary and the tests that fail (each must fail at least one).
+Prints, per mutation, the pytest summary and the tests that fail (each must fail at least one). Each
+mutation runs in a scratch copy of ``src`` and ``tests``: the working tree is never edited.
 :func:`stale_mutations` lists mutations a refactor left pointing at code that is gone
 (``tests/tools/test_mutate_merging.py`` checks there are none).
 """
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 M = {
@@ -135,26 +138,28 @@ def stale_mutations(root: pathlib.Path = ROOT) -> list[str]:
 
 
 def main(which: list[str]) -> None:
+    """Run each named mutation in a scratch copy of the tree (``src``, ``tests``, ``pyproject.toml``):
+    the working tree is never edited, so nothing a mutation writes can be committed by accident."""
     env = dict(os.environ, PYTHONPATH="src", OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     for name in which:
         edits, tests = M[name]
-        saved = {}
-        try:
+        with tempfile.TemporaryDirectory(prefix=f"mutate-{name}-") as scratch:
+            tree = pathlib.Path(scratch)
+            for part in ("src", "tests"):
+                shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy2(ROOT / "pyproject.toml", tree / "pyproject.toml")
             for path, old, new in edits:
-                p = ROOT / path
-                text = saved.setdefault(path, p.read_text()) if path not in saved else p.read_text()
+                p = tree / path
+                text = p.read_text()
                 assert text.count(old) == 1, (name, path, old[:60], text.count(old))
                 p.write_text(text.replace(old, new))
             out = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=no", "-rf", *tests],
-                cwd=ROOT,
+                cwd=tree,
                 env=env,
                 capture_output=True,
                 text=True,
             ).stdout
-        finally:
-            for path, text in saved.items():
-                (ROOT / path).write_text(text)
         failed = [line.split(" ", 1)[1].split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED")]
         summary = out.strip().splitlines()[-1]
         print(f"## {name}: {summary}")

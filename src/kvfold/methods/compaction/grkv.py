@@ -595,7 +595,7 @@ class GRKV(MergingFolder):
             safeguard=self.safeguard,
         )
         # Fixed tokens (and heads that kept the base) stay bit-identical: only free rows are written.
-        changed = free & False
+        changed = free & (result.choice != _BASE)[..., None]
         new_keys = torch.where(changed[..., None], result.keys.to(keys0.dtype), keys0)
         new_values = torch.where(changed[..., None], result.values.to(values0.dtype), values0)
         layer.replace(new_keys, new_values, beta0, lengths=lengths)
