@@ -92,3 +92,15 @@ def test_the_report_files_and_the_scaling_plot_only_where_the_peak_was_measured(
     result["records"][1]["compress_peak_over_cache"] = 0.5
     write_bench_report(result, tmp_path)
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_scaling_plot_with_nothing_compressed_says_so_without_a_warning(tmp_path):
+    """Stock transformers and the full cache alone (a peak recorded, nothing compressed): the plot is
+    drawn with a note instead of an empty legend (which matplotlib warns about)."""
+    import warnings
+
+    result = {"model": "m", "records": [_record("full", compress_peak_over_cache=0.0), _record("stock")]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        write_bench_report(result, tmp_path)
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

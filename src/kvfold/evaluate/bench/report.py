@@ -192,6 +192,9 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
         axis.set_xlabel("context length (tokens)")
         axis.set_xscale("log", base=2)
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=7)
+        if series:
+            axis.legend(fontsize=7)
+        else:  # e.g. stock transformers only: nothing compressed
+            axis.text(0.5, 0.5, "no compression measured", ha="center", va="center", transform=axis.transAxes)
     fig.tight_layout()
     save_figure(fig, path)
