@@ -234,12 +234,9 @@ class FoldedLayer(CacheLayerMixin):
             stored rows keys and values are views of the cache (do not write to them).
         """
         n = self._length
-        keys = self._keys[:, :, :n]
-        values = self._values[:, :, :n]
-        if self._log_mass is None:
+        keys, values, log_mass = self.tail()
+        if log_mass is None:
             log_mass = torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
-        else:
-            log_mass = self._log_mass[:, :, :n]
         if self.stored is not None:  # the stored rows padded, then the tail (a copy of this layer)
             sk, sv, slm = self.stored_padded()
             if n == 0:
@@ -367,8 +364,7 @@ class FoldedLayer(CacheLayerMixin):
                 "lengths (e.g. after adakv). Use a one-shot method, or no per-head budgets, with online methods."
             )
         self._ensure_log_mass()
-        n = self._length
-        return self._keys[:, :, :n], self._values[:, :, :n], self._log_mass[:, :, :n]
+        return self.tail()
 
     def truncate(self, length: int) -> None:
         """Shrink a layer without stored rows to its first ``length`` slots (after an in-place compaction)."""

@@ -163,9 +163,12 @@ def box_nnls(
     delta = ridge_solve(gram, (corr - (gram @ w0[..., None])[..., 0])[..., None], ridge, ok)[..., 0]
     w = (w0 + delta).clamp(min=lower, max=upper)  # lines 1-5: B⁽⁰⁾ = clamp(lstsq)
     if iters > 0:
-        # line 9: L ≈ ‖M‖₂², of the used slots only (the unit diagonal of unused ones would
-        # otherwise cap the step of a problem padded to a wider group's width)
-        lipschitz = top_eigenvalue(gram * okf[..., :, None] * okf[..., None, :])
+        # line 9: L ≈ ‖M‖₂², of the used slots only: the unit diagonal of unused ones (which kept the
+        # factorisation above defined) would cap the step of a problem padded to a wider group's
+        # width. Cleared in place: this masked Gram is our own, and the steps below read the used
+        # rows only (an unused row's column is zero).
+        gram.diagonal(dim1=-2, dim2=-1).mul_(okf)
+        lipschitz = top_eigenvalue(gram)
         step = torch.where(lipschitz > 0, lipschitz.reciprocal(), torch.zeros_like(lipschitz))[..., None]
         for _ in range(iters):  # lines 11-18: g = Mᵀ(MB − y); B = Π(B − g/L)
             grad = (gram @ w[..., None])[..., 0] - corr
