@@ -247,6 +247,11 @@ def _rows_past_the_step(scene: Scene) -> None:
     scene.requests[2] = StepRequest(scene.tokens - 3, r.query_len, r.seq_len, r.file, r.blocks)
 
 
+def _rows_before_the_step(scene: Scene) -> None:
+    r = scene.requests[0]  # 5 rows from −6: read from the end, they would be the last request's and plain rows
+    scene.requests[0] = StepRequest(-6, r.query_len, r.seq_len, r.file, r.blocks)
+
+
 def _a_segment_past_its_chunk(scene: Scene) -> None:
     file = scene.requests[0].file
     file.segments[int(file.row_start[0]), 2] = file.plan.chunk_bytes - 4  # layer 0, head 0: its key codes
@@ -265,14 +270,98 @@ CORRUPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("corrupt", [*CORRUPTIONS, _a_chunk_that_is_not_the_files], ids=lambda f: f.__name__[1:])
+REFUSED = {
+    _blocks_past_the_engine: [1],
+    _a_sequence_past_its_block_table: [1],
+    _rows_past_the_step: [2],
+    _rows_before_the_step: [0],
+    _a_segment_past_its_chunk: [0, 2],  # their file's table
+    _a_chunk_that_is_not_the_files: [0],  # its blocks do not hold its file (a load that failed)
+}
+"""The requests each corruption makes unfit (by their index in the scene)."""
+
+
+@pytest.mark.parametrize("corrupt", list(REFUSED), ids=lambda f: f.__name__[1:])
 def test_the_release_build_refuses_what_does_not_fit_before_reading(corrupt):
+    """The whole call is refused (code 7) before anything is written; then each request alone says which."""
     scene = _scene("int4")
     corrupt(scene)
-    output = torch.zeros_like(scene.query)
-    with pytest.raises(RuntimeError, match="code 4"):
-        PoolStep(scene.engine, scene.requests).attend(0, scene.query, output)
-    assert not output.any()  # refused before anything was written
+    kernel, calls = native.attend_pool_kernel(), []
+    output = torch.full_like(scene.query, float("nan"))
+
+    class Recording:
+        openmp, debug = kernel.openmp, kernel.debug
+        workspace_floats = staticmethod(kernel.workspace_floats)
+
+        def attend(self, *args):
+            untouched = bool(output.isnan().all())
+            code = kernel.attend(*args)
+            calls.append((args[2], code, untouched and bool(output.isnan().all())))  # requests, code, unwritten
+            return code
+
+    PoolStep(scene.engine, scene.requests, kernel=Recording()).attend(0, scene.query, output)
+    assert calls[0] == (3, native.REQUEST_REFUSED, True)
+    assert [code for count, code, _ in calls[1:4]] == [
+        native.REQUEST_REFUSED if i in REFUSED[corrupt] else 0 for i in range(3)
+    ]  # one at a time
+    assert calls[4:] == [(3 - len(REFUSED[corrupt]), 0, False)]  # the fit ones again, in one call
+
+
+def _refusal_scene(corrupt) -> tuple[Scene, list[StepRequest], list[StepRequest]]:
+    """A scene with ``corrupt`` applied: the requests it makes unfit, and the others."""
+    scene = _scene("int4")
+    corrupt(scene)
+    unfit = [scene.requests[i] for i in REFUSED[corrupt]]
+    return scene, unfit, [r for r in scene.requests if all(r is not u for u in unfit)]
+
+
+@pytest.mark.parametrize("corrupt", list(REFUSED), ids=lambda f: f.__name__[1:])
+def test_a_request_that_does_not_fit_is_taken_out_of_the_step_and_the_others_are_attended(corrupt):
+    """The engine goes on: the unfit requests are returned and left out of the later layers' calls (one
+    call a layer again), their rows zeroed in every layer (whatever rows they claim); every other
+    request's rows are what they are alone, and the rows of no request are not written."""
+    scene, unfit, fit = _refusal_scene(corrupt)
+    step = PoolStep(scene.engine, scene.requests)
+    for layer in range(LAYERS):
+        output = torch.full_like(scene.query, float("nan"))
+        refused = step.attend(layer, scene.query, output)
+        assert refused == (unfit if layer == 0 else [])
+        assert step.requests == fit and step.refused == unfit
+        for request in fit:
+            rows = slice(request.query_start, request.query_start + request.query_len)
+            expected = attend_request_per_chunk(scene.engine, request, layer, scene.query[rows])
+            torch.testing.assert_close(output[rows], expected, rtol=2e-5, atol=2e-5)
+        claimed = torch.zeros(scene.tokens, dtype=torch.bool)
+        for request in unfit:  # zeroed in every layer (but for rows that a fit request claims too)
+            claimed[max(request.query_start, 0) : max(request.query_start + request.query_len, 0)] = True
+        for request in fit:
+            claimed[request.query_start : request.query_start + request.query_len] = False
+        assert not output[claimed].any()
+        for request in fit:
+            claimed[request.query_start : request.query_start + request.query_len] = True
+        assert bool(output[~claimed].isnan().all())  # no other row written
+
+
+def test_the_per_chunk_path_takes_out_a_request_whose_blocks_do_not_hold_its_file():
+    scene, unfit, fit = _refusal_scene(_a_chunk_that_is_not_the_files)
+    step = PoolStep(scene.engine, scene.requests)
+    step.kernel = None
+    output = torch.full_like(scene.query, float("nan"))
+    assert step.attend(0, scene.query, output) == unfit and step.requests == fit
+    for request in fit:
+        rows = slice(request.query_start, request.query_start + request.query_len)
+        expected = attend_request_per_chunk(scene.engine, request, 0, scene.query[rows])
+        torch.testing.assert_close(output[rows], expected)
+    assert not output[unfit[0].query_start : unfit[0].query_start + unfit[0].query_len].any()
+
+
+def test_a_call_the_kernel_refuses_as_a_whole_still_raises():
+    """An engine layout the kernel does not read is no request's fault: nothing is taken out."""
+    scene = _scene("int4")
+    step = PoolStep(scene.engine, scene.requests)
+    with pytest.raises(RuntimeError, match="code 8"):
+        step.attend(LAYERS, scene.query, torch.zeros_like(scene.query))  # a layer past the engine's
+    assert step.requests == scene.requests and step.refused == []
 
 
 @pytest.fixture

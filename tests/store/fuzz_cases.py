@@ -211,7 +211,8 @@ def attend_pooled(cache: Any, config: Any) -> str:
     query = torch.randn(own, int(config.num_attention_heads), dim, generator=g).to(dtype)
     for layer in range(layers):
         output = torch.zeros_like(query)
-        step.attend(layer, query, output)
+        if step.attend(layer, query, output):
+            raise RuntimeError(f"layer {layer}: the pool kernel refused a loaded file's request")
         if not bool(output.float().isfinite().all()):
             raise RuntimeError(f"layer {layer}: the pool kernel's output is not finite")
     return "pooled"

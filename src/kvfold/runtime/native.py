@@ -75,8 +75,14 @@ ERRORS = {
     4: "the row lengths do not fit the codes, scales or scratch space passed",
     5: "an index past a buffer (debug build)",
     6: "a workspace too small for the threads asked",
+    7: "a request does not fit the engine: its file, blocks, rows or chunk headers (its blocks may not hold its file)",
+    8: "an engine layout the pool kernel does not read (layer, dtype, block size or key layout)",
 }
-"""What the kernel's nonzero return codes mean."""
+"""What the kernels' nonzero return codes mean (4 is the codes kernel's; 7 and 8 the pool kernel's; 7
+refuses one or more requests of a call before anything is written, so the call can be made again without
+them: :meth:`kvfold.runtime.pool_attention.PoolStep.attend` does)."""
+REQUEST_REFUSED = 7
+"""The pool kernel's code for a request that does not fit (:data:`ERRORS`)."""
 _why_not: list[str] = []
 _pool_why_not: list[str] = []
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvfold.runtime.native import ERRORS, PoolKernel, attend_pool_kernel
-from kvfold.runtime.row_pool import ChunkLayout, PoolPlan, attend_layer, chunk_rows
+from kvfold.runtime.native import ERRORS, REQUEST_REFUSED, PoolKernel, attend_pool_kernel
+from kvfold.runtime.row_pool import ChunkLayout, PoolError, PoolPlan, attend_layer, chunk_rows
 from kvfold.runtime.value_rotation import value_rotation
 
 __all__ = [
@@ -345,35 +345,35 @@ class StepRequest:
 
 
 class PoolStep:
-    """A step's requests on files, as the kernel reads them (made once per step), and the call per layer."""
+    """A step's requests on files, as the kernel reads them (made once per step), and the call per layer.
+
+    A request the kernel refuses (:data:`~kvfold.runtime.native.REQUEST_REFUSED`: its blocks do not hold
+    its file's chunks, or its rows, blocks or file do not fit the engine) is taken out of the step: its
+    output rows are zeroed in this layer and every later one (finite, whatever the engine's buffer held),
+    the other requests are attended, and :meth:`attend` returns it, so that the caller ends that request
+    with an error rather than the whole engine stopping. The per-chunk path
+    refuses a request whose chunk headers are not its file's the same way.
+
+    Attributes:
+        refused: the requests taken out so far, in the order they were refused.
+    """
 
     def __init__(self, engine: EngineCaches, requests: Sequence[StepRequest], kernel: PoolKernel | None = None):
         self.engine = engine
         self.requests = list(requests)
+        self.refused: list[StepRequest] = []
         self.kernel = kernel if kernel is not None else attend_pool_kernel()
         for request in self.requests:
             if request.blocks.dtype != torch.int32 or request.blocks.stride(-1) != 1:
                 raise ValueError("a request's block table row must be a contiguous int32 tensor")
-        self._table = (KernelRequest * len(self.requests))(
-            *[
-                KernelRequest(
-                    query_start=r.query_start,
-                    query_len=r.query_len,
-                    seq_len=r.seq_len,
-                    file=ctypes.addressof(r.file.struct),
-                    blocks=r.blocks.data_ptr(),
-                    num_block_ids=r.blocks.numel(),
-                )
-                for r in self.requests
-            ]
-        )
+        self._table = _kernel_table(self.requests)
 
     @property
     def native(self) -> bool:
         """Whether the compiled kernel runs (else the per-chunk PyTorch path)."""
         return self.kernel is not None
 
-    def attend(self, layer: int, query: Tensor, output: Tensor) -> None:
+    def attend(self, layer: int, query: Tensor, output: Tensor) -> list[StepRequest]:
         """Write every request's rows of ``output`` ``(tokens, q_heads, D)`` for ``layer``: one kernel call.
 
         Args:
@@ -382,27 +382,96 @@ class PoolStep:
                 engine's dtype, its last dimension contiguous.
             output: like ``query``; only the requests' rows are written.
 
+        Returns:
+            The requests refused in this call (class docstring): their rows are zeros, here and in the
+            step's later layers, where they are not attended. Empty when every request was attended.
+
         Raises:
-            RuntimeError: the kernel refused its arguments (a request, block or table that does not fit).
+            RuntimeError: the kernel refused the call itself (an engine layout or size it does not read).
         """
+        for request in self.refused:
+            output[_rows(request)] = 0
         if not self.requests:
-            return
+            return []
         if self.kernel is None:
+            done, refused = [], []
             for request in self.requests:
-                rows = slice(request.query_start, request.query_start + request.query_len)
-                output[rows] = attend_request_per_chunk(self.engine, request, layer, query[rows]).to(output.dtype)
-            return
+                rows = _rows(request)
+                try:
+                    done.append((rows, attend_request_per_chunk(self.engine, request, layer, query[rows])))
+                except PoolError:
+                    refused.append(request)
+            refused = self._refuse(refused, output)
+            for rows, out in done:
+                output[rows] = out.to(output.dtype)
+            return refused
         engine = self.engine
         dtypes_fit = query.dtype == engine.dtype and output.dtype == engine.dtype
         if not dtypes_fit or query.stride(-1) != 1 or output.stride(-1) != 1:
             raise ValueError("the query and output must be in the engine's dtype, their last dimension contiguous")
-        code = self.kernel.attend(
-            ctypes.byref(engine.struct(self.kernel)), self._table, len(self.requests), layer, query.shape[0],
+        code = self._call(self._table, len(self.requests), layer, query, output)
+        if code != REQUEST_REFUSED:
+            _raise_for(code)
+            return []
+        refused = []  # nothing was written: each request alone says which do not fit
+        for request in self.requests:
+            code = self._call(_kernel_table([request]), 1, layer, query, output)
+            if code == REQUEST_REFUSED:
+                refused.append(request)
+            else:
+                _raise_for(code)
+        refused = self._refuse(refused, output)
+        if self.requests:  # again without them, after their rows were zeroed (whatever rows they claimed)
+            _raise_for(self._call(self._table, len(self.requests), layer, query, output))
+        return refused
+
+    def _call(self, table, count: int, layer: int, query: Tensor, output: Tensor) -> int:
+        return self.kernel.attend(
+            ctypes.byref(self.engine.struct(self.kernel)), table, count, layer, query.shape[0],
             query.data_ptr(), query.stride(0), query.stride(1), output.data_ptr(), output.stride(0), output.stride(1),
         )  # fmt: skip
-        if code:
-            why = ERRORS.get(code, "unknown")
-            raise RuntimeError(f"the pool-attention kernel refused its arguments (code {code}: {why})")
+
+    def _refuse(self, refused: list[StepRequest], output: Tensor) -> list[StepRequest]:
+        """Zero ``refused``'s rows and take them out of the step."""
+        if not refused:
+            return []
+        for request in refused:
+            output[_rows(request)] = 0
+        gone = {id(request) for request in refused}
+        self.requests = [request for request in self.requests if id(request) not in gone]
+        self._table = _kernel_table(self.requests)
+        self.refused.extend(refused)
+        return refused
+
+
+def _kernel_table(requests: Sequence[StepRequest]) -> ctypes.Array:
+    """The kernel's table of ``requests``."""
+    return (KernelRequest * len(requests))(
+        *[
+            KernelRequest(
+                query_start=r.query_start,
+                query_len=r.query_len,
+                seq_len=r.seq_len,
+                file=ctypes.addressof(r.file.struct),
+                blocks=r.blocks.data_ptr(),
+                num_block_ids=r.blocks.numel(),
+            )
+            for r in requests
+        ]
+    )
+
+
+def _rows(request: StepRequest) -> slice:
+    """A request's rows of the step's query and output (clipped at 0: a refused request's may not fit)."""
+    start = max(request.query_start, 0)
+    return slice(start, max(request.query_start + request.query_len, start))
+
+
+def _raise_for(code: int) -> None:
+    """Nothing for 0; else the kernel's refusal as a RuntimeError."""
+    if code:
+        why = ERRORS.get(code, "unknown")
+        raise RuntimeError(f"the pool-attention kernel refused its arguments (code {code}: {why})")
 
 
 # ------------------------------------------------------------------------------------------ the reference

@@ -87,7 +87,8 @@ def test_plain_requests_alone_in_cpu_attn_and_one_kernel_call_a_layer_for_the_fi
                                            v_scale=1.0, kv_cache_dtype="auto")  # fmt: skip
     metadata = _metadata(query_lens, seq_lens, table)
     query = torch.randn(sum(query_lens), Q_HEADS, D, generator=g)
-    monkeypatch.setattr(backend, "_active_pools", lambda: {firsts[1]: served})
+    file_blocks = tuple(table[1, : placeholders // BLOCK].tolist())
+    monkeypatch.setattr(backend, "_active_pools", lambda: {file_blocks: served})
     monkeypatch.setattr(backend, "layer_caches", lambda: caches)
     seen, calls = [], []
     original = CPUAttentionBackendImpl.forward
@@ -125,6 +126,63 @@ def test_plain_requests_alone_in_cpu_attn_and_one_kernel_call_a_layer_for_the_fi
         torch.testing.assert_close(output[1:2], expected, rtol=2e-5, atol=2e-5)
     assert seen == [[40, 5]] * LAYERS  # CPU_ATTN never saw the request on the file
     assert calls == list(range(LAYERS))  # one kernel call a layer
+
+
+def test_requests_are_found_by_all_the_blocks_that_hold_their_file():
+    """Requests that share a file's first block (the prefix cache) are told apart by the rest: one whose
+    second block no load of its file wrote is not active, and is not read as the file."""
+    table = torch.tensor([[7, 8, 30], [7, 9, 31], [5, 6, 32], [7, 8, 33]], dtype=torch.int32)
+    pool = object()
+    assert backend.requests_on_files({(7, 8): pool}, table) == [(0, pool), (3, pool)]
+    assert backend.requests_on_files({}, table) == []
+
+
+def test_a_request_whose_blocks_do_not_hold_its_file_fails_and_the_step_goes_on(impl, monkeypatch):
+    """Two requests on one file, the second's blocks not holding it (a load that failed): the forward does
+    not raise, the first is answered as alone, and the second's last file block is reported once, so
+    that vLLM ends it."""
+    g = torch.Generator().manual_seed(1)
+    caches = [torch.zeros(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * D) for _ in range(LAYERS)]
+    lengths = torch.tensor([700, 7, 330])
+    n = int(lengths.max())
+    rows = [
+        QuantizedRows.from_padded(torch.randn(KV_HEADS, n, D, generator=g), torch.randn(KV_HEADS, n, D, generator=g),
+                                  torch.randn(KV_HEADS, n, generator=g), lengths, QuantConfig.parse("int4"))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    plan, chunks = pack_pool(rows, KV_HEADS * BLOCK * 2 * D * 4)
+    file_blocks = math.ceil(plan.num_chunks / LAYERS)
+    assert file_blocks >= 2  # its first and last file blocks differ
+    placeholders = file_blocks * BLOCK
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    served = SimpleNamespace(kernel_file=pooled_file(plan, placeholders, 500, inv_freq))
+    table = torch.zeros(2, 6, dtype=torch.int32)
+    table[0, : file_blocks + 1] = torch.arange(0, file_blocks + 1)
+    table[1, : file_blocks + 1] = torch.arange(20, 21 + file_blocks)
+    for c in range(plan.num_chunks):  # the first request's blocks hold the file; the second's do not
+        caches[c % LAYERS][int(table[0, c // LAYERS])].view(-1).view(torch.uint8).copy_(chunks[c])
+    for layer in range(LAYERS):
+        caches[layer][int(table[0, file_blocks])] = torch.randn(KV_HEADS, BLOCK, 2 * D, generator=g)
+        caches[layer][int(table[1, file_blocks])] = torch.randn(KV_HEADS, BLOCK, 2 * D, generator=g)
+    seq_lens = [placeholders + 3, placeholders + 3]
+    metadata = _metadata([1, 1], seq_lens, table)
+    query = torch.randn(2, Q_HEADS, D, generator=g)
+    active = {tuple(table[r, :file_blocks].tolist()): served for r in range(2)}
+    monkeypatch.setattr(backend, "_active_pools", lambda: active)
+    monkeypatch.setattr(backend, "layer_caches", lambda: caches)
+    reported = []
+    monkeypatch.setattr(backend, "_report_refused", reported.append)
+    engine = EngineCaches(caches, Q_HEADS, D**-0.5)
+    for layer in range(LAYERS):
+        attention = SimpleNamespace(isa="vec", layer_name=f"model.layers.{layer}.self_attn.attn")
+        impl._layer_index = None
+        output = torch.full_like(query, float("nan"))
+        impl.forward(attention, query, None, None, caches[layer], metadata, output)
+        request = StepRequest(0, 1, seq_lens[0], served.kernel_file, table[0])
+        expected = attend_request_per_chunk(engine, request, layer, query[0:1])
+        torch.testing.assert_close(output[0:1], expected, rtol=2e-5, atol=2e-5)
+        assert not output[1].any()  # zeroed, in every layer
+    assert reported == [[int(table[1, file_blocks - 1])]]  # its last file block, once
 
 
 def test_a_step_without_requests_on_files_is_cpu_attn_as_it_is(impl, monkeypatch):

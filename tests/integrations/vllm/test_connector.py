@@ -8,7 +8,10 @@
 * chunk ``c`` of a file lands in block ``c // L`` of layer ``c % L``, and every scheduled request on a
   file is sent by its first block, and given to the backend from the metadata bound for the step;
 * a block that held a file's bytes is zeroed in every layer before a request without a file gets it
-  (once), never under a request on a file.
+  (once), never under a request on a file;
+* a block is read as a file's only if the worker's last write to it was a successful load of that file
+  at that place: the blocks of a failed load, a zeroed block or one another file's load wrote since fail
+  the request that would read them, even once the file is readable again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from kvfold.integrations.vllm import connector
-from kvfold.integrations.vllm.connector import FileRef, KvfoldConnector, KvfoldConnectorMetadata, LoadSpec
+from kvfold.integrations.vllm.connector import (
+    POOLS_KEPT,
+    FileRef,
+    KvfoldConnector,
+    KvfoldConnectorMetadata,
+    LoadSpec,
+)
 from kvfold.integrations.vllm.settings import EXTRA_CACHES, EXTRA_SHIFT
 
 BLOCK = 32
@@ -113,15 +122,15 @@ def test_a_resumed_request_with_its_blocks_loads_into_the_new_ones(tmp_path):
 def test_every_scheduled_request_on_a_file_is_sent_by_its_first_block(tmp_path):
     conn = _connector(tmp_path, KVConnectorRole.SCHEDULER)
     _allocate(conn, "a", [7, 8])
-    meta = conn.build_connector_meta(_output(new={"a": [7, 8]}))
-    assert {first: ref.name for first, ref in meta.active.items()} == {7: "doc"}
-    assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active.keys() == {7}  # still running
-    assert conn.build_connector_meta(_output()).active == {}  # not scheduled this step
+    meta = conn.build_connector_meta(_output(new={"a": [7, 8, 9]}))
+    assert [(ref.name, ref.blocks) for ref in meta.active] == [("doc", (7, 8))]  # not the question's block 9
+    assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active == meta.active  # running
+    assert conn.build_connector_meta(_output()).active == []  # not scheduled this step
     # preempted, then resumed in new blocks: sent by its new first block
     meta = conn.build_connector_meta(_output(cached=["a"], resumed=["a"], cached_blocks=[([11, 12],)]))
-    assert meta.active.keys() == {11}
+    assert [ref.blocks for ref in meta.active] == [(11, 12)]
     conn.request_finished(_request("a"), [11, 12])
-    assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active == {}
+    assert conn.build_connector_meta(_output(cached=["a"], cached_blocks=[None])).active == []
 
 
 def test_a_block_that_held_a_file_is_scrubbed_once_before_a_request_without_a_file_gets_it(tmp_path):
@@ -139,7 +148,7 @@ def test_a_block_that_held_a_file_is_scrubbed_once_before_a_request_without_a_fi
 
 
 class _Layer:
-    def __init__(self, blocks: int = 4, cache: bool = True) -> None:
+    def __init__(self, blocks: int = 40, cache: bool = True) -> None:
         self.kv_cache = torch.zeros(blocks, HEADS, BLOCK, 2 * WIDTH) if cache else torch.tensor([])
 
 
@@ -177,6 +186,25 @@ def _layers(count: int = LAYERS, **bad) -> dict:
     return {f"model.layers.{i}.self_attn.attn": bad.get(str(i), _Layer()) for i in range(count)}
 
 
+def _ref(first: int, name: str = "doc", checksum: str = "abc", slots: int = SLOTS) -> FileRef:
+    """A request's file as the scheduler side sends it, held in blocks ``first, first + 1``."""
+    return FileRef(name, checksum, slots, (first, first + 1))
+
+
+def _spec(ref: FileRef, start: int = 0) -> LoadSpec:
+    """The load of ``ref``'s file into its blocks, from slot ``start``."""
+    return LoadSpec(req_id=f"r{ref.blocks[0]}", name=ref.name, checksum=ref.checksum, slots=ref.slots, start=start,
+                    count=ref.slots - start, block_ids=list(ref.blocks))  # fmt: skip
+
+
+def _load_ref(conn: KvfoldConnector, ref: FileRef, context: SimpleNamespace, start: int = 0) -> set[int]:
+    """A load of ``ref``'s file into its blocks, in a step of its own; the load errors reported."""
+    conn.clear_connector_metadata()
+    conn.bind_connector_metadata(KvfoldConnectorMetadata(loads=[_spec(ref, start)]))
+    conn.start_load_kv(context)
+    return conn.get_block_ids_with_load_errors()
+
+
 def test_chunk_c_is_written_to_block_c_over_layers_of_layer_c_mod_layers(worker):
     layers = _layers()
     assert _load(worker, {"model.norm": torch.nn.Identity(), **layers}) == set()
@@ -190,11 +218,13 @@ def test_chunk_c_is_written_to_block_c_over_layers_of_layer_c_mod_layers(worker)
 
 def test_the_requests_on_files_are_given_to_the_backend_from_the_bound_metadata(worker):
     assert worker.active_pools() == {}  # no metadata bound
-    ref = FileRef("doc", "abc", SLOTS)
-    worker.bind_connector_metadata(KvfoldConnectorMetadata(active={7: ref, 9: FileRef("doc", "abc", SLOTS + 32)}))
+    ref = _ref(7)
+    assert _load_ref(worker, ref, SimpleNamespace(no_compile_layers=_layers())) == set()
+    worker.clear_connector_metadata()
+    worker.bind_connector_metadata(KvfoldConnectorMetadata(active=[ref, _ref(9, slots=SLOTS + 32)]))
     active = worker.active_pools()
-    assert list(active) == [7]  # a request whose slots do not match the file is not read as that file
-    assert active[7].placeholders == SLOTS
+    assert list(active) == [(7, 8)]  # a request whose slots do not match the file is not read as that file
+    assert active[(7, 8)].placeholders == SLOTS
     worker.clear_connector_metadata()
     worker.bind_connector_metadata(KvfoldConnectorMetadata())
     assert worker.active_pools() == {}  # the next step's metadata, not the last one's
@@ -250,50 +280,53 @@ def files(tmp_path, monkeypatch):
         (tmp_path / f"{name}.kvc").write_text(checksum)
 
     conn = _connector(tmp_path, KVConnectorRole.WORKER)
+    conn.context = SimpleNamespace(no_compile_layers=_layers())  # the forward context of its loads
     return conn, write, reads
 
 
-def _step(conn: KvfoldConnector, active: dict[int, FileRef]) -> tuple[dict, set[int]]:
-    """One step's requests on files as the backend gets them, and the load errors reported."""
+def _step(conn: KvfoldConnector, refs: list[FileRef], loads: tuple[FileRef, ...] = ()) -> tuple[dict, set[int]]:
+    """One step: its requests on files ``refs`` as the backend gets them (by their file blocks), after the
+    loads of ``loads`` (the step's new requests), and the load errors reported."""
     conn.clear_connector_metadata()
-    conn.bind_connector_metadata(KvfoldConnectorMetadata(active=active))
+    meta = KvfoldConnectorMetadata(loads=[_spec(ref) for ref in loads], active=list(refs))
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(conn.context)
     return conn.active_pools(), conn.get_block_ids_with_load_errors()
 
 
 def test_a_file_replaced_while_a_request_answers_from_it_is_still_the_one_it_loaded(files):
     """The pool of a request in progress stays in memory however many other files its steps read (more
     than the worker keeps), so the file on disk may change under it."""
-    from kvfold.integrations.vllm.connector import POOLS_KEPT
-
     conn, write, reads = files
     write("doc", "first")
-    answering = {7: FileRef("doc", "first", SLOTS)}
-    assert list(_step(conn, answering)[0]) == [7]
+    answering = _ref(7, checksum="first")
+    assert list(_step(conn, [answering], loads=(answering,))[0]) == [(7, 8)]
     write("doc", "second")  # replaced on disk, as a user may
-    others = {}
+    others = []
     for i in range(POOLS_KEPT + 1):  # other requests, on more files than the worker keeps, in the same steps
         write(f"other{i}", f"c{i}")
-        others[20 + i] = FileRef(f"other{i}", f"c{i}", SLOTS)
-    for _ in range(3):
-        active, failed = _step(conn, {**answering, **others})
-        assert sorted(active) == [7, *others] and failed == set()
+        others.append(_ref(20 + 2 * i, f"other{i}", f"c{i}"))
+    for step in range(3):
+        active, failed = _step(conn, [answering, *others], loads=tuple(others) if step == 0 else ())
+        assert sorted(active) == [(7, 8), *(ref.blocks for ref in others)] and failed == set()
     assert reads.count("doc") == 1
 
 
 def test_a_request_whose_file_is_gone_in_the_middle_of_its_answer_fails(files):
     """Its pool left memory (the request was not scheduled for a while) and the file on disk changed:
     its first block is a load error, so vLLM ends it instead of going on without its file."""
-    from kvfold.integrations.vllm.connector import POOLS_KEPT
-
     conn, write, _ = files
     write("doc", "first")
-    assert list(_step(conn, {7: FileRef("doc", "first", SLOTS)})[0]) == [7]
+    first = _ref(7, checksum="first")
+    assert list(_step(conn, [first], loads=(first,))[0]) == [(7, 8)]
     for i in range(POOLS_KEPT + 1):  # steps without it: its pool is not kept
         write(f"other{i}", f"c{i}")
-        _step(conn, {20 + i: FileRef(f"other{i}", f"c{i}", SLOTS)})
+        other = _ref(20 + 2 * i, f"other{i}", f"c{i}")
+        _step(conn, [other], loads=(other,))
     write("doc", "second")
-    active, failed = _step(conn, {7: FileRef("doc", "first", SLOTS), 9: FileRef("doc", "second", SLOTS)})
-    assert list(active) == [9] and failed == {7}
+    assert _load_ref(conn, _ref(9, checksum="second"), conn.context) == set()
+    active, failed = _step(conn, [_ref(7, checksum="first"), _ref(9, checksum="second")])
+    assert list(active) == [(9, 10)] and failed == {8}  # the first request's last file block
 
 
 def test_a_file_is_kept_by_its_content_under_any_name(files):
@@ -302,5 +335,69 @@ def test_a_file_is_kept_by_its_content_under_any_name(files):
     conn, write, reads = files
     write("code", "first")
     write("swap", "second")  # a copy of "code" when it was checked; replaced since
-    active, failed = _step(conn, {5: FileRef("code", "first", SLOTS), 7: FileRef("swap", "first", SLOTS)})
-    assert sorted(active) == [5, 7] and failed == set() and reads == ["code"]
+    refs = [_ref(5, "code", "first"), _ref(7, "swap", "first")]
+    active, failed = _step(conn, refs, loads=tuple(refs))
+    assert sorted(active) == [(5, 6), (7, 8)] and failed == set() and reads == ["code"]
+
+
+def test_the_blocks_of_a_failed_load_are_not_read_as_the_file_once_it_is_readable_again(files):
+    """``swap`` was checked as "first" and replaced by "second" before its load, so the load fails; vLLM
+    ends the request only once it has handled the step's errors, and meanwhile schedules it again (or
+    gives its blocks, still in the prefix cache, to another request on "first"). By then "first" is back
+    on disk: its blocks, never written, must not be read as "first"."""
+    conn, write, reads = files
+    write("swap", "second")
+    request = _ref(7, "swap", "first")
+    assert _load_ref(conn, request, conn.context) == {7, 8}
+    write("swap", "first")  # restored
+    active, failed = _step(conn, [request])
+    assert active == {} and failed == {7}
+    assert reads == ["swap", "swap"]  # the file is readable: only the blocks tell
+    active, failed = _step(conn, [request], loads=(request,))  # loaded again: read as the file
+    assert list(active) == [(7, 8)] and failed == set()
+
+
+def test_a_partial_prefix_hit_whose_load_fails_reports_only_the_blocks_it_was_to_write(files):
+    """A request that found the file's first block in the prefix cache (another request answers from it)
+    and whose load of the rest failed: only the rest is reported, so vLLM ends it and not the request that
+    shares its first block; and it is not read as the file while it is still scheduled."""
+    conn, write, _ = files
+    write("doc", "first")
+    assert _load_ref(conn, _ref(7, checksum="first"), conn.context) == set()
+    write("doc", "second")
+    for i in range(POOLS_KEPT + 1):  # "first" leaves the worker's memory
+        write(f"other{i}", f"c{i}")
+        _load_ref(conn, _ref(20 + 2 * i, f"other{i}", f"c{i}"), conn.context)
+    sharing = FileRef("doc", "first", SLOTS, (7, 9))  # block 7 from the prefix cache, block 9 to load
+    assert _load_ref(conn, sharing, conn.context, start=BLOCK) == {9}
+    write("doc", "first")
+    active, failed = _step(conn, [_ref(7, checksum="first"), sharing])
+    assert list(active) == [(7, 8)]  # the first request ...
+    assert failed == {9}  # ... not the second: its block that no load wrote is reported, not the one they share
+
+
+@pytest.mark.parametrize("how", ["zeroed", "another-file"])
+def test_a_block_written_since_its_load_is_no_longer_read_as_the_file(files, monkeypatch, how):
+    conn, write, _ = files
+    monkeypatch.setattr(connector, "_forward_context", lambda: conn.context)
+    write("doc", "first")
+    request = _ref(7, checksum="first")
+    assert list(_step(conn, [request], loads=(request,))[0]) == [(7, 8)]
+    if how == "zeroed":  # given to a request without a file
+        conn.bind_connector_metadata(KvfoldConnectorMetadata(scrub=[8]))
+    else:
+        write("other", "c")
+        assert _load_ref(conn, _ref(8, "other", "c"), conn.context) == set()
+    active, failed = _step(conn, [request])
+    assert active == {} and failed == {8}
+
+
+def test_a_request_refused_by_the_kernel_fails_and_its_blocks_are_no_longer_the_files(files):
+    conn, write, _ = files
+    write("doc", "first")
+    request = _ref(7, checksum="first")
+    assert list(_step(conn, [request], loads=(request,))[0]) == [(7, 8)]
+    conn.fail_blocks([8])  # the backend's report: the request's last file block
+    assert conn.get_block_ids_with_load_errors() == {8}
+    active, failed = _step(conn, [request])
+    assert active == {} and failed == {8}

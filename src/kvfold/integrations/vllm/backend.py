@@ -13,17 +13,20 @@ the requests on files taken out of its call: once a step, the step's requests on
 ``CPU_ATTN``; then, in every layer, ``CPU_ATTN`` attends the other requests and one call of kvfold's
 pool kernel attends all the requests on files (:mod:`kvfold.runtime.pool_attention`): each file's
 rows read where they lie, in one running softmax with the request's own tokens (question, answer)
-read straight from the blocks vLLM wrote them to, no placeholder slot attended. The file's keys keep the
-positions the context gave them: the question's queries, at served positions ``P + j``, are turned by
-``T − P`` to the positions ``T + j`` they have in ``kvfold ask`` (RoPE logits depend only on the
-difference of positions). A request that names no file is vLLM's own attention, at vLLM's bytes.
+read straight from the blocks vLLM wrote them to, no placeholder slot attended. A request whose blocks
+the kernel refuses (they do not hold its file's chunks) is taken out of the step and reported to the
+connector as a load error: vLLM ends it with an error, and the engine and the step's other requests go
+on. The file's keys keep the positions the context gave them: the question's queries, at served
+positions ``P + j``, are turned by ``T − P`` to the positions ``T + j`` they have in ``kvfold ask``
+(RoPE logits depend only on the difference of positions). A request that names no file is vLLM's own
+attention, at vLLM's bytes.
 
-Which requests are on files: the scheduler side of the connector sends, every step, the first block of
-each scheduled request on a file, in the connector metadata vLLM binds to the worker before the
-forward; the backend asks the connector (:meth:`KvfoldConnector.active_pools
-<kvfold.integrations.vllm.connector.KvfoldConnector.active_pools>`). A request's first block is its
-own while it runs. (vLLM starts a step's connector work after the forward when the step has no load
-to wait for, so nothing may be handed over there.)
+Which requests are on files: the scheduler side of the connector sends, every step, the blocks that
+hold the file of each scheduled request on a file, in the connector metadata vLLM binds to the worker
+before the forward; the backend asks the connector (:meth:`KvfoldConnector.active_pools
+<kvfold.integrations.vllm.connector.KvfoldConnector.active_pools>`) and finds the requests whose block
+table rows begin with those blocks (:func:`requests_on_files`). (vLLM starts a step's connector work
+after the forward when the step has no load to wait for, so nothing may be handed over there.)
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ from kvfold.integrations.vllm.pool_layout import ServedPool
 from kvfold.runtime.native import attend_pool_kernel, pool_status
 from kvfold.runtime.pool_attention import EngineCaches, PoolStep, StepRequest
 
-__all__ = ["KvfoldAttentionBackend", "KvfoldAttentionImpl", "layer_caches"]
+__all__ = ["KvfoldAttentionBackend", "KvfoldAttentionImpl", "layer_caches", "requests_on_files"]
 logger = logging.getLogger("kvfold.vllm")
 
 
-def _active_pools() -> dict[int, ServedPool]:
-    """This step's requests on files, by their first block, from the bound connector metadata."""
+def _active_pools() -> dict[tuple[int, ...], ServedPool]:
+    """This step's requests on files, by the blocks that hold their file, from the bound connector metadata."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
@@ -51,6 +54,34 @@ def _active_pools() -> dict[int, ServedPool]:
     connector = get_kv_transfer_group()
     active = getattr(connector, "active_pools", None)
     return active() if active is not None else {}
+
+
+def _report_refused(block_ids: list[int]) -> None:
+    """Tell the connector that requests holding these blocks were refused by the pool kernel (their blocks
+    do not hold their file): it reports the blocks as load errors, and vLLM ends the requests."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        fail = getattr(get_kv_transfer_group(), "fail_blocks", None)
+        if fail is not None:
+            fail(block_ids)
+
+
+def requests_on_files(active: dict[tuple[int, ...], ServedPool], table: torch.Tensor) -> list[tuple[int, ServedPool]]:
+    """The step's requests on files: ``(row, pool)`` for each row of the block table ``table`` whose first
+    blocks are those of an active file (requests sharing a file's blocks are one entry of ``active``)."""
+    if not active:
+        return []
+    by_first: dict[int, list[tuple[list[int], ServedPool]]] = {}
+    for blocks, served in active.items():
+        by_first.setdefault(blocks[0], []).append((list(blocks), served))
+    found = []
+    for row, first in enumerate(table[:, 0].tolist()):
+        for blocks, served in by_first.get(first, ()):
+            if table[row, : len(blocks)].tolist() == blocks:
+                found.append((row, served))
+                break
+    return found
 
 
 def key_positions(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> torch.Tensor:
@@ -146,7 +177,12 @@ class KvfoldAttentionImpl(CPUAttentionBackendImpl):
             from vllm.model_executor.models.utils import extract_layer_index
 
             self._layer_index = extract_layer_index(layer.layer_name)
-        step.pool.attend(self._layer_index, query, output)
+        refused = step.pool.attend(self._layer_index, query, output)
+        if refused:  # their blocks do not hold their file: they end with an error, the engine goes on
+            ends = [int(r.blocks[r.file.placeholders // step.pool.engine.block_size - 1]) for r in refused]
+            logger.error("kvfold: the pool kernel refused the requests whose files end in blocks %s (layer %d): "
+                         "their blocks do not hold their file; they fail", ends, self._layer_index)  # fmt: skip
+            _report_refused(ends)
         return output
 
     def _step(self, layer, attn_metadata, kv_cache: torch.Tensor) -> _Step:
@@ -155,10 +191,8 @@ class KvfoldAttentionImpl(CPUAttentionBackendImpl):
         step = _Shared.step
         if step is not None and step.metadata is attn_metadata:
             return step
-        active = _active_pools()
         num_reqs = len(attn_metadata.seq_lens)
-        firsts = attn_metadata.block_table[:num_reqs, 0].tolist() if active else []
-        on_files = [(i, active[first]) for i, first in enumerate(firsts) if first in active]
+        on_files = requests_on_files(_active_pools(), attn_metadata.block_table[:num_reqs])
         if not on_files:
             _Shared.step = _Step(attn_metadata, None, None, None)
             return _Shared.step

@@ -16,20 +16,31 @@ synchronous load). kvfold's attention backend (:mod:`kvfold.integrations.vllm.ba
   plus its question's and answer's. ``request_finished`` reports vLLM's count in the response's
   ``kv_transfer_params`` (``kvfold_blocks``) with ``kvfold_block_bytes``, the bytes one block holds
   over every layer.
-* Every step, the scheduler side sends the first block of each scheduled request on a file; the
-  backend asks the worker side for them (:meth:`KvfoldConnector.active_pools`) during the forward and
-  recomputes those requests' attention. A request's first block is its own while it runs.
+* Every step, the scheduler side sends each scheduled request on a file with the blocks that hold
+  its file (:class:`FileRef`); the backend asks the worker side for them
+  (:meth:`KvfoldConnector.active_pools`, by those blocks) during the forward, finds each request by
+  its block table row and recomputes those requests' attention. Requests that share the file's blocks
+  (the prefix cache) are one entry.
 * Prefix caching: the placeholder ids are the same for every file of one size, so requests are
   salted with their file's checksum (``cache_salt``); a local prefix hit (the same file, asked
   again) shares the blocks that hold it.
 * Preemption: a preempted request loses its blocks and starts again from no computed token; the
   scheduler then asks the connector again, the file is written again into the new blocks, and the
-  new first block is sent.
+  new blocks are sent.
 * A load that fails (the file changed or vanished since it was checked, does not match the
-  request, or the model's layers do not match the file's) reports the request's blocks as failed,
-  and vLLM's ``kv_load_failure_policy="fail"`` (``kvfold serve`` sets it) ends that request with an
-  error; the engine goes on. So does a resumed request scheduled without its block list: its blocks
-  (as allocated) are reported failed instead of its placeholders being computed as text.
+  request, or the model's layers do not match the file's) reports the blocks it was to write as
+  failed, and vLLM's ``kv_load_failure_policy="fail"`` (``kvfold serve`` sets it) ends that request
+  with an error; the engine goes on. So does a resumed request scheduled without its block list: its
+  blocks (as allocated) are reported failed instead of its placeholders being computed as text.
+* A block is read as a file's only if this worker's last write to it was a successful load of that
+  file at that place: the worker remembers what each load wrote (with the file's checksum), and a
+  request with a block that no load of its file wrote fails, that block reported
+  (:meth:`KvfoldConnector.missing_block`). Until vLLM has handled a failed load's errors, its blocks
+  stay in the prefix cache under the file's salt, and the request itself (scheduled again before
+  those errors are handled) or another on the same file could be given them. A request the pool
+  kernel refuses fails the same way, its last file block reported (:meth:`KvfoldConnector.fail_blocks`).
+  A reported block ends every request that holds it among its computed blocks, so the block chosen is
+  one that only requests reading the same bytes share.
 * A load is sent to the worker in the step that schedules its request. One allocated but not
   scheduled in that step is kept until a step schedules the request or the request finishes.
 * A block that held a file's bytes is zeroed before a request that names no file gets it. The bytes
@@ -93,20 +104,22 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class FileRef:
-    """A request's file as the scheduler side knows it: name, checksum and placeholder slots."""
+    """A request's file as the scheduler side knows it: name, checksum, placeholder slots and, once
+    allocated, the request's blocks that hold the file (``blocks``, its first ``slots / block_size``)."""
 
     name: str
     checksum: str
     slots: int
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass
 class KvfoldConnectorMetadata(KVConnectorMetadata):
-    """The loads of one step, the scheduled requests on files by their first block, and the blocks to
-    zero before the step (they held a file's bytes and now belong to a request without a file)."""
+    """The loads of one step, its scheduled requests on files (with their file blocks), and the blocks
+    to zero before the step (they held a file's bytes and now belong to a request without a file)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
-    active: dict[int, FileRef] = field(default_factory=dict)
+    active: list[FileRef] = field(default_factory=list)
     scrub: list[int] = field(default_factory=list)
 
 
@@ -162,7 +175,6 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._pending: dict[str, _Pending] = {}
         self._to_load: dict[str, _Pending] = {}
         self._files: dict[str, FileRef] = {}  # every request on a file, until it finishes
-        self._first_block: dict[str, int] = {}
         self._file_blocks: set[int] = set()  # blocks a load was sent into, not zeroed since
         # worker side
         self._pools: OrderedDict[tuple[str, bool], Any] = OrderedDict()  # by checksum: a file's content
@@ -170,6 +182,7 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._active: dict[int, Any] = {}
         self._pinned: set[tuple[str, bool]] = set()  # the pools of the bound step's requests
         self._failed_blocks: set[int] = set()
+        self._held: dict[int, tuple[str, int]] = {}  # block -> (checksum, index among the file's blocks) loaded
         self._lock = threading.Lock()
 
     # ================================================================ scheduler side
@@ -225,7 +238,7 @@ class KvfoldConnector(KVConnectorBase_V1):
         for req_id in self._to_load:
             logger.warning("request %s: kvfold load allocated but not scheduled; kept for a later step", req_id)
         self._pending.clear()
-        self._publish_first_blocks(scheduler_output, meta)
+        self._publish_files(scheduler_output, meta)
         meta.scrub = self._blocks_to_scrub(scheduler_output)
         for load in meta.loads:  # written this step, after the scrub
             self._file_blocks.update(load.block_ids)
@@ -247,21 +260,26 @@ class KvfoldConnector(KVConnectorBase_V1):
         self._file_blocks.difference_update(scrub)
         return scrub
 
-    def _publish_first_blocks(self, scheduler_output: SchedulerOutput, meta: KvfoldConnectorMetadata) -> None:
-        """Record the first block of each request on a file (new, or resumed with new blocks) and send
-        those of the requests this step schedules."""
+    def _publish_files(self, scheduler_output: SchedulerOutput, meta: KvfoldConnectorMetadata) -> None:
+        """Record the file blocks of each request on a file (new, or resumed with new blocks) and send the
+        requests this step schedules."""
         for new in scheduler_output.scheduled_new_reqs:
-            blocks = _first_group(new.block_ids)
-            if new.req_id in self._files and blocks:
-                self._first_block[new.req_id] = blocks[0]
+            self._place(new.req_id, _first_group(new.block_ids))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            blocks = _first_group(cached.new_block_ids[i]) if req_id in cached.resumed_req_ids else []
-            if req_id in self._files and blocks:
-                self._first_block[req_id] = blocks[0]
+            if req_id in cached.resumed_req_ids:
+                self._place(req_id, _first_group(cached.new_block_ids[i]))
         for req_id in [new.req_id for new in scheduler_output.scheduled_new_reqs] + list(cached.req_ids):
-            if req_id in self._files and req_id in self._first_block:
-                meta.active[self._first_block[req_id]] = self._files[req_id]
+            ref = self._files.get(req_id)
+            if ref is not None and ref.blocks and ref not in meta.active:
+                meta.active.append(ref)
+
+    def _place(self, req_id: str, blocks: list[int]) -> None:
+        """Record where a request on a file holds it (its first blocks, as allocated or as resumed)."""
+        ref = self._files.get(req_id)
+        if ref is None or not blocks:
+            return
+        self._files[req_id] = replace(ref, blocks=tuple(blocks[: -(-ref.slots // self.block_size)]))
 
     @staticmethod
     def _load_spec(req_id: str, pending: _Pending, block_ids: list[int]) -> LoadSpec:
@@ -278,7 +296,7 @@ class KvfoldConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = _request_params(request)
-        for kept in (self._pending, self._to_load, self._files, self._first_block):
+        for kept in (self._pending, self._to_load, self._files):
             kept.pop(request.request_id, None)
         if params is None:
             return False, None
@@ -337,16 +355,24 @@ class KvfoldConnector(KVConnectorBase_V1):
         """Keep the pools of the requests ``meta`` schedules (the bound step's) from being evicted: a
         request answering from a file reads it every step, and the file on disk may have been replaced
         since its load."""
-        keys = {(ref.checksum, self.keep_positions) for ref in meta.active.values()}
+        keys = {(ref.checksum, self.keep_positions) for ref in meta.active}
         with self._lock:
             self._pinned = keys
 
-    def active_pools(self) -> dict[int, Any]:
-        """The requests on files of the step whose metadata is bound, by first block: each one's
-        :class:`~kvfold.integrations.vllm.pool_layout.ServedPool`. A request whose file cannot be had (no
-        longer the one it was checked against, after its pool left the worker's memory) or whose
-        placeholders differ from the file's is left out, and its first block is reported as a load error:
-        vLLM ends it with an error instead of its answer going on without its file."""
+    def active_pools(self) -> dict[tuple[int, ...], Any]:
+        """The requests on files of the step whose metadata is bound, by the blocks that hold their file: each
+        one's :class:`~kvfold.integrations.vllm.pool_layout.ServedPool`.
+
+        A request is left out, and a block of it reported as a load error so that vLLM ends it with an
+        error instead of its answer going on without its file, when:
+
+        * its file cannot be had (no longer the one it was checked against, after its pool left the
+          worker's memory) or its placeholders differ from the file's: its last file block is reported;
+        * a block of it was not written by a load of its file at that place (:meth:`missing_block`): that
+          block is reported. A load that failed leaves its blocks in vLLM's prefix cache until the step's
+          errors are handled, and a request sharing them, or the request itself in the next step (vLLM
+          schedules a step before it has handled the last one's output), would read whatever they held.
+        """
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if not isinstance(meta, KvfoldConnectorMetadata):
             return {}
@@ -355,17 +381,23 @@ class KvfoldConnector(KVConnectorBase_V1):
                 return self._active
         self._pin(meta)
         active, lost = {}, set()
-        for first, ref in meta.active.items():
+        for ref in meta.active:
+            if not ref.blocks:
+                continue
             try:
                 served, _ = self._pool(ref.name, ref.checksum)
             except (ValueError, OSError, CacheRequestError) as err:
                 logger.error("kvfold cache %r not served: %s", ref.name, err)
-                lost.add(first)
+                lost.add(ref.blocks[-1])
                 continue
-            if served.placeholders == ref.slots:
-                active[first] = served
+            if served.placeholders != ref.slots:
+                lost.add(ref.blocks[-1])
+            elif (missing := self.missing_block(ref)) is not None:
+                logger.error("kvfold cache %r not served: block %d of the request does not hold it (its load failed)",
+                             ref.name, missing)  # fmt: skip
+                lost.add(missing)
             else:
-                lost.add(first)
+                active[ref.blocks] = served
         if lost:  # read as plain tokens its answer would be garbage: vLLM ends the request instead
             with self._lock:
                 self._failed_blocks.update(lost)
@@ -383,15 +415,42 @@ class KvfoldConnector(KVConnectorBase_V1):
                 self._load(forward_context, load)
             except (ValueError, OSError, CacheRequestError, RuntimeError, IndexError) as err:
                 logger.error("kvfold cache %r for request %s not loaded: %s", load.name, load.req_id, err)
+                # the blocks it was to write (those before hold the file from the prefix cache, maybe for
+                # other requests too: reported, they would end those as well)
+                stale = load.block_ids[load.start // self.block_size :] or load.block_ids
+                self._forget(stale)
                 with self._lock:
-                    self._failed_blocks.update(load.block_ids)
+                    self._failed_blocks.update(stale)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bind the step's metadata, and zero its blocks to scrub (module docstring): vLLM binds it
         before the forward, in the step's forward context."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, KvfoldConnectorMetadata) and connector_metadata.scrub:
+            self._forget(connector_metadata.scrub)
             self._scrub(_forward_context(), connector_metadata.scrub)
+
+    def missing_block(self, ref: FileRef) -> int | None:
+        """The first of a request's file blocks (``ref.blocks``) that this worker's last write to was not a
+        successful load of its file at that place (or that was zeroed since); None when every one holds it."""
+        with self._lock:
+            for index, block in enumerate(ref.blocks):
+                if self._held.get(block) != (ref.checksum, index):
+                    return block
+        return None
+
+    def fail_blocks(self, block_ids: list[int]) -> None:
+        """Report these blocks as failed loads, so that vLLM ends the requests that hold them with an error
+        (the backend's pool kernel refused those requests: their blocks do not hold their file); they are
+        no longer taken for any file's until a load writes them again."""
+        self._forget(block_ids)
+        with self._lock:
+            self._failed_blocks.update(block_ids)
+
+    def _forget(self, block_ids: list[int]) -> None:
+        with self._lock:
+            for block in block_ids:
+                self._held.pop(block, None)
 
     @staticmethod
     def _scrub(forward_context: ForwardContext, block_ids: list[int]) -> None:
@@ -422,6 +481,9 @@ class KvfoldConnector(KVConnectorBase_V1):
             if target.numel() != chunks.shape[1]:
                 raise ValueError(f"a block of one layer holds {target.numel()} bytes, a chunk {chunks.shape[1]}")
             target.copy_(chunks[index])
+        written = {block: (load.checksum, i) for i, block in enumerate(load.block_ids[: served.file_blocks])}
+        with self._lock:
+            self._held.update(written)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -717,19 +717,21 @@ static int call_fits(const kvf_engine *e, const kvf_request *requests, int64_t c
 #endif
 
 /* Every request's rows of one layer's output. Returns 0, or an error code (kvfold.runtime.native.ERRORS):
- * 1 a dimension past the kernel's limits, 4 arguments that do not fit (release build), 5 an index past a
- * buffer (debug build), 6 a workspace too small. */
+ * 1 a dimension past the kernel's limits, 5 an index past a buffer (debug build), 6 a workspace too small,
+ * 7 a request that does not fit the engine (its file, blocks, rows or chunk headers; release build: checked
+ * before anything is written, so the caller may call again without it), 8 an engine layout the kernel does
+ * not read (layer, dtype, block size or key layout). */
 int kvfold_attend_pool(const kvf_engine *e, const kvf_request *requests, int64_t count, int64_t layer, int64_t tokens,
                        const void *query, int64_t query_token_stride, int64_t query_head_stride, void *out,
                        int64_t out_token_stride, int64_t out_head_stride) {
     if (e->dim > MAX_DIM || e->dim % LANES || e->kv_heads < 1 || e->q_heads % e->kv_heads) return 1;
     if (e->q_heads / e->kv_heads > TILE_QUERIES) return 1;
-    if (layer < 0 || layer >= e->layers || e->dtype < DT_F32 || e->dtype > DT_F16 || e->block_size < 1) return 4;
+    if (layer < 0 || layer >= e->layers || e->dtype < DT_F32 || e->dtype > DT_F16 || e->block_size < 1) return 8;
     const int64_t threads = e->threads < 1 ? 1 : e->threads;
     if (e->workspace_floats < threads * workspace_per_thread(e->dim)) return 6;
-    if (e->key_layout != KEYS_CHANNEL_MAJOR && (e->key_layout != KEYS_TABLE || !e->key_position)) return 4;
+    if (e->key_layout != KEYS_CHANNEL_MAJOR && (e->key_layout != KEYS_TABLE || !e->key_position)) return 8;
 #ifndef KVFOLD_DEBUG
-    if (!call_fits(e, requests, count, layer, tokens)) return 4;
+    if (!call_fits(e, requests, count, layer, tokens)) return 7;
 #endif
     const int64_t group = e->q_heads / e->kv_heads, tile_tokens = TILE_QUERIES / group;
     int status = 0;
