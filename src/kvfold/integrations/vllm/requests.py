@@ -13,7 +13,10 @@ connector reads (the cache's name, checksum and slot count) and a prefix-cache s
 file's checksum, so that vLLM's prefix cache shares blocks only between requests on the same file.
 
 Checking a file needs the model as kvfold loads it (:func:`kvfold.runtime.models.load_model`), once
-per process; its verdict is kept per file (path, size and modification time).
+per process; its verdict is kept per file (path, inode, size and modification time). A check reads the
+file more than once (its header, its tensors); a file replaced between those reads (``os.replace``, as
+a writer does) would look damaged, so a check during which the file changed is done again, up to
+:data:`CHECK_TRIES` times, and then answered 503 ("ask again"), never 422.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ KV_KEY = "kvfold_cache"
 PREFIX_KEY = "kvfold_answer_prefix"
 """Optional ``kv_transfer_params`` key: the answer prefix (``kvfold ask --answer-prefix``)."""
 SUFFIX = ".kvc"
+CHECK_TRIES = 3
+"""Checks of a file that changed while it was checked, before the request is answered 503."""
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -77,6 +82,19 @@ class PreparedRequest:
     cache: CheckedCache
 
 
+def _stamp(path: Path) -> tuple[int, int, int]:
+    """What tells one version of a file from another: inode, size, modification time.
+
+    Raises:
+        CacheRequestError: the file is gone (404).
+    """
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise CacheRequestError(f"no cache named {path.stem!r} is served (see GET /v1/kvfold/caches)", 404) from None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def cache_path(directory: str | os.PathLike, name: Any) -> Path:
     """``DIR/name.kvc`` for a valid name.
 
@@ -111,7 +129,7 @@ class CacheCatalog:
         self.dtype = getattr(torch, dtype)
         self._model = None
         self._tokenizer = None
-        self._verdicts: dict[Path, tuple[tuple[int, int], CheckedCache | CacheRequestError]] = {}
+        self._verdicts: dict[Path, tuple[tuple[int, int, int], CheckedCache | CacheRequestError]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ model
@@ -153,16 +171,24 @@ class CacheCatalog:
         """The checked cache ``name`` (kept per file until the file changes).
 
         Raises:
-            CacheRequestError: unknown name (404), or a file that cannot be served (422), with why.
+            CacheRequestError: unknown name (404), a file that cannot be served (422), with why, or a file
+                that changed during each of :data:`CHECK_TRIES` checks (503).
         """
         path = cache_path(self.directory, name)
-        stat = path.stat()
-        stamp = (stat.st_size, stat.st_mtime_ns)
         with self._lock:
-            kept = self._verdicts.get(path)
-            if kept is None or kept[0] != stamp:
+            for _ in range(CHECK_TRIES):
+                stamp = _stamp(path)
+                kept = self._verdicts.get(path)
+                if kept is not None and kept[0] == stamp:
+                    break
                 kept = (stamp, self._check(name, path))
-                self._verdicts[path] = kept
+                if _stamp(path) == stamp:  # the same file from start to end: its verdict holds
+                    self._verdicts[path] = kept
+                    break
+            else:
+                raise CacheRequestError(
+                    f"cache {name!r} was replaced while it was being checked, {CHECK_TRIES} times; ask again", 503
+                )
         verdict = kept[1]
         if isinstance(verdict, CacheRequestError):
             raise verdict

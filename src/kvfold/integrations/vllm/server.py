@@ -124,7 +124,12 @@ def _replay(body: bytes, receive):
 
 def _error(message: str, status: int, param: str | None = KV_KEY) -> dict[str, Any]:
     """An OpenAI-style error body: one line of ``message``, the type for ``status``."""
-    kinds = {404: "NotFoundError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError"}
+    kinds = {
+        404: "NotFoundError",
+        413: "RequestTooLargeError",
+        422: "UnprocessableEntityError",
+        503: "ServiceUnavailableError",
+    }
     return {"error": {"message": message, "type": kinds.get(status, "BadRequestError"), "param": param, "code": status}}
 
 
