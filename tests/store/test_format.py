@@ -377,3 +377,36 @@ def test_a_quantized_file_holds_its_codes_and_is_within_5_percent_of_the_counted
         loaded.generate(QUESTION, max_new_tokens=6)[0].token_ids
         == compressed.generate(QUESTION, max_new_tokens=6)[0].token_ids
     )
+
+
+class _Vocabulary:
+    """A tokenizer's vocabulary part: ``get_vocab`` counted, tokens added as a tokenizer adds them."""
+
+    def __init__(self, size: int) -> None:
+        self.vocab = {f"t{i}": i for i in range(size)}
+        self.reads = 0
+
+    def get_vocab(self) -> dict[str, int]:
+        self.reads += 1
+        return dict(self.vocab)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+
+def test_the_vocabulary_hash_is_kept_per_tokenizer_until_tokens_are_added():
+    import hashlib
+
+    from kvfold.store.format import model_fingerprint
+
+    def recorded(vocab: dict[str, int]) -> str:  # what a file records: the sorted items' JSON, hashed
+        return hashlib.sha256(json.dumps(sorted(vocab.items()), sort_keys=True).encode()).hexdigest()
+
+    model, tokenizer = _model(), _Vocabulary(50)
+    first = model_fingerprint(model, tokenizer)["vocab_sha256"]
+    assert first == recorded(tokenizer.vocab)
+    assert model_fingerprint(model, tokenizer)["vocab_sha256"] == first and tokenizer.reads == 1  # kept
+    assert model_fingerprint(model, _Vocabulary(50))["vocab_sha256"] == first  # another object, same vocabulary
+    tokenizer.vocab["added"] = 50
+    changed = model_fingerprint(model, tokenizer)["vocab_sha256"]
+    assert changed == recorded(tokenizer.vocab) != first and tokenizer.reads == 2  # computed again

@@ -33,6 +33,7 @@ import importlib.metadata
 import json
 import os
 import struct
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,11 +144,28 @@ def _weight_sample(model: PreTrainedModel) -> list[float]:
     return out
 
 
+_VOCAB_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each tokenizer's vocabulary hash with its size then (``len(tokenizer)``): hashing a 49K-token vocabulary
+takes about 0.1 s, most of a small file's check when a server checks every version of a file."""
+
+
 def _vocab_hash(tokenizer) -> str | None:
+    """The SHA-256 of the tokenizer's sorted vocabulary, None without one. Kept per tokenizer object and
+    computed again when its size changes (tokens added)."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if tokenizer is None or get_vocab is None:
         return None
-    return _sha256_json(sorted(get_vocab().items()))
+    try:
+        size = len(tokenizer)
+        kept = _VOCAB_HASHES.get(tokenizer)
+    except TypeError:  # no size, or not weakly referenceable: not kept
+        size, kept = None, None
+    if kept is not None and kept[0] == size:
+        return kept[1]
+    digest = _sha256_json(sorted(get_vocab().items()))
+    if size is not None:
+        _VOCAB_HASHES[tokenizer] = (size, digest)
+    return digest
 
 
 def model_fingerprint(model: PreTrainedModel, tokenizer=None) -> dict[str, Any]:
