@@ -133,8 +133,25 @@ def test_requests_are_found_by_all_the_blocks_that_hold_their_file():
     second block no load of its file wrote is not active, and is not read as the file."""
     table = torch.tensor([[7, 8, 30], [7, 9, 31], [5, 6, 32], [7, 8, 33]], dtype=torch.int32)
     pool = object()
-    assert backend.requests_on_files({(7, 8): pool}, table) == [(0, pool), (3, pool)]
-    assert backend.requests_on_files({}, table) == []
+    found, stray = backend.requests_on_files({(7, 8): pool}, table)
+    assert found == [(0, pool), (3, pool)]
+    assert stray == [9]  # the second request's own block: it ends, and the one sharing block 7 goes on
+    assert backend.requests_on_files({}, table) == ([], [])
+
+
+def test_a_request_on_a_file_left_out_of_the_step_is_reported_not_answered_as_plain(impl, monkeypatch):
+    """Rows that begin with an active file's first block but not with all its blocks are requests on a
+    file that are not read as one: their first differing blocks are reported, so that vLLM ends them."""
+    table = torch.tensor([[0, 2, 9], [0, 3, 10]], dtype=torch.int32)
+    metadata = _metadata([1, 1], [40, 40], table)
+    monkeypatch.setattr(backend, "_active_pools", lambda: {(0, 1): object()})
+    reported = []
+    monkeypatch.setattr(backend, "_report_refused", reported.append)
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", lambda self, *args: args[6])
+    attention = SimpleNamespace(isa="vec", layer_name="model.layers.0.self_attn.attn")
+    query = torch.zeros(2, Q_HEADS, D)
+    impl.forward(attention, query, None, None, torch.zeros(12, KV_HEADS, BLOCK, 2 * D), metadata, query.clone())
+    assert reported == [[2, 3]]
 
 
 def test_a_request_whose_blocks_do_not_hold_its_file_fails_and_the_step_goes_on(impl, monkeypatch):

@@ -57,8 +57,9 @@ def _active_pools() -> dict[tuple[int, ...], ServedPool]:
 
 
 def _report_refused(block_ids: list[int]) -> None:
-    """Tell the connector that requests holding these blocks were refused by the pool kernel (their blocks
-    do not hold their file): it reports the blocks as load errors, and vLLM ends the requests."""
+    """Tell the connector that requests holding these blocks cannot be read as their file (the pool kernel
+    refused them, or they were left out of the step's files): it reports the blocks as load errors, and
+    vLLM ends the requests."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group():
@@ -67,21 +68,37 @@ def _report_refused(block_ids: list[int]) -> None:
             fail(block_ids)
 
 
-def requests_on_files(active: dict[tuple[int, ...], ServedPool], table: torch.Tensor) -> list[tuple[int, ServedPool]]:
-    """The step's requests on files: ``(row, pool)`` for each row of the block table ``table`` whose first
-    blocks are those of an active file (requests sharing a file's blocks are one entry of ``active``)."""
+def requests_on_files(
+    active: dict[tuple[int, ...], ServedPool], table: torch.Tensor
+) -> tuple[list[tuple[int, ServedPool]], list[int]]:
+    """The step's requests on files, from the block table ``table`` and the active files by their blocks
+    (requests sharing a file's blocks are one entry of ``active``).
+
+    Returns:
+        ``(row, pool)`` for each row whose first blocks are those of an active file; and, for each row that
+        begins with an active file's first block but not with all its blocks, the first of its blocks that
+        differs. Such a row is a request on a file that is not read as one (a block of it did not hold
+        its file, or its file could not be had: the connector reported it). A plain request never holds
+        a file's block, so it is reported again here, whatever left it out, so that it is never
+        answered as a plain request over its file's bytes.
+    """
     if not active:
-        return []
+        return [], []
     by_first: dict[int, list[tuple[list[int], ServedPool]]] = {}
     for blocks, served in active.items():
         by_first.setdefault(blocks[0], []).append((list(blocks), served))
-    found = []
+    found, stray = [], []
     for row, first in enumerate(table[:, 0].tolist()):
-        for blocks, served in by_first.get(first, ()):
+        candidates = by_first.get(first, ())
+        for blocks, served in candidates:
             if table[row, : len(blocks)].tolist() == blocks:
                 found.append((row, served))
                 break
-    return found
+        else:
+            if candidates:
+                own = table[row, : len(candidates[0][0])].tolist()
+                stray.append(next((b for b, c in zip(own, candidates[0][0], strict=False) if b != c), own[-1]))
+    return found, stray
 
 
 def key_positions(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> torch.Tensor:
@@ -192,7 +209,9 @@ class KvfoldAttentionImpl(CPUAttentionBackendImpl):
         if step is not None and step.metadata is attn_metadata:
             return step
         num_reqs = len(attn_metadata.seq_lens)
-        on_files = requests_on_files(_active_pools(), attn_metadata.block_table[:num_reqs])
+        on_files, stray = requests_on_files(_active_pools(), attn_metadata.block_table[:num_reqs])
+        if stray:  # requests on files not read as such: ended, never answered as plain requests
+            _report_refused(stray)
         if not on_files:
             _Shared.step = _Step(attn_metadata, None, None, None)
             return _Shared.step
