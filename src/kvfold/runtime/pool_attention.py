@@ -389,8 +389,7 @@ class PoolStep:
         Raises:
             RuntimeError: the kernel refused the call itself (an engine layout or size it does not read).
         """
-        for request in self.refused:
-            output[_rows(request)] = 0
+        self._zero_refused(output)
         if not self.requests:
             return []
         if self.kernel is None:
@@ -432,16 +431,19 @@ class PoolStep:
         )  # fmt: skip
 
     def _refuse(self, refused: list[StepRequest], output: Tensor) -> list[StepRequest]:
-        """Zero ``refused``'s rows and take them out of the step."""
+        """Take ``refused`` out of the step and zero the rows of every request taken out."""
         if not refused:
             return []
-        for request in refused:
-            output[_rows(request)] = 0
         gone = {id(request) for request in refused}
         self.requests = [request for request in self.requests if id(request) not in gone]
         self._table = _kernel_table(self.requests)
         self.refused.extend(refused)
+        self._zero_refused(output)
         return refused
+
+    def _zero_refused(self, output: Tensor) -> None:
+        for request in self.refused:
+            output[_rows(request)] = 0
 
 
 def _kernel_table(requests: Sequence[StepRequest]) -> ctypes.Array:

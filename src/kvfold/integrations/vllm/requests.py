@@ -82,6 +82,10 @@ class PreparedRequest:
     cache: CheckedCache
 
 
+def _not_served(name: str) -> CacheRequestError:
+    return CacheRequestError(f"no cache named {name!r} is served (see GET /v1/kvfold/caches)", status=404)
+
+
 def _stamp(path: Path) -> tuple[int, int, int]:
     """What tells one version of a file from another: inode, size, modification time.
 
@@ -91,7 +95,7 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     try:
         stat = path.stat()
     except FileNotFoundError:
-        raise CacheRequestError(f"no cache named {path.stem!r} is served (see GET /v1/kvfold/caches)", 404) from None
+        raise _not_served(path.stem) from None
     return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
@@ -107,7 +111,7 @@ def cache_path(directory: str | os.PathLike, name: Any) -> Path:
         )
     path = Path(directory) / f"{name}{SUFFIX}"
     if not path.is_file():
-        raise CacheRequestError(f"no cache named {name!r} is served (see GET /v1/kvfold/caches)", status=404)
+        raise _not_served(name)
     return path
 
 
