@@ -9,11 +9,13 @@ import torch
 from kvfold.runtime.host_syncs import HostSyncCounter
 from kvfold.runtime.pages import (
     NEG_INF,
+    SPLIT_PROGRAMS,
     gather_pages,
     page_logits,
     page_softmax,
     pages_of,
     slots_of_entries,
+    split_pages,
     sum_pages,
 )
 
@@ -91,3 +93,51 @@ def test_reading_pages_reads_nothing_back_to_the_host():
     with HostSyncCounter() as syncs:
         pages_of(lengths, SIZE)
     assert sum(syncs.kvfold.values()) == 1  # the page count, read once for the rows' life
+
+
+@pytest.mark.parametrize("per_split", [1, 2, 3, 100])
+def test_every_page_falls_in_one_split_of_its_own_row(per_split):
+    """Splits (split-K decoding): each row's pages cut into consecutive runs of at most ``per_split``,
+    in row order, each page in exactly one split; the splits past the used ones are empty; the count
+    is the host's bound."""
+    pages = pages_of(torch.tensor(LENGTHS), SIZE)
+    splits = split_pages(pages, per_split)
+    per_row = [-(-n // SIZE) for n in LENGTHS]
+    want_per_row = [-(-p // per_split) for p in per_row]
+    assert splits.count == -(-pages.count // per_split) + len(LENGTHS) >= sum(want_per_row)
+    assert splits.first_split.tolist() == [0, *torch.tensor(want_per_row).cumsum(0).tolist()]
+    used = sum(want_per_row)
+    start, end, row = splits.start.tolist(), splits.end.tolist(), splits.row.tolist()
+    covered = []
+    for r in range(len(LENGTHS)):
+        for j in range(splits.first_split[r], splits.first_split[r + 1]):
+            assert row[j] == r and 0 < end[j] - start[j] <= per_split
+            assert all(pages.row[p] == r for p in range(start[j], end[j]))
+            covered.extend(range(start[j], end[j]))
+    assert covered == list(range(pages.count))  # every page once, in order
+    assert start[used:] == end[used:] and row[used:] == [0] * (splits.count - used)
+
+
+def test_the_longest_chain_of_pages_is_a_splits_whatever_the_rows():
+    """A global ranking's layer: one row holding almost every entry of its head, the others a few. One
+    program a row walks the long row's pages one after another; the rows' own splits (``pages.splits``)
+    walk at most ``ceil(P / SPLIT_PROGRAMS)`` pages each, in about SPLIT_PROGRAMS programs."""
+    lengths = torch.tensor([32_000, 40, 7, 300, 0, 12, 90, 2_000])
+    pages = pages_of(lengths, 32)
+    splits = pages.splits
+    longest = int((splits.end - splits.start).max())
+    assert longest == -(-pages.count // SPLIT_PROGRAMS) < 1000  # the long row alone: 1,000 pages
+    assert splits.count <= SPLIT_PROGRAMS + len(lengths)
+    assert splits is pages.splits  # built once, kept with the rows
+    with HostSyncCounter() as syncs:
+        split_pages(pages, 3)
+    assert not syncs.kvfold, syncs.summary()
+
+
+def test_rows_without_pages_have_no_splits():
+    pages = pages_of(torch.tensor([0, 0]), SIZE)
+    splits = split_pages(pages, 4)
+    assert splits.count == 2 and splits.first_split.tolist() == [0, 0, 0]
+    assert splits.start.tolist() == splits.end.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="per_split"):
+        split_pages(pages, 0)

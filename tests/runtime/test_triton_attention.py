@@ -83,10 +83,11 @@ def _rows(kv_format: str | None, lengths: list[int], dim: int = 32, value_dim: i
     return QuantizedRows.from_padded(keys, values, beta, length, QuantConfig.parse(kv_format))
 
 
-def _kernel(queries, stored, scaling):
+def _kernel(queries, stored, scaling, per_split=None):
     """The kernel's part on :data:`DEVICE`, brought back to the CPU."""
     on_device = stored.map(lambda t: t.to(DEVICE))
-    return tuple(t.cpu() for t in triton_attention.stored_part_triton(queries.to(DEVICE), on_device, scaling))
+    part = triton_attention.stored_part_triton(queries.to(DEVICE), on_device, scaling, per_split=per_split)
+    return tuple(t.cpu() for t in part)
 
 
 def _reference(queries, stored, scaling):
@@ -120,6 +121,24 @@ def test_the_kernel_reads_what_the_pytorch_path_reads(kv_format, m):
         torch.testing.assert_close(a.double(), c, rtol=1e-4, atol=1e-4, msg=f"{name} against float64")
     for empty in (0, 1):  # no entry, or none that holds anything: weights 0
         assert torch.isneginf(got[0][empty]).all() and (got[1][empty] == 0).all() and (got[2][empty] == 0).all()
+
+
+@pytest.mark.parametrize("kv_format", ["int4", "int3[key_group=16]", None])
+@pytest.mark.parametrize("per_split", [1, 2, 5, 1000])
+def test_rows_cut_into_splits_merge_into_the_rows_part(kv_format, per_split):
+    """Long rows cut into splits of 1, 2 or 5 pages (one split a row: 1000), merged by their maximum
+    logits: the PyTorch path's part and float64's. One row's largest logits lie in its last page and
+    another's in its first, so a merge that dropped a split's rescaling or a split would show."""
+    stored = _rows(kv_format, [0, 300, 37, 5, 190], seed=3)
+    queries = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(4))
+    keys, _, _ = stored.to_padded()
+    queries[1] = keys[1, 290:294].float() * 3  # row 1: its largest logits at its end
+    queries[4] = keys[4, 0:4].float() * 3  # row 4: at its start
+    got = _kernel(queries, stored, 0.25, per_split=per_split)
+    torch_part, exact = _reference(queries, stored, 0.25)
+    for name, a, b, c in zip(("top", "den", "num"), got, torch_part, exact, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(a.double(), c, rtol=1e-4, atol=1e-4, msg=f"{name} against float64")
 
 
 def test_a_head_dimension_that_is_not_a_power_of_two():

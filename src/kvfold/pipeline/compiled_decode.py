@@ -2,7 +2,7 @@
 
 A decode step of a small batch is bound by launching kernels, not by reading memory: on a GPU a step
 of an 8B model over the full cache launches hundreds of small kernels a layer and waits for each
-(docs/gpu.md). ``torch.compile`` fuses them and CUDA graphs (``mode="reduce-overhead"``) replay a
+(docs/benchmarks.md). ``torch.compile`` fuses them and CUDA graphs (``mode="reduce-overhead"``) replay a
 step with one launch, but only when a step has the shapes and the Python numbers of the step before:
 a growing tail, a length read back to the host or an index built in the first step trace the step
 again, or break it into pieces.

@@ -26,6 +26,9 @@ NEG_INF = float("-inf")
 """β of a slot that holds nothing (padding, an empty row's tail): it adds −inf to the slot's logit."""
 PAGE_SIZE = 32
 """Entries a page of full-precision rows holds (quantized rows use their key group: one scale a page)."""
+SPLIT_PROGRAMS = 256
+"""About how many pieces (:class:`PageSplits`) a kernel that walks a layer's pages cuts them into: about two
+programs for each of an H200's 132 streaming multiprocessors, whatever the rows' lengths."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,79 @@ class RowPages:
         per_row.index_add_(0, self.row, torch.ones_like(self.row))
         return torch.cat([per_row.new_zeros(1), per_row.cumsum(0)]).to(torch.int32)
 
+    @cached_property
+    def splits(self) -> PageSplits:
+        """The pages cut into :class:`PageSplits` of at most ``ceil(count / SPLIT_PROGRAMS)`` pages, for a
+        kernel (:mod:`kvfold.runtime.triton_attention`); made on first use."""
+        return split_pages(self, max(1, -(-self.count // SPLIT_PROGRAMS)))
+
     def nbytes(self) -> int:
         """Bytes of the index held (built on the first read, kept with the rows)."""
         return sum(t.untyped_storage().nbytes() for t in (self.row, self.slots, self.bias))
+
+
+@dataclass(frozen=True)
+class PageSplits:
+    """A row's pages cut into splits of at most ``per_split`` consecutive pages, so that a kernel walks
+    every split at once and merges a row's splits afterwards (split-K decoding: FlashDecoding, Dao et al.
+    2023). One program a row walks the longest row's pages one after another, and with a global ranking
+    (KVzip's) one row of a layer may hold almost every entry of its head while there are only ``B × H``
+    rows: a few programs do all the work. Cut into splits the work is spread over about
+    :data:`SPLIT_PROGRAMS` programs whatever the rows' lengths.
+
+    ``count`` is a bound known on the host without reading the device, ``ceil(P / per_split) + rows``;
+    the splits past the last row's are empty (``start == end``, row 0).
+
+    Attributes:
+        per_split: pages a split holds at most.
+        row: ``(count,)`` int32, each split's row.
+        start, end: ``(count,)`` int32, each split's first page and one past its last.
+        first_split: ``(rows + 1,)`` int32, each row's first split, then the splits used (a row's splits
+            are consecutive).
+        count: splits, the unused ones included.
+    """
+
+    per_split: int
+    row: Tensor
+    start: Tensor
+    end: Tensor
+    first_split: Tensor
+    count: int
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors a kernel reads."""
+        return (self.row, self.start, self.end, self.first_split)
+
+
+def split_pages(pages: RowPages, per_split: int) -> PageSplits:
+    """:class:`PageSplits` of ``pages`` of at most ``per_split`` pages each, built on the device without
+    reading it back (the bound ``ceil(P / per_split) + rows`` is the number of splits made)."""
+    if per_split < 1:
+        raise ValueError(f"split_pages(): per_split must be at least 1, got {per_split}")
+    first_page = pages.first_page.long()
+    per_row = first_page[1:] - first_page[:-1]
+    splits_per_row = (per_row + per_split - 1) // per_split
+    ends = splits_per_row.cumsum(0)
+    count = -(-pages.count // per_split) + pages.rows
+    index = torch.arange(count, device=first_page.device)
+    row = torch.bucketize(index, ends, right=True)  # rows past the last: unused splits
+    used = row < pages.rows
+    row = row.clamp_max(max(pages.rows - 1, 0))
+    if pages.rows:
+        start = first_page[row] + (index - (ends - splits_per_row)[row]) * per_split
+        end = torch.minimum(start + per_split, first_page[row + 1])
+    else:
+        start = end = index
+    start, end = torch.where(used, start, 0), torch.where(used, end, 0)
+    first_split = torch.cat([ends.new_zeros(1), ends])
+    return PageSplits(
+        per_split=per_split,
+        row=torch.where(used, row, 0).to(torch.int32),
+        start=start.to(torch.int32),
+        end=end.to(torch.int32),
+        first_split=first_split.to(torch.int32),
+        count=count,
+    )
 
 
 def pages_of(lengths: Tensor, size: int, log_mass: Tensor | None = None, count: int | None = None) -> RowPages:

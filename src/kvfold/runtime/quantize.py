@@ -173,7 +173,7 @@ class QuantizedRows:
         step only reads it."""
         pages = self.pages
         outliers = (self.outlier_slots,) if self.outlier_index.numel() else ()
-        return (pages.row, pages.slots, pages.bias, pages.first_page, *outliers)
+        return (pages.row, pages.slots, pages.bias, pages.first_page, *pages.splits.tensors(), *outliers)
 
     @cached_property
     def outlier_slots(self) -> Tensor:

@@ -149,7 +149,7 @@ class FloatRows:
         """The index a decode step reads (:attr:`pages`), built now if it was not: before a decode step
         is compiled, so that the compiled step only reads it."""
         pages = self.pages
-        return (pages.row, pages.slots, pages.bias, pages.first_page)
+        return (pages.row, pages.slots, pages.bias, pages.first_page, *pages.splits.tensors())
 
     @cached_property
     def starts(self) -> Tensor:

@@ -1,19 +1,28 @@
-"""The stored part of attention in one Triton kernel a layer: ragged rows, β, and integer codes read in place.
+"""The stored part of attention in two Triton kernels a layer: ragged rows, β, and integer codes read in place.
 
 What :func:`kvfold.runtime.quantized_attention.stored_part` computes for a layer's stored rows (each row's
 maximum logit, and relative to it its weights' sum and weighted values; merged with the dense tail by
-log-sum-exp afterwards), fused: one program a row (batch × KV head) and block of its queries walks the
-row's pages (:mod:`kvfold.runtime.pages`: one key group a page for integer codes, 32 entries for rows at
-full precision), reads each page's codes where they lie, unpacks them (8 bits; 4 and 2 bits by planes;
-3 bits, eight codes in three bytes: :func:`kvfold.runtime.codes.pack_codes`), applies the page's key
-scales and zero points and each entry's value scale and zero point, adds β, and keeps one running
-softmax over the pages (online softmax, Milakov & Gimelshein 2018; the order of FlashAttention, Dao et
-al. 2022 §3.1). Nothing is dequantized into memory and nothing is read back to the host.
+log-sum-exp afterwards), fused. The rows' pages (:mod:`kvfold.runtime.pages`: one key group a page for
+integer codes, 32 entries for rows at full precision) are cut into splits of a few consecutive pages of
+one row (:class:`~kvfold.runtime.pages.PageSplits`, about :data:`~kvfold.runtime.pages.SPLIT_PROGRAMS` a
+layer). One program a split and block of its row's queries walks the split's pages, reads each page's
+codes where they lie, unpacks them (8 bits; 4 and 2 bits by planes; 3 bits, eight codes in three bytes:
+:func:`kvfold.runtime.codes.pack_codes`), applies the page's key scales and zero points and each entry's
+value scale and zero point, adds β, and keeps one running softmax over the pages (online softmax,
+Milakov & Gimelshein 2018; the order of FlashAttention, Dao et al. 2022 §3.1). A second kernel merges
+each row's splits by their maximum logits (split-K decoding, FlashDecoding: Dao et al. 2023). Nothing
+is dequantized into memory and nothing is read back to the host.
+
+Why splits: a decode step has ``B × H`` rows a layer (8 at batch 1 of Llama-3.1-8B's layout) and a global
+ranking such as KVzip's keeps almost every entry of some heads, so one program a row would leave all
+but a few of a GPU's multiprocessors idle while one of them walks the longest row's pages one after
+another. Cut into splits, the longest chain of pages a program walks is a split's, and a layer's pages
+are spread over a few hundred programs.
 
 The PyTorch path over pages launches a few dozen kernels a layer and writes each page's dequantized keys
-and values to memory; on a GPU a decode step is bound by those launches (docs/gpu.md). This kernel is
-one launch a layer, and under a compiled decode (:mod:`kvfold.pipeline.compiled_decode`) part of its
-graph.
+and values to memory; on a GPU a decode step is bound by those launches (docs/benchmarks.md, "On a GPU").
+These kernels are two launches a layer, and under a compiled decode (:mod:`kvfold.pipeline.compiled_decode`)
+part of its graph.
 
 :func:`triton_applies` says where a decode takes it: CUDA tensors, and rows it reads (:func:`reads_rows`):
 integer codes of 8, 4, 3 or 2 bits with one value scale
@@ -30,7 +39,7 @@ import os
 
 from torch import Tensor
 
-from kvfold.runtime.pages import empty_part
+from kvfold.runtime.pages import empty_part, split_pages
 from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.rows import FloatRows
 
@@ -39,6 +48,23 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 
 MIN_BLOCK = 16
 """``tl.dot``'s smallest dimension: pages, head dimensions and query blocks are at least this."""
+
+QUERY_BLOCK = MIN_BLOCK
+"""Queries a program takes: a decode step's GQA group (4 of Llama-3.1-8B's heads) fits one block, and a
+longer question's queries are cut into blocks of 16. Blocks of 32 or 64 queries read a split's pages
+fewer times, but under Triton 3.6 (the GPU machine's) they spill registers at a head dimension of 128
+in every variant (``tools/triton_targets.py``)."""
+
+PAGE_PART = 32
+"""Entries the kernel reads at once: a page (a key group) of 64 entries is read in two parts. Whole pages
+of 64 spill registers under Triton 3.6 (``tools/triton_targets.py``)."""
+
+LAUNCH = {"num_warps": 8, "num_stages": 1}
+"""How both kernels are launched. Compiled for an H200 (``tools/triton_targets.py``, no GPU needed), the
+page loop under Triton's default software pipelining (3 stages on an H200) holds 255 registers a thread
+and spills 230–370 bytes a thread to memory at a head dimension of 128; one stage and 8 warps hold
+101–186 and spill nothing, in every variant. A split walks a few pages, so loads are overlapped by the
+programs in flight, not by stages within one."""
 
 
 def available() -> bool:
@@ -76,14 +102,17 @@ def reads_rows(stored: QuantizedRows | FloatRows) -> bool:
 
 
 def stored_part_triton(
-    queries: Tensor, stored: QuantizedRows | FloatRows, scaling: float
+    queries: Tensor, stored: QuantizedRows | FloatRows, scaling: float, per_split: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The stored part of the rows (:func:`~kvfold.runtime.quantized_attention.stored_part`) by the kernel.
+    """The stored part of the rows (:func:`~kvfold.runtime.quantized_attention.stored_part`) by the kernels:
+    every split of the rows' pages at once, then each row's splits merged (module docstring).
 
     Args:
         queries: ``(R, M, D)`` float32, row ``r``'s ``M`` queries (its GQA group's heads × new tokens).
         stored: the rows (:func:`triton_applies` must hold).
         scaling: the logit scale.
+        per_split: pages a split holds at most; None: the rows' own splits
+            (:attr:`~kvfold.runtime.pages.RowPages.splits`, built once and kept).
 
     Returns:
         ``(top (R, M), den (R, M), num (R, M, Dv))`` float32: each row's maximum logit (−inf for a row
@@ -96,17 +125,18 @@ def stored_part_triton(
     pages = stored.pages
     if not pages.count:
         return empty_part(queries, stored.value_dim)
-    from kvfold.runtime.triton_kernels import stored_part_kernel  # imports Triton, here only
+    from kvfold.runtime.triton_kernels import merge_splits_kernel, stored_part_kernel  # imports Triton, here only
 
     rows, m, d = queries.shape
     dv = stored.value_dim
     queries = queries.contiguous()
-    top = queries.new_empty(rows, m)
-    den = queries.new_empty(rows, m)
-    num = queries.new_empty(rows, m, dv)
-    first_page = pages.first_page
-    block_m = max(MIN_BLOCK, min(64, _next_power_of_two(m)))
-    grid = (rows, -(-m // block_m))
+    splits = pages.splits if per_split is None else split_pages(pages, per_split)
+    split_top = queries.new_empty(splits.count, m)
+    split_den = queries.new_empty(splits.count, m)
+    split_num = queries.new_empty(splits.count, m, dv)
+    block_m = QUERY_BLOCK
+    block_dv = max(MIN_BLOCK, _next_power_of_two(dv))
+    query_blocks = -(-m // block_m)
     if isinstance(stored, FloatRows):
         keys, values = stored.keys, stored.values
         key_scale = key_zero = value_scale = value_zero = keys  # unread when FLOAT
@@ -116,13 +146,20 @@ def stored_part_triton(
         key_scale, key_zero = stored.key_scale, stored.key_zero
         value_scale, value_zero = stored.value_scale[:, 0].contiguous(), stored.value_zero[:, 0].contiguous()
         bits, key_bytes, value_bytes = stored.config.bits, keys.shape[-1], values.shape[-1]
-    stored_part_kernel[grid](
-        queries, first_page, pages.slots, pages.bias,
+    stored_part_kernel[(splits.count, query_blocks)](
+        queries, splits.row, splits.start, splits.end, pages.slots, pages.bias,
         keys, values, key_scale, key_zero, value_scale, value_zero,
-        top, den, num,
+        split_top, split_den, split_num,
         m, d, dv, key_bytes, value_bytes, float(scaling),
-        BITS=bits, SIZE=pages.size, BLOCK_M=block_m,
-        BLOCK_D=max(MIN_BLOCK, _next_power_of_two(d)), BLOCK_DV=max(MIN_BLOCK, _next_power_of_two(dv)),
+        BITS=bits, SIZE=pages.size, PART=min(pages.size, PAGE_PART), BLOCK_M=block_m,
+        BLOCK_D=max(MIN_BLOCK, _next_power_of_two(d)), BLOCK_DV=block_dv, **LAUNCH,
+    )  # fmt: skip
+    top = queries.new_empty(rows, m)
+    den = queries.new_empty(rows, m)
+    num = queries.new_empty(rows, m, dv)
+    merge_splits_kernel[(rows, query_blocks)](
+        split_top, split_den, split_num, splits.first_split, top, den, num, m, dv,
+        BLOCK_M=block_m, BLOCK_DV=block_dv, **LAUNCH,
     )  # fmt: skip
     return top, den, num
 

@@ -26,14 +26,17 @@ def unpack(codes_ptr, entries, channels, valid, n_bytes, width, BITS: tl.constex
 
 @triton.jit
 def stored_part_kernel(
-    q_ptr, first_page_ptr, slots_ptr, bias_ptr,
+    q_ptr, split_row_ptr, split_start_ptr, split_end_ptr, slots_ptr, bias_ptr,
     keys_ptr, values_ptr, key_scale_ptr, key_zero_ptr, value_scale_ptr, value_zero_ptr,
     top_ptr, den_ptr, num_ptr,
     m, d, dv, key_bytes, value_bytes, scaling,
-    BITS: tl.constexpr, SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BITS: tl.constexpr, SIZE: tl.constexpr, PART: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    """One split of a row's pages (``kvfold.runtime.pages.PageSplits``) against the row's queries: the split's
+    maximum logit, and relative to it its weights' sum and weighted values, at the split's place."""
+    split = tl.program_id(0)
+    row = tl.load(split_row_ptr + split)
     queries = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     q_valid = queries < m
     channels = tl.arange(0, BLOCK_D)
@@ -48,10 +51,11 @@ def stored_part_kernel(
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
-    position = tl.arange(0, SIZE)
-    start = tl.load(first_page_ptr + row)
-    end = tl.load(first_page_ptr + row + 1)
-    for page in range(start, end):
+    start = tl.load(split_start_ptr + split)
+    end = tl.load(split_end_ptr + split)
+    for part in range(start * (SIZE // PART), end * (SIZE // PART)):  # a page in parts of PART entries
+        page = part // (SIZE // PART)
+        position = (part % (SIZE // PART)) * PART + tl.arange(0, PART)
         entries = tl.load(slots_ptr + page * SIZE + position)
         bias = tl.load(bias_ptr + page * SIZE + position)
         if BITS == 16:  # rows at full precision
@@ -61,7 +65,7 @@ def stored_part_kernel(
             values = tl.load(
                 values_ptr + entries[:, None] * dv + value_channels[None, :], mask=dv_valid[None, :], other=0.0
             ).to(tl.float32)
-        else:
+        else:  # one key scale and zero point a page (its key group)
             key_codes = unpack(keys_ptr, entries, channels, d_valid[None, :], key_bytes, d * BITS // 8, BITS)
             scale = tl.load(key_scale_ptr + page * d + channels, mask=d_valid, other=0.0).to(tl.float32)
             zero = tl.load(key_zero_ptr + page * d + channels, mask=d_valid, other=0.0).to(tl.float32)
@@ -74,16 +78,51 @@ def stored_part_kernel(
             values = value_codes * value_scale[:, None] + value_zero[:, None]
         logits = tl.dot(q, tl.trans(keys), input_precision="ieee") * scaling + bias[None, :]
         new_best = tl.maximum(best, tl.max(logits, 1))
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a page of −inf alone: weights 0
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # −inf alone so far: weights 0
         weights = tl.exp(logits - shift[:, None])
         rescale = tl.exp(best - shift)
         total = total * rescale + tl.sum(weights, 1)
         acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
         best = new_best
-    tl.store(top_ptr + row * m + queries, best, mask=q_valid)
-    tl.store(den_ptr + row * m + queries, total, mask=q_valid)
+    tl.store(top_ptr + split * m + queries, best, mask=q_valid)
+    tl.store(den_ptr + split * m + queries, total, mask=q_valid)
     tl.store(
-        num_ptr + (row * m + queries)[:, None] * dv + value_channels[None, :],
+        num_ptr + (split * m + queries)[:, None] * dv + value_channels[None, :],
         acc,
         mask=q_valid[:, None] & dv_valid[None, :],
     )
+
+
+@triton.jit
+def merge_splits_kernel(
+    split_top_ptr, split_den_ptr, split_num_ptr, first_split_ptr,
+    top_ptr, den_ptr, num_ptr,
+    m, dv,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """A row's splits merged by their maximum logits (the log-sum-exp merge of split-K decoding): the row's
+    maximum logit, and relative to it its weights' sum and weighted values; −inf, 0 and 0 for a row
+    without pages."""
+    row = tl.program_id(0)
+    queries = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_valid = queries < m
+    value_channels = tl.arange(0, BLOCK_DV)
+    both = q_valid[:, None] & (value_channels < dv)[None, :]
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for split in range(tl.load(first_split_ptr + row), tl.load(first_split_ptr + row + 1)):
+        top = tl.load(split_top_ptr + split * m + queries, mask=q_valid, other=float("-inf"))
+        den = tl.load(split_den_ptr + split * m + queries, mask=q_valid, other=0.0)
+        at = (split * m + queries)[:, None] * dv + value_channels[None, :]
+        num = tl.load(split_num_ptr + at, mask=both, other=0.0)
+        new_best = tl.maximum(best, top)
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # splits of −inf alone: weights 0
+        rescale = tl.exp(best - shift)
+        weight = tl.exp(top - shift)
+        total = total * rescale + den * weight
+        acc = acc * rescale[:, None] + num * weight[:, None]
+        best = new_best
+    tl.store(top_ptr + row * m + queries, best, mask=q_valid)
+    tl.store(den_ptr + row * m + queries, total, mask=q_valid)
+    tl.store(num_ptr + (row * m + queries)[:, None] * dv + value_channels[None, :], acc, mask=both)
