@@ -69,7 +69,7 @@ def main() -> None:
         "model": args.model,
         "length": args.length,
         "method": args.method,
-        "budget": "memory %s" % args.memory if args.memory else "0.1",
+        "budget": f"memory {args.memory}" if args.memory else "0.1",
         "batch": args.batch,
         "layers": len(compressed.cache.folded_layers),
         "layers_with_stored_rows": len(layers),
