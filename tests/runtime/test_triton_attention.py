@@ -152,7 +152,8 @@ def test_a_head_dimension_that_is_not_a_power_of_two():
 @pytest.mark.skipif(not triton_attention.interpreted(), reason="the CPU's interpreter (on a GPU: test_cuda.py)")
 def test_stored_part_takes_the_kernel_where_it_applies(monkeypatch):
     """A decode on CUDA (here: the device check answered as on CUDA) reads the rows the kernel reads with
-    it, and the others (fp8, value groups, outliers, key groups under 16) by the PyTorch path."""
+    it, and the others (fp8, value groups, outliers, key groups under 16 or not a power of two) by the
+    PyTorch path."""
     calls = []
     real = triton_attention.stored_part_triton
     monkeypatch.setattr(quantized_attention, "stored_part_triton", lambda *a: calls.append(1) or real(*a))
@@ -162,7 +163,7 @@ def test_stored_part_takes_the_kernel_where_it_applies(monkeypatch):
     quantized_attention.stored_part(queries, _rows("int4", [9, 40]), 0.2)
     quantized_attention.stored_part(queries, _rows(None, [9, 40]), 0.2)
     assert len(calls) == 2
-    for kv_format in ("fp8", "int4[value_group=8]", "int4[outliers=1]", "int4[key_group=8]"):
+    for kv_format in ("fp8", "int4[value_group=8]", "int4[outliers=1]", "int4[key_group=8]", "int4[key_group=48]"):
         stored = _rows(kv_format, [9, 40])
         assert not triton_attention.reads_rows(stored), kv_format
         quantized_attention.stored_part(queries, stored, 0.2)

@@ -27,9 +27,10 @@ part of its graph.
 :func:`triton_applies` says where a decode takes it: CUDA tensors, and rows it reads (:func:`reads_rows`):
 integer codes of 8, 4, 3 or 2 bits with one value scale
 an entry and no full-precision outlier entries, or rows at full precision; key groups and head
-dimensions of at least 16 (``tl.dot``'s smallest block). Other rows (fp8, value groups, outliers) are
-read by the PyTorch path, and ``kvfold bench`` records which path a decode took. On the CPU the tests
-run the kernel under Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is imported).
+dimensions of at least 16 (``tl.dot``'s smallest block), key groups of a power of two. Other rows (fp8,
+value groups, outliers, key groups of 48 entries) are read by the PyTorch path, and ``kvfold bench``
+records which path a decode took. On the CPU the tests run the kernel under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before Triton is imported).
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ of 64 spill registers under Triton 3.6 (``tools/triton_targets.py``)."""
 
 LAUNCH = {"num_warps": 8, "num_stages": 1}
 """How both kernels are launched. Compiled for an H200 (``tools/triton_targets.py``, no GPU needed), the
-page loop under Triton's default software pipelining (3 stages on an H200) holds 255 registers a thread
-and spills 230–370 bytes a thread to memory at a head dimension of 128; one stage and 8 warps hold
-101–186 and spill nothing, in every variant. A split walks a few pages, so loads are overlapped by the
-programs in flight, not by stages within one."""
+page loop under Triton's default launch (4 warps, software pipelining over 3 stages) holds 255 registers
+a thread and spills 180–1,930 bytes a thread to memory at a head dimension of 128, under Triton 3.6 and
+3.9; one stage and 8 warps hold 71–206 and spill nothing, in every variant. A split walks a few pages,
+so loads are overlapped by the programs in flight, not by stages within one."""
 
 
 def available() -> bool:
@@ -85,8 +86,8 @@ def triton_applies(queries: Tensor, stored: QuantizedRows | FloatRows) -> bool:
 
 def reads_rows(stored: QuantizedRows | FloatRows) -> bool:
     """Whether the kernel reads ``stored`` (module docstring): rows at full precision, or integer codes of 8,
-    4, 3 or 2 bits with one value scale an entry and no full-precision outliers, key groups and head
-    dimensions of at least :data:`MIN_BLOCK`."""
+    4, 3 or 2 bits with one value scale an entry and no full-precision outliers, key groups of a power of
+    two and head dimensions of at least :data:`MIN_BLOCK`."""
     if stored.head_dim < MIN_BLOCK or stored.value_dim < MIN_BLOCK:
         return False
     if isinstance(stored, FloatRows):
@@ -97,6 +98,7 @@ def reads_rows(stored: QuantizedRows | FloatRows) -> bool:
         and not cfg.value_group
         and cfg.bits in (8, 4, 3, 2)
         and cfg.key_group >= MIN_BLOCK
+        and cfg.key_group & (cfg.key_group - 1) == 0  # a page is whole parts of a power of two (tl.arange)
         and not stored.outlier_index.numel()
     )
 
