@@ -292,3 +292,27 @@ def test_the_path_a_decode_takes_is_recorded():
         assert quantized_attention_path(_cache("fp8")[1], cuda).startswith("torch (the Triton kernel does not read")
     assert quantized_attention_path(_cache("int4")[1], torch.device("cpu")).startswith(("native", "torch"))
     assert quantized_attention_path(_cache("int4")[1], torch.device("cpu"), compiled=True).startswith("torch (compiled")
+
+
+def test_the_path_that_reads_stored_rows_is_recorded_whatever_their_format():
+    """``stored_attention``: rows at full precision too (``kvzip`` at 0.1 holds them), on a GPU with the
+    kernel's splits; nothing for the full cache."""
+    import torch
+
+    from kvfold.evaluate.bench.speed import quantized_attention_path, stored_attention_path
+    from kvfold.runtime import triton_attention
+    from tests.pipeline.test_compiled_decode import _cache
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert stored_attention_path(_cache("full")[1], cuda) is None
+    assert stored_attention_path(_cache("rows")[1], cpu) == "torch"
+    int4 = _cache("int4")[1]
+    assert stored_attention_path(int4, cpu) == quantized_attention_path(int4, cpu)
+    if triton_attention.available():
+        rows = _cache("rows")[1]
+        stored = [layer.stored for _, layer in rows.folded_layers]
+        programs = sorted(s.pages.splits.count for s in stored)[len(stored) // 2]
+        pages = max(s.pages.splits.per_split for s in stored)
+        assert stored_attention_path(rows, cuda) == f"triton ({programs} programs a layer, at most {pages} pages each)"
+        assert stored_attention_path(int4, cuda).startswith("triton (")
+        assert stored_attention_path(_cache("fp8")[1], cuda).startswith("torch (the Triton kernel does not read")

@@ -159,6 +159,7 @@ def run_config(config: BenchConfig) -> dict:
         "kv_bytes_reserved": compressed.kv_bytes_reserved,
         "physical_tokens": max(layer.physical_length for _, layer in compressed.cache.folded_layers),
         "quantized_attention": quantized_attention_path(compressed.cache, model.device, config.compiled),
+        "stored_attention": stored_attention_path(compressed.cache, model.device, config.compiled),
         "repeat_attention": None if repeat_s is None else log_sum_exp_path(model.device, model.dtype),
     }
 
@@ -182,6 +183,33 @@ def quantized_attention_path(cache, device, compiled: bool = False) -> str | Non
     from kvfold.runtime.native import status
 
     return status()
+
+
+def stored_attention_path(cache, device, compiled: bool = False) -> str | None:
+    """How a decode step read the stored rows, whatever their format: on a GPU ``triton (N programs a
+    layer, at most K pages each)`` (the median layer's splits, :class:`kvfold.runtime.pages.PageSplits`)
+    or ``torch (why)``; on the CPU as :func:`quantized_attention_path` says for quantized rows, ``torch``
+    for rows at full precision; None where no layer holds stored rows (the full cache)."""
+    stored = [layer.stored for _, layer in cache.folded_layers if layer.stored is not None]
+    if not stored:
+        return None
+    if cache.quant is not None:
+        path = quantized_attention_path(cache, device, compiled)
+    elif getattr(device, "type", str(device)) == "cpu":
+        return "torch"
+    else:
+        from kvfold.runtime.triton_attention import available, reads_rows
+
+        if not available():
+            return "torch (Triton is not installed)"
+        path = "triton" if all(map(reads_rows, stored)) else "torch (the Triton kernel does not read these rows)"
+    if path != "triton":
+        return path
+    splits = [rows.pages.splits for rows in stored if rows.pages.count]  # built as a decode builds them
+    if not splits:
+        return path
+    programs = sorted(split.count for split in splits)[len(splits) // 2]
+    return f"triton ({programs} programs a layer, at most {max(s.per_split for s in splits)} pages each)"
 
 
 def extend_positions(model, positions: int) -> None:
@@ -368,6 +396,7 @@ def run_stock(config: BenchConfig) -> dict:
         "kv_bytes_reserved": 0,
         "physical_tokens": config.length,
         "quantized_attention": None,
+        "stored_attention": None,
         "stock": STOCK[config.method],
     }
 
