@@ -189,7 +189,8 @@ def stored_attention_path(cache, device, compiled: bool = False) -> str | None:
     """How a decode step read the stored rows, whatever their format: on a GPU ``triton (N programs a
     layer, at most K pages each)`` (the median layer's splits, :class:`kvfold.runtime.pages.PageSplits`)
     or ``torch (why)``; on the CPU as :func:`quantized_attention_path` says for quantized rows, ``torch``
-    for rows at full precision; None where no layer holds stored rows (the full cache)."""
+    for rows at full precision; None where no layer holds stored rows (the full cache, or rows of lengths
+    close enough to be held padded in the dense tail)."""
     stored = [layer.stored for _, layer in cache.folded_layers if layer.stored is not None]
     if not stored:
         return None
