@@ -187,3 +187,24 @@ def test_a_ragged_cache_decoded_into_its_tail_reads_saves_and_takes_another_turn
     want = _step(model, reference, turn)
     for other in (cache, loaded, edited):
         torch.testing.assert_close(_step(model, other, turn), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_format", [None, "int4"])
+def test_the_index_a_decode_reads_is_built_before_a_step_is_compiled(kv_format):
+    """``index_tensors()`` (what ``fix_tails`` calls before a step is compiled) builds the pages and the Triton
+    kernels' splits and gives their tensors, so that a compiled step reads them instead of building them."""
+    from kvfold.runtime.quant_config import QuantConfig
+    from kvfold.runtime.quantize import QuantizedRows
+
+    keys, values, beta, lengths = _padded_rows([5, 40, 0, 77], 80)
+    keys, values = keys.repeat(1, 1, 4), values.repeat(1, 1, 4)  # a head dimension that packs (16)
+    if kv_format is None:
+        stored = FloatRows.from_padded(keys, values, beta, lengths)
+    else:
+        stored = QuantizedRows.from_padded(keys, values, beta, lengths, QuantConfig.parse(kv_format))
+    assert "pages" not in stored.__dict__
+    held = stored.index_tensors()
+    pages = stored.__dict__["pages"]
+    assert "splits" in pages.__dict__ and "first_page" in pages.__dict__
+    ids = {id(t) for t in held}
+    assert all(id(t) in ids for t in (pages.row, pages.slots, pages.bias, pages.first_page, *pages.splits.tensors()))
