@@ -67,7 +67,9 @@ def variants(head_dim: int = 128) -> list[tuple[str, str, dict[str, str], dict[s
     return out
 
 
-def _signature(fn, types: dict[str, str], const: dict[str, int]) -> dict[str, str]:
+def signature(fn, types: dict[str, str], const: dict[str, int]) -> dict[str, str]:
+    """Triton's signature of kernel ``fn``: each argument's type (``types``, then :data:`POINTERS`; ``i32``
+    for sizes, ``fp32`` for the scale) or ``constexpr`` for those in ``const``."""
     names = list(inspect.signature(fn.fn).parameters)
     sig = {}
     for name in names:
@@ -82,7 +84,7 @@ def _signature(fn, types: dict[str, str], const: dict[str, int]) -> dict[str, st
     return sig
 
 
-def _ptxas_report(ptx: str, arch: int) -> dict[str, int]:
+def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
     """Registers and spill bytes ``ptxas -v`` reports for ``ptx``."""
     from triton.backends.nvidia import compiler as nvidia
 
@@ -128,10 +130,10 @@ def compile_all(arch: int = 90, default_launch: bool = False, only: str = "") ->
         fn = getattr(triton_kernels, kernel)
         record: dict = {"variant": name, "arch": arch}
         try:
-            source = tc.ASTSource(fn=fn, signature=_signature(fn, types, const), constexprs=const)
+            source = tc.ASTSource(fn=fn, signature=signature(fn, types, const), constexprs=const)
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
             record |= {"shared": int(compiled.metadata.shared), "warps": int(compiled.metadata.num_warps)}
-            record |= _ptxas_report(compiled.asm["ptx"], arch)
+            record |= ptxas_report(compiled.asm["ptx"], arch)
             record["fits"] = record["shared"] <= SHARED_LIMIT.get(arch, 49_152)
         except Exception as error:  # noqa: BLE001 - any compiler error is this variant's result
             record["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"

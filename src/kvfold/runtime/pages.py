@@ -121,12 +121,9 @@ def split_pages(pages: RowPages, per_split: int) -> PageSplits:
     index = torch.arange(count, device=first_page.device)
     row = torch.bucketize(index, ends, right=True)  # rows past the last: unused splits
     used = row < pages.rows
-    row = row.clamp_max(max(pages.rows - 1, 0))
-    if pages.rows:
-        start = first_page[row] + (index - (ends - splits_per_row)[row]) * per_split
-        end = torch.minimum(start + per_split, first_page[row + 1])
-    else:
-        start = end = index
+    row = row.clamp_max(max(pages.rows - 1, 0))  # (no rows: no pages, no splits, nothing indexed)
+    start = first_page[row] + (index - (ends - splits_per_row)[row]) * per_split
+    end = torch.minimum(start + per_split, first_page[row + 1])
     start, end = torch.where(used, start, 0), torch.where(used, end, 0)
     first_split = torch.cat([ends.new_zeros(1), ends])
     return PageSplits(

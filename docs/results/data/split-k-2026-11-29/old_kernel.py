@@ -36,9 +36,9 @@ def main() -> None:
             types |= {f"{p}_ptr": scales for p in ("key_scale", "key_zero", "value_scale", "value_zero")}
             const = {"BITS": bits, "SIZE": size, "BLOCK_M": block_m, "BLOCK_D": 128, "BLOCK_DV": 128}
             fn = module.stored_part_kernel
-            source = tc.ASTSource(fn=fn, signature=triton_targets._signature(fn, types, const), constexprs=const)  # noqa: SLF001
+            source = tc.ASTSource(fn=fn, signature=triton_targets.signature(fn, types, const), constexprs=const)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
-            report = triton_targets._ptxas_report(compiled.asm["ptx"], 90)  # noqa: SLF001
+            report = triton_targets.ptxas_report(compiled.asm["ptx"], 90)
             print(
                 f"| bits={bits} page={size} block_m={block_m} | {compiled.metadata.shared:,} | "
                 f"{compiled.metadata.num_warps} | {report['registers']} | {report['spill_stores']} / "

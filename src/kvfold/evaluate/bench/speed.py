@@ -47,6 +47,7 @@ run resumes from: :mod:`kvfold.evaluate.bench.records`; the files a finished ben
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -172,12 +173,8 @@ def quantized_attention_path(cache, device, compiled: bool = False) -> str | Non
     if cache.quant is None:
         return None
     if getattr(device, "type", str(device)) != "cpu":
-        from kvfold.runtime.triton_attention import available, reads_rows
-
         stored = [layer.stored for _, layer in cache.folded_layers if layer.stored is not None]
-        if not available():
-            return "torch (Triton is not installed)"
-        return "triton" if all(map(reads_rows, stored)) else f"torch (the Triton kernel does not read {cache.quant})"
+        return _triton_or_why(stored, str(cache.quant))
     if compiled:
         return "torch (compiled: the C kernel is outside any graph)"
     from kvfold.runtime.native import status
@@ -199,18 +196,21 @@ def stored_attention_path(cache, device, compiled: bool = False) -> str | None:
     elif getattr(device, "type", str(device)) == "cpu":
         return "torch"
     else:
-        from kvfold.runtime.triton_attention import available, reads_rows
-
-        if not available():
-            return "torch (Triton is not installed)"
-        path = "triton" if all(map(reads_rows, stored)) else "torch (the Triton kernel does not read these rows)"
-    if path != "triton":
-        return path
+        path = _triton_or_why(stored, "these rows")
     splits = [rows.pages.splits for rows in stored if rows.pages.count]  # built as a decode builds them
-    if not splits:
+    if path != "triton" or not splits:
         return path
-    programs = sorted(split.count for split in splits)[len(splits) // 2]
+    programs = statistics.median_low(split.count for split in splits)
     return f"triton ({programs} programs a layer, at most {max(s.per_split for s in splits)} pages each)"
+
+
+def _triton_or_why(stored: list, what: str) -> str:
+    """``triton`` where the Triton kernel reads every one of ``stored`` on a GPU, else ``torch (why)``."""
+    from kvfold.runtime.triton_attention import available, reads_rows
+
+    if not available():
+        return "torch (Triton is not installed)"
+    return "triton" if all(map(reads_rows, stored)) else f"torch (the Triton kernel does not read {what})"
 
 
 def extend_positions(model, positions: int) -> None:
@@ -316,8 +316,6 @@ def time_interleaved(steppers: list[Stepper], new_tokens: int) -> list[float]:
     """Run every decode one step at a time in turn, the order alternating from step to step; the
     steady-state tokens/s of each: the batch over the median time of the ``new_tokens`` steps after
     :data:`WARMUP_STEPS` warm-up steps, summed over the batch."""
-    import statistics
-
     times: list[list[float]] = [[] for _ in steppers]
     for step in range(WARMUP_STEPS + new_tokens):
         order = range(len(steppers)) if step % 2 == 0 else reversed(range(len(steppers)))
