@@ -7,8 +7,9 @@ Usage::
 Reads each folder's ``records.jsonl`` (every configuration measured so far, also by several
 invocations on one folder, or by one cut short) and prints the bench's Markdown table, the ratios
 against ``full`` at the same length and batch computed as ``kvfold bench`` computes them; a
-configuration whose ``full`` is missing is left out, said on stderr. ``benchmarks/gpu.sh`` writes its
-``README.md`` with it.
+configuration whose ``full`` is missing is left out, said on stderr. Under each table, the paths each
+method's run took where a record says (``stored_attention``, ``repeat_attention``, ``repeat_scores``:
+docs/benchmarks.md). ``benchmarks/gpu.sh`` writes its ``README.md`` with it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ def with_ratios(records: list[dict]) -> list[dict]:
     return out
 
 
+PATHS = {
+    "stored_attention": "stored rows",
+    "repeat_attention": "repeat pass's attention",
+    "repeat_scores": "KVzip's scores",
+}
+"""The records' path fields, and how the list under a table names them."""
+
+
+def path_lines(records: list[dict]) -> list[str]:
+    """One line a method whose records say which paths its run took (the first record's; those without any
+    left out): ``- kvzip: stored rows: triton (...); KVzip's scores: fused (Triton)``."""
+    lines, seen = [], set()
+    for record in records:
+        said = [f"{name}: {record[field]}" for field, name in PATHS.items() if record.get(field)]
+        if said and record["method"] not in seen:
+            seen.add(record["method"])
+            lines.append(f"- {record['method']}: " + "; ".join(said))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="+", type=Path)
@@ -54,6 +75,10 @@ def main() -> None:
         records = with_ratios(list(read_jsonl(path, what="bench record")))
         model = records[0]["model"] if records else "?"
         print(bench_markdown({"model": f"{model} ({folder.name})", "records": records}))
+        paths = path_lines(records)
+        if paths:
+            print("\nPaths taken:\n")
+            print("\n".join(paths))
 
 
 if __name__ == "__main__":

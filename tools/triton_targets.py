@@ -1,12 +1,13 @@
-"""Compile kvfold's Triton kernels for a GPU without one: every variant a decode launches, for a target.
+"""Compile kvfold's Triton kernels for a GPU without one: every variant kvfold launches, for a target.
 
 The tests run the kernels under Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), which checks
 what they compute but not that they compile: a block too large for shared memory, an operation the
 compiler refuses, registers spilled to memory show only when a GPU compiles them. Triton's NVIDIA
 backend carries its own ``ptxas``, so each variant (16-bit rows and 8-, 4-, 3- and 2-bit codes, query
-blocks of 16, pages of 16, 32 and 64 entries, head dimension 128, and the merge of splits) is compiled
-here for the target (default: an H200, ``sm_90``) with the launch options kvfold uses
-(``triton_attention.LAUNCH``), and ``ptxas -v`` says its registers and spills.
+blocks of 16, pages of 16, 32 and 64 entries, head dimension 128, and the merge of splits; KVzip's
+scores over bfloat16 and float16 keys) is compiled here for the target (default: an H200, ``sm_90``)
+with the launch options kvfold uses (``triton_attention.LAUNCH``, ``key_scores.LAUNCH``), and
+``ptxas -v`` says its registers and spills.
 
     python tools/triton_targets.py                     # a table; exit 1 if a variant fails or spills
     python tools/triton_targets.py --arch 80 --json    # an A100, as JSON
@@ -44,14 +45,18 @@ POINTERS = {
     "split_den_ptr": "*fp32",
     "split_num_ptr": "*fp32",
     "first_split_ptr": "*i32",
+    "shift_ptr": "*fp32",
+    "out_ptr": "*fp32",
 }
 """Each pointer argument's element type (keys, values, scales and zero points depend on the variant)."""
 
 
-def variants(head_dim: int = 128) -> list[tuple[str, str, dict[str, str], dict[str, int]]]:
-    """``(name, kernel, pointer types, constexprs)`` of each variant a decode launches: every width of
-    codes in pages of 32 entries, 4 bits in pages (key groups) of 16 and 64, and the merge."""
-    from kvfold.runtime.triton_attention import PAGE_PART, QUERY_BLOCK
+def variants(head_dim: int = 128) -> list[tuple[str, str, dict[str, str], dict[str, int], dict[str, int]]]:
+    """``(name, kernel, pointer types, constexprs, launch options)`` of each variant kvfold launches: a decode's
+    every width of codes in pages of 32 entries, 4 bits in pages (key groups) of 16 and 64, and the merge
+    (``triton_attention.LAUNCH``); KVzip's scores over 16-bit keys (``key_scores.LAUNCH``)."""
+    from kvfold.runtime import key_scores
+    from kvfold.runtime.triton_attention import LAUNCH, PAGE_PART, QUERY_BLOCK
 
     out = []
     for bits, size in ((16, 32), (8, 32), (4, 32), (3, 32), (2, 32), (4, 16), (4, 64)):
@@ -61,9 +66,13 @@ def variants(head_dim: int = 128) -> list[tuple[str, str, dict[str, str], dict[s
         types |= {f"{p}_ptr": scales for p in ("key_scale", "key_zero", "value_scale", "value_zero")}
         const = {"BITS": bits, "SIZE": size, "PART": min(size, PAGE_PART), "BLOCK_M": QUERY_BLOCK}
         const |= {"BLOCK_D": head_dim, "BLOCK_DV": head_dim}
-        out.append((f"stored_part bits={bits} page={size}", "stored_part_kernel", types, const))
+        out.append((f"stored_part bits={bits} page={size}", "stored_part_kernel", types, const, LAUNCH))
     const = {"BLOCK_M": QUERY_BLOCK, "BLOCK_DV": head_dim}
-    out.append(("merge_splits", "merge_splits_kernel", {}, const))
+    out.append(("merge_splits", "merge_splits_kernel", {}, const, LAUNCH))
+    for dtype in ("bf16", "fp16"):
+        const = {"BLOCK_M": key_scores.BLOCK_ROWS, "BLOCK_N": key_scores.BLOCK_KEYS, "BLOCK_D": head_dim, "UPCAST": 0}
+        types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}"}
+        out.append((f"max_logit {dtype}", "max_logit_kernel", types, const, key_scores.LAUNCH))
     return out
 
 
@@ -110,6 +119,14 @@ def ptxas_report(ptx: str, arch: int) -> dict[str, int]:
     }
 
 
+def tensor_core_instruction(ptx: str) -> str | None:
+    """The tensor-core instruction the kernel's matrix products compiled to: ``wgmma`` (a warp group's, sm_90),
+    ``mma`` (a warp's), or None (products on the ordinary float units)."""
+    if "wgmma.mma_async" in ptx:
+        return "wgmma"
+    return "mma" if re.search(r"\bmma\.sync", ptx) else None
+
+
 def compile_all(arch: int = 90, default_launch: bool = False, only: str = "") -> list[dict]:
     """Each variant (whose name contains ``only``) compiled for ``sm_{arch}`` with kvfold's launch options
     (``default_launch``: Triton's own): shared memory, warps, registers, spills, or its error."""
@@ -120,20 +137,20 @@ def compile_all(arch: int = 90, default_launch: bool = False, only: str = "") ->
     from triton.backends.compiler import GPUTarget
 
     from kvfold.runtime import triton_kernels
-    from kvfold.runtime.triton_attention import LAUNCH
 
     records = []
-    options = {} if default_launch else dict(LAUNCH)
-    for name, kernel, types, const in variants():
+    for name, kernel, types, const, launch in variants():
         if only not in name:
             continue
         fn = getattr(triton_kernels, kernel)
         record: dict = {"variant": name, "arch": arch}
+        options = {} if default_launch else dict(launch)
         try:
             source = tc.ASTSource(fn=fn, signature=signature(fn, types, const), constexprs=const)
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
             record |= {"shared": int(compiled.metadata.shared), "warps": int(compiled.metadata.num_warps)}
             record |= ptxas_report(compiled.asm["ptx"], arch)
+            record["tensor_cores"] = tensor_core_instruction(compiled.asm["ptx"])
             record["fits"] = record["shared"] <= SHARED_LIMIT.get(arch, 49_152)
         except Exception as error:  # noqa: BLE001 - any compiler error is this variant's result
             record["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
@@ -152,15 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(records, indent=1))
     else:
-        print("| variant | shared bytes | warps | registers | spill stores / loads |")
-        print("|---|---:|---:|---:|---|")
+        print("| variant | shared bytes | warps | registers | spill stores / loads | tensor cores |")
+        print("|---|---:|---:|---:|---|---|")
         for r in records:
             if "error" in r:
-                print(f"| {r['variant']} | error: {r['error']} | | | |")
+                print(f"| {r['variant']} | error: {r['error']} | | | | |")
             else:
                 print(
                     f"| {r['variant']} | {r['shared']:,} | {r['warps']} | {r['registers']} "
-                    f"| {r['spill_stores']} / {r['spill_loads']} |"
+                    f"| {r['spill_stores']} / {r['spill_loads']} | {r['tensor_cores'] or 'no'} |"
                 )
     bad = [r for r in records if "error" in r or not r.get("fits") or r.get("spill_stores")]
     for r in bad:

@@ -231,3 +231,36 @@ def test_the_repeat_pass_attention_on_cuda_takes_the_flash_kernel_in_16_bits():
     ref_out, ref_lse = attention._attend_after_cache_split(query, keys, values, 0.125, with_lse=True)
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=0, atol=2e-2)
     torch.testing.assert_close(lse.float(), ref_lse.float(), rtol=0, atol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("plus", [False, True])
+def test_kvzips_scores_on_cuda_take_the_triton_kernel_in_16_bits(plus):
+    """In bfloat16 on CUDA KVzip's scores (and KVzip+'s, a max per query head) come from the Triton kernel
+    (checked once a device), equal to the blocked float32 products up to the order of the sums; float32
+    queries keep the products."""
+    from kvfold.runtime import key_scores
+
+    gen = torch.Generator().manual_seed(3)
+    b, h_kv, g, q_len, n, d = 1, 8, 4, 300, 5000, 128
+    query = torch.randn(b, h_kv * g, q_len, d, generator=gen).to("cuda", torch.bfloat16)
+    cache = torch.randn(b, h_kv, n + 100, d, generator=gen).to("cuda", torch.bfloat16)
+    keys = cache[:, :, :n]  # a layer's context entries: a view of a longer cache
+    lse = (12 + torch.rand(b, h_kv * g, q_len, generator=gen)).cuda()
+    extra = ()
+    if plus:
+        extra = ((1 + torch.rand(b, q_len, generator=gen)).cuda(), torch.rand(b, h_kv * g, n, generator=gen).cuda())
+    assert key_scores.fused_applies(query, keys)
+    assert key_scores.FUSED_STATUS[f"{query.device} {query.dtype}"] == "fused"
+    assert key_scores.scores_path(query.device, query.dtype) == "fused (Triton)"
+    got = repeat.max_received(query, keys, lse, d**-0.5, *extra)
+    shift = -lse.reshape(b * h_kv, g * q_len)
+    if plus:
+        shift = shift - extra[0].log().repeat(1, g)  # each head's rows (g, t) less log ‖x_t‖ (batch 1)
+    groups = g if plus else 1
+    folded, flat = query.reshape(b * h_kv, g * q_len, d), keys.reshape(b * h_kv, n, d)
+    best = key_scores.blocked_max_logits(folded, flat, shift, d**-0.5, groups, 512).exp()
+    if plus:
+        best = (best.reshape(b, h_kv, g, n) * extra[1].reshape(b, h_kv, g, n)).amax(dim=2)
+    torch.testing.assert_close(got, best.reshape(b, h_kv, n), rtol=1e-4, atol=0)
+    assert not key_scores.fused_applies(query.float(), keys.float())

@@ -45,12 +45,17 @@ def _run(*args: str) -> tuple[int, list[dict]]:
 
 def test_every_kernel_variant_compiles_for_an_h200_without_spilling():
     code, records = _run()
-    assert len(records) == 8
+    assert len(records) == 10
     for record in records:
         assert "error" not in record, record
         assert record["fits"] and record["spill_stores"] == 0 and record["spill_loads"] == 0, record
         assert 0 < record["registers"] <= 255 and record["warps"] == 8, record
     assert code == 0
+    scores = [r for r in records if r["variant"].startswith("max_logit")]
+    assert [r["variant"] for r in scores] == ["max_logit bf16", "max_logit fp16"]
+    assert all(r["tensor_cores"] == "wgmma" for r in scores)  # KVzip's scores on tensor cores: the kernel's point
+    decode = [r for r in records if r["variant"].startswith("stored_part")]
+    assert all(r["tensor_cores"] is None for r in decode)  # a decode's products in float32 ("ieee"): bound by bytes
 
 
 def test_the_tool_sees_spills():

@@ -1,5 +1,6 @@
-"""The Triton kernel of :mod:`kvfold.runtime.triton_attention` (imported only where it runs: this module
-imports Triton, and Triton's interpreter, ``TRITON_INTERPRET=1``, is chosen when a kernel is defined)."""
+"""kvfold's Triton kernels: the stored part of a decode's attention (:mod:`kvfold.runtime.triton_attention`) and
+KVzip's scores (:mod:`kvfold.runtime.key_scores`). Imported only where they run: this module imports Triton, and
+Triton's interpreter, ``TRITON_INTERPRET=1``, is chosen when a kernel is defined."""
 
 import triton
 import triton.language as tl
@@ -126,3 +127,47 @@ def merge_splits_kernel(
     tl.store(top_ptr + row * m + queries, best, mask=q_valid)
     tl.store(den_ptr + row * m + queries, total, mask=q_valid)
     tl.store(num_ptr + (row * m + queries)[:, None] * dv + value_channels[None, :], acc, mask=both)
+
+
+@triton.jit
+def max_logit_kernel(
+    q_ptr, k_ptr, shift_ptr, out_ptr,
+    rows, n, d, groups, k_head_stride, k_entry_stride, scaling,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """For one KV head, one block of ``BLOCK_N`` keys and one group of the head's query rows: each key's
+    largest ``s·q·k + shift_q`` over the group's rows (``kvfold.runtime.key_scores``). The keys stay in
+    registers while the rows go by in blocks of ``BLOCK_M``; only the running maximum is kept, no logit is
+    written. 16-bit rows and keys are multiplied as they are with float32 sums (``UPCAST``: converted to
+    float32 first, for Triton's interpreter, whose bfloat16 products are wrong)."""
+    head = tl.program_id(0)
+    keys_at = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(2)
+    per_group = rows // groups
+    channels = tl.arange(0, BLOCK_D)
+    k_valid = keys_at < n
+    d_valid = channels < d
+    keys = tl.load(
+        k_ptr + head * k_head_stride + keys_at[:, None] * k_entry_stride + channels[None, :],
+        mask=k_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        keys = keys.to(tl.float32)
+    best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    first = group * per_group
+    for lo in range(first, first + per_group, BLOCK_M):
+        at = lo + tl.arange(0, BLOCK_M)
+        r_valid = at < first + per_group
+        q = tl.load(
+            q_ptr + (head * rows + at)[:, None] * d + channels[None, :],
+            mask=r_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        shift = tl.load(shift_ptr + head * rows + at, mask=r_valid, other=float("-inf"))
+        if UPCAST:
+            logits = tl.dot(q.to(tl.float32), tl.trans(keys), input_precision="ieee")
+        else:
+            logits = tl.dot(q, tl.trans(keys))
+        best = tl.maximum(best, tl.max(logits * scaling + shift[:, None], 0))
+    tl.store(out_ptr + (head * groups + group) * n + keys_at, best, mask=k_valid)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvfold.cli.main import main
-from kvfold.evaluate.bench.speed import bench
+from kvfold.evaluate.bench.speed import bench, repeat_pass_scores
+from kvfold.methods import build_method
 from kvfold.runtime.attention import log_sum_exp_path
 
 FIELDS = {
@@ -145,6 +146,22 @@ def test_bench_on_ray_matches_serial_with_each_length_on_one_worker(tiny_dir, se
     assert "Measured on Ray workers" in (out / "bench.md").read_text()
 
 
+@pytest.mark.parametrize(
+    ("method", "scored"),
+    [
+        ("kvzip", True),
+        ("kvzip[plus=true]", True),
+        ("kvzip+am_fit", True),
+        ("am_highest", False),
+        ("streamingllm", False),
+    ],
+)
+def test_the_record_of_how_kvzips_scores_were_formed_is_for_methods_whose_pass_scores(method, scored):
+    """``repeat_scores`` for a pass that scored the entries (any KVzip), not one that only kept queries."""
+    assert repeat_pass_scores(build_method(method), 1.0) is scored
+    assert repeat_pass_scores(build_method(method), None) is False  # no repeat pass timed
+
+
 def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path):
     result = bench(
         str(tiny_dir), ["kvzip", "streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
@@ -157,6 +174,7 @@ def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path)
     assert streaming["repeat_s"] is None and streaming["compress_over_repeat"] is None  # no repeat pass
     assert kvzip["repeat_attention"] == log_sum_exp_path(torch.device("cpu"), torch.float32)
     assert streaming["repeat_attention"] is None
+    assert kvzip["repeat_scores"] == "float32 products (on cpu)" and streaming["repeat_scores"] is None
     assert streaming["compress_over_prefill"] == pytest.approx(streaming["compress_s"] / streaming["prefill_s"])
     assert full["compress_over_repeat"] is None
     table = (tmp_path / "bench.md").read_text()

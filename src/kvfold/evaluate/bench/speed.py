@@ -75,10 +75,12 @@ from kvfold.evaluate.bench.records import (
 )
 from kvfold.evaluate.bench.report import write_bench_report
 from kvfold.methods import build_method
+from kvfold.methods.core.repeat import SCORE_FIELDS
 from kvfold.pipeline.memory import plan_memory
 from kvfold.runtime.attention import log_sum_exp_path
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.files import DirectoryLock
+from kvfold.runtime.key_scores import scores_path
 from kvfold.runtime.models import load_model
 from kvfold.runtime.timing import device_clock
 
@@ -162,7 +164,13 @@ def run_config(config: BenchConfig) -> dict:
         "quantized_attention": quantized_attention_path(compressed.cache, model.device, config.compiled),
         "stored_attention": stored_attention_path(compressed.cache, model.device, config.compiled),
         "repeat_attention": None if repeat_s is None else log_sum_exp_path(model.device, model.dtype),
+        "repeat_scores": scores_path(model.device, model.dtype) if repeat_pass_scores(method, repeat_s) else None,
     }
+
+
+def repeat_pass_scores(method, repeat_s: float | None) -> bool:
+    """Whether the method's repeat pass scored the context's entries (KVzip's scores, any variant)."""
+    return repeat_s is not None and bool(method.repeat_records().intersection(SCORE_FIELDS))
 
 
 def quantized_attention_path(cache, device, compiled: bool = False) -> str | None:

@@ -31,6 +31,7 @@ from kvfold.runtime.attention import ACCELERATOR_BLOCK_ELEMENTS
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.key_scores import max_shifted_logits
 from kvfold.runtime.prompts import encode, template_parts
 from kvfold.runtime.timing import device_clock
 
@@ -331,9 +332,11 @@ def max_received(
     and the GQA group (KVzip's score, Kim et al. 2025 §3.2), from each query's log-sum-exp over
     the whole cache: ``max_q exp(s·q·k − lse_q)``.
 
-    One ``baddbmm`` per block of queries gives ``s·q·k − lse_q`` in float32 (float64 for
-    float64 queries), the max runs over the block, and the exponential is taken once per key
-    after the max (``exp`` is monotone): no probability matrix is materialised.
+    The max of ``s·q·k − lse_q`` runs first and the exponential is taken once per key after it
+    (``exp`` is monotone): no probability matrix is materialised. The max is
+    :func:`kvfold.runtime.key_scores.max_shifted_logits`: one ``baddbmm`` per block of queries in
+    float32 (float64 for float64 queries), or on a GPU, for 16-bit queries, one Triton kernel that
+    writes no logit.
 
     With ``row_norms`` and ``column_weights`` it gives KVzip+'s score instead
     (:mod:`kvfold.methods.core.kvzip_plus`): ``max_h max_q exp(s·q·k − lse_q − log ‖x_q‖) · w_{h,i}``,
@@ -355,38 +358,18 @@ def max_received(
     h_kv, n = keys.shape[1], keys.shape[2]
     acc = torch.promote_types(query.dtype, torch.float32)
     rows = (h_q // h_kv) * q_len  # the G query heads of a KV head on one axis
-    folded = query.to(acc).reshape(b * h_kv, rows, d)
-    key_t = keys.to(acc).reshape(b * h_kv, n, d).transpose(-1, -2)
     lse = log_sum_exp.to(acc)
     if row_norms is not None:  # a / ‖x_q‖ = exp(s·q·k − lse_q − log ‖x_q‖)
         lse = lse + row_norms.to(acc).log()[:, None, :]
-    shift = lse.reshape(b * h_kv, rows, 1).neg()
+    shift = lse.reshape(b * h_kv, rows).neg()
+    groups = h_q // h_kv if column_weights is not None else 1  # KVzip+: each query head's max apart
     block = score_block_rows(query.device, n, d, b * h_kv)
+    folded, keys = query.reshape(b * h_kv, rows, d), keys.reshape(b * h_kv, n, d)
+    best = max_shifted_logits(folded, keys, shift, scaling, groups, block)  # (B·H_kv, groups, N)
     if column_weights is not None:
-        best = _max_per_head(folded, key_t, shift, scaling, q_len, block)  # (B·H_kv, G, N)
-        weighted = best.exp_().reshape(b, h_kv, h_q // h_kv, n) * column_weights.to(acc).reshape(b, h_kv, -1, n)
+        weighted = best.exp_().reshape(b, h_kv, groups, n) * column_weights.to(best.dtype).reshape(b, h_kv, -1, n)
         return weighted.amax(dim=2)
-    best = torch.full((b * h_kv, n), float("-inf"), dtype=acc, device=query.device)
-    for lo in range(0, rows, block):
-        hi = lo + block
-        logits = torch.baddbmm(shift[:, lo:hi], folded[:, lo:hi], key_t, alpha=scaling)  # s·q·k − lse
-        best = torch.maximum(best, logits.amax(dim=1))
     return best.exp_().reshape(b, h_kv, n)
-
-
-def _max_per_head(folded: Tensor, key_t: Tensor, shift: Tensor, scaling: float, q_len: int, block: int) -> Tensor:
-    """``max_q (s·q·k + shift_q)`` for each query head of the folded rows (``G`` heads of ``q_len``
-    rows each), ``(B·H_kv, G, N)``: blocks never straddle two heads."""
-    groups = folded.shape[1] // q_len
-    best = torch.full(
-        (folded.shape[0], groups, key_t.shape[2]), float("-inf"), dtype=folded.dtype, device=folded.device
-    )
-    for g in range(groups):
-        for lo in range(g * q_len, (g + 1) * q_len, block):
-            hi = min(lo + block, (g + 1) * q_len)
-            logits = torch.baddbmm(shift[:, lo:hi], folded[:, lo:hi], key_t, alpha=scaling)
-            best[:, g] = torch.maximum(best[:, g], logits.amax(dim=1))
-    return best
 
 
 def repeat_pass(

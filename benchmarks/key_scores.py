@@ -1,0 +1,106 @@
+"""KVzip's scores for one layer and forward of the repeat pass: the Triton kernel against the float32 products.
+
+Usage::
+
+    python benchmarks/key_scores.py [--device cuda] [--entries 8192,32768] [--tokens 2048] [--kv-heads 8]
+        [--group 4] [--head-dim 128] [--dtype bfloat16] [--reps 5] [--out FILE.jsonl]
+
+Times :func:`kvfold.methods.core.repeat.max_received` on random queries and keys of one repeat forward's
+shape (``--tokens`` repeat tokens of ``--kv-heads × --group`` query heads against ``--entries`` context
+entries; Llama-3.1-8B's layout and a GPU's 2,048-token forwards by default) twice in one process,
+alternating: by :func:`kvfold.runtime.key_scores.blocked_max_logits` (float32 products in the blocks a GPU
+takes) and by :func:`kvfold.runtime.key_scores.fused_max_logits` (the Triton kernel). Prints, at each length,
+the median milliseconds of each, their ratio, the TFLOP/s of the products (``2 · rows · entries · head_dim``
+a KV head) and the largest relative difference of the scores; ``--out`` appends the same as JSON lines.
+A 32K context of the 8B shape runs 16 such forwards in each of 32 layers. On the CPU the kernel runs under
+Triton's interpreter (``TRITON_INTERPRET=1``, set by this script): a check of the script at small sizes
+(``--entries 300 --tokens 40``), not a timing. docs/benchmarks.md, "On a GPU".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+DTYPES = ("bfloat16", "float16")
+
+
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu (Triton's interpreter: small sizes only)")
+    parser.add_argument("--entries", default="8192,32768", help="context entries scored, comma-separated")
+    parser.add_argument("--tokens", type=int, default=2048, help="repeat tokens a forward")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    parser.add_argument("--group", type=int, default=4, help="query heads a KV head")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="queries' and keys' dtype")
+    parser.add_argument("--reps", type=int, default=5, help="timed calls of each path (after one warm-up)")
+    parser.add_argument("--out", default=None, help="a JSON-lines file to append each length's record to")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+    import torch
+
+    from kvfold.methods.core import repeat
+    from kvfold.runtime import key_scores
+
+    dtype = getattr(torch, args.dtype)
+    b, h_kv, g, q_len, d = 1, args.kv_heads, args.group, args.tokens, args.head_dim
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(b, h_kv * g, q_len, d, generator=gen).to(args.device, dtype)
+    lse = (12 + torch.rand(b, h_kv * g, q_len, generator=gen)).to(args.device)
+    print(f"scores path on {args.device}: {key_scores.scores_path(torch.device(args.device), dtype)}")
+    for n in (int(x) for x in args.entries.split(",")):
+        keys = torch.randn(b, h_kv, n, d, generator=gen).to(args.device, dtype)
+        paths = {"float32 products": False, "triton kernel": True}
+        found, times = {}, {name: [] for name in paths}
+        for rep in range(args.reps + 1):  # alternating; the first call of each is a warm-up
+            for name, fused in paths.items():
+                key_scores.FUSED_FORCED = fused
+                _sync(torch, args.device)
+                start = time.perf_counter()
+                found[name] = repeat.max_received(query, keys, lse, d**-0.5)
+                _sync(torch, args.device)
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+        key_scores.FUSED_FORCED = None
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        flop = 2 * b * h_kv * g * q_len * n * d
+        off = float(((found["triton kernel"] - found["float32 products"]).abs() / found["float32 products"]).max())
+        record = {
+            "device": args.device,
+            "dtype": args.dtype,
+            "entries": n,
+            "rows": g * q_len,
+            "kv_heads": h_kv,
+            "head_dim": d,
+            "ms": ms,
+            "products_over_kernel": ms["float32 products"] / ms["triton kernel"],
+            "tflops": {name: flop / (t * 1e-3) / 1e12 for name, t in ms.items()},
+            "largest_relative_difference": off,
+        }
+        print(
+            f"{n:>7,} entries: float32 products {ms['float32 products']:.2f} ms "
+            f"({record['tflops']['float32 products']:.1f} TFLOP/s), Triton kernel {ms['triton kernel']:.2f} ms "
+            f"({record['tflops']['triton kernel']:.1f} TFLOP/s), {record['products_over_kernel']:.2f}x; "
+            f"largest relative difference {off:.2g}"
+        )
+        if args.out:
+            with open(args.out, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def _sync(torch, device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""benchmarks/bench_table.py: the list of paths each method's run took, under its table (what the GPU run's
+README says about which kernels ran)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "benchmarks" / "bench_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_paths_list_names_each_methods_paths_once():
+    records = [
+        {"method": "full", "stored_attention": None, "repeat_attention": None, "repeat_scores": None},
+        {
+            "method": "kvzip",
+            "stored_attention": "triton (256 programs a layer, at most 2 pages each)",
+            "repeat_attention": "fused (CUDA flash kernel)",
+            "repeat_scores": "fused (Triton)",
+        },
+        {"method": "kvzip", "stored_attention": "torch", "repeat_scores": "fused (Triton)"},
+        {"method": "streamingllm", "stored_attention": "torch"},
+    ]
+    assert _module().path_lines(records) == [
+        "- kvzip: stored rows: triton (256 programs a layer, at most 2 pages each); "
+        "repeat pass's attention: fused (CUDA flash kernel); KVzip's scores: fused (Triton)",
+        "- streamingllm: stored rows: torch",
+    ]
