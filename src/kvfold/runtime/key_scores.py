@@ -43,6 +43,10 @@ group's matrix product (``wgmma``), 117–128 registers a thread, nothing spille
 LAUNCH = {"num_warps": 8, "num_stages": 1}
 """The kernel's launch options (pipeline stages changed neither registers nor shared memory when compiled)."""
 
+FUSED_FORCED: bool | None = None
+"""None: :func:`max_shifted_logits` takes the kernel where :func:`fused_applies` says; True or False: the
+kernel, or the PyTorch path, whatever it says (``benchmarks/key_scores.py`` times both in one process)."""
+
 FUSED_STATUS: dict[str, str] = {}
 """Per device and dtype (``"cuda:0 torch.bfloat16"``), what :func:`fused_applies`'s check found: ``"fused"``,
 or why not."""
@@ -63,7 +67,7 @@ def max_shifted_logits(query: Tensor, keys: Tensor, shift: Tensor, scaling: floa
     Returns:
         ``(H, groups, N)`` in ``shift``'s dtype (float32; float64 for float64 queries on the PyTorch path).
     """
-    if fused_applies(query, keys):
+    if fused_applies(query, keys) if FUSED_FORCED is None else FUSED_FORCED:
         return fused_max_logits(query, keys, shift, scaling, groups)
     return blocked_max_logits(query, keys, shift, scaling, groups, block)
 

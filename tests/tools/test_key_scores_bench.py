@@ -1,0 +1,44 @@
+"""benchmarks/key_scores.py: KVzip's scores by both paths in one process (the GPU run's ``scores`` phase),
+run at small sizes with the kernel under Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfold.runtime import key_scores, triton_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not triton_attention.available() or not triton_attention.interpreted(),
+    reason="no Triton, or Triton's interpreter not chosen before Triton was imported (tests/conftest.py)",
+)
+
+
+def test_the_bench_times_each_path_and_records_their_difference(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("key_scores_bench", ROOT / "benchmarks" / "key_scores.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = {"fused_max_logits": 0, "blocked_max_logits": 0}
+
+    def counted(name):
+        real = getattr(key_scores, name)
+        return lambda *a: calls.__setitem__(name, calls[name] + 1) or real(*a)
+
+    for name in calls:
+        monkeypatch.setattr(key_scores, name, counted(name))
+    out = tmp_path / "scores.jsonl"
+    args = ["--device", "cpu", "--entries", "130,40", "--tokens", "20", "--kv-heads", "2", "--group", "2"]
+    module.main([*args, "--head-dim", "32", "--reps", "2", "--out", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["entries"] for r in records] == [130, 40]
+    for record in records:
+        assert set(record["ms"]) == {"float32 products", "triton kernel"}
+        assert record["largest_relative_difference"] < 1e-5 and record["rows"] == 40
+    # each path forced in turn: a warm-up and 2 timed calls a length
+    assert calls == {"fused_max_logits": 6, "blocked_max_logits": 6}
+    assert key_scores.FUSED_FORCED is None  # left as found
