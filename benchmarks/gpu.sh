@@ -14,7 +14,8 @@
 # PHASES ("env tests compiled batch long memory profile report"; "short", "groups", "scores" and "suite" are there too) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
 # T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits),
-# T_SCORES (60: KVzip's scores for one layer and forward, the Triton kernel against float32 products, at SHORT and LONG),
+# T_SCORES (60: KVzip's scores for one layer and forward, the Triton kernel against float32 products, over a chunk's
+# 2,048 entries (scope=chunk, the default from 4K) and over SHORT and LONG (scope=all)),
 # T_SUITE (300: the whole main suite, in SUITE_WORKERS (8) processes where pytest-xdist is installed).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
 # OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/scores.txt and scores.jsonl, OUT/suite.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
@@ -134,11 +135,12 @@ if wants groups; then  # kvzip+am_fit's compression at the short context with th
   cat "$OUT/groups.txt" 2>/dev/null
 fi
 
-if wants scores; then  # KVzip's scores for one repeat forward of the shape, both paths in one process
+if wants scores; then  # KVzip's scores for one repeat forward of the shape, both paths in one process: over
+  # a chunk's span (scope=chunk, the default from 4K tokens) and over the whole cache (scope=all)
   read -r kv_heads heads head_dim < <("$PYTHON" -c "import json; c = json.load(open('$MODEL_DIR/config.json')); \
 print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c['hidden_size'] // c['num_attention_heads'])")
   phase scores "${T_SCORES:-60}" bash -c "'$PYTHON' benchmarks/key_scores.py --device '$DEVICE' \
-    --entries '$SHORT,$LONG' --kv-heads $kv_heads --group $(( heads / kv_heads )) --head-dim $head_dim \
+    --entries '2048,$SHORT,$LONG' --kv-heads $kv_heads --group $(( heads / kv_heads )) --head-dim $head_dim \
     ${SCORES_ARGS:-} --out '$OUT/scores.jsonl' > '$OUT/scores.txt' 2>&1"
   cat "$OUT/scores.txt" 2>/dev/null
 fi

@@ -13,7 +13,8 @@ pass, the fits).
 
 ``--count`` instead compresses once counting what a GPU would pay for whatever the machine: the
 operators dispatched (views apart: they launch nothing), by phase (the repeat pass, Attention
-Matching's fits, the rest) and by kvfold function, and the host reads
+Matching's fits, the rest) and by kvfold function, their matrix products' floating-point operations
+(by phase and function: which run at a 16-bit rate on a GPU depends on the function), and the host reads
 (:class:`kvfold.runtime.host_syncs.HostSyncCounter`). With ``--as-accelerator`` a CPU takes the
 paths and block sizes a GPU in 16 bits would (the repeat pass's forwards and its fused attention with
 the log-sum-exp, the CPU's kernel standing in for CUDA's; the fits'
@@ -40,6 +41,7 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from kvfold.evaluate.bench.process import context_ids
 from kvfold.methods import build_method
@@ -69,24 +71,43 @@ VIEWS = frozenset(
 """Operators that make a view of a tensor: no kernel runs."""
 
 
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""The CPU's fused attention (standing in for CUDA's flash kernel under ``--as-accelerator``): its products
+are counted as torch's counter counts CUDA's (``sdpa_flop_count``: no discount for a causal mask)."""
+
+
 class OperatorCount(TorchDispatchMode):
     """Counts the operators dispatched inside it (views apart), by phase and by the kvfold function
-    that called them."""
+    that called them, and the multiply-adds of their matrix products (twice: floating-point operations,
+    ``torch.utils.flop_counter``'s formulas) by phase and function."""
 
     def __init__(self) -> None:
         super().__init__()
         self.phases: Counter[str] = Counter()
         self.functions: Counter[str] = Counter()
+        self.phase_flops: Counter[str] = Counter()
+        self.function_flops: Counter[str] = Counter()
         self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in VIEWS:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket
+        if packet.__name__ in VIEWS:
             self.views += 1
-        else:
-            phase, where = _caller_phase()
-            self.phases[phase] += 1
-            self.functions[where] += 1
-        return func(*args, **(kwargs or {}))
+            return out
+        phase, where = _caller_phase()
+        self.phases[phase] += 1
+        self.functions[where] += 1
+        flops = 0
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet is CPU_FLASH:
+            flops = sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+        if flops:
+            self.phase_flops[phase] += flops
+            self.function_flops[where] += flops
+        return out
 
 
 def _caller_phase() -> tuple[str, str]:
@@ -131,6 +152,10 @@ def count(source, method, budget: Budget, top: int) -> None:
     print(f"operators {total:,} ({phases}); views {ops.views:,}; host reads {sum(syncs.kvfold.values()):,} in kvfold")
     for where, n in ops.functions.most_common(top):
         print(f"  {n:>8,}  {where}")
+    flops = ", ".join(f"{phase} {n / 1e12:.3f}" for phase, n in ops.phase_flops.most_common())
+    print(f"matrix products: {sum(ops.phase_flops.values()) / 1e12:.3f} TFLOP ({flops})")
+    for where, n in ops.function_flops.most_common(top):
+        print(f"  {n / 1e12:>10.4f} TFLOP  {where}")
     for where, n in syncs.kvfold.most_common(top):
         print(f"  {n:>8,}  read: {where}")
 

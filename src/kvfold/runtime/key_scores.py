@@ -8,13 +8,17 @@ cache (:func:`kvfold.methods.core.repeat.max_received`). Before the exponential 
 KV head (its GQA group's heads × the forward's tokens) or over each query head's rows apart (KVzip+).
 
 The PyTorch path (:func:`blocked_max_logits`) forms the logits in float32, a block of rows at a time, and
-reduces them. At 32K tokens of Llama-3.1-8B's shape (32 layers, 32 query heads, head dimension 128) that is
-about 280 TFLOP of float32 products, which an H200 runs without tensor cores (about 67 TFLOP/s at best), and
-about 4.4 TB of float32 logits written and read back: by arithmetic alone about 4 s, several prefills of
-1.56 s. :func:`fused_max_logits` reads the 16-bit rows and keys where they lie, multiplies them on tensor
-cores with float32 sums, and keeps only each key's running maximum (``max_logit_kernel`` in
-:mod:`kvfold.runtime.triton_kernels`): the same 280 TFLOP at a 16-bit rate, and no logit written. A
-product of two 16-bit numbers is exact in float32, so the two paths differ by the order of the sums.
+reduces them. At 32K tokens of Llama-3.1-8B's shape (32 layers, 32 query heads, head dimension 128), with
+every entry scored by every repeat query (``kvzip[scope=all]``, and any cache that is not a fresh prefill,
+as a chat's or a streamed prefill's re-compaction), that is about 280 TFLOP of float32 products, which an
+H200 runs without tensor cores (about 67 TFLOP/s at best), and about 4.4 TB of float32 logits written and
+read back: several seconds, against a 1.56 s prefill. With each chunk's entries scored by its own queries
+(the default from 4K tokens on a fresh prefill) it is a sixteenth of that, about 18 TFLOP and 0.55 TB,
+still about 0.3 of a prefill by arithmetic. :func:`fused_max_logits` reads the 16-bit rows and keys where they lie,
+multiplies them on tensor cores with float32 sums, and keeps only each key's running maximum
+(``max_logit_kernel`` in :mod:`kvfold.runtime.triton_kernels`): the same products at a 16-bit rate, and no
+logit written. A product of two 16-bit numbers is exact in float32, so the two paths differ by the order
+of the sums.
 
 :func:`max_shifted_logits` takes the kernel where :func:`fused_applies` says so: CUDA, Triton installed,
 16-bit rows and keys of one dtype, head dimension 16–256, and the kernel checked once a device and dtype
