@@ -41,7 +41,7 @@ BLOCK_KEYS = 128
 
 BLOCK_ROWS = 64
 """Query rows a step of the loop: compiled for an H200 with 8 warps, 128 keys and head dimension 128, a warp
-group's matrix product (``wgmma``), 117–128 registers a thread, nothing spilled, 48 KB of shared memory
+group's matrix product (``wgmma``), 80 registers a thread, nothing spilled, 48 KB of shared memory
 (Triton 3.9 and 3.6; ``tools/triton_targets.py``). Blocks of 256 keys spill."""
 
 LAUNCH = {"num_warps": 8, "num_stages": 1}

@@ -140,7 +140,7 @@ def max_logit_kernel(
     registers while the rows go by in blocks of ``BLOCK_M``; only the running maximum is kept, no logit is
     written. 16-bit rows and keys are multiplied as they are with float32 sums (``UPCAST``: converted to
     float32 first, for Triton's interpreter, whose bfloat16 products are wrong)."""
-    head = tl.program_id(0)
+    head = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a long cache's heads pass 2³¹ elements
     keys_at = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     group = tl.program_id(2)
     per_group = rows // groups
