@@ -74,17 +74,18 @@ def test_the_pytorch_path_runs_where_the_kernel_does_not_apply():
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_check_finds_the_kernel_right_and_refuses_one_off_or_failing(monkeypatch, dtype):
-    cpu = torch.device("cpu")
-    assert key_scores.check_fused(cpu, dtype) == "fused"  # under the interpreter here, compiled on a GPU
+    device = torch.device(DEVICE)
+    assert key_scores.check_fused(device, dtype) == "fused"  # under the interpreter on the CPU, compiled on a GPU
+    assert key_scores.check_fused(device, dtype, head_dim=128) == "fused"  # a decoder's head dimension
     real = key_scores.fused_max_logits
     monkeypatch.setattr(key_scores, "fused_max_logits", lambda *a: real(*a) + 0.01)
-    assert key_scores.check_fused(cpu, dtype) == "float32 products (the kernel is off by 0.01)"
+    assert key_scores.check_fused(device, dtype) == "float32 products (the kernel is off by 0.01)"
 
     def fails(*args):
         raise RuntimeError("PTX .version 8.7 does not support .target sm_90a\nmore")
 
     monkeypatch.setattr(key_scores, "fused_max_logits", fails)
-    assert key_scores.check_fused(cpu, dtype) == (
+    assert key_scores.check_fused(device, dtype) == (
         "float32 products (the kernel failed: RuntimeError: PTX .version 8.7 does not support .target sm_90a)"
     )
 

@@ -133,17 +133,19 @@ def fused_applies(query: Tensor, keys: Tensor) -> bool:
         return False
     key = f"{query.device} {query.dtype}"
     if key not in FUSED_STATUS:
-        FUSED_STATUS[key] = check_fused(query.device, query.dtype)
+        FUSED_STATUS[key] = check_fused(query.device, query.dtype, query.shape[-1])
     return FUSED_STATUS[key] == "fused"
 
 
-def check_fused(device: torch.device, dtype: torch.dtype) -> str:
+def check_fused(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
     """``"fused"`` when :func:`fused_max_logits` gives :func:`blocked_max_logits`'s maxima on a small problem
-    (3 KV heads of 2 groups of 70 rows, 300 keys read from a wider cache, head dimension 64; one row left out),
-    else ``"float32 products (why)"``."""
+    (3 KV heads of 2 groups of 70 rows, 300 keys read from a wider cache, ``head_dim``; one row left out),
+    else ``"float32 products (why)"``. At the calls' own head dimension the check compiles the kernel they
+    run (the kernel's sizes are not specialised, and the keys' strides and offsets are multiples of 16
+    elements as a cache's are), so a process compiles it once, or loads it from Triton's cache on disk."""
     gen = torch.Generator().manual_seed(0)
-    query = torch.randn(3, 140, 64, generator=gen).to(device=device, dtype=dtype)
-    keys = torch.randn(3, 320, 64, generator=gen).to(device=device, dtype=dtype)[:, 10:310]
+    query = torch.randn(3, 140, head_dim, generator=gen).to(device=device, dtype=dtype)
+    keys = torch.randn(3, 320, head_dim, generator=gen).to(device=device, dtype=dtype)[:, 16:316]
     shift = -torch.rand(3, 140, generator=gen).to(device) * 4
     shift[1, 5] = float("-inf")
     try:

@@ -129,7 +129,7 @@ def merge_splits_kernel(
     tl.store(num_ptr + (row * m + queries)[:, None] * dv + value_channels[None, :], acc, mask=both)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "n", "groups"])  # one compiled kernel whatever a forward's sizes
 def max_logit_kernel(
     q_ptr, k_ptr, shift_ptr, out_ptr,
     rows, n, d, groups, k_head_stride, k_entry_stride, scaling,
