@@ -18,6 +18,7 @@ from kvfold.methods import CompressionContext, SpecError, build_method
 from kvfold.methods.core import repeat
 from kvfold.methods.eviction.kvzip import RepeatPrompt, is_structure_text, structure_tokens
 from kvfold.pipeline.chat import ChatSession
+from kvfold.runtime import key_scores, triton_attention
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.cache import FoldedCache
 from tests.conftest import TINY, CharTokenizer, make_tiny_model
@@ -350,3 +351,31 @@ def test_a_schedule_is_checked_against_the_model_and_the_other_budget_options(tm
         compress(model, tok, f"kvzip[schedule={path}]")
     with pytest.raises(SpecError, match="schedule and layerwise"):
         build_method(f"kvzip[schedule={path},layerwise=true]")
+
+
+@pytest.mark.skipif(
+    not triton_attention.available() or not (torch.cuda.is_available() or triton_attention.interpreted()),
+    reason="no Triton, or no GPU and Triton's interpreter not chosen before Triton was imported (tests/conftest.py)",
+)
+@pytest.mark.parametrize(
+    "spec", ["kvzip[chunk=24,scope=all]", "kvzip[chunk=24,scope=chunk]", "kvzip[chunk=24,plus=true]"]
+)
+def test_kvzip_through_the_scores_kernel_scores_and_keeps_as_the_pytorch_path(monkeypatch, spec):
+    """A bfloat16 model's KVzip with its scores taken by the Triton kernel (as a GPU takes them in 16 bits;
+    here under Triton's interpreter): the whole context's, each chunk's and KVzip+'s scores equal the PyTorch
+    path's to float32 rounding, and the same entries are kept."""
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama").to(torch.bfloat16))
+    text = "the quick brown fox jumps over the lazy dog while the cat sleeps " * 3
+    calls = []
+    real = key_scores.fused_max_logits
+    monkeypatch.setattr(key_scores, "fused_max_logits", lambda *a: calls.append(1) or real(*a))
+    runs = {}
+    for forced in (False, True):
+        monkeypatch.setattr(key_scores, "FUSED_FORCED", forced)
+        runs[forced] = compress(model, tok, spec, 0.3, text)[0]
+    assert calls  # the kernel scored (every forward of the repeat pass, with FUSED_FORCED)
+    for layer_idx, want in runs[False].memo["kvzip_scores"].items():
+        torch.testing.assert_close(runs[True].memo["kvzip_scores"][layer_idx], want, rtol=1e-5, atol=0)
+    kept = [held_keys(runs[forced].cache) for forced in (False, True)]
+    assert all(torch.equal(a, b) for a, b in zip(*kept, strict=True))
