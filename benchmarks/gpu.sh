@@ -15,7 +15,9 @@
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
 # T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits),
 # T_SCORES (60: KVzip's scores for one layer and forward, the Triton kernel against float32 products, over a chunk's
-# 2,048 entries (scope=chunk, the default from 4K) and over SHORT and LONG (scope=all)),
+# 2,048 entries (scope=chunk, the default from 4K) and over SHORT and LONG (scope=all), with each of SCORES_BLOCKS
+# (keys x rows a program: 128x64,64x64,128x128,64x128, every one compiled without spills by tools/triton_targets.py's
+# launch for sm_90)),
 # T_SUITE (300: the whole main suite, in SUITE_WORKERS (8) processes where pytest-xdist is installed).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
 # OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/scores.txt and scores.jsonl, OUT/suite.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
@@ -141,7 +143,7 @@ if wants scores; then  # KVzip's scores for one repeat forward of the shape, bot
 print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c['hidden_size'] // c['num_attention_heads'])")
   phase scores "${T_SCORES:-60}" bash -c "'$PYTHON' benchmarks/key_scores.py --device '$DEVICE' \
     --entries '2048,$SHORT,$LONG' --kv-heads $kv_heads --group $(( heads / kv_heads )) --head-dim $head_dim \
-    ${SCORES_ARGS:-} --out '$OUT/scores.jsonl' > '$OUT/scores.txt' 2>&1"
+    --blocks '${SCORES_BLOCKS:-128x64,64x64,128x128,64x128}' ${SCORES_ARGS:-} --out '$OUT/scores.jsonl' > '$OUT/scores.txt' 2>&1"
   cat "$OUT/scores.txt" 2>/dev/null
 fi
 

@@ -42,3 +42,25 @@ def test_the_bench_times_each_path_and_records_their_difference(tmp_path, monkey
     # each path forced in turn: a warm-up and 2 timed calls a length
     assert calls == {"fused_max_logits": 6, "blocked_max_logits": 6}
     assert key_scores.FUSED_FORCED is None  # left as found
+
+
+def test_the_bench_times_each_block_size_it_is_given(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("key_scores_bench", ROOT / "benchmarks" / "key_scores.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sizes = []
+    real = key_scores.fused_max_logits
+    monkeypatch.setattr(
+        key_scores,
+        "fused_max_logits",
+        lambda *a: sizes.append((key_scores.BLOCK_KEYS, key_scores.BLOCK_ROWS)) or real(*a),
+    )
+    own = (key_scores.BLOCK_KEYS, key_scores.BLOCK_ROWS)
+    out = tmp_path / "scores.jsonl"
+    args = ["--device", "cpu", "--entries", "70", "--tokens", "20", "--kv-heads", "2", "--group", "2"]
+    module.main([*args, "--head-dim", "16", "--reps", "1", "--blocks", "64x32,16x16", "--out", str(out)])
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert set(record["ms"]) == {"float32 products", "triton kernel 64x32", "triton kernel 16x16"}
+    assert set(record["products_over_kernel"]) == {"triton kernel 64x32", "triton kernel 16x16"}
+    assert sizes == [(64, 32), (16, 16)] * 2 and record["largest_relative_difference"] < 1e-5
+    assert own == (key_scores.BLOCK_KEYS, key_scores.BLOCK_ROWS)  # kvfold's own again
