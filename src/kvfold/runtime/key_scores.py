@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvfold.runtime.triton_attention import available, interpreted
+from kvfold.runtime.triton_attention import MIN_BLOCK, available, block_size, interpreted
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 """Rows and keys the kernel multiplies as they are (16 bits; float32 sums)."""
@@ -118,7 +118,7 @@ def fused_max_logits(query: Tensor, keys: Tensor, shift: Tensor, scaling: float,
     max_logit_kernel[(heads, -(-n // BLOCK_KEYS), groups)](
         query, keys, shift, out,
         rows, n, d, groups, keys.stride(0), keys.stride(1), float(scaling),
-        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_D=max(16, 1 << (d - 1).bit_length()), UPCAST=upcast, **LAUNCH,
+        BLOCK_M=BLOCK_ROWS, BLOCK_N=BLOCK_KEYS, BLOCK_D=block_size(d), UPCAST=upcast, **LAUNCH,
     )  # fmt: skip
     return out
 
@@ -129,7 +129,7 @@ def fused_applies(query: Tensor, keys: Tensor) -> bool:
     :data:`FUSED_STATUS`)."""
     if query.device.type != "cuda" or not available():
         return False
-    if query.dtype not in FUSED_DTYPES or keys.dtype != query.dtype or not 16 <= query.shape[-1] <= 256:
+    if query.dtype not in FUSED_DTYPES or keys.dtype != query.dtype or not MIN_BLOCK <= query.shape[-1] <= 256:
         return False
     key = f"{query.device} {query.dtype}"
     if key not in FUSED_STATUS:

@@ -137,7 +137,7 @@ def stored_part_triton(
     split_den = queries.new_empty(splits.count, m)
     split_num = queries.new_empty(splits.count, m, dv)
     block_m = QUERY_BLOCK
-    block_dv = max(MIN_BLOCK, _next_power_of_two(dv))
+    block_dv = block_size(dv)
     query_blocks = -(-m // block_m)
     if isinstance(stored, FloatRows):
         keys, values = stored.keys, stored.values
@@ -154,7 +154,7 @@ def stored_part_triton(
         split_top, split_den, split_num,
         m, d, dv, key_bytes, value_bytes, float(scaling),
         BITS=bits, SIZE=pages.size, PART=min(pages.size, PAGE_PART), BLOCK_M=block_m,
-        BLOCK_D=max(MIN_BLOCK, _next_power_of_two(d)), BLOCK_DV=block_dv, **LAUNCH,
+        BLOCK_D=block_size(d), BLOCK_DV=block_dv, **LAUNCH,
     )  # fmt: skip
     top = queries.new_empty(rows, m)
     den = queries.new_empty(rows, m)
@@ -166,5 +166,7 @@ def stored_part_triton(
     return top, den, num
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
+def block_size(n: int) -> int:
+    """A kernel's block over ``n`` channels: the next power of two, at least :data:`MIN_BLOCK` (``tl.arange``
+    takes powers of two; ``tl.dot`` blocks of at least 16)."""
+    return max(MIN_BLOCK, 1 << max(0, (int(n) - 1).bit_length()))
