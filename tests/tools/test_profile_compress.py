@@ -1,0 +1,35 @@
+"""benchmarks/profile_compress.py --count: the matrix products' floating-point operations it adds up, by phase
+and function (a GPU's compute for a compression, counted on the CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("profile_compress", ROOT / "benchmarks" / "profile_compress.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_count_adds_each_products_operations_and_the_cpus_fused_attention_as_cudas():
+    module = _module()
+    a, b = torch.randn(3, 5, 7), torch.randn(3, 7, 11)
+    q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 4, 9, 16), torch.randn(1, 4, 9, 16)
+    with module.OperatorCount() as ops:
+        torch.bmm(a, b)
+        torch.baddbmm(torch.zeros(3, 5, 11), a, b)
+        torch.mm(a[0], b[0])
+        a + 1  # no product
+        module.CPU_FLASH(q, k, v)
+    products = 2 * (2 * 3 * 5 * 7 * 11 + 5 * 7 * 11)
+    attention = 4 * 4 * 6 * 9 * 16  # Q Kᵀ and P V, no discount for a mask (torch's sdpa_flop_count)
+    assert sum(ops.phase_flops.values()) == products + attention
+    assert sum(ops.function_flops.values()) == products + attention
+    assert sum(ops.phases.values()) >= 5
