@@ -264,3 +264,33 @@ def test_kvzips_scores_on_cuda_take_the_triton_kernel_in_16_bits(plus):
         best = (best.reshape(b, h_kv, g, n) * extra[1].reshape(b, h_kv, g, n)).amax(dim=2)
     torch.testing.assert_close(got, best.reshape(b, h_kv, n), rtol=1e-4, atol=0)
     assert not key_scores.fused_applies(query.float(), keys.float())
+
+
+SUMS_ORDER = {"logits": 3e-2, "outputs": 2e-3, "masses": 1e-2}
+"""How far two bfloat16 fits whose logits differ by the order of float32 sums may read apart. On the CPU, with
+the logits summed in float64 and rounded (a stand-in for another order), they read 0.0039 apart in the logits
+(one bfloat16 step), 1.3e-4 in each row's output and 8.8e-4 in its mass; with the keys' columns permuted,
+7.1e-3 and 0.048."""
+
+
+@needs_cuda
+def test_a_fit_on_cuda_multiplies_16_bit_queries_and_keys_with_float32_sums(monkeypatch):
+    """In bfloat16 on CUDA Attention Matching's logits take CUDA's 16-bit product with float32 sums (checked
+    once a device), and the cache reads as the one fitted on float32 upcasts: the same entries kept, and what
+    attention reads within :data:`SUMS_ORDER`."""
+    from kvfold.runtime import exact_products
+
+    operands = []
+    product = exact_products.float32_bmm
+    monkeypatch.setattr(exact_products, "float32_bmm", lambda a, b: operands.append(a.device.type) or product(a, b))
+    monkeypatch.setattr(exact_products, "FORCED", False)
+    upcast = reads(*compress("kvzip+am_fit", device="cuda", dtype=torch.bfloat16))
+    assert not operands
+    monkeypatch.setattr(exact_products, "FORCED", None)
+    sixteen = reads(*compress("kvzip+am_fit", device="cuda", dtype=torch.bfloat16))
+    assert operands and set(operands) == {"cuda"}
+    assert exact_products.STATUS["cuda:0 torch.bfloat16"] == "exact"
+    assert exact_products.products_path(torch.device("cuda:0"), torch.bfloat16) == "16-bit operands, float32 sums"
+    assert_same_selection(upcast, sixteen, values=False)
+    apart = largest_difference(upcast, sixteen)
+    assert all(apart[read] <= bound for read, bound in SUMS_ORDER.items()), apart

@@ -3,9 +3,14 @@ the max-shifted exp-scores of App. A.2 and the statistics of highest-attention s
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
-from kvfold.methods.compaction.attention_matching import features
+from kvfold.methods.compaction.attention_matching import features, solve
+from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
+from kvfold.runtime import exact_products
 
 
 def test_block_statistics_a_few_problems_at_a_time_equal_all_at_once(monkeypatch):
@@ -23,3 +28,51 @@ def test_block_statistics_a_few_problems_at_a_time_equal_all_at_once(monkeypatch
     apart = features.block_statistics(keys, values, beta0, queries, valid, scaling, block=64)
     for a, b in zip(together, apart, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("keys_by", ["highest", "given", "omp"])
+def test_16_bit_queries_and_keys_fit_as_their_float32_upcast(monkeypatch, keys_by):
+    """Where :func:`exact_products.applies` (a GPU; forced here) a group keeps bfloat16 queries and keys and
+    forms their logits with float32 sums: the fit is the upcast operands' (on the CPU, where the product
+    converts them, bit for bit), while the values, β and every statistic stay float32."""
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(2, 3, 48, 16, generator=gen).bfloat16()
+    values = torch.randn(2, 3, 48, 16, generator=gen).bfloat16()
+    log_mass = torch.zeros(2, 3, 48)
+    log_mass[..., :2] = -math.inf
+    queries = (2 * torch.randn(2, 3, 200, 16, generator=gen)).bfloat16()
+    valid = torch.rand(2, 3, 200, generator=gen) > 0.05
+    given = torch.stack([torch.randperm(46, generator=gen)[:20].sort().values + 2 for _ in range(6)]).reshape(2, 3, 20)
+    config = FitConfig(keys="omp" if keys_by == "omp" else "highest", query_block=64)
+    args = (keys, values, log_mass, queries, valid, torch.full((2, 3), 20), 16**-0.5, config)
+    monkeypatch.setattr(solve, "_fused_statistics_apply", lambda *a: False)  # a GPU's statistics, by blocks
+    operands = []
+    product = exact_products.float32_bmm
+    monkeypatch.setattr(exact_products, "float32_bmm", lambda a, b: operands.append(a.dtype) or product(a, b))
+    fits = {}
+    for forced in (False, True):
+        monkeypatch.setattr(exact_products, "FORCED", forced)
+        fits[forced] = fit_problems(*args, given=given if keys_by == "given" else None)
+    assert operands and set(operands) == {torch.bfloat16}  # only the forced fit took 16-bit operands
+    upcast, sixteen = fits[False], fits[True]
+    assert sixteen.values.dtype == sixteen.log_mass.dtype == torch.float32
+    for name in ("index", "lengths", "log_mass", "values", "mass_error", "output_error"):
+        assert torch.equal(getattr(sixteen, name), getattr(upcast, name)), name
+
+
+def test_a_group_keeps_16_bit_operands_only_where_exact_products_apply(monkeypatch):
+    """The group's queries and keys stay bfloat16 when forced (half a group's query bytes) and are float32
+    otherwise, and a float32 or mixed pair is never kept; values, β and scales are float32 either way."""
+    keys, values = torch.randn(2, 10, 8).bfloat16(), torch.randn(2, 10, 8).bfloat16()
+    log_mass, queries, valid = torch.zeros(2, 10), torch.randn(2, 30, 8).bfloat16(), torch.ones(2, 30, dtype=torch.bool)
+    scale = torch.full((2,), 0.3)
+    for forced, kept in ((True, torch.bfloat16), (False, torch.float32), (None, torch.float32)):
+        monkeypatch.setattr(exact_products, "FORCED", forced)
+        group = features.Group.prepare(keys, values, log_mass, queries, valid, scale, keys.clone())
+        assert group.queries.dtype == group.keys.dtype == group.compact_keys.dtype == kept
+        assert group.values.dtype == group.beta0.dtype == group.scaling.dtype == group.dtype == torch.float32
+    monkeypatch.setattr(exact_products, "FORCED", True)
+    mixed = features.Group.prepare(keys, values, log_mass, queries.float(), valid, scale)
+    assert mixed.queries.dtype == mixed.keys.dtype == torch.float32
+    halves = features.Group.prepare(keys, values, log_mass, queries.half(), valid, scale)
+    assert halves.queries.dtype == halves.keys.dtype == torch.float32

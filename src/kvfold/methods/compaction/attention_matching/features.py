@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfold.runtime import exact_products
 from kvfold.runtime.attention import FLASH_WITH_LSE
 
 Tensor = torch.Tensor
@@ -25,8 +26,13 @@ STATISTICS_BYTES = 4 << 20
 
 
 def _logits(keys: Tensor, beta0: Tensor, queries: Tensor, scaling: Tensor) -> Tensor:
-    """``ℓ = s·Q Kᵀ + β⁰`` ``(P, n, T)`` (β⁰ = −inf on empty slots)."""
-    return torch.bmm(queries, keys.mT).mul_(scaling[:, None, None]).add_(beta0[:, None, :])
+    """``ℓ = s·Q Kᵀ + β⁰`` ``(P, n, T)`` (β⁰ = −inf on empty slots), in β⁰'s precision: 16-bit queries and keys
+    (a GPU's :class:`Group`) are multiplied with float32 sums (:func:`exact_products.float32_bmm`)."""
+    if queries.dtype in exact_products.OPERAND_DTYPES:
+        products = exact_products.float32_bmm(queries, keys.mT)
+    else:
+        products = torch.bmm(queries, keys.mT)
+    return products.mul_(scaling[:, None, None]).add_(beta0[:, None, :])
 
 
 def max_shifted_features(
@@ -60,14 +66,14 @@ def block_statistics(
     (the mean squared attention weight; zeros unless ``squares``: given keys need no selection
     score). Small blocks stay in a CPU's caches; a GPU takes large ones (fewer launches)."""
     P, n, _ = queries.shape
-    shift = queries.new_zeros(P, n)
-    mass = queries.new_zeros(P, n)
-    target = queries.new_zeros(P, n, values.shape[-1])
-    square = queries.new_zeros(P, keys.shape[1])
-    n_valid = query_valid.sum(-1).clamp_min(1).to(queries.dtype)
+    shift = values.new_zeros(P, n)  # the working precision: the values' (queries and keys may be 16-bit)
+    mass = values.new_zeros(P, n)
+    target = values.new_zeros(P, n, values.shape[-1])
+    square = values.new_zeros(P, keys.shape[1])
+    n_valid = query_valid.sum(-1).clamp_min(1).to(values.dtype)
     # A few problems at a time: the (problems, block, T) features stay in cache through their
     # ten or so passes. Every operation is per problem, so the result is the same bit for bit.
-    step = max(1, budget // max(1, block * keys.shape[1] * queries.element_size()))
+    step = max(1, budget // max(1, block * keys.shape[1] * values.element_size()))
     for p0 in range(0, P, step):
         p1 = min(P, p0 + step)
         k, v, b0, sc = keys[p0:p1], values[p0:p1], beta0[p0:p1], scaling[p0:p1]
@@ -125,7 +131,11 @@ class Group:
     their validity ``(P, n)`` and logit scales ``(P,)``; ``compact_keys`` ``(P, T, D)``, when given,
     are the keys a kept entry will have in the compact cache (quantized, as stored) where ``keys``
     are the cache's own: the target is computed from ``keys``, the kept entries' features from
-    ``compact_keys``, so the fit absorbs the difference."""
+    ``compact_keys``, so the fit absorbs the difference.
+
+    Where :func:`exact_products.applies` (a GPU, 16-bit queries and keys of one dtype) the queries and keys
+    stay in 16 bits and only their logits are float32: the same products on tensor cores, and a group's
+    queries in half the bytes. Everything else is in :attr:`dtype`."""
 
     keys: Tensor
     values: Tensor
@@ -148,10 +158,16 @@ class Group:
     ) -> Group:
         dt = torch.float64 if keys.dtype == torch.float64 or queries.dtype == torch.float64 else torch.float32
         beta0 = torch.where(torch.isfinite(log_mass), log_mass, torch.full_like(log_mass, -math.inf)).to(dt)
-        compact = None if compact_keys is None else compact_keys.to(dt)
-        return cls(
-            keys.to(dt), values.to(dt), beta0, queries.to(dt), query_valid.to(torch.bool), scaling.to(dt), compact
-        )
+        operands = (keys, queries) if compact_keys is None else (keys, queries, compact_keys)
+        if not exact_products.applies(*operands):
+            keys, queries = keys.to(dt), queries.to(dt)
+            compact_keys = None if compact_keys is None else compact_keys.to(dt)
+        return cls(keys, values.to(dt), beta0, queries, query_valid.to(torch.bool), scaling.to(dt), compact_keys)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The working precision: the values', β's and every statistic's (float32 or float64)."""
+        return self.values.dtype
 
     @property
     def kept_keys(self) -> Tensor:

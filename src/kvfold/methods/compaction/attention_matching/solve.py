@@ -330,7 +330,7 @@ def _select_by_score(
         rows, target_mass = phi_s * root, mass * root[..., 0]
         w = nnls(rows, target_mass, iters=config.nnls_iters, lower=lower, upper=upper, ridge=config.ridge) * ok
     else:
-        w = ok.to(K.dtype)
+        w = ok.to(group.dtype)
     return _Selection(idx, ok, lengths, phi_s, w, mass, target)
 
 
@@ -363,7 +363,7 @@ def _select_by_omp(group: Group, counts: Tensor, config: FitConfig) -> _Selectio
     ok = order.values < T
     idx = torch.where(ok, order.values, idx[:, :1])
     w = w.gather(1, order.indices) * ok
-    phi_s = gather_columns(phi, idx) * ok[:, None, :].to(K.dtype)
+    phi_s = gather_columns(phi, idx) * ok[:, None, :].to(group.dtype)
     return _Selection(idx, ok, ok.sum(-1), phi_s, w, mass, target, history)
 
 
@@ -374,7 +374,7 @@ def _over_norm(value: Tensor, norm: Tensor) -> Tensor:
 
 def _fit_values(group: Group, selection: _Selection, t_max: int, config: FitConfig) -> Compacted:
     """The values ``C_v`` by least squares on the selected keys (eq. 3–4), β, and the residuals."""
-    V, dt = group.values, group.keys.dtype
+    V, dt = group.values, group.dtype
     idx, ok, w, mass, target = selection.idx, selection.ok, selection.w, selection.mass, selection.target
     fitted_mass = torch.bmm(selection.phi_s, w[..., None])[..., 0]
     mass_error = _over_norm((fitted_mass - mass).norm(dim=-1), mass.norm(dim=-1))
@@ -445,11 +445,11 @@ def _streamed_weights(
     """Pass 1 of :func:`_streamed_fit`: ``G = Φ_Sᵀ R Φ_S`` and ``c = Φ_Sᵀ R m`` (``R`` the query
     weights) accumulated block by block, then the box-NNLS (§3.2, Algorithm 3)."""
     if not config.fit_beta:
-        return ok.to(group.keys.dtype)
+        return ok.to(group.dtype)
     P, t = ok.shape
     weight = _mass_weights(mass, group.query_valid, config.mass_weight)
-    gram = group.keys.new_zeros(P, t, t)
-    corr = group.keys.new_zeros(P, t)
+    gram = group.values.new_zeros(P, t, t)
+    corr = group.values.new_zeros(P, t)
     for lo, hi in blocks:
         f = phi_s(lo, hi)
         weighted = f * weight[:, lo:hi, None]
@@ -478,10 +478,10 @@ def _streamed_fit(
     the box-NNLS (§3.2, Algorithm 3); pass 2 accumulates ``XᵀX`` and ``Xᵀ(Y − X V_S)`` with
     ``X = Φ_S w / (Φ_S w)·1`` (eq. 3–4) and the residual norms, then solves the values.
     """
-    keys, values = group.keys, group.values
+    values = group.values
     P, n, _ = group.queries.shape
     t, dim = idx.shape[-1], values.shape[-1]
-    dt = keys.dtype
+    dt = group.dtype
     block = max(1, config.query_block)
     blocks = [(lo, min(n, lo + block)) for lo in range(0, n, block)]
 
@@ -491,10 +491,10 @@ def _streamed_fit(
 
     w = _streamed_weights(group, phi_s, blocks, mass, ok, config)
     v_s = values.gather(1, idx[..., None].expand(-1, -1, dim))
-    xtx = keys.new_zeros(P, t, t)
-    xtr = keys.new_zeros(P, t, dim)
-    res_sq = keys.new_zeros(P)
-    mass_sq = keys.new_zeros(P)
+    xtx = values.new_zeros(P, t, t)
+    xtr = values.new_zeros(P, t, dim)
+    res_sq = values.new_zeros(P)
+    mass_sq = values.new_zeros(P)
     for lo, hi in blocks:
         x = phi_s(lo, hi).mul_(w[:, None, :])  # Φ_S w, column by column
         fitted = x.sum(-1)
