@@ -8,8 +8,8 @@ Reads each folder's ``records.jsonl`` (every configuration measured so far, also
 invocations on one folder, or by one cut short) and prints the bench's Markdown table, the ratios
 against ``full`` at the same length and batch computed as ``kvfold bench`` computes them; a
 configuration whose ``full`` is missing is left out, said on stderr. Under each table, the paths each
-method's run took where a record says (``stored_attention``, ``repeat_attention``, ``repeat_scores``:
-docs/benchmarks.md). ``benchmarks/gpu.sh`` writes its ``README.md`` with it.
+method's run took where a record says (``stored_attention``, ``repeat_attention``, ``repeat_scores``,
+``fit_products``: docs/benchmarks.md). ``benchmarks/gpu.sh`` writes its ``README.md`` with it.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ PATHS = {
     "stored_attention": "stored rows",
     "repeat_attention": "repeat pass's attention",
     "repeat_scores": "KVzip's scores",
+    "fit_products": "fits' logits",
 }
 """The records' path fields, and how the list under a table names them."""
 

@@ -11,16 +11,19 @@
 # TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
-# PHASES ("env tests compiled batch long memory profile report"; "short", "groups", "scores" and "suite" are there too) and each phase's
+# PHASES ("env tests compiled batch long memory profile report"; "short", "groups", "scores", "fits" and "suite" are there too) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
 # T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits),
 # T_SCORES (60: KVzip's scores for one layer and forward, the Triton kernel against float32 products, over a chunk's
 # 2,048 entries (scope=chunk, the default from 4K) and over SHORT and LONG (scope=all), with each of SCORES_BLOCKS
 # (keys x rows a program: 128x64,64x64,128x128,64x128, every one compiled without spills by tools/triton_targets.py's
 # launch for sm_90)),
+# T_FITS (60: one layer's Attention Matching fits of a chunk and of 32K tokens' 16 chunks, 16-bit queries and keys with
+# float32 sums against float32 products),
 # T_SUITE (300: the whole main suite, in SUITE_WORKERS (8) processes where pytest-xdist is installed).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
-# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/scores.txt and scores.jsonl, OUT/suite.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
+# OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/scores.txt and scores.jsonl, OUT/fits.txt and
+# fits.jsonl, OUT/suite.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -147,6 +150,18 @@ print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c
   cat "$OUT/scores.txt" 2>/dev/null
 fi
 
+if wants fits; then  # one layer's fits with the kept keys given (kvzip+am_fit), both products in one process:
+  # a chunk's problems (a layer's KV heads) and the 16 chunks' of 32K tokens
+  read -r kv_heads heads head_dim < <("$PYTHON" -c "import json; c = json.load(open('$MODEL_DIR/config.json')); \
+print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c['hidden_size'] // c['num_attention_heads'])")
+  chunk=$(( SHORT < 2048 ? SHORT : 2048 ))
+  phase fits "${T_FITS:-60}" bash -c "'$PYTHON' benchmarks/fit_products.py --device '$DEVICE' \
+    --problems '$kv_heads,$(( kv_heads * (LONG + chunk - 1) / chunk ))' --entries $chunk \
+    --queries $(( heads / kv_heads * chunk )) --kept $(( chunk / 10 )) --head-dim $head_dim ${FITS_ARGS:-} \
+    --out '$OUT/fits.jsonl' > '$OUT/fits.txt' 2>&1"
+  cat "$OUT/fits.txt" 2>/dev/null
+fi
+
 if wants report; then
   {
     echo "# GPU run $(date -u +%F): $(basename "$SHAPE")$([ "$TINY" = 1 ] && echo ' (tiny)') on $DEVICE"
@@ -160,6 +175,7 @@ if wants report; then
     echo
     [ -s "$OUT/groups.txt" ] && { echo "Groups of fits (profile_compress.py --plain):"; echo; sed 's/^/    /' "$OUT/groups.txt"; echo; }
     [ -s "$OUT/scores.txt" ] && { echo "KVzip's scores, one layer and forward (key_scores.py):"; echo; sed 's/^/    /' "$OUT/scores.txt"; echo; }
+    [ -s "$OUT/fits.txt" ] && { echo "Attention Matching's fits, one layer (fit_products.py):"; echo; sed 's/^/    /' "$OUT/fits.txt"; echo; }
     "$PYTHON" benchmarks/bench_table.py "$OUT"/bench-* | sed 's/^# kvfold bench/## kvfold bench/'
   } > "$OUT/README.md"
   say "wrote $OUT/README.md"

@@ -18,8 +18,9 @@ Matching's fits, the rest) and by kvfold function, their matrix products' floati
 (:class:`kvfold.runtime.host_syncs.HostSyncCounter`). With ``--as-accelerator`` a CPU takes the
 paths and block sizes a GPU in 16 bits would (the repeat pass's forwards and its fused attention with
 the log-sum-exp, the CPU's kernel standing in for CUDA's; the fits'
-:data:`~kvfold.methods.compaction.attention_matching.solve.ACCELERATOR_FIT_SIZES`), so the count is
-the GPU's.
+:data:`~kvfold.methods.compaction.attention_matching.solve.ACCELERATOR_FIT_SIZES`, and their logits of
+16-bit queries and keys by :func:`kvfold.runtime.exact_products.float32_bmm`, where the count names the
+products a GPU runs on tensor cores with float32 sums), so the count is the GPU's.
 
 ``--plain`` times the compression without a profiler (one untimed compression first, then
 ``--repeat`` timed ones, the fastest printed, over a second prefill's time): a launch-bound GPU run
@@ -130,8 +131,9 @@ def as_accelerator() -> None:
     """Take, on this CPU, the paths and block sizes a GPU takes in 16 bits (for counting only)."""
     from kvfold.methods.compaction.attention_matching import solve
     from kvfold.methods.core import repeat
-    from kvfold.runtime import attention
+    from kvfold.runtime import attention, exact_products
 
+    exact_products.FORCED = True  # the fits' logits of 16-bit queries and keys: exact_products.float32_bmm
     attention._is_cpu = lambda device: False  # noqa: SLF001 - other devices' blocks
     attention._cpu_flash = lambda query: False  # noqa: SLF001 - not the CPU's own path, but
     attention.device_flash = lambda query: attention.FLASH_WITH_LSE  # its kernel standing in for CUDA's flash

@@ -164,10 +164,13 @@ def test_the_record_of_how_kvzips_scores_were_formed_is_for_methods_whose_pass_s
 
 def test_bench_times_the_repeat_pass_for_methods_that_run_it(tiny_dir, tmp_path):
     result = bench(
-        str(tiny_dir), ["kvzip", "streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path, progress=False
-    )
+        str(tiny_dir), ["kvzip", "kvzip+am_fit", "streamingllm"], [0.25], [64], [1], new_tokens=2, out_dir=tmp_path,
+        progress=False,
+    )  # fmt: skip
     by_method = {r["method"]: r for r in result["records"]}
     kvzip, streaming, full = by_method["kvzip"], by_method["streamingllm"], by_method["full"]
+    assert by_method["kvzip+am_fit"]["fit_products"] == "float32 products (torch.float32 operands)"
+    assert kvzip["fit_products"] is None and streaming["fit_products"] is None  # nothing fitted
     assert kvzip["repeat_s"] > 0
     assert kvzip["compress_over_repeat"] == pytest.approx(kvzip["compress_s"] / kvzip["repeat_s"])
     assert kvzip["compress_over_prefill"] == pytest.approx(kvzip["compress_s"] / kvzip["prefill_s"])
@@ -227,6 +230,23 @@ def test_methods_say_whether_they_run_the_repeat_pass(spec, uses):
     from kvfold.methods import build_method
 
     assert build_method(spec).uses_repeat_pass is uses
+
+
+@pytest.mark.parametrize(
+    ("spec", "fits"),
+    [
+        ("kvzip+am_fit", True),
+        ("snapkv+am_fit", True),
+        ("am_highest_fast", True),
+        ("am_omp", True),
+        ("kvzip", False),
+        ("kvzip+keepkv", False),
+        ("streamingllm", False),
+    ],
+)
+def test_methods_say_whether_they_fit_by_attention_matching(spec, fits):
+    """``fit_products`` is recorded for these: Attention Matching's fits, alone or after a selector."""
+    assert build_method(spec).fits_by_attention_matching is fits
 
 
 def test_bench_chunked_prefill_runs(tiny_dir, tmp_path):

@@ -79,6 +79,7 @@ from kvfold.methods.core.repeat import SCORE_FIELDS
 from kvfold.pipeline.memory import plan_memory
 from kvfold.runtime.attention import log_sum_exp_path
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.exact_products import products_path
 from kvfold.runtime.files import DirectoryLock
 from kvfold.runtime.key_scores import scores_path
 from kvfold.runtime.models import load_model
@@ -165,6 +166,7 @@ def run_config(config: BenchConfig) -> dict:
         "stored_attention": stored_attention_path(compressed.cache, model.device, config.compiled),
         "repeat_attention": None if repeat_s is None else log_sum_exp_path(model.device, model.dtype),
         "repeat_scores": scores_path(model.device, model.dtype) if repeat_pass_scores(method, repeat_s) else None,
+        "fit_products": products_path(model.device, model.dtype) if method.fits_by_attention_matching else None,
     }
 
 

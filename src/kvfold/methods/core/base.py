@@ -64,6 +64,9 @@ class Method:
     uses_repeat_pass: ClassVar[bool] = False
     """True when compression runs the repeat pass over the prefilled cache
     (:mod:`kvfold.methods.core.repeat`; ``kvfold bench`` then times that pass alone too)."""
+    fits_by_attention_matching: ClassVar[bool] = False
+    """True when compression fits β and values by Attention Matching's least squares (``kvfold bench`` then
+    records how the fits' logits are multiplied, :func:`kvfold.runtime.exact_products.products_path`)."""
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -370,6 +373,11 @@ class ComposedMethod:
     def uses_repeat_pass(self) -> bool:
         """True when a part runs the repeat pass (KVzip's scores, AM's repeat-prefill queries)."""
         return any(part.uses_repeat_pass for part in self.parts)
+
+    @property
+    def fits_by_attention_matching(self) -> bool:
+        """True when a part fits β and values by Attention Matching's least squares."""
+        return any(part.fits_by_attention_matching for part in self.parts)
 
     def repeat_records(self, ctx: CompressionContext | None = None) -> frozenset[str]:
         """What the parts read from the repeat pass (:meth:`Method.repeat_records`), together."""

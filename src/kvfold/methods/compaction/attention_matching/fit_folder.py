@@ -108,6 +108,7 @@ class AMFit(Folder):
     description: ClassVar[str] = "refit biases (NNLS on attention mass) and values (least squares) of kept entries"
     paper: ClassVar[str] = "Zweiger et al. 2026, Fast KV Compaction via Attention Matching"
     supports_chunked_prefill: ClassVar[bool] = True
+    fits_by_attention_matching: ClassVar[bool] = True
     queries: str = "auto"
     max_queries: int | None = None
     nnls_iters: int = 2

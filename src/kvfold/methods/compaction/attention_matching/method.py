@@ -161,6 +161,7 @@ class _AttentionMatching(Standalone):
 
     paper: ClassVar[str] = "Zweiger et al. 2026, Fast KV Compaction via Attention Matching"
     supports_chunked_prefill: ClassVar[bool] = True
+    fits_by_attention_matching: ClassVar[bool] = True
     key_selection: ClassVar[str] = "highest"
     queries: str = "repeat+selfstudy"
     max_queries: int | None = None
