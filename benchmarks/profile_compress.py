@@ -77,6 +77,23 @@ CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 are counted as torch's counter counts CUDA's (``sdpa_flop_count``: no discount for a causal mask)."""
 
 
+def matmul_flops(a: torch.Size, b: torch.Size) -> int:
+    """Floating-point operations of ``a @ b`` (``torch.matmul``'s broadcasting; a vector is a matrix of one row
+    or column): ``2 · batch · m · k · n``. Under inference mode ``matmul`` and ``linear`` reach the counter
+    whole, not as the ``bmm`` and ``mm`` that torch's formulas count."""
+    a = (1, *a) if len(a) == 1 else tuple(a)
+    b = (*b, 1) if len(b) == 1 else tuple(b)
+    batch = torch.broadcast_shapes(a[:-2], b[:-2])
+    return 2 * batch.numel() * a[-2] * a[-1] * b[-1]
+
+
+COMPOSITE_FLOPS = {
+    torch.ops.aten.matmul: lambda a, b, **_: matmul_flops(a.shape, b.shape),
+    torch.ops.aten.linear: lambda x, w, bias=None, **_: matmul_flops(x.shape, w.shape[::-1]),
+}
+"""Products torch's formulas do not count, by their shapes."""
+
+
 class OperatorCount(TorchDispatchMode):
     """Counts the operators dispatched inside it (views apart), by phase and by the kvfold function
     that called them, and the multiply-adds of their matrix products (twice: floating-point operations,
@@ -103,6 +120,8 @@ class OperatorCount(TorchDispatchMode):
         flops = 0
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet in COMPOSITE_FLOPS:
+            flops = COMPOSITE_FLOPS[packet](*args, **kwargs)
         elif packet is CPU_FLASH:
             flops = sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
         if flops:
