@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 DTYPES = ("bfloat16", "float16")
 
@@ -62,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
     from kvfold.runtime import exact_products
+    from kvfold.runtime.timing import device_clock
 
     device = torch.device(args.device)
     config = FitConfig().sized(device)
@@ -72,14 +72,12 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.reps + 1):  # alternating; the first fit of each is a warm-up (and the check)
             for name, forced in paths.items():
                 exact_products.FORCED = forced
-                _sync(torch, args.device)
-                start = time.perf_counter()
+                start = device_clock(device)
                 found[name] = fit_problems(
                     keys, values, log_mass, queries, valid, counts, args.head_dim**-0.5, config, given=given
                 )
-                _sync(torch, args.device)
                 if rep:
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(device_clock(device) - start)
         exact_products.FORCED = None
         taken = exact_products.products_path(device, queries.dtype)
         _report(args, count, taken, found, times)
@@ -117,11 +115,6 @@ def _report(args, count: int, taken: str, found: dict, times: dict) -> None:
     if args.out:
         with open(args.out, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-
-
-def _sync(torch, device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

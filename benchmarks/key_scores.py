@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 DTYPES = ("bfloat16", "float16")
 
@@ -58,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvfold.methods.core import repeat
     from kvfold.runtime import key_scores
+    from kvfold.runtime.timing import device_clock
 
     dtype = getattr(torch, args.dtype)
     b, h_kv, g, q_len, d = 1, args.kv_heads, args.group, args.tokens, args.head_dim
@@ -77,12 +77,10 @@ def main(argv: list[str] | None = None) -> None:
             for name, (fused, sizes) in paths.items():
                 key_scores.FUSED_FORCED = fused
                 key_scores.BLOCK_KEYS, key_scores.BLOCK_ROWS = sizes  # read by fused_max_logits at each call
-                _sync(torch, args.device)
-                start = time.perf_counter()
+                start = device_clock(args.device)
                 found[name] = repeat.max_received(query, keys, lse, d**-0.5)
-                _sync(torch, args.device)
                 if rep:
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(device_clock(args.device) - start)
         key_scores.FUSED_FORCED = None
         key_scores.BLOCK_KEYS, key_scores.BLOCK_ROWS = own
         _report(args, n, g * q_len, h_kv, d, found, times)
@@ -115,11 +113,6 @@ def _report(args, n: int, rows: int, h_kv: int, d: int, found: dict, times: dict
     if args.out:
         with open(args.out, "a") as handle:
             handle.write(json.dumps(record) + "\n")
-
-
-def _sync(torch, device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
