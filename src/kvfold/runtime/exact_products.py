@@ -5,8 +5,8 @@ float32 sums gives what converting them to float32 first gives, up to the order 
 first runs on tensor cores and the second does not: an H200 multiplies float32 at about 67 TFLOP/s, and
 bfloat16 with float32 sums at about 990. Attention Matching's fits on a GPU (Zweiger et al. 2026, App. A.2)
 form their logits ``s·Q Kᵀ`` from the repeat pass's 16-bit queries and the cache's 16-bit keys, once over
-every entry for the targets and once over the kept keys for the features; by arithmetic at 32K tokens of
-Llama-3.1-8B's shape those two products are more than half of the fits' float32 work.
+every entry for the targets and once over the kept keys for the features: about a third of the fits'
+products at Llama-3.1-8B's shape (counted at 1K–4K tokens; the rest multiply float32 features).
 
 :func:`float32_bmm` takes CUDA's ``torch.bmm(…, out_dtype=torch.float32)``; on other devices (the CPU only
 under :data:`FORCED`, which tests and benchmarks set) it converts the operands to float32 first, the same
