@@ -35,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.device_checks import checked_once, error_line, status_key
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.quantized_attention import merge_with_tail, stored_part
@@ -276,10 +277,10 @@ def device_flash(query: torch.Tensor):
     Llama-3.1-8B's shape those are about 280 TFLOP, several prefills on an H200."""
     if query.device.type != "cuda" or query.dtype not in DEVICE_FLASH_DTYPES or query.shape[-1] > 256:
         return None
-    key = f"{query.device} {query.dtype}"
-    if key not in DEVICE_FLASH_STATUS:
-        DEVICE_FLASH_STATUS[key] = _check_device_flash(query.device, query.dtype)
-    return DEVICE_FLASH_KERNEL if DEVICE_FLASH_STATUS[key] == "fused" else None
+    found = checked_once(
+        DEVICE_FLASH_STATUS, query.device, query.dtype, lambda: _check_device_flash(query.device, query.dtype)
+    )
+    return DEVICE_FLASH_KERNEL if found == "fused" else None
 
 
 def log_sum_exp_path(device: torch.device, dtype: torch.dtype) -> str:
@@ -291,7 +292,7 @@ def log_sum_exp_path(device: torch.device, dtype: torch.dtype) -> str:
         return "fused (CPU kernel)" if on_cpu else f"blocked log-sum-exp ({dtype} on the CPU)"
     if device.type != "cuda" or dtype not in DEVICE_FLASH_DTYPES:
         return f"blocked log-sum-exp ({dtype} on {device.type}: the flash kernel takes 16-bit queries on CUDA)"
-    return DEVICE_FLASH_STATUS.get(f"{device} {dtype}", "blocked log-sum-exp (not checked on this device yet)")
+    return DEVICE_FLASH_STATUS.get(status_key(device, dtype), "blocked log-sum-exp (not checked on this device yet)")
 
 
 def _check_device_flash(device: torch.device, dtype: torch.dtype) -> str:
@@ -305,7 +306,7 @@ def _check_device_flash(device: torch.device, dtype: torch.dtype) -> str:
     try:
         out, lse = _attend_fused(DEVICE_FLASH_KERNEL, query, keys, values, d**-0.5)
     except RuntimeError as err:  # a build or device without the kernel
-        return f"blocked log-sum-exp ({str(err).splitlines()[0][:120]})"
+        return f"blocked log-sum-exp ({error_line(err)})"
     ref_out, ref_lse = _attend_after_cache_split(query, keys, values, d**-0.5, with_lse=True)
     out_off = float((out.float() - ref_out.float()).abs().max())
     lse_off = float((lse.float() - ref_lse.float()).abs().max())

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvfold.runtime.device_checks import checked_once, error_line, status_key
+
 OPERAND_DTYPES = (torch.float16, torch.bfloat16)
 """Operands multiplied as they are, with float32 sums."""
 
@@ -51,10 +53,7 @@ def applies(*operands: Tensor) -> bool:
     device = operands[0].device
     if device.type != "cuda":
         return False
-    key = f"{device} {dtype}"
-    if key not in STATUS:
-        STATUS[key] = check(device, dtype)
-    return STATUS[key] == "exact"
+    return checked_once(STATUS, device, dtype, lambda: check(device, dtype)) == "exact"
 
 
 def check(device: torch.device, dtype: torch.dtype) -> str:
@@ -66,7 +65,7 @@ def check(device: torch.device, dtype: torch.dtype) -> str:
     try:
         got = float32_bmm(a, b)
     except Exception as err:  # noqa: BLE001 - a library's or a driver's error, whatever its class
-        return f"float32 products (the 16-bit product failed: {type(err).__name__}: {str(err).splitlines()[0][:120]})"
+        return f"float32 products (the 16-bit product failed: {type(err).__name__}: {error_line(err)})"
     want = torch.bmm(a.float(), b.float())
     if got.dtype != torch.float32 or got.shape != want.shape:
         return f"float32 products (the 16-bit product gave {got.dtype} {tuple(got.shape)})"
@@ -85,5 +84,5 @@ def products_path(device: torch.device, dtype: torch.dtype) -> str:
         return "16-bit operands, float32 sums" if FORCED else "float32 products (forced)"
     if device.type != "cuda":
         return f"float32 products (on {device.type})"
-    status = STATUS.get(f"{device} {dtype}", "float32 products (not checked on this device yet)")
+    status = STATUS.get(status_key(device, dtype), "float32 products (not checked on this device yet)")
     return "16-bit operands, float32 sums" if status == "exact" else status

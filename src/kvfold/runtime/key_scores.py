@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvfold.runtime.device_checks import checked_once, error_line, status_key
 from kvfold.runtime.triton_attention import MIN_BLOCK, available, block_size, interpreted
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -131,10 +132,10 @@ def fused_applies(query: Tensor, keys: Tensor) -> bool:
         return False
     if query.dtype not in FUSED_DTYPES or keys.dtype != query.dtype or not MIN_BLOCK <= query.shape[-1] <= 256:
         return False
-    key = f"{query.device} {query.dtype}"
-    if key not in FUSED_STATUS:
-        FUSED_STATUS[key] = check_fused(query.device, query.dtype, query.shape[-1])
-    return FUSED_STATUS[key] == "fused"
+    found = checked_once(
+        FUSED_STATUS, query.device, query.dtype, lambda: check_fused(query.device, query.dtype, query.shape[-1])
+    )
+    return found == "fused"
 
 
 def check_fused(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
@@ -151,7 +152,7 @@ def check_fused(device: torch.device, dtype: torch.dtype, head_dim: int = 64) ->
     try:
         got = fused_max_logits(query, keys, shift, 0.125, 2)
     except Exception as err:  # noqa: BLE001 - a compiler's or a driver's error, whatever its class
-        return f"float32 products (the kernel failed: {type(err).__name__}: {str(err).splitlines()[0][:120]})"
+        return f"float32 products (the kernel failed: {type(err).__name__}: {error_line(err)})"
     want = blocked_max_logits(query, keys, shift, 0.125, 2, 32)
     off = float((got - want).abs().max())
     if not off <= 1e-3:  # the sums' order moves these logits (|s·q·k| ≤ 10) by about 1e-6
@@ -168,5 +169,5 @@ def scores_path(device: torch.device, dtype: torch.dtype) -> str:
         return "float32 products (Triton is not installed)"
     if dtype not in FUSED_DTYPES:
         return f"float32 products ({dtype}: the kernel takes 16-bit queries)"
-    status = FUSED_STATUS.get(f"{device} {dtype}", "float32 products (not checked on this device yet)")
+    status = FUSED_STATUS.get(status_key(device, dtype), "float32 products (not checked on this device yet)")
     return "fused (Triton)" if status == "fused" else status
