@@ -3,17 +3,11 @@ README says about which kernels ran)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tools.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "benchmarks" / "bench_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/bench_table.py")
 
 
 def test_the_paths_list_names_each_methods_paths_once():

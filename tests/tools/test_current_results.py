@@ -3,9 +3,7 @@ generates from them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,11 +11,9 @@ import kvfold
 import kvfold.runtime.models
 from kvfold.cli.main import main as kvfold_main
 from tests.conftest import CharTokenizer, make_tiny_model
+from tests.tools.scripts import ROOT, load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("current_results", ROOT / "tools" / "current_results.py")
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
+tool = load_script("tools/current_results.py")
 
 
 def _headline(method: str, budget: float, retention: float) -> dict:

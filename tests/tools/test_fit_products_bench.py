@@ -3,20 +3,15 @@ run's ``fits`` phase), run at small sizes on the CPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 from kvfold.methods.compaction.attention_matching import solve
 from kvfold.runtime import exact_products
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tools.scripts import load_script
 
 
 def test_the_bench_fits_by_each_product_in_turn_and_records_how_far_apart(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("fit_products_bench", ROOT / "benchmarks" / "fit_products.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/fit_products.py")
     forced, shapes = [], []
     real = solve.fit_problems
 

@@ -3,15 +3,12 @@ run at small sizes with the kernel under Triton's interpreter."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from kvfold.runtime import key_scores, triton_attention
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tools.scripts import load_script
 
 pytestmark = pytest.mark.skipif(
     not triton_attention.available() or not triton_attention.interpreted(),
@@ -20,9 +17,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_the_bench_times_each_path_and_records_their_difference(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("key_scores_bench", ROOT / "benchmarks" / "key_scores.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/key_scores.py")
     calls = {"fused_max_logits": 0, "blocked_max_logits": 0}
 
     def counted(name):
@@ -45,9 +40,7 @@ def test_the_bench_times_each_path_and_records_their_difference(tmp_path, monkey
 
 
 def test_the_bench_times_each_block_size_it_is_given(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("key_scores_bench", ROOT / "benchmarks" / "key_scores.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/key_scores.py")
     sizes = []
     real = key_scores.fused_max_logits
     monkeypatch.setattr(

@@ -3,13 +3,11 @@ step must move its mutation along, or the mutation run checks nothing)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("mutate_merging", ROOT / "tools" / "mutate_merging.py")
-tool = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tool)
+from tests.tools.scripts import ROOT, load_script
+
+tool = load_script("tools/mutate_merging.py")
 
 
 def test_every_mutation_names_code_that_occurs_once_and_tests_that_exist():

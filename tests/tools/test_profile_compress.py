@@ -3,19 +3,13 @@ and function (a GPU's compute for a compression, counted on the CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tools.scripts import load_script
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("profile_compress", ROOT / "benchmarks" / "profile_compress.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/profile_compress.py")
 
 
 def test_the_count_adds_each_products_operations_and_the_cpus_fused_attention_as_cudas():
