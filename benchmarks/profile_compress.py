@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/profile_compress.py --length 4096 --method kvzip+am_fit [--budget 0.1]
-        [--model smollm2-135m] [--device cpu] [--top 25] [--ops] [--count [--as-accelerator]]
+        [--model smollm2-135m] [--device cpu] [--top 25] [--ops] [--count | --peak [--as-accelerator]]
         [--plain [--repeat 2]] [--pad-products N]
 
 Prefills ``--length`` tokens of the bench's prose, then compresses once under cProfile (and, with
@@ -22,6 +22,13 @@ the log-sum-exp, the CPU's kernel standing in for CUDA's; the fits'
 16-bit queries and keys by :func:`kvfold.runtime.exact_products.float32_bmm`, where the count names the
 products a GPU runs on tensor cores with float32 sums), so the count is the GPU's.
 
+``--peak`` instead compresses once under :class:`kvfold.runtime.live_bytes.LiveBytes` and prints the
+memory the compression's tensors add at their peak, over the full cache's bytes (``kvfold bench``'s
+``compress_peak_over_cache``, which a GPU reads from its allocator), and what held it, by phase and by
+the kvfold function that made each tensor. With ``--as-accelerator`` the repeat pass's queries are left
+out (a GPU holds them in host memory), a fit's layer of them is a copy (brought to the device), and
+KVzip's scores hold only their output (the GPU's fused kernel, :func:`scores_by_fused_kernel`).
+
 ``--plain`` times the compression without a profiler (one untimed compression first, then
 ``--repeat`` timed ones, the fastest printed, over a second prefill's time): a launch-bound GPU run
 pays cProfile's overhead on every launch. ``--pad-products N`` sets the multiply-adds a group of
@@ -34,6 +41,7 @@ docs/benchmarks.md, "Profiling".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -41,7 +49,7 @@ import sys
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from kvfold.evaluate.bench.process import context_ids
@@ -49,15 +57,17 @@ from kvfold.methods import build_method
 from kvfold.pipeline.context import prefill_ids
 from kvfold.runtime.budget import Budget
 from kvfold.runtime.host_syncs import HostSyncCounter
+from kvfold.runtime.live_bytes import FREED, LiveBytes
 from kvfold.runtime.models import load_model
 from kvfold.runtime.timing import device_clock
 
 
-def _compress(source, method, budget: Budget) -> tuple[float, dict]:
+def _compress(source, method, budget: Budget, around=contextlib.nullcontext) -> tuple[float, dict]:
+    """Compress a copy of the prefilled cache once, inside ``around()`` (the copy outside it)."""
     cache = source.cache.copy()
     ctx = source.compression_context(cache, budget, shared=source.shared)
     start = device_clock(source.model.device)
-    with torch.inference_mode():
+    with torch.inference_mode(), around():
         method.apply(ctx)
     return device_clock(source.model.device) - start, ctx.report
 
@@ -130,13 +140,18 @@ class OperatorCount(TorchDispatchMode):
         return out
 
 
+HOST_BUFFERS = (("repeat pass", "methods/core/repeat.py:query_buffer"),)
+"""Where tensors are made that a GPU holds in host memory (the repeat pass's queries,
+:func:`kvfold.methods.core.repeat.queries_on_host`): the ledger leaves them out."""
+
+
 def _caller_phase() -> tuple[str, str]:
     """The phase of the operator being dispatched (``repeat pass``, ``fits``, ``other``) and the
     innermost kvfold function on the stack."""
     frame, where, phase = sys._getframe(2), "", "other"
     while frame is not None:
         path = frame.f_code.co_filename
-        if "/kvfold/" in path and not where and not path.endswith("host_syncs.py"):
+        if "/kvfold/" in path and not where and not path.endswith(("host_syncs.py", "live_bytes.py")):
             where = f"{path.split('/kvfold/')[-1]}:{frame.f_code.co_name}"
         if path.endswith("core/repeat.py"):
             return "repeat pass", where
@@ -148,7 +163,7 @@ def _caller_phase() -> tuple[str, str]:
 
 def as_accelerator() -> None:
     """Take, on this CPU, the paths and block sizes a GPU takes in 16 bits (for counting only)."""
-    from kvfold.methods.compaction.attention_matching import solve
+    from kvfold.methods.compaction.attention_matching import queries, solve
     from kvfold.methods.core import repeat
     from kvfold.runtime import attention, exact_products
 
@@ -158,9 +173,18 @@ def as_accelerator() -> None:
     attention.device_flash = lambda query: attention.FLASH_WITH_LSE  # its kernel standing in for CUDA's flash
     repeat.forward_tokens = lambda device, fresh: repeat.ACCELERATOR_FORWARD_CHUNK if fresh else repeat.FORWARD_CHUNK
     solve.fit_sizes = lambda device: solve.ACCELERATOR_FIT_SIZES
+    queries.ReferenceQueries.on = _brought_to_device  # the host's queries copied to the device, one layer a fit
     solve._fused_statistics_apply = lambda *args: False  # noqa: SLF001 - the CPU's fused statistics
     score_rows = repeat.score_block_rows
     repeat.score_block_rows = lambda device, *sizes: score_rows(torch.device("cuda"), *sizes)  # KVzip's blocks
+
+
+def _brought_to_device(held, device: torch.device):
+    """A copy of a layer's reference queries, as :meth:`ReferenceQueries.on
+    <kvfold.methods.compaction.attention_matching.queries.ReferenceQueries.on>` makes on a GPU from the
+    host's (on the CPU they are already where the fit reads them)."""
+    chunk = None if held.chunk is None else held.chunk.clone()
+    return type(held)(held.queries.clone(), held.valid.clone(), chunk)
 
 
 def count(source, method, budget: Budget, top: int) -> None:
@@ -179,6 +203,37 @@ def count(source, method, budget: Budget, top: int) -> None:
         print(f"  {n / 1e12:>10.4f} TFLOP  {where}")
     for where, n in syncs.kvfold.most_common(top):
         print(f"  {n:>8,}  read: {where}")
+
+
+def scores_by_fused_kernel() -> None:
+    """KVzip's scores as a GPU takes them in 16 bits, for the ledger: the Triton kernel
+    (:func:`kvfold.runtime.key_scores.fused_max_logits`) holds only its output. The PyTorch path stands in for
+    it, its blocks of logits made outside the ledger and its output copied inside."""
+    from kvfold.runtime import key_scores
+
+    blocked = key_scores.blocked_max_logits
+
+    def stand_in(query, keys, shift, scaling, groups, block):
+        with _disable_current_modes():
+            best = blocked(query, keys, shift, scaling, groups, block)
+        return best.clone()
+
+    key_scores.blocked_max_logits = stand_in
+
+
+def peak(source, method, budget: Budget, top: int) -> None:
+    """Compress once under :class:`LiveBytes`; print the peak over the full cache's bytes (as ``kvfold bench``'s
+    ``compress_peak_over_cache``) and what held it."""
+    cache_bytes = source.cache.full_nbytes()
+    ledger = LiveBytes(site=_caller_phase, left_out=HOST_BUFFERS)
+    _compress(source, method, budget, around=lambda: ledger)
+    print(f"peak {ledger.peak / 2**20:,.1f} MiB over the start = {ledger.peak / cache_bytes:.3f} x the cache "
+          f"({cache_bytes / 2**20:,.1f} MiB); held at the peak:")  # fmt: skip
+    held = [(nbytes, phase, where) for (phase, where), nbytes in ledger.at_peak.most_common() if nbytes > 0]
+    for nbytes, phase, where in held[:top]:
+        print(f"  {nbytes / 2**20:>10,.1f} MiB  {phase:<11}  {where}")
+    freed = ledger.at_peak.get(FREED, 0)
+    print(f"  {freed / 2**20:>10,.1f} MiB  tensors made before the compression and freed by the peak")
 
 
 def set_pad_products(products: int) -> None:
@@ -211,7 +266,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--ops", action="store_true", help="also profile the operators (torch.profiler)")
     parser.add_argument("--count", action="store_true", help="count operators and host reads instead of timing")
-    parser.add_argument("--as-accelerator", action="store_true", help="with --count: a GPU's paths and block sizes")
+    parser.add_argument("--peak", action="store_true", help="the peak memory of the tensors made, and their holders")
+    parser.add_argument(
+        "--as-accelerator", action="store_true", help="with --count or --peak: a GPU's paths and block sizes"
+    )
     parser.add_argument("--plain", action="store_true", help="time the compression without a profiler")
     parser.add_argument("--repeat", type=int, default=2, help="with --plain: timed compressions (the fastest)")
     parser.add_argument("--pad-products", type=int, default=None, help="the fits' padding budget (default: by device)")
@@ -235,6 +293,11 @@ def main() -> None:
             prefill = device_clock(model.device) - start
     if args.count:
         count(source, method, budget, args.top)
+        return
+    if args.peak:
+        if args.as_accelerator:
+            scores_by_fused_kernel()
+        peak(source, method, budget, args.top)
         return
     if args.plain:
         padding = "by device" if args.pad_products is None else f"{args.pad_products:,}"

@@ -123,7 +123,7 @@ def test_streaming_refuses_methods_whose_other_parts_need_a_fresh_prefill():
 # ---------------------------------------------------------------------------- memory
 
 
-def test_the_peak_bytes_of_streaming_follow_the_chunk_not_the_length(monkeypatch):
+def test_the_peak_bytes_of_streaming_follow_the_chunk_not_the_length():
     """Token budget 32, chunks of 64 tokens: every tensor streaming allocates (the cache included)
     peaks at 1,024 tokens within 10% of its peak at 256 (the kept entries grow from 3/4 of the
     budget to all of it); compressing the context after one prefill holds more than twice that."""
@@ -131,9 +131,8 @@ def test_the_peak_bytes_of_streaming_follow_the_chunk_not_the_length(monkeypatch
     streaming = {}
     for length in (256, 1024):
         ids = _ids(length)
-        streaming[length] = peak_live_bytes(
-            model, lambda ids=ids: prefill_chunked(model, tokenizer, ids, "kvzip+am_fit", 32, 64), monkeypatch
-        )
-    whole = peak_live_bytes(model, lambda: prefill_ids(model, tokenizer, ids).compress("kvzip+am_fit", 32), monkeypatch)
+        run = lambda ids=ids: prefill_chunked(model, tokenizer, ids, "kvzip+am_fit", 32, 64)  # noqa: E731
+        streaming[length] = peak_live_bytes(run)
+    whole = peak_live_bytes(lambda: prefill_ids(model, tokenizer, ids).compress("kvzip+am_fit", 32))
     assert streaming[256] > 0 and streaming[1024] <= 1.1 * streaming[256]
     assert whole > 2 * streaming[1024]

@@ -13,6 +13,7 @@ from kvfold.pipeline.context import greedy_decode
 from kvfold.runtime import attention
 from kvfold.runtime.attention import kvfold_attention
 from kvfold.runtime.cache import FoldedCache
+from kvfold.runtime.live_bytes import LiveBytes
 from kvfold.runtime.rows import FloatRows
 from tests.conftest import CharTokenizer as _CharTokenizer
 from tests.conftest import make_tiny_model
@@ -338,3 +339,13 @@ def test_the_blocked_log_sum_exp_takes_larger_blocks_off_the_cpu(monkeypatch):
     assert (cpu_blocks, len(products)) == (4, 1)
     for a, c in zip(on_cpu, off_cpu, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+def test_the_log_sum_exp_parts_hold_one_block_of_logits_at_a_time():
+    """The previous block's logits are freed before the next block's are made: one block held, not two."""
+    gen = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(1, 4, 16, 4, generator=gen), torch.randn(1, 1, 4096, 4, generator=gen)
+    rows = 4 * 4  # 4·D rows a block: 4 blocks of 16 rows over 4,096 keys
+    with torch.inference_mode(), LiveBytes() as ledger:
+        attention.log_sum_exp_parts(query, keys, 0.5)
+    assert ledger.peak < 1.5 * rows * 4096 * 4  # 1.01 blocks; 2.01 with the last block kept

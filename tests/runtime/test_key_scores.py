@@ -9,6 +9,7 @@ import torch
 
 from kvfold.methods.core import repeat
 from kvfold.runtime import key_scores, triton_attention
+from kvfold.runtime.live_bytes import LiveBytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the kernel runs: the GPU, or the CPU under Triton's interpreter."""
@@ -125,3 +126,14 @@ def test_kvzip_and_kvzip_plus_scores_through_the_kernel_equal_the_pytorch_paths(
     got = repeat.max_received(query, keys, lse, d**-0.5, *extra)
     assert taken and got.shape == want.shape == (b, h_kv, n)
     assert ((got - want).abs() / want).max() < 1e-4
+
+
+def test_the_pytorch_path_holds_one_block_of_logits_at_a_time():
+    """The previous block's logits are freed before the next block's are made: one block held, not two
+    (off the CPU a block is up to 512 MB)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, rows, entries, block = 2, 256, 1024, 32
+    query, keys = torch.randn(heads, rows, 8, generator=gen), torch.randn(heads, entries, 8, generator=gen)
+    with torch.inference_mode(), LiveBytes() as ledger:
+        key_scores.blocked_max_logits(query, keys, torch.zeros(heads, rows), 0.3, 1, block)
+    assert ledger.peak < 1.5 * heads * block * entries * 4  # 1.09 blocks; 2.03 with the last block kept

@@ -461,6 +461,7 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
         lse_old[:, lo:hi] = torch.logsumexp(logits[..., :old], dim=-1)
         future = new_keys[None, :] > position[lo:hi, None]  # (rows, q): a new entry after the query
         lse_new[:, lo:hi] = torch.logsumexp(logits[..., old:].masked_fill_(future, float("-inf")), dim=-1)
+        del logits  # before the next block's: one block held, not two
     shape = (b, h_kv, groups, q_len)
     return lse_old.view(shape).reshape(b, h_q, q_len), lse_new.view(shape).reshape(b, h_q, q_len)
 

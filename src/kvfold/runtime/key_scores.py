@@ -92,6 +92,7 @@ def blocked_max_logits(query: Tensor, keys: Tensor, shift: Tensor, scaling: floa
             hi = min(lo + block, (g + 1) * per_group)
             logits = torch.baddbmm(column[:, lo:hi], folded[:, lo:hi], key_t, alpha=scaling)  # s·q·k + shift
             best[:, g] = torch.maximum(best[:, g], logits.amax(dim=1))
+            del logits  # before the next block's: one block held, not two
     return best
 
 

@@ -209,10 +209,10 @@ def test_the_repeat_pass_holds_the_cache_once(monkeypatch):
     def run():
         return repeat.repeat_pass(ctx, chunk=256, scores=False, queries=False, forward_chunk=64)
 
-    own = peak_live_bytes(model, run, monkeypatch)
+    own = peak_live_bytes(run)
     monkeypatch.setattr(type(pre.cache), "supports_scratch", lambda self: False)
-    copied = peak_live_bytes(model, run, monkeypatch)
-    assert own < cache_bytes and own + 0.9 * cache_bytes < copied  # measured: 0.53× and 1.64× the cache
+    copied = peak_live_bytes(run)
+    assert own < cache_bytes and own + 0.9 * cache_bytes < copied  # measured: 0.78× and 2.39× the cache
 
 
 # ---------------------------------------------------------------------------- what a pass records
@@ -324,7 +324,7 @@ def test_the_queries_are_held_once(monkeypatch):
     that buffer over as it is: when the pass collects them, the bytes alive beyond those before the
     pass are the queries once (concatenating the forwards' pieces, then padding the rows, held
     them three times)."""
-    from tests.live_bytes import LiveBytes
+    from kvfold.runtime.live_bytes import LiveBytes
 
     tok = CharTokenizer()
     model = kvfold.enable(make_tiny_model("llama", max_position_embeddings=4096))
@@ -332,17 +332,19 @@ def test_the_queries_are_held_once(monkeypatch):
     ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
     counter = LiveBytes()
     real = repeat._padded_queries
+    alive = []
 
-    def padded(*args):  # a census while the recorder's buffers and the collected queries are alive
+    def padded(*args):  # the bytes alive while the recorder's buffers and the collected queries are
         found = real(*args)
-        counter.census()
+        alive.append(counter.live)
         return found
 
     monkeypatch.setattr(repeat, "_padded_queries", padded)
-    found = repeat.repeat_pass(ctx, chunk=256, scores=False)
+    with torch.inference_mode(), counter:
+        found = repeat.repeat_pass(ctx, chunk=256, scores=False)
     held = sum(q.untyped_storage().nbytes() for q in found.queries.values())
     assert all(q.is_contiguous() for q in found.queries.values())
-    assert held < counter.peak < 1.3 * held  # measured 1.15 (validity, chunks); copying the buffer: 2.15
+    assert held < max(alive) < 1.3 * held  # measured 1.14 (validity, chunks); copying the buffer: 2.15
 
 
 def test_a_prefill_for_a_repeat_pass_method_leaves_room_for_the_pass():

@@ -86,6 +86,7 @@ def block_statistics(
             if squares:
                 weights = (safe.pow(-2) / n_valid[p0:p1, None])[:, None, :]
                 square[p0:p1] += torch.bmm(weights, phi.square_())[:, 0]
+            del phi  # before the next block's: one block of features held, not two
     return shift, mass, target, square
 
 

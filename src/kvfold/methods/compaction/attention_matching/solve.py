@@ -15,21 +15,19 @@ log-mass ``β⁰`` (−inf = empty slot) and reference queries ``Q`` ``(n, d)``.
   Algorithm 3: least-squares init, clamp, projected gradient); so ``β = β⁰_S + log w``.
 * values by least squares ``min ‖X C_v − Y‖`` with ``X = softmax(s·Q C_kᵀ + β)`` (eq. 3–4).
 
-Solver choices (differences from the paper, same minimisers): the least-squares problems are
-solved through their normal equations with Cholesky (the paper's App. C.2 found Cholesky the
-fastest; on CPU it is 10–15× faster than the SVD/QR ``lstsq``), with a tiny ridge relative to the
-Gram diagonal that pulls the solution toward the *prior* "every kept entry keeps its own mass and
-value" (``w = 1``, ``C_v = V_S``) instead of toward zero. Where the queries determine the answer
-the prior has no effect; where they do not (fewer queries than kept entries, collinear features)
-the entry keeps its own mass and value rather than a minimum-norm guess. In particular ``t = T``
-reproduces the block exactly for any number of queries. OMP keeps ``Φᵀ Φ_S`` incrementally, so a
-refit is a ``t × t`` solve and correlations ``Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w`` cost no pass over Φ.
-``solver="exact"`` runs the reference solvers of :mod:`kvfold.methods.compaction.linalg` and
-:mod:`kvfold.methods.compaction.omp` instead.
+Solver choices (differences from the paper, same minimisers): the least-squares problems are solved through their
+normal equations with Cholesky (the paper's App. C.2 found Cholesky the fastest; on CPU it is 10–15× faster than the
+SVD/QR ``lstsq``), with a tiny ridge relative to the Gram diagonal that pulls the solution toward the *prior* "every
+kept entry keeps its own mass and value" (``w = 1``, ``C_v = V_S``) instead of toward zero. Where the queries
+determine the answer the prior has no effect; where they do not (fewer queries than kept entries, collinear
+features) the entry keeps its own mass and value rather than a minimum-norm guess. In particular ``t = T``
+reproduces the block exactly for any number of queries. OMP keeps ``Φᵀ Φ_S`` incrementally, so a refit is a
+``t × t`` solve and correlations ``Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w`` cost no pass over Φ. ``solver="exact"`` runs the
+reference solvers of :mod:`kvfold.methods.compaction.linalg` and :mod:`kvfold.methods.compaction.omp` instead.
 
-All work is in float32 (float64 for float64 inputs), vectorised over problems; problems are
-processed in groups whose ``(n, T)`` feature matrices fit a memory budget. A group's features and
-statistics are computed by :mod:`kvfold.methods.compaction.attention_matching.features`.
+All work is in float32 (float64 for float64 inputs), vectorised over problems; problems are processed in groups
+whose ``(n, T)`` feature matrices fit a memory budget. A group's features and statistics are computed by
+:mod:`kvfold.methods.compaction.attention_matching.features`.
 """
 
 from __future__ import annotations
@@ -455,6 +453,7 @@ def _streamed_weights(
         weighted = f * weight[:, lo:hi, None]
         gram += symmetric_product(weighted, f)
         corr += (weighted.mT @ mass[:, lo:hi, None])[..., 0]
+        del f, weighted  # before the next block's: one block of features held, not two
     gram = 0.5 * (gram + gram.mT)
     lower, upper = _weight_box(config)
     return box_nnls(gram, corr, ok, lower=lower, upper=upper, iters=config.nnls_iters, ridge=config.ridge)
@@ -504,6 +503,7 @@ def _streamed_fit(
         xtx += symmetric_product(x, x)
         xtr += x.mT @ residual
         res_sq += residual.square().sum((-2, -1))
+        del x, residual  # before the next block's: one block of features held, not two
     xtx = 0.5 * (xtx + xtx.mT)
     c_v = v_s
     if config.fit_values and t > 0:  # eq. 4: C_v = V_S + argmin ‖X Δ − (Y − X V_S)‖
