@@ -2,7 +2,7 @@
 entries fitted on the queries recorded while that chunk was repeated
 (:mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
 
-Cost is counted in operations (:data:`~kvfold.methods.compaction.attention_matching.solve.FIT_PRODUCTS`),
+Cost is counted in operations (:data:`~kvfold.methods.compaction.attention_matching.grouping.FIT_PRODUCTS`),
 not seconds.
 """
 
@@ -14,8 +14,9 @@ import torch
 import kvfold
 from kvfold.methods import SpecError, build_method
 from kvfold.methods.compaction.attention_matching.fit_chunks import fit_given_by_chunk
+from kvfold.methods.compaction.attention_matching.grouping import FIT_PRODUCTS
 from kvfold.methods.compaction.attention_matching.queries import ReferenceQueries
-from kvfold.methods.compaction.attention_matching.solve import FIT_PRODUCTS, FitConfig, fit_problems
+from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
 from tests.conftest import CharTokenizer, make_tiny_model
 
 F64 = torch.float64

@@ -3,12 +3,15 @@
 A group pads every problem to its widest one, so the CPU keeps widths within :data:`WIDTH_SLACK`
 of the widest (the work is the time); where each group costs its kernel launches (a GPU), a group
 also takes narrower problems while their padding's multiply-adds (:func:`padding_products`) stay
-within a budget (``FitConfig.pad_products``).
+within a budget (``FitConfig.pad_products``). A group's memory is its attention statistics' one block
+of features (:func:`statistics_block_bytes`) and its problems' own bytes (:func:`bytes_per_problem`);
+the fits' multiply-adds are counted in :data:`FIT_PRODUCTS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +25,27 @@ multiply-adds. An estimate, not a measurement: a GPU run tells (``benchmarks/gpu
 
 WIDTH_SLACK = 0.8
 """A group's narrowest problem keeps at least this fraction of its widest one's entries."""
+
+
+@dataclass
+class ProductCount:
+    """Multiply-adds of the fits' products, counted as the groups run: a cost measure that does not
+    depend on the machine (a fit whose cost grows linearly with the context keeps it linear).
+
+    Per group of ``P`` problems padded to ``n`` queries, ``T`` entries of key width ``d`` and value
+    width ``D``, keeping ``t``: the statistics ``P·n·T·(d + D)`` (logits, ``Φ V``), the normal
+    equations of β and the values ``P·n·t·(2t + 2d + 2D)`` (``Φ_S`` twice, ``Φ_Sᵀ Φ_S``, ``XᵀX``,
+    ``X V_S``, ``Xᵀ R``), and for OMP its correlations ``P·n·T·t``.
+    """
+
+    products: int = 0
+
+    def add(self, problems: int, n: int, T: int, t: int, d: int, D: int, omp: bool) -> None:
+        self.products += problems * n * (T * (d + D) + t * (2 * t + 2 * d + 2 * D) + (T * t if omp else 0))
+
+
+FIT_PRODUCTS = ProductCount()
+"""The running count of :class:`ProductCount` (read it before and after a fit)."""
 
 
 def groups_by_width(
@@ -70,7 +94,7 @@ def groups_by_width(
 
 def padding_products(scored: bool, T: int, n: int, d: int, D: int) -> Callable[[int, int], int]:
     """Multiply-adds a problem of width ``t`` adds when padded to ``widest``: the terms of a fit's
-    multiply-adds that grow with the width (:class:`~kvfold.methods.compaction.attention_matching.solve.ProductCount`;
+    multiply-adds that grow with the width (:class:`ProductCount`;
     ``scored``: highest attention or given keys, else OMP, whose correlations read every entry)."""
 
     def padding(widest: int, t: int) -> int:
@@ -80,18 +104,24 @@ def padding_products(scored: bool, T: int, n: int, d: int, D: int) -> Callable[[
     return padding
 
 
-def bytes_per_problem(
-    scored: bool, T: int, n: int, D: int, size: int, rows_held: int, statistics_rows: int
-) -> Callable[[int], int]:
-    """Bytes one problem of width ``t`` holds while its group is fitted: ``T`` entries, ``n`` queries
-    of width ``D``, ``size`` bytes an element; ``scored`` (highest attention or given keys) holds
-    ``rows_held`` queries of the normal equations and ``statistics_rows`` of the attention statistics
-    at a time, OMP its features ``Φ`` (``n × T``) and ``Φᵀ Φ_S`` (``T × t``)."""
+def bytes_per_problem(scored: bool, T: int, n: int, D: int, size: int, rows_held: int) -> Callable[[int], int]:
+    """Bytes one problem of width ``t`` holds while its group is fitted, beyond the attention statistics' block
+    (:func:`statistics_block_bytes`, once a group): ``T`` entries, ``n`` queries of width ``D``, ``size`` bytes
+    an element; ``scored`` (highest attention or given keys) holds ``rows_held`` queries of the normal
+    equations at a time, OMP its features ``Φ`` (``n × T``) and ``Φᵀ Φ_S`` (``T × t``)."""
 
     def per_problem(t: int) -> int:
-        if scored:  # a block of queries × T, then blocks × t
-            statistics = min(n, statistics_rows)
-            return size * (statistics * T * 2 + rows_held * 3 * t + n * (D + 4) + 2 * t * (t + D) + T * D * 2)
+        if scored:  # its inputs and statistics (n × D), then blocks of rows × t
+            return size * (rows_held * 3 * t + n * (2 * D + 4) + 2 * t * (t + D) + T * D * 2)
         return size * (n * T + T * t + n * D)
 
     return per_problem
+
+
+def statistics_block_bytes(T: int, n: int, size: int, rows: int, budget: int) -> int:
+    """Bytes of the features a group of scored problems holds at most while its attention statistics are
+    computed (:func:`~kvfold.methods.compaction.attention_matching.features.block_statistics`): one block of
+    ``rows`` queries (at most ``n``) over ``T`` entries, for as many problems as ``budget`` bytes hold (at least
+    one), whatever the group's size."""
+    problems = max(1, budget // max(1, rows * T * size))
+    return problems * min(n, rows) * T * size

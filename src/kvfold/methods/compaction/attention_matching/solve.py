@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+import kvfold.methods.compaction.attention_matching.grouping as grouping
 from kvfold.methods.compaction.attention_matching.features import (
     STATISTICS_BYTES,
     Group,
@@ -46,12 +47,6 @@ from kvfold.methods.compaction.attention_matching.features import (
     fused_statistics,
     max_shifted_features,
     selected_features,
-)
-from kvfold.methods.compaction.attention_matching.grouping import (
-    GROUP_LAUNCH_PRODUCTS,
-    bytes_per_problem,
-    groups_by_width,
-    padding_products,
 )
 from kvfold.methods.compaction.attention_matching.solvers import box_nnls, omp_keys, ridge_solve, symmetric_product
 from kvfold.methods.compaction.attention_matching.value_rounding import feedback_round
@@ -95,7 +90,7 @@ CPU_FIT_SIZES = FitSizes(DEFAULT_GROUP_BYTES, 1024, 256, STATISTICS_BYTES, 0)
 the width slack (:mod:`~kvfold.methods.compaction.attention_matching.grouping`: on a CPU the work is
 the time)."""
 
-ACCELERATOR_FIT_SIZES = FitSizes(1 << 30, 8192, 4096, 512 << 20, GROUP_LAUNCH_PRODUCTS)
+ACCELERATOR_FIT_SIZES = FitSizes(1 << 30, 8192, 4096, 512 << 20, grouping.GROUP_LAUNCH_PRODUCTS)
 """Blocks for a GPU, where every operation is a launch of a few microseconds whatever its size:
 Llama-3.1-8B's shape at 1K tokens ran 89,000 fit operations with the CPU's blocks (counted by
 ``benchmarks/profile_compress.py --count``), most of them on blocks a GPU finishes in less than
@@ -107,27 +102,6 @@ narrower problems padded to its width, up to a group's launches' worth of multip
 def fit_sizes(device: torch.device) -> FitSizes:
     """The block sizes of a fit on ``device``: :data:`CPU_FIT_SIZES` or :data:`ACCELERATOR_FIT_SIZES`."""
     return CPU_FIT_SIZES if device.type == "cpu" else ACCELERATOR_FIT_SIZES
-
-
-@dataclass
-class ProductCount:
-    """Multiply-adds of the fits' products, counted as the groups run: a cost measure that does not
-    depend on the machine (a fit whose cost grows linearly with the context keeps it linear).
-
-    Per group of ``P`` problems padded to ``n`` queries, ``T`` entries of key width ``d`` and value
-    width ``D``, keeping ``t``: the statistics ``P·n·T·(d + D)`` (logits, ``Φ V``), the normal
-    equations of β and the values ``P·n·t·(2t + 2d + 2D)`` (``Φ_S`` twice, ``Φ_Sᵀ Φ_S``, ``XᵀX``,
-    ``X V_S``, ``Xᵀ R``), and for OMP its correlations ``P·n·T·t``.
-    """
-
-    products: int = 0
-
-    def add(self, problems: int, n: int, T: int, t: int, d: int, D: int, omp: bool) -> None:
-        self.products += problems * n * (T * (d + D) + t * (2 * t + 2 * d + 2 * D) + (T * t if omp else 0))
-
-
-FIT_PRODUCTS = ProductCount()
-"""The running count of :class:`ProductCount` (read it before and after a fit)."""
 
 
 @dataclass(frozen=True)
@@ -271,7 +245,7 @@ def _fit_group(
         t_max = int(counts.max()) if group.keys.shape[0] else 0
     (P, T, d), n = group.keys.shape, group.queries.shape[1]
     omp = given is None and config.keys == "omp"
-    FIT_PRODUCTS.add(P, n, T, t_max, d, group.values.shape[-1], omp)
+    grouping.FIT_PRODUCTS.add(P, n, T, t_max, d, group.values.shape[-1], omp)
     if given is not None or config.keys == "highest":
         selection = _select_by_score(group, counts, t_max, config, given, candidates)
         if isinstance(selection, Compacted):
@@ -604,6 +578,23 @@ def _write_rows(out: Compacted, rows: Tensor, res: Compacted) -> None:
     out.output_error[rows] = res.output_error
 
 
+def _groups(
+    todo: Tensor, counts: Tensor, given: bool, shape: tuple[int, int, int, int], dt: torch.dtype, config: FitConfig
+) -> list[tuple[Tensor, int]]:
+    """The groups :func:`fit_problems` fits ``todo`` in (:func:`.grouping.groups_by_width`): within
+    ``config.group_bytes`` with the attention statistics' one block of features (scored keys) counted once,
+    ``shape`` = (entries, queries, key width, value width) a problem."""
+    T, n, D, value_dim = shape
+    scored = given or config.keys == "highest"
+    rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
+    size = 8 if dt == torch.float64 else 4
+    per_problem = grouping.bytes_per_problem(scored, T, n, D, size, rows_held)
+    held = grouping.statistics_block_bytes(T, n, size, config.statistics_rows, config.statistics_bytes) if scored else 0
+    padding = grouping.padding_products(scored, T, n, D, value_dim)
+    room = max(1, config.group_bytes - held)
+    return grouping.groups_by_width(todo, counts, per_problem, room, padding, config.pad_products)
+
+
 def fit_problems(
     keys: Tensor,
     values: Tensor,
@@ -667,12 +658,8 @@ def fit_problems(
     if ids.numel() and t_max > 0:
         _copy_identity(out, ids, flat_lm, flat_values, D)
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
-    scored = given is not None or config.keys == "highest"
-    rows_held = n if config.solver == "exact" else min(n, max(1, config.query_block))
-    per_problem = bytes_per_problem(scored, T, n, D, 8 if dt == torch.float64 else 4, rows_held, config.statistics_rows)
-    padding = padding_products(scored, T, n, D, values.shape[-1])
     histories: list[tuple[Tensor, Tensor]] = []
-    for rows, widest in groups_by_width(todo, counts, per_problem, config.group_bytes, padding, config.pad_products):
+    for rows, widest in _groups(todo, counts, given is not None, (T, n, D, values.shape[-1]), dt, config):
         inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale)
         group = Group.prepare(*(t[rows] for t in inputs), None if flat_compact is None else flat_compact[rows])
         chosen = [None if t is None else t[rows] for t in (given_flat, cand_flat)]
