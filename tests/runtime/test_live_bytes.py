@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvfold.runtime.live_bytes import FREED, LiveBytes
@@ -47,3 +49,18 @@ def test_storages_made_at_a_site_left_out_and_their_views_count_nothing():
         device = torch.zeros(10)
     assert rows.numel() == 50 and device.numel() == 10
     assert ledger.peak == 40 and ledger.at_peak == {("repeat", "device"): 40}
+
+
+def test_a_dead_weak_proxy_among_the_live_objects_does_not_stop_the_ledger():
+    """The ledger looks at every object the garbage collector tracks; a weak proxy whose object is gone refuses
+    ``isinstance`` (a ``ReferenceError``), so it is told apart by its type."""
+
+    class Held:
+        pass
+
+    held = Held()
+    proxies = [weakref.proxy(held)]
+    del held
+    with torch.inference_mode(), LiveBytes() as ledger:
+        made = torch.zeros(10)
+    assert ledger.peak == 40 and made.numel() == 10 and len(proxies) == 1

@@ -10,7 +10,6 @@ with a GPU's paths on the CPU; tests use it to hold a computation's working memo
 from __future__ import annotations
 
 import gc
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -66,9 +65,8 @@ class LiveBytes(TorchDispatchMode):
         self._seen: set[int] = set()  # ids of the tensors held (an in-place result is its input: held once)
 
     def __enter__(self) -> LiveBytes:
-        with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated names warns
-            warnings.simplefilter("ignore", FutureWarning)
-            alive = [held for held in gc.get_objects() if isinstance(held, torch.Tensor)]
+        # by type: isinstance() reads __class__, which a dead weak proxy refuses and deprecated names warn on
+        alive = [held for held in gc.get_objects() if issubclass(type(held), torch.Tensor)]
         for held in alive:  # every tensor alive now: freeing one's storage gives its bytes back
             key = storage_key(held)
             if key and id(held) not in self._seen:
