@@ -65,8 +65,10 @@ class LiveBytes(TorchDispatchMode):
         self._seen: set[int] = set()  # ids of the tensors held (an in-place result is its input: held once)
 
     def __enter__(self) -> LiveBytes:
-        # by type: isinstance() reads __class__, which a dead weak proxy refuses and deprecated names warn on
-        alive = [held for held in gc.get_objects() if issubclass(type(held), torch.Tensor)]
+        # by type: isinstance() reads __class__, which a dead weak proxy refuses and deprecated names warn on;
+        # plain tensors and parameters only: a subclass (a FakeTensor torch.compile left behind) owns no
+        # memory of its own, and its storage refuses to give its address
+        alive = [held for held in gc.get_objects() if type(held) in _OWNING_TYPES]
         for held in alive:  # every tensor alive now: freeing one's storage gives its bytes back
             key = storage_key(held)
             if key and id(held) not in self._seen:
@@ -124,6 +126,9 @@ class LiveBytes(TorchDispatchMode):
         if storage.tensors == 0:
             del self.storages[key]
             self.live -= storage.nbytes
+
+
+_OWNING_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
