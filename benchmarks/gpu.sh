@@ -5,12 +5,13 @@
 # the records it finished, and running the script again on the same OUT measures only what is missing).
 #
 #   benchmarks/gpu.sh                                   # on the GPU machine, from the repository root
-#   DEVICE=cpu TINY=1 LONG=512 SHORT=256 benchmarks/gpu.sh   # the same, end to end, on a CPU (tiny shape)
+#   DEVICE=cpu TINY=1 LONG=512 SHORT=256 BUDGET=0 benchmarks/gpu.sh   # the same, end to end, on a CPU (tiny shape)
 #
 # Settings (environment): PYTHON (python3), DEVICE (cuda), SHAPE (benchmarks/shapes/llama-3.1-8b.json),
 # TINY (0; 1 shrinks the shape's widths and depth), TOKENIZER (a directory whose tokenizer to copy;
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
+# BUDGET (560: seconds for the whole run, each phase cut to what is left and later ones skipped; 0: no limit),
 # PHASES ("env tests compiled batch long memory profile report"; "short", "groups", "scores", "fits" and "suite" are there too) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
 # T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits),
@@ -37,6 +38,8 @@ SHORT=${SHORT:-8192}
 NEW_TOKENS=${NEW_TOKENS:-8}
 OUT=${OUT:-docs/results/data/gpu-$(date +%F)}
 PHASES=${PHASES:-env tests compiled batch long memory profile report}
+BUDGET=${BUDGET:-560}  # seconds for the whole script (0: none): the device's 600 s a call, less the shape's build
+RESERVE=20             # seconds BUDGET keeps for the report and a phase's kill
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -44,9 +47,15 @@ mkdir -p "$OUT"
 MODEL_DIR="$OUT/shape"
 started=$(date +%s)
 say() { echo "[gpu.sh $(( $(date +%s) - started ))s] $*" | tee -a "$OUT/log.txt"; }
-phase() {  # phase NAME SECONDS COMMAND...: run COMMAND under a timeout (its process group killed after)
+phase() {  # phase NAME SECONDS COMMAND...: run COMMAND under a timeout (its process group killed after), cut to
+  # what BUDGET leaves (the report's RESERVE kept)
   local name=$1 seconds=$2
   shift 2
+  if [ "$BUDGET" -gt 0 ]; then
+    local left=$(( started + BUDGET - RESERVE - $(date +%s) ))
+    [ "$left" -le 5 ] && { say "$name: skipped, BUDGET=${BUDGET}s is spent"; return 0; }
+    [ "$left" -lt "$seconds" ] && { say "$name: ${seconds}s cut to the ${left}s BUDGET leaves"; seconds=$left; }
+  fi
   say "$name: up to ${seconds}s: $*"
   timeout --kill-after=10 "$seconds" "$@"
   local rc=$?

@@ -1,0 +1,35 @@
+"""benchmarks/gpu.sh: its phases fit the device's time (``BUDGET``), run on the CPU at the tiny shape."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.tools.scripts import ROOT
+
+
+def _gpu_sh(out, **settings: str) -> str:
+    """Run the script with ``settings`` in its environment; its log."""
+    env = {**os.environ, "PYTHON": sys.executable, "DEVICE": "cpu", "TINY": "1", "OUT": str(out), **settings}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return (out / "log.txt").read_text()
+
+
+def test_a_phase_is_cut_to_what_the_budget_leaves(tmp_path):
+    """The CUDA tests' 2,000 s are cut to what a 1,000 s budget leaves, less the report's 20."""
+    log = _gpu_sh(tmp_path, PHASES="tests", BUDGET="1000", T_TESTS="2000")
+    cut = next(line for line in log.splitlines() if "tests: 2000s cut to the " in line)
+    left = int(cut.split("cut to the ")[1].split("s")[0])
+    elapsed = int(cut.split("[gpu.sh ")[1].split("s]")[0])
+    assert 1000 - 20 - elapsed - 2 <= left <= 1000 - 20 - elapsed
+    assert (tmp_path / "test_cuda.txt").exists()  # the phase ran
+
+
+def test_phases_past_the_budget_are_skipped_and_the_report_is_written(tmp_path):
+    log = _gpu_sh(tmp_path, PHASES="tests memory report", BUDGET="1")
+    assert "tests: skipped, BUDGET=1s is spent" in log
+    assert "memory kvzip+am_fit: skipped" in log
+    assert not (tmp_path / "test_cuda.txt").exists() and not (tmp_path / "bench-memory").exists()
+    assert (tmp_path / "README.md").exists()
