@@ -65,6 +65,9 @@ class LiveBytes(TorchDispatchMode):
         self._seen: set[int] = set()  # ids of the tensors held (an in-place result is its input: held once)
 
     def __enter__(self) -> LiveBytes:
+        # garbage first: a tensor in an unreachable cycle would otherwise count as alive before, and the
+        # collector freeing it during the work would give back bytes the work never held
+        gc.collect()
         # by type: isinstance() reads __class__, which a dead weak proxy refuses and deprecated names warn on;
         # plain tensors and parameters only: a subclass (a FakeTensor torch.compile left behind) owns no
         # memory of its own, and its storage refuses to give its address
