@@ -92,3 +92,13 @@ def test_garbage_from_before_is_not_given_back_during_the_work():
         gc.collect()
         assert ledger.live == 40
     assert ledger.peak == 40 and made.numel() == 10
+
+
+def test_the_counts_stop_when_the_ledger_is_left():
+    """Leaving the ledger detaches it from every tensor it watched: those alive before and after keep no
+    callback into it (a process that counts many times would pile them up on its weights)."""
+    kept = torch.zeros(100)
+    with torch.inference_mode(), LiveBytes() as ledger:
+        made = torch.zeros(10)
+    del made, kept  # freed after leaving: no callback reaches the ledger
+    assert (ledger.live, ledger.peak) == (40, 40)  # the counts as they were on leaving

@@ -63,6 +63,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.at_peak: Counter[Site] = Counter()
         self._seen: set[int] = set()  # ids of the tensors held (an in-place result is its input: held once)
+        self._watches: list[weakref.finalize] = []  # one a tensor held, detached on leaving
 
     def __enter__(self) -> LiveBytes:
         # garbage first: a tensor in an unreachable cycle would otherwise count as alive before, and the
@@ -80,6 +81,13 @@ class LiveBytes(TorchDispatchMode):
                 self.storages[key].tensors += 1
                 self._hold(held, key)
         return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        # the counts stop here: no tensor alive after (the weights, the cache) keeps a callback into the ledger
+        for watch in self._watches:
+            watch.detach()
+        self._watches.clear()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,7 +126,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _hold(self, tensor: torch.Tensor, key: int) -> None:
         self._seen.add(id(tensor))
-        weakref.finalize(tensor, self._release, key, id(tensor))
+        self._watches.append(weakref.finalize(tensor, self._release, key, id(tensor)))
 
     def _release(self, key: int, ident: int) -> None:
         self._seen.discard(ident)
