@@ -62,8 +62,8 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.at_peak: Counter[Site] = Counter()
-        self._seen: set[int] = set()  # ids of the tensors held (an in-place result is its input: held once)
-        self._watches: list[weakref.finalize] = []  # one a tensor held, detached on leaving
+        # the tensors held, by id (an in-place result is its input: held once): a callback when each is freed
+        self._watches: dict[int, weakref.finalize] = {}
 
     def __enter__(self) -> LiveBytes:
         # garbage first: a tensor in an unreachable cycle would otherwise count as alive before, and the
@@ -75,7 +75,7 @@ class LiveBytes(TorchDispatchMode):
         alive = [held for held in gc.get_objects() if type(held) in _OWNING_TYPES]
         for held in alive:  # every tensor alive now: freeing one's storage gives its bytes back
             key = storage_key(held)
-            if key and id(held) not in self._seen:
+            if key and id(held) not in self._watches:
                 if key not in self.storages:
                     self.storages[key] = _Storage(held.untyped_storage().nbytes(), FREED, 0, before=True)
                 self.storages[key].tensors += 1
@@ -84,7 +84,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __exit__(self, *exc) -> None:
         # the counts stop here: no tensor alive after (the weights, the cache) keeps a callback into the ledger
-        for watch in self._watches:
+        for watch in list(self._watches.values()):
             watch.detach()
         self._watches.clear()
         return super().__exit__(*exc)
@@ -95,7 +95,7 @@ class LiveBytes(TorchDispatchMode):
         inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         grown = False
         for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor) or id(tensor) in self._seen:
+            if not isinstance(tensor, torch.Tensor) or id(tensor) in self._watches:
                 continue
             key = storage_key(tensor)
             if key in self.storages:  # a new tensor (a view) of a counted storage
@@ -125,11 +125,10 @@ class LiveBytes(TorchDispatchMode):
             self.at_peak[FREED] = freed
 
     def _hold(self, tensor: torch.Tensor, key: int) -> None:
-        self._seen.add(id(tensor))
-        self._watches.append(weakref.finalize(tensor, self._release, key, id(tensor)))
+        self._watches[id(tensor)] = weakref.finalize(tensor, self._release, key, id(tensor))
 
     def _release(self, key: int, ident: int) -> None:
-        self._seen.discard(ident)
+        self._watches.pop(ident, None)
         storage = self.storages.get(key)
         if storage is None:
             return
