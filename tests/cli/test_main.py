@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import kvfold
+import kvfold.runtime.models
 from kvfold.cli.main import main
 from kvfold.evaluate.data.logbook import build_logbook
 from kvfold.runtime.budget import Budget
@@ -250,3 +251,15 @@ def test_generate_full_under_a_memory_budget_holds_it_or_refuses_it(capsys, smol
     assert code == 0 and record["method"] == "full@int4" and record["token_budget"] == 1.0
     assert record["memory"] == 0.4 and record["memory_ratio"] <= 0.4
     assert record["memory_ratio"] == record["kv_bytes"] / record["kv_bytes_full_16"]
+
+
+@pytest.mark.parametrize("command", [["generate", "--question", "Q?"], ["compress", "--out", "unwritten.kvf"]])
+def test_an_empty_context_is_refused_before_a_model_is_loaded(capsys, monkeypatch, command):
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(kvfold.runtime.models, "load_model", load)
+    code, _, err = run(capsys, *command, "--context", " \n ")
+    assert code == 2
+    last = err.rstrip("\n").splitlines()[-1]
+    assert last == f"kvfold {command[0]}: error: the context is empty; give a text to compress"

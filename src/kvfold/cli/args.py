@@ -88,6 +88,15 @@ def read_text_file(path: Path, what: str = "context file") -> str:
         raise UserError(f"{what} {path} is not UTF-8 text ({where}); give a text file") from None
 
 
+def read_context(args: argparse.Namespace) -> str:
+    """The context a command compresses: ``--context``, or the text of ``--context-file``. An empty one is a
+    one-line :class:`~kvfold.runtime.errors.UserError`, said before a model is loaded."""
+    text = args.context if args.context is not None else read_text_file(args.context_file, "context file")
+    if not text.strip():
+        raise UserError("the context is empty; give a text to compress")
+    return text
+
+
 def add_quiet(parser: argparse.ArgumentParser) -> None:
     """``--quiet``: no progress lines or bars on stderr (errors and results still print)."""
     parser.add_argument("--quiet", action="store_true", help="print no progress on stderr")

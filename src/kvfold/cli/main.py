@@ -29,7 +29,7 @@ from kvfold.cli.args import (
     compress_options,
     deprecated_alias,
     progress,
-    read_text_file,
+    read_context,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, RECOMMENDED
 from kvfold.runtime.errors import UserError
@@ -221,7 +221,7 @@ def run_generate(args: argparse.Namespace) -> int:
     target = Budget.of_memory(options["memory"]) if "memory" in options else Budget.parse(options["budget"])
     if args.new_tokens < 1:
         raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
-    context = args.context if args.context is not None else _read_text(args.context_file)
+    context = read_context(args)
     from kvfold.runtime.models import load_model
 
     progress(args, f"loading {args.model}")
@@ -297,10 +297,6 @@ def run_demo(args: argparse.Namespace) -> int:
         memory=options.get("memory"),
         kv_format=options.get("kv_format"),
     )
-
-
-def _read_text(path: Path) -> str:
-    return read_text_file(path, "context file")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from kvfold.cli.args import (
     compress_options,
     deprecated_alias,
     progress,
+    read_context,
     read_text_file,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_CHAT_BUDGET, RECOMMENDED
@@ -127,7 +128,7 @@ def run_compress(args: argparse.Namespace) -> int:
     spec = with_format(args.method, options.pop("kv_format"))
     method = build_method(spec)
     target = Budget.of_memory(options["memory"]) if "memory" in options else Budget.parse(options["budget"])
-    text = args.context if args.context is not None else _read_text(args.context_file)
+    text = read_context(args)
     progress(args, f"loading {args.model}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     progress(args, "prefilling the context")
@@ -296,7 +297,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
         raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     if args.cache is not None:
         _refuse_with_cache(args)
-    context = _read_text(args.context_file) if args.context_file is not None else None
+    context = read_text_file(args.context_file, "context file") if args.context_file is not None else None
     progress(args, f"loading {args.model}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}
@@ -387,10 +388,6 @@ def _refuse_with_cache(args: argparse.Namespace, *others: str | None) -> None:
 def _describe(spec: str) -> str:
     """The spec, marked when it is the recommended pipeline."""
     return f"{spec} (the recommended pipeline)" if spec == RECOMMENDED else spec
-
-
-def _read_text(path: Path) -> str:
-    return read_text_file(path, "context file")
 
 
 COMMANDS = {"compress": run_compress, "ask": run_ask, "chat": run_chat}
