@@ -91,7 +91,7 @@ def read_text_file(path: Path, what: str = "context file") -> str:
 def read_context(args: argparse.Namespace) -> str:
     """The context a command compresses: ``--context``, or the text of ``--context-file``. An empty one is a
     one-line :class:`~kvfold.runtime.errors.UserError`, said before a model is loaded."""
-    text = args.context if args.context is not None else read_text_file(args.context_file, "context file")
+    text = args.context if args.context is not None else read_text_file(args.context_file)
     if not text.strip():
         raise UserError("the context is empty; give a text to compress")
     return text

@@ -25,6 +25,11 @@ FREED = ("before", "freed since the start")
 """The :attr:`LiveBytes.at_peak` entry of the storages made before the ledger and freed by its peak (≤ 0)."""
 
 
+_OWNING_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""The tensor types that own their storage: the ledger takes these among the tensors alive when it starts (a
+subclass, such as a FakeTensor that ``torch.compile`` left behind, owns none and refuses its address)."""
+
+
 def no_site() -> Site:
     """The default site: none (every storage in one entry)."""
     return ("", "")
@@ -69,9 +74,7 @@ class LiveBytes(TorchDispatchMode):
         # garbage first: a tensor in an unreachable cycle would otherwise count as alive before, and the
         # collector freeing it during the work would give back bytes the work never held
         gc.collect()
-        # by type: isinstance() reads __class__, which a dead weak proxy refuses and deprecated names warn on;
-        # plain tensors and parameters only: a subclass (a FakeTensor torch.compile left behind) owns no
-        # memory of its own, and its storage refuses to give its address
+        # by exact type (_OWNING_TYPES): isinstance() reads __class__, which a dead weak proxy refuses
         alive = [held for held in gc.get_objects() if type(held) in _OWNING_TYPES]
         for held in alive:  # every tensor alive now: freeing one's storage gives its bytes back
             key = storage_key(held)
@@ -87,7 +90,7 @@ class LiveBytes(TorchDispatchMode):
         for watch in list(self._watches.values()):
             watch.detach()
         self._watches.clear()
-        return super().__exit__(*exc)
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -136,9 +139,6 @@ class LiveBytes(TorchDispatchMode):
         if storage.tensors == 0:
             del self.storages[key]
             self.live -= storage.nbytes
-
-
-_OWNING_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
