@@ -12,7 +12,8 @@
 # default: a word-level tokenizer of the bench's prose, offline), LONG (32768) and SHORT (8192) tokens,
 # NEW_TOKENS (8, decode steps measured after 4 warm-up steps), OUT (docs/results/data/gpu-DATE),
 # BUDGET (560: seconds for the whole run, each phase cut to what is left and later ones skipped; 0: no limit),
-# PHASES ("env tests compiled batch long memory profile report"; "short", "groups", "scores", "fits" and "suite" are there too) and each phase's
+# PHASES ("env tests compiled batch long memory profile report"; "short", "groups", "scores", "fits" and "suite" are there too;
+# they run in the order named, so a second call names the most wanted first) and each phase's
 # seconds: T_TESTS (120), T_COMPILED (150), T_BATCH (110), T_LONG (110), T_SHORT (70), T_MEMORY (30),
 # T_PROFILE (20, each decode profile), T_PROFILE_COMPRESS (40), T_GROUPS (90: both groupings of the fits),
 # T_SCORES (60: KVzip's scores for one layer and forward, the Triton kernel against float32 products, over a chunk's
@@ -40,6 +41,10 @@ OUT=${OUT:-docs/results/data/gpu-$(date +%F)}
 PHASES=${PHASES:-env tests compiled batch long memory profile report}
 BUDGET=${BUDGET:-560}  # seconds for the whole script (0: none): the device's 600 s a call, less the shape's build
 RESERVE=20             # seconds BUDGET keeps for the report and a phase's kill
+KNOWN="env tests compiled batch long short memory profile suite groups scores fits report"
+for name in $PHASES; do
+  case " $KNOWN " in *" $name "*) ;; *) echo "gpu.sh: no phase '$name' in PHASES; the phases are: $KNOWN" >&2; exit 2 ;; esac
+done
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 
@@ -62,7 +67,6 @@ phase() {  # phase NAME SECONDS COMMAND...: run COMMAND under a timeout (its pro
   [ "$rc" = 124 ] && say "$name: cut at ${seconds}s (what finished is kept)" || say "$name: exit $rc"
   return 0
 }
-wants() { case " $PHASES " in *" $1 "*) return 0 ;; *) return 1 ;; esac }
 bench=("$PYTHON" -m kvfold.cli.main bench --model "random:$MODEL_DIR" --device "$DEVICE" --batch 1
   --new-tokens "$NEW_TOKENS" --quiet)
 
@@ -71,7 +75,7 @@ shape_args=("$SHAPE" "$MODEL_DIR")
 [ -n "$TOKENIZER" ] && shape_args+=(--tokenizer "$TOKENIZER")
 "$PYTHON" benchmarks/shape_dir.py "${shape_args[@]}" | tee -a "$OUT/log.txt"
 
-if wants env; then
+run_env() {
   {
     date -u +%FT%TZ
     git rev-parse HEAD 2>/dev/null || echo "no git"
@@ -82,13 +86,13 @@ print('device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
-fi
+}
 
-if wants tests; then
+run_tests() {
   phase tests "${T_TESTS:-120}" bash -c "'$PYTHON' -m pytest -q -rf -p no:cacheprovider tests/runtime/test_cuda.py \
     > '$OUT/test_cuda.txt' 2>&1"
   tail -n 15 "$OUT/test_cuda.txt"
-fi
+}
 
 sweep() {  # sweep NAME SECONDS OUT_DIR METHODS BENCH_ARGS...: one bench a method into OUT_DIR, under one
   # deadline (full is measured once and reused; a method that fails or is cut costs only itself)
@@ -103,21 +107,19 @@ sweep() {  # sweep NAME SECONDS OUT_DIR METHODS BENCH_ARGS...: one bench a metho
 
 # The compiled decode at the long context first (kvfold's steps through torch.compile and CUDA graphs over
 # fixed tails, full beside each method, also compiled): the decode targets are its numbers.
-wants compiled && sweep compiled "${T_COMPILED:-150}" "$OUT/bench-compiled" stock-static,kvzip,kvzip+am_fit \
-  --length "$LONG" --budgets 0.1 --compiled
+run_compiled() { sweep compiled "${T_COMPILED:-150}" "$OUT/bench-compiled" stock-static,kvzip,kvzip+am_fit \
+  --length "$LONG" --budgets 0.1 --compiled; }
 # Batch 8 at the long context, compiled: the compressed cache's gain grows with the batch (the cache's bytes
 # outgrow the weights').
-wants batch && sweep batch "${T_BATCH:-110}" "$OUT/bench-batch" kvzip+am_fit --length "$LONG" --budgets 0.1 \
-  --batch 8 --compiled
+run_batch() { sweep batch "${T_BATCH:-110}" "$OUT/bench-batch" kvzip+am_fit --length "$LONG" --budgets 0.1 \
+  --batch 8 --compiled; }
 # Then the eager decode at the long context: the targets are at 32K (stock's compiled static cache is the bar for full;
 # kvzip+am_fit last, its compression the slowest).
-wants long && sweep long "${T_LONG:-110}" "$OUT/bench-long" stock,kvzip,kvzip+am_fit \
-  --length "$LONG" --budgets 0.1
-wants short && sweep short "${T_SHORT:-70}" "$OUT/bench-short" stock,kvzip,kvzip+am_fit --length "$SHORT" \
-  --budgets 0.1
-wants memory && sweep memory "${T_MEMORY:-30}" "$OUT/bench-memory" kvzip+am_fit --length "$SHORT" --memory 0.0625
+run_long() { sweep long "${T_LONG:-110}" "$OUT/bench-long" stock,kvzip,kvzip+am_fit --length "$LONG" --budgets 0.1; }
+run_short() { sweep short "${T_SHORT:-70}" "$OUT/bench-short" stock,kvzip,kvzip+am_fit --length "$SHORT" --budgets 0.1; }
+run_memory() { sweep memory "${T_MEMORY:-30}" "$OUT/bench-memory" kvzip+am_fit --length "$SHORT" --memory 0.0625; }
 
-if wants profile; then  # a few decode steps of kvzip's cache, by host and by device time (PROFILE_DECODE="full kvzip" for both)
+run_profile() {  # a few decode steps of kvzip's cache, by host and by device time (PROFILE_DECODE="full kvzip" for both)
   for method in ${PROFILE_DECODE:-kvzip}; do
     phase "profile $method" "${T_PROFILE:-20}" bash -c "'$PYTHON' benchmarks/profile_decode.py \
       --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method $method --budget 0.1 --steps 3 \
@@ -129,16 +131,16 @@ if wants profile; then  # a few decode steps of kvzip's cache, by host and by de
     --model 'random:$MODEL_DIR' --device '$DEVICE' --length '$SHORT' --method kvzip+am_fit --budget 0.1 --ops \
     --top 30 > '$OUT/profile-compress.txt' 2>&1"
   grep -E "prefills" "$OUT/profile-compress.txt"
-fi
+}
 
-if wants suite; then  # the whole main suite with the GPU present (its Triton tests compile the kernel for real)
+run_suite() {  # the whole main suite with the GPU present (its Triton tests compile the kernel for real)
   workers=(); "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}")
   phase suite "${T_SUITE:-300}" bash -c "'$PYTHON' -m pytest -q -rfE -p no:cacheprovider ${workers[*]} \
     --ignore=tests/integrations/vllm > '$OUT/suite.txt' 2>&1"
   tail -n 15 "$OUT/suite.txt"
-fi
+}
 
-if wants groups; then  # kvzip+am_fit's compression at the short context with the CPU's groups of fits and the
+run_groups() {  # kvzip+am_fit's compression at the short context with the CPU's groups of fits and the
   # accelerator's padded ones, timed without a profiler: does the padding's work cost less than the launches it saves?
   for products in 0 default; do
     padding=(); [ "$products" = default ] || padding=(--pad-products "$products")
@@ -147,9 +149,9 @@ if wants groups; then  # kvzip+am_fit's compression at the short context with th
       ${padding[*]} 2>&1 | grep -E 'prefills|Error' >> '$OUT/groups.txt'"
   done
   cat "$OUT/groups.txt" 2>/dev/null
-fi
+}
 
-if wants scores; then  # KVzip's scores for one repeat forward of the shape, both paths in one process: over
+run_scores() {  # KVzip's scores for one repeat forward of the shape, both paths in one process: over
   # a chunk's span (scope=chunk, the default from 4K tokens) and over the whole cache (scope=all)
   read -r kv_heads heads head_dim < <("$PYTHON" -c "import json; c = json.load(open('$MODEL_DIR/config.json')); \
 print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c['hidden_size'] // c['num_attention_heads'])")
@@ -157,9 +159,9 @@ print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c
     --entries '2048,$SHORT,$LONG' --kv-heads $kv_heads --group $(( heads / kv_heads )) --head-dim $head_dim \
     --blocks '${SCORES_BLOCKS:-128x64,64x64,128x128,64x128}' ${SCORES_ARGS:-} --out '$OUT/scores.jsonl' > '$OUT/scores.txt' 2>&1"
   cat "$OUT/scores.txt" 2>/dev/null
-fi
+}
 
-if wants fits; then  # one layer's fits with the kept keys given (kvzip+am_fit), both products in one process:
+run_fits() {  # one layer's fits with the kept keys given (kvzip+am_fit), both products in one process:
   # a chunk's problems (a layer's KV heads) and the 16 chunks' of 32K tokens
   read -r kv_heads heads head_dim < <("$PYTHON" -c "import json; c = json.load(open('$MODEL_DIR/config.json')); \
 print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c['hidden_size'] // c['num_attention_heads'])")
@@ -169,9 +171,9 @@ print(c['num_key_value_heads'], c['num_attention_heads'], c.get('head_dim') or c
     --queries $(( heads / kv_heads * chunk )) --kept $(( chunk / 10 )) --head-dim $head_dim ${FITS_ARGS:-} \
     --out '$OUT/fits.jsonl' > '$OUT/fits.txt' 2>&1"
   cat "$OUT/fits.txt" 2>/dev/null
-fi
+}
 
-if wants report; then
+run_report() {
   {
     echo "# GPU run $(date -u +%F): $(basename "$SHAPE")$([ "$TINY" = 1 ] && echo ' (tiny)') on $DEVICE"
     echo
@@ -188,5 +190,9 @@ if wants report; then
     "$PYTHON" benchmarks/bench_table.py "$OUT"/bench-* | sed 's/^# kvfold bench/## kvfold bench/'
   } > "$OUT/README.md"
   say "wrote $OUT/README.md"
-fi
+}
+
+for name in $PHASES; do  # in the order PHASES names them (a second call's phases in the order of their worth)
+  "run_$name"
+done
 say "done"

@@ -167,3 +167,33 @@ def test_errors_name_no_flag_of_another_command():
     with pytest.raises(ValueError) as err:
         check_length(Model, 9)
     assert "--" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["generate", "--question", "Q?", "--context-file"],
+        ["compress", "--out", "unwritten.kvf", "--context-file"],
+        ["chat", "--context-file"],
+        ["mergemap", "--methods", "snapkv", "--out", "unwritten", "--context-file"],
+        ["head-schedule", "--out", "unwritten.json", "--text-file"],
+    ],
+)
+def test_an_empty_document_is_refused_before_a_model_is_loaded(capsys, monkeypatch, tmp_path, command):
+    """Every command that reads a document into the model (``read_document``) refuses one of only white
+    space in one line that names it, and loads no model first."""
+    import kvfold.runtime.models
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(kvfold.runtime.models, "load_model", load)
+    monkeypatch.chdir(tmp_path)
+    document = tmp_path / "empty.txt"
+    document.write_text(" \n\t\n", encoding="utf-8")
+    code = main([*command, str(document)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    what = "text file" if command[0] == "head-schedule" else "context file"
+    assert err.endswith(f"error: {what} {document} is empty; give a file with the text\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt"]

@@ -27,9 +27,22 @@ def test_a_phase_is_cut_to_what_the_budget_leaves(tmp_path):
     assert (tmp_path / "test_cuda.txt").exists()  # the phase ran
 
 
-def test_phases_past_the_budget_are_skipped_and_the_report_is_written(tmp_path):
-    log = _gpu_sh(tmp_path, PHASES="tests memory report", BUDGET="1")
-    assert "tests: skipped, BUDGET=1s is spent" in log
-    assert "memory kvzip+am_fit: skipped" in log
+def test_phases_past_the_budget_are_skipped_in_the_order_named_and_the_report_is_written(tmp_path):
+    """Phases run in the order ``PHASES`` names them, not the script's (``memory`` comes after ``tests``
+    there): a second call spends what is left on the phase it names first."""
+    log = _gpu_sh(tmp_path, PHASES="memory tests report", BUDGET="1")
+    skipped = [line.split("] ")[1] for line in log.splitlines() if "skipped" in line]
+    assert skipped == ["memory kvzip+am_fit: skipped, BUDGET=1s is spent", "tests: skipped, BUDGET=1s is spent"]
     assert not (tmp_path / "test_cuda.txt").exists() and not (tmp_path / "bench-memory").exists()
     assert (tmp_path / "README.md").exists()
+
+
+def test_a_phase_it_does_not_have_is_one_line_before_anything_runs(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "PHASES": "tests sweet report"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/gpu.sh")], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "gpu.sh: no phase 'sweet' in PHASES; the phases are: "
+        "env tests compiled batch long short memory profile suite groups scores fits report\n"
+    )
+    assert not (tmp_path / "out").exists()

@@ -88,13 +88,23 @@ def read_text_file(path: Path, what: str = "context file") -> str:
         raise UserError(f"{what} {path} is not UTF-8 text ({where}); give a text file") from None
 
 
+def read_document(path: Path, what: str = "context file") -> str:
+    """:func:`read_text_file` for a document a command reads into a model: one of only white space is a
+    one-line :class:`~kvfold.runtime.errors.UserError` too (a model given nothing would say nothing of it)."""
+    text = read_text_file(path, what)
+    if not text.strip():
+        raise UserError(f"{what} {path} is empty; give a file with the text")
+    return text
+
+
 def read_context(args: argparse.Namespace) -> str:
     """The context a command compresses: ``--context``, or the text of ``--context-file``. An empty one is a
     one-line :class:`~kvfold.runtime.errors.UserError`, said before a model is loaded."""
-    text = args.context if args.context is not None else read_text_file(args.context_file)
-    if not text.strip():
+    if args.context is None:
+        return read_document(args.context_file)
+    if not args.context.strip():
         raise UserError("the context is empty; give a text to compress")
-    return text
+    return args.context
 
 
 def add_quiet(parser: argparse.ArgumentParser) -> None:

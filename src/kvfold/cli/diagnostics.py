@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args, progress, read_text_file
+from kvfold.cli.args import Handler, add_model_args, progress, read_document
 from kvfold.runtime.defaults import DEFAULT_LENGTH
 from kvfold.runtime.errors import UserError
 
@@ -78,12 +78,11 @@ def run_mergemap(args: argparse.Namespace) -> int:
     budget = Budget.parse(args.budget)
     if args.samples < 1:
         raise UserError(f"--samples must be ≥ 1; got {args.samples}")
-    if args.context_file is not None and not args.context_file.is_file():
-        raise UserError(f"context file not found: {args.context_file}")
+    document = read_document(args.context_file) if args.context_file is not None else None
     progress(args, f"loading {args.model}")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.context_file is not None:
-        texts = [(read_text_file(args.context_file, "context file"), None)]
+    if document is not None:
+        texts = [(document, None)]
         source = str(args.context_file)
     else:
         samples = load_dataset_spec(args.dataset, tokenizer, length=args.length, samples=args.samples, seed=args.seed)

@@ -34,6 +34,7 @@ from kvfold.cli.args import (
     deprecated_alias,
     progress,
     read_context,
+    read_document,
     read_text_file,
 )
 from kvfold.runtime.defaults import DEFAULT_BUDGET, DEFAULT_CHAT_BUDGET, RECOMMENDED
@@ -297,7 +298,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO | None = None, stdout: Text
         raise UserError(f"--new-tokens must be ≥ 1; got {args.new_tokens}")
     if args.cache is not None:
         _refuse_with_cache(args)
-    context = read_text_file(args.context_file) if args.context_file is not None else None
+    context = read_document(args.context_file) if args.context_file is not None else None
     progress(args, f"loading {args.model}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     load_kwargs = {"dtype": args.cache_dtype, "device": args.cache_device}

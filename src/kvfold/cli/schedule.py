@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress, read_text_file
+from kvfold.cli.args import Handler, add_model_args, add_new_tokens, deprecated_alias, progress, read_document
 from kvfold.runtime.defaults import DEFAULT_LENGTH
 from kvfold.runtime.errors import UserError
 
@@ -80,16 +80,11 @@ def run_head_schedule(args: argparse.Namespace) -> int:
         raise UserError(f"--r0 must be in (0, 1]; got {args.r0}")
     if args.texts < 1 or args.length < 64 or args.new_tokens < 1:
         raise UserError("--texts must be ≥ 1, --length ≥ 64 and --new-tokens ≥ 1")
-    for path in args.text_file or []:
-        if not path.is_file():
-            raise UserError(f"text file not found: {path}")
+    documents = [read_document(path, "text file") for path in args.text_file or []]
     if args.out.is_dir():
         raise UserError(f"--out names a file for the schedule's JSON; {args.out} is a directory")
     model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.text_file:
-        texts = [read_text_file(path, "text file") for path in args.text_file]
-    else:
-        texts = prose_pieces(tokenizer, args.texts, args.length)
+    texts = documents or prose_pieces(tokenizer, args.texts, args.length)
     schedule = build_head_schedule(
         model,
         tokenizer,
