@@ -64,14 +64,16 @@ demo: install
 test: install install-vllm
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
-	$(PY) -m pytest -q -x --durations=15 --ignore=$(VLLM_TESTS)
+	# Two test processes (pytest-xdist), a file's tests in one of them in their order, one torch thread each:
+	# most of the suite's time is spent in child processes and Python, not in arithmetic two threads share.
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -x -n 2 --dist loadfile --durations=15 --ignore=$(VLLM_TESTS)
 	# kvfold served by vLLM: one server for all these tests, in vLLM's environment, after the main suite.
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE VLLM_CPU_OMP_THREADS_BIND=nobind $(VLLM_PY) -m pytest -q -x --durations=15 $(VLLM_TESTS)
 
 # The main suite under the oldest declared torch and transformers (not part of `make test`: a 4 GB
 # torch and another 20 minutes). Run it before a GPU run and after raising what kvfold needs.
 test-oldest: install-oldest
-	$(OLDEST_PY) -m pytest -q -x --durations=15 --ignore=$(VLLM_TESTS)
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(OLDEST_PY) -m pytest -q -x -n 2 --dist loadfile --durations=15 --ignore=$(VLLM_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests

@@ -453,9 +453,9 @@ def bad_inputs(w: World, tmp: Path) -> list[tuple[list[str], str]]:
             cases.append((with_(argv, "--model", str(tmp / "no-model")), "model path not found or not a model"))
     empty, long, too_long = str(w.empty), str(w.long), "need 701 tokens but the model supports 512 positions"
     cases += [
-        (with_(base["compress"], "--context-file", empty), "the context is empty"),
-        (with_(base["chat"], "--context-file", empty), "the context is empty"),
-        (with_(base["mergemap"], "--context-file", empty), "the context is empty"),
+        (with_(base["compress"], "--context-file", empty), f"context file {empty} is empty; give a file with the text"),
+        (with_(base["chat"], "--context-file", empty), f"context file {empty} is empty; give a file with the text"),
+        (with_(base["mergemap"], "--context-file", empty), f"context file {empty} is empty; give a file with the text"),
         (with_(base["eval"], "--dataset", str(w.no_answers)), "line 1: missing required field(s) 'answers'"),
         (with_(base["fidelity"], "--dataset", str(w.no_answers)), "line 1: missing required field(s) 'answers'"),
         (
