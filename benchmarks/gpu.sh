@@ -134,7 +134,7 @@ run_profile() {  # a few decode steps of kvzip's cache, by host and by device ti
 }
 
 run_suite() {  # the whole main suite with the GPU present (its Triton tests compile the kernel for real)
-  workers=(); "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}")
+  workers=(); "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}" --dist loadfile)
   phase suite "${T_SUITE:-300}" bash -c "'$PYTHON' -m pytest -q -rfE -p no:cacheprovider ${workers[*]} \
     --ignore=tests/integrations/vllm > '$OUT/suite.txt' 2>&1"
   tail -n 15 "$OUT/suite.txt"
