@@ -15,7 +15,7 @@ OLDEST_VENV ?= .venv-oldest
 OLDEST_PY := $(OLDEST_VENV)/bin/python
 OLDEST_STAMP := $(OLDEST_VENV)/.kvfold-installed
 
-.PHONY: install install-vllm install-oldest demo test test-oldest lint clean
+.PHONY: install install-vllm install-oldest demo test test-oldest gpu-wheels lint clean
 
 install: $(STAMP)
 
@@ -74,6 +74,11 @@ test: install install-vllm
 # torch and another 20 minutes). Run it before a GPU run and after raising what kvfold needs.
 test-oldest: install-oldest
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(OLDEST_PY) -m pytest -q -x -n 2 --dist loadfile --durations=15 --ignore=$(VLLM_TESTS)
+
+# pytest-xdist's wheels (pure Python) for the GPU machine, which has no network: benchmarks/gpu.sh's suite phase
+# unpacks them where its Python lacks pytest-xdist (the device tool's run carries .wheels).
+gpu-wheels: install
+	$(PIP) download --quiet --no-deps -c constraints.txt -d .wheels pytest-xdist execnet
 
 lint: install
 	$(VENV)/bin/ruff check src tests

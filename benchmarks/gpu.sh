@@ -22,7 +22,9 @@
 # launch for sm_90)),
 # T_FITS (60: one layer's Attention Matching fits of a chunk and of 32K tokens' 16 chunks, 16-bit queries and keys with
 # float32 sums against float32 products),
-# T_SUITE (300: the whole main suite, in SUITE_WORKERS (8) processes where pytest-xdist is installed).
+# T_SUITE (300: the main suite, SUITE_TESTS ("tests --ignore=tests/integrations/vllm"), in SUITE_WORKERS (8) processes
+# where pytest-xdist is there: installed, or its wheels in WHEELS (.wheels, `make gpu-wheels`; the device tool's run
+# carries the folder) unpacked onto PYTHONPATH, since the GPU machine has no network).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
 # OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/scores.txt and scores.jsonl, OUT/fits.txt and
 # fits.jsonl, OUT/suite.txt, OUT/README.md (every bench's table); docs/benchmarks.md, "One run on a GPU".
@@ -134,9 +136,17 @@ run_profile() {  # a few decode steps of kvzip's cache, by host and by device ti
 }
 
 run_suite() {  # the whole main suite with the GPU present (its Triton tests compile the kernel for real)
-  workers=(); "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}" --dist loadfile)
+  local wheels=${WHEELS:-.wheels} workers=()
+  if ! "$PYTHON" -c "import xdist" 2>/dev/null && compgen -G "$wheels/*.whl" >/dev/null; then
+    local site
+    site=$(mktemp -d)  # pure-Python wheels are zip files: unpacked, they are installed (outside OUT, which comes back)
+    for wheel in "$wheels"/*.whl; do "$PYTHON" -m zipfile -e "$wheel" "$site"; done
+    export PYTHONPATH="$site:$PYTHONPATH"
+    say "suite: pytest-xdist from the wheels in $wheels"
+  fi
+  "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}" --dist loadfile)
   phase suite "${T_SUITE:-300}" bash -c "'$PYTHON' -m pytest -q -rfE -p no:cacheprovider ${workers[*]} \
-    --ignore=tests/integrations/vllm > '$OUT/suite.txt' 2>&1"
+    ${SUITE_TESTS:-tests --ignore=tests/integrations/vllm} > '$OUT/suite.txt' 2>&1"
   tail -n 15 "$OUT/suite.txt"
 }
 

@@ -46,3 +46,41 @@ def test_a_phase_it_does_not_have_is_one_line_before_anything_runs(tmp_path):
         "env tests compiled batch long short memory profile suite groups scores fits report\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def _wheel_of(distribution: str, folder) -> None:
+    """A wheel of an installed pure-Python distribution: its files (caches apart) in one zip, as pip built it."""
+    import importlib.metadata
+    import zipfile
+
+    dist = importlib.metadata.distribution(distribution)
+    name = f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}-py3-none-any.whl"
+    with zipfile.ZipFile(folder / name, "w") as wheel:
+        for file in dist.files:
+            if "__pycache__" not in file.parts and not file.parts[0].startswith(".."):
+                wheel.write(dist.locate_file(file), str(file))
+
+
+def test_the_suite_runs_in_processes_from_carried_wheels_where_its_python_lacks_pytest_xdist(tmp_path):
+    """The GPU machine has no pytest-xdist and no network: the suite phase unpacks the wheels in ``WHEELS``
+    onto the path and runs the tests in ``SUITE_WORKERS`` processes."""
+    hidden = tmp_path / "hidden" / "xdist"  # this Python's own pytest-xdist, out of reach
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('not installed here')\n")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for distribution in ("pytest-xdist", "execnet"):
+        _wheel_of(distribution, wheels)
+    out = tmp_path / "out"
+    log = _gpu_sh(
+        out,
+        PHASES="suite",
+        BUDGET="0",
+        PYTHONPATH=str(hidden.parent),
+        WHEELS=str(wheels),
+        SUITE_WORKERS="2",
+        SUITE_TESTS="tests/tools/test_current_results.py",
+    )
+    assert f"suite: pytest-xdist from the wheels in {wheels}" in log
+    suite = (out / "suite.txt").read_text()
+    assert "bringing up nodes" in suite and " passed" in suite.splitlines()[-1], suite
