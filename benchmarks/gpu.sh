@@ -23,7 +23,7 @@
 # T_FITS (60: one layer's Attention Matching fits of a chunk and of 32K tokens' 16 chunks, 16-bit queries and keys with
 # float32 sums against float32 products),
 # T_SUITE (300: the main suite, SUITE_TESTS ("tests --ignore=tests/integrations/vllm"), in SUITE_WORKERS (8) processes
-# where pytest-xdist is there: installed, or its wheels in WHEELS (.wheels, `make gpu-wheels`; the device tool's run
+# where pytest-xdist is there (the cores shared among them: OMP_NUM_THREADS), installed or its wheels in WHEELS (.wheels, `make gpu-wheels`; the device tool's run
 # carries the folder) unpacked onto PYTHONPATH, since the GPU machine has no network).
 # Records: OUT/env.txt, OUT/test_cuda.txt, OUT/bench-compiled|batch|long|short|memory/{records.jsonl,bench.json,bench.md},
 # OUT/profile-kvzip.txt, OUT/profile-compress.txt, OUT/groups.txt, OUT/scores.txt and scores.jsonl, OUT/fits.txt and
@@ -144,9 +144,14 @@ run_suite() {  # the whole main suite with the GPU present (its Triton tests com
     export PYTHONPATH="$site:$PYTHONPATH"
     say "suite: pytest-xdist from the wheels in $wheels"
   fi
-  "$PYTHON" -c "import xdist" 2>/dev/null && workers=(-n "${SUITE_WORKERS:-8}" --dist loadfile)
-  phase suite "${T_SUITE:-300}" bash -c "'$PYTHON' -m pytest -q -rfE -p no:cacheprovider ${workers[*]} \
-    ${SUITE_TESTS:-tests --ignore=tests/integrations/vllm} > '$OUT/suite.txt' 2>&1"
+  local threads=${OMP_NUM_THREADS:-}  # with processes, the cores shared among them (as make test gives each one)
+  if "$PYTHON" -c "import xdist" 2>/dev/null; then
+    workers=(-n "${SUITE_WORKERS:-8}" --dist loadfile)
+    threads=$(( $(nproc) / ${SUITE_WORKERS:-8} > 1 ? $(nproc) / ${SUITE_WORKERS:-8} : 1 ))
+  fi
+  phase suite "${T_SUITE:-300}" env ${threads:+OMP_NUM_THREADS=$threads} OMP_WAIT_POLICY=PASSIVE bash -c "'$PYTHON' \
+    -m pytest -q -rfE -p no:cacheprovider ${workers[*]} ${SUITE_TESTS:-tests --ignore=tests/integrations/vllm} \
+    > '$OUT/suite.txt' 2>&1"
   tail -n 15 "$OUT/suite.txt"
 }
 
