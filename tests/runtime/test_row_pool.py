@@ -145,3 +145,129 @@ def test_rows_at_full_precision_pack_at_their_own_bytes_and_attend_as_a_float64_
             )
             values = torch.cat([rows.values[first : first + n].double(), tail_values[row].double()])
             torch.testing.assert_close(got[row].double(), torch.softmax(logits, -1) @ values, rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------- the plan and the bytes, by definition
+def _array_costs(fmt: str | None, dtype: torch.dtype, beta: bool) -> list[tuple[str, int, int, int]]:
+    """A chunk's arrays as the module docstring lays them out: name, bytes a segment, an entry, a key group."""
+    arrays = [("lengths", 8, 0, 0)]
+    if fmt is None:
+        element = torch.empty(0, dtype=dtype).element_size()
+        arrays += [("keys", 0, D * element, 0), ("values", 0, D * element, 0)]
+    else:
+        bits = QuantConfig.parse(fmt).bits
+        arrays += [("key_codes", 0, D * bits // 8, 0), ("value_codes", 0, D * bits // 8, 0),
+                   ("key_scale", 0, 0, 2 * D), ("key_zero", 0, 0, 2 * D), ("value_scale", 0, 2, 0),
+                   ("value_zero", 0, 2, 0)]  # fmt: skip
+    return arrays + ([("log_mass", 0, 4, 0)] if beta else [])
+
+
+def _bytes_used(arrays, segments: int, entries: int, groups: int) -> int:
+    at = end = 16
+    for _, per_segment, per_entry, per_group in arrays:
+        at = -(-end // 16) * 16
+        end = at + per_segment * segments + per_entry * entries + per_group * groups
+    return end
+
+
+def _greedy_plan(lengths: list[list[int]], arrays, group: int | None, chunk_bytes: int) -> list[list[tuple]]:
+    """Segments chunk by chunk, one entry at a time: a run (a row's rest, or the rest of the key group it
+    starts inside) goes into the chunk while one more entry fits."""
+    chunks, current, entries, groups = [], [], 0, 0
+
+    def count(n: int) -> int:
+        return 0 if group is None else -(-n // group)
+
+    for layer, row_lengths in enumerate(lengths):
+        for row, length in enumerate(row_lengths):
+            first = 0
+            while first < length:
+                phase = 0 if group is None else first % group
+                limit = length - first if phase == 0 else min(length - first, group - phase)
+                n = 0
+                while n < limit and _bytes_used(arrays, len(current) + 1, entries + n + 1,
+                                                groups + count(n + 1)) <= chunk_bytes:  # fmt: skip
+                    n += 1
+                if n == 0:
+                    chunks.append(current)
+                    current, entries, groups = [], 0, 0
+                    continue
+                current.append((layer, row, first, n))
+                entries, groups, first = entries + n, groups + count(n), first + n
+    return chunks + ([current] if current else [])
+
+
+def _chunk_bytes_by_segment(layers, plan, index: int) -> torch.Tensor:
+    """Chunk ``index`` written segment by segment from the rows' own tensors, as the docstring lays it out."""
+    chunk = plan.chunks[index]
+    out = torch.zeros(plan.chunk_bytes, dtype=torch.uint8)
+    out[:16] = torch.tensor([0x4346564B, len(chunk.segments), plan.flags, 0], dtype=torch.int32).view(torch.uint8)
+    parts = {name: [] for name in chunk.offsets}
+    for seg in chunk.segments:
+        rows = layers[seg.layer]
+        first, _, group0, _ = rows.row_ranges()[seg.row]
+        entries = slice(first + seg.first, first + seg.first + seg.entries)
+        parts["lengths"].append(torch.tensor([seg.entries]))
+        if isinstance(rows, FloatRows):
+            parts["keys"].append(rows.keys[entries])
+            parts["values"].append(rows.values[entries])
+        else:
+            size = rows.config.key_group
+            groups = slice(group0 + seg.first // size, group0 + seg.first // size + -(-seg.entries // size))
+            parts["key_codes"].append(rows.key_codes[entries])
+            parts["value_codes"].append(rows.value_codes[entries])
+            parts["key_scale"].append(rows.key_scale[groups].half())
+            parts["key_zero"].append(rows.key_zero[groups].half())
+            parts["value_scale"].append(rows.value_scale[entries, 0].half())
+            parts["value_zero"].append(rows.value_zero[entries, 0].half())
+        if plan.beta:
+            beta = rows.log_mass
+            parts["log_mass"].append(torch.zeros(seg.entries) if beta is None else beta[entries].float())
+    for name, (start, size) in chunk.offsets.items():
+        if size:
+            out[start : start + size] = torch.cat([p.reshape(-1) for p in parts[name]]).view(torch.uint8)
+    return out
+
+
+def _mixed_layers(fmt: str | None, dtype: torch.dtype, lengths: list[list[int]], seed: int) -> list:
+    """Layers of ``lengths``, every other one without β, quantized in ``fmt`` or at full precision."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for index, row_lengths in enumerate(lengths):
+        width = max(max(row_lengths), 1)
+        shape = (len(row_lengths), width)
+        keys, values = torch.randn(*shape, D, generator=g), torch.randn(*shape, D, generator=g)
+        log_mass = torch.randn(*shape, generator=g) if index % 2 == 0 else None
+        if fmt is None:  # β of zeros: stored as none
+            beta = torch.zeros(shape) if log_mass is None else log_mass
+            rows = FloatRows.from_padded(keys.to(dtype), values.to(dtype), beta, torch.tensor(row_lengths))
+        else:
+            rows = QuantizedRows.from_padded(keys, values, log_mass, torch.tensor(row_lengths), QuantConfig.parse(fmt))
+        out.append(rows)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "dtype"),
+    [("int4", None), ("int3", None), ("int2", None), ("int8", None), ("int4[key_group=16]", None),
+     ("int3[rotate=1]", None), (None, torch.float32), (None, torch.bfloat16)],
+)  # fmt: skip
+@pytest.mark.parametrize("chunk_bytes", [1024, 3072, 12288])
+def test_the_plan_is_the_greedy_packing_and_every_chunk_holds_its_segments_bytes(fmt, dtype, chunk_bytes):
+    """The planner's search and the writer's runs give what packing one entry at a time and writing one
+    segment at a time give: the same segments in the same chunks, byte for byte."""
+    g = torch.Generator().manual_seed(chunk_bytes)
+    lengths = [[int(n) for n in torch.randint(0, 300, (3,), generator=g)] for _ in range(5)]
+    lengths[1][0], lengths[3] = 0, [0, 0, 0]
+    layers = _mixed_layers(fmt, dtype or torch.float32, lengths, seed=chunk_bytes)
+    plan, chunks = pack_pool(layers, chunk_bytes)
+    group = None if fmt is None else QuantConfig.parse(fmt).key_group
+    expected = _greedy_plan(lengths, _array_costs(fmt, dtype or torch.float32, beta=True), group, chunk_bytes)
+    assert [[(s.layer, s.row, s.first, s.entries) for s in c.segments] for c in plan.chunks] == expected
+    for index in range(plan.num_chunks):
+        assert torch.equal(chunks[index], _chunk_bytes_by_segment(layers, plan, index)), index
+
+
+def test_no_rows_pack_into_no_chunks():
+    plan, chunks = pack_pool(_mixed_layers("int4", torch.float32, [[0, 0, 0], [0, 0, 0]], seed=0), CHUNK)
+    assert plan.num_chunks == 0 and chunks.shape == (0, CHUNK)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -173,32 +174,46 @@ class _Format:
     def groups(self, entries: int) -> int:
         return 0 if self.group is None else math.ceil(entries / self.group)
 
-    def offsets(self, segments: int, entries: int, groups: int) -> dict[str, tuple[int, int]]:
-        """Each array's (first byte, bytes) in a chunk holding these counts (module docstring's order)."""
-        sizes = [("lengths", segments * 8)]
+    @cached_property
+    def arrays(self) -> tuple[tuple[str, int, int, int], ...]:
+        """Each array of a chunk, in the module docstring's order: its name and its bytes per segment,
+        per entry and per key group."""
+        arrays = [("lengths", 8, 0, 0)]
         if self.config is None:
             element = torch.empty(0, dtype=self.dtype).element_size()
-            sizes += [("keys", entries * self.head_dim * element), ("values", entries * self.value_dim * element)]
+            arrays += [("keys", 0, self.head_dim * element, 0), ("values", 0, self.value_dim * element, 0)]
         else:
             bits = self.config.bits
-            sizes += [
-                ("key_codes", entries * (self.head_dim * bits // 8)),
-                ("value_codes", entries * (self.value_dim * bits // 8)),
-                ("key_scale", groups * self.head_dim * 2),
-                ("key_zero", groups * self.head_dim * 2),
-                ("value_scale", entries * 2),
-                ("value_zero", entries * 2),
+            arrays += [
+                ("key_codes", 0, self.head_dim * bits // 8, 0),
+                ("value_codes", 0, self.value_dim * bits // 8, 0),
+                ("key_scale", 0, 0, self.head_dim * 2),
+                ("key_zero", 0, 0, self.head_dim * 2),
+                ("value_scale", 0, 2, 0),
+                ("value_zero", 0, 2, 0),
             ]
         if self.beta:
-            sizes.append(("log_mass", entries * 4))
+            arrays.append(("log_mass", 0, 4, 0))
+        return tuple(arrays)
+
+    def offsets(self, segments: int, entries: int, groups: int) -> dict[str, tuple[int, int]]:
+        """Each array's (first byte, bytes) in a chunk holding these counts."""
         offsets, at = {}, HEADER_BYTES
-        for name, size in sizes:
+        for name, per_segment, per_entry, per_group in self.arrays:
+            size = per_segment * segments + per_entry * entries + per_group * groups
             offsets[name] = (at, size)
             at = _aligned(at + size)
         return offsets
 
     def used(self, segments: int, entries: int, groups: int) -> int:
-        return max(start + size for start, size in self.offsets(segments, entries, groups).values())
+        """Bytes a chunk holding these counts uses up to its last array's end (each array starts at or
+        after the previous one's end, so the last one ends furthest): :meth:`offsets` without a dict,
+        as the planner asks it for every cut."""
+        end = HEADER_BYTES
+        for _, per_segment, per_entry, per_group in self.arrays:
+            start = -(-end // ALIGN) * ALIGN
+            end = start + per_segment * segments + per_entry * entries + per_group * groups
+        return end
 
 
 def check_poolable(config: QuantConfig | None) -> None:
@@ -245,6 +260,7 @@ def plan_pool(
     chunks: list[ChunkLayout] = []
     current: list[Segment] = []
     entries = groups = 0
+    group, used = form.group, form.used
 
     def close() -> None:
         nonlocal current, entries, groups
@@ -253,21 +269,38 @@ def plan_pool(
         current, entries, groups = [], 0, 0
 
     def fits(n: int) -> bool:
-        return form.used(len(current) + 1, entries + n, groups + form.groups(n)) <= chunk_bytes
+        return used(len(current) + 1, entries + n, groups + (0 if group is None else -(-n // group))) <= chunk_bytes
+
+    per_entry = sum(a[2] for a in form.arrays) + sum(a[3] for a in form.arrays) / (group or 1)
+    slack = int((ALIGN * len(form.arrays) + sum(a[3] for a in form.arrays)) // per_entry) + 1
+
+    def most(limit: int) -> int:
+        """The most of a run's next ``limit`` entries the chunk takes (one at least does): the whole run
+        most often; else searched near what the room left holds at an entry's mean bytes (the search
+        only narrows by what fits() answers, which is monotone in the entries)."""
+        if fits(limit):
+            return limit
+        low, high = 1, limit - 1
+        guess = int((chunk_bytes - used(len(current) + 1, entries, groups)) // per_entry)
+        if low < guess - slack and fits(guess - slack):
+            low = guess - slack
+        if guess + slack < high and not fits(guess + slack):
+            high = guess + slack - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return low
 
     for layer, layer_lengths in enumerate(lengths):
         for row, length in enumerate(int(n) for n in layer_lengths.tolist()):
             first = 0
             while first < length:
-                phase = 0 if form.group is None else first % form.group
-                limit = length - first if phase == 0 else min(length - first, form.group - phase)
+                phase = 0 if group is None else first % group
+                limit = length - first if phase == 0 else min(length - first, group - phase)
                 if not fits(1):
                     close()
                     continue
-                low, high = 1, limit  # the most entries that fit: fits() is monotone in n
-                while low < high:
-                    mid = (low + high + 1) // 2
-                    low, high = (mid, high) if fits(mid) else (low, mid - 1)
+                low = most(limit)
                 current.append(Segment(layer, row, first, low, len(chunks)))
                 entries += low
                 groups += form.groups(low)
@@ -304,9 +337,7 @@ def pack_pool(layers: Sequence[Rows], chunk_bytes: int) -> tuple[PoolPlan, Tenso
     plan = plan_pool([rows.lengths for rows in layers], config, head_dim, value_dim, chunk_bytes, beta=beta,
                      dtype=dtype or torch.float32)  # fmt: skip
     out = torch.zeros(plan.num_chunks, chunk_bytes, dtype=torch.uint8)
-    ranges = [rows.row_ranges() for rows in layers]
-    for index, chunk in enumerate(plan.chunks):
-        _write_chunk(out[index], chunk, layers, ranges, plan)
+    _write_chunks(out, plan, layers)
     return plan, out
 
 
@@ -314,37 +345,66 @@ def _form(plan: PoolPlan) -> _Format:
     return _Format(plan.config, plan.dtype, plan.head_dim, plan.value_dim, plan.beta)
 
 
-def _write_chunk(target: Tensor, chunk: ChunkLayout, layers: Sequence[Rows], ranges, plan: PoolPlan) -> None:
+def _array_bytes(layers: Sequence[Rows], plan: PoolPlan) -> dict[str, Tensor]:
+    """Every layer's arrays one after another as the chunks hold them (scales and zero points in
+    float16, β in float32 and zero for a layer without it), each ``(entries or key groups, bytes)``
+    uint8. Rows lie one after another and are packed in that order, so a chunk's part of an array is
+    one run of it."""
+
+    def joined(parts: list[Tensor]) -> Tensor:
+        data = torch.cat([part.reshape(part.shape[0], math.prod(part.shape[1:])) for part in parts])
+        return data.contiguous().view(torch.uint8)  # (n, width × bytes of an element)
+
+    out: dict[str, Tensor] = {}
+    if plan.config is None:
+        out["keys"] = joined([rows.keys for rows in layers])
+        out["values"] = joined([rows.values for rows in layers])
+    else:
+        out["key_codes"] = joined([rows.key_codes for rows in layers])
+        out["value_codes"] = joined([rows.value_codes for rows in layers])
+        out["key_scale"] = joined([rows.key_scale.to(torch.float16) for rows in layers])
+        out["key_zero"] = joined([rows.key_zero.to(torch.float16) for rows in layers])
+        out["value_scale"] = joined([rows.value_scale[:, :1].to(torch.float16) for rows in layers])
+        out["value_zero"] = joined([rows.value_zero[:, :1].to(torch.float16) for rows in layers])
+    if plan.beta:
+        out["log_mass"] = joined([
+            torch.zeros(int(rows.lengths.sum()), dtype=torch.float32) if rows.log_mass is None
+            else rows.log_mass.float() for rows in layers
+        ])  # fmt: skip
+    return out
+
+
+def _write_chunks(out: Tensor, plan: PoolPlan, layers: Sequence[Rows]) -> None:
+    """Write every chunk's header and arrays into ``out`` (``(chunks, chunk_bytes)`` uint8): a copy an
+    array a chunk, of the run of :func:`_array_bytes` its segments hold."""
+    if not plan.chunks:
+        return
     form = _form(plan)
-    header = torch.tensor([CHUNK_MAGIC, len(chunk.segments), plan.flags, 0], dtype=torch.int64)
-    target[:HEADER_BYTES] = header.to(torch.int32).view(torch.uint8)
-    parts: dict[str, list[Tensor]] = {name: [] for name in chunk.offsets}
-    for seg in chunk.segments:
-        rows = layers[seg.layer]
-        entry0, _, group0, _ = ranges[seg.layer][seg.row]
-        entries = slice(entry0 + seg.first, entry0 + seg.first + seg.entries)
-        parts["lengths"].append(torch.tensor([seg.entries], dtype=torch.int64))
-        if isinstance(rows, FloatRows):
-            parts["keys"].append(rows.keys[entries])
-            parts["values"].append(rows.values[entries])
-        else:
-            first_group = group0 + seg.first // form.group
-            groups = slice(first_group, first_group + form.groups(seg.entries))
-            parts["key_codes"].append(rows.key_codes[entries])
-            parts["value_codes"].append(rows.value_codes[entries])
-            parts["key_scale"].append(rows.key_scale[groups].to(torch.float16))
-            parts["key_zero"].append(rows.key_zero[groups].to(torch.float16))
-            parts["value_scale"].append(rows.value_scale[entries, 0].to(torch.float16))
-            parts["value_zero"].append(rows.value_zero[entries, 0].to(torch.float16))
-        if plan.beta:
-            beta = rows.log_mass
-            parts["log_mass"].append(
-                torch.zeros(seg.entries, dtype=torch.float32) if beta is None else beta[entries].float()
-            )
-    for name, (start, size) in chunk.offsets.items():
-        if size:
-            data = torch.cat([p.reshape(-1).contiguous() for p in parts[name]]).view(torch.uint8)
-            target[start : start + size] = data
+    arrays = _array_bytes(layers, plan)
+    per_group = {name for name, _, _, group_bytes in form.arrays if group_bytes}
+    first_entry, first_group, layer_entry, layer_group = [], [], 0, 0
+    for rows in layers:  # each row's first entry and key group among all layers'
+        ranges = rows.row_ranges()
+        first_entry.append([layer_entry + r[0] for r in ranges])
+        first_group.append([layer_group + r[2] for r in ranges])
+        layer_entry += sum(r[1] for r in ranges)
+        layer_group += sum(r[3] for r in ranges)
+    headers = [[_as_int32(CHUNK_MAGIC), len(chunk.segments), plan.flags, 0] for chunk in plan.chunks]
+    out[:, :HEADER_BYTES] = torch.tensor(headers, dtype=torch.int32).view(torch.uint8)
+    target = out.numpy()  # views: NumPy copies a small slice in a fraction of torch's time
+    sources = {name: data.numpy() for name, data in arrays.items()}
+    for index, chunk in enumerate(plan.chunks):
+        seg = chunk.segments[0]
+        entry = first_entry[seg.layer][seg.row] + seg.first
+        group = first_group[seg.layer][seg.row] + (seg.first // form.group if form.group else 0)
+        for name, (start, size) in chunk.offsets.items():
+            if name == "lengths":
+                data = np.array([s.entries for s in chunk.segments], dtype=np.int64).view(np.uint8)
+            elif name in per_group:
+                data = sources[name][group : group + chunk.groups]
+            else:
+                data = sources[name][entry : entry + chunk.entries]
+            target[index, start : start + size] = data.reshape(-1)
 
 
 def chunk_rows(chunk: Tensor, layout: ChunkLayout, plan: PoolPlan, first: int = 0, count: int | None = None) -> Rows:

@@ -476,11 +476,12 @@ class KvfoldConnector(KVConnectorBase_V1):
             raise ValueError(f"the model has {len(caches)} attention layers with a KV cache, the file {layers}")
         if len(load.block_ids) < served.file_blocks:
             raise ValueError("the request holds fewer blocks than the file's chunks")
-        for index in range(served.plan.num_chunks):
-            target = caches[index % layers][load.block_ids[index // layers]].view(-1).view(torch.uint8)
-            if target.numel() != chunks.shape[1]:
-                raise ValueError(f"a block of one layer holds {target.numel()} bytes, a chunk {chunks.shape[1]}")
-            target.copy_(chunks[index])
+        for layer, cache in enumerate(caches):  # chunk c lies in layer c mod layers, block c div layers
+            blocks = cache.view(cache.shape[0], -1).view(torch.uint8)
+            if blocks.shape[1] != chunks.shape[1]:
+                raise ValueError(f"a block of one layer holds {blocks.shape[1]} bytes, a chunk {chunks.shape[1]}")
+            own = chunks[layer::layers]
+            blocks.numpy()[load.block_ids[: own.shape[0]]] = own.numpy()  # a copy a block (torch's is per byte)
         written = {block: (load.checksum, i) for i, block in enumerate(load.block_ids[: served.file_blocks])}
         with self._lock:
             self._held.update(written)
