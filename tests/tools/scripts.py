@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -16,3 +19,10 @@ def load_script(relative: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_script(relative: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python ROOT/relative args`` in this Python, one torch thread, its output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / relative), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)

@@ -5,12 +5,16 @@ itself is a fake that reads the file's text).
   is the new file's, never "damaged";
 * a file replaced during every check is answered 503 ("ask again"), and nothing is kept;
 * a verdict is kept while the file is the same (inode, size, modification time), and checked again once
-  it is replaced, even by a file of the same size and time.
+  it is replaced, even by a file of the same size and time;
+* a request on a file whose verdict holds is answered while another file is being checked, and
+  requests on one new file arriving together check it once.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +96,51 @@ def test_a_file_gone_during_its_check_is_404(catalog, tmp_path):
     with pytest.raises(CacheRequestError) as raised:
         catalog.check("doc")
     assert raised.value.status == 404
+
+
+def _blocking(catalog, tmp_path, name: str) -> tuple[threading.Event, threading.Event]:
+    """Make the check of ``name`` wait, once inside, until released: (inside, release)."""
+    inside, release = threading.Event(), threading.Event()
+
+    def during(path):
+        if path.stem == name:
+            inside.set()
+            assert release.wait(30)
+
+    catalog.during = during
+    return inside, release
+
+
+def test_a_known_file_is_answered_while_a_new_one_is_being_checked(catalog, tmp_path):
+    _write(tmp_path, "known", "k")
+    _write(tmp_path, "new", "n")
+    assert catalog.check("known").checksum == "k"
+    inside, release = _blocking(catalog, tmp_path, "new")
+    checking = threading.Thread(target=catalog.check, args=("new",))
+    checking.start()
+    try:
+        assert inside.wait(30)
+        answered = []
+        asking = threading.Thread(target=lambda: answered.append(catalog.check("known").checksum))
+        asking.start()
+        asking.join(5)
+        assert answered == ["k"], "a request on a checked file waited for another file's check"
+    finally:
+        release.set()
+        checking.join(30)
+    assert catalog.checks == 2
+
+
+def test_requests_on_one_new_file_arriving_together_check_it_once(catalog, tmp_path):
+    _write(tmp_path, "new", "n")
+    inside, release = _blocking(catalog, tmp_path, "new")
+    verdicts = []
+    threads = [threading.Thread(target=lambda: verdicts.append(catalog.check("new").checksum)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    assert inside.wait(30)
+    time.sleep(0.2)  # the others reach the check meanwhile
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert verdicts == ["n"] * 4 and catalog.checks == 1

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = ROOT / "benchmarks" / "serve_load.py"
+from tests.tools.scripts import run_script
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=300)
+def _run(*args: str):
+    return run_script("benchmarks/serve_load.py", *args)
 
 
 def test_every_file_is_checked_read_packed_and_copied(saved, tmp_path):

@@ -17,6 +17,10 @@ per process; its verdict is kept per file (path, inode, size and modification ti
 file more than once (its header, its tensors); a file replaced between those reads (``os.replace``, as
 a writer does) would look damaged, so a check during which the file changed is done again, up to
 :data:`CHECK_TRIES` times, and then answered 503 ("ask again"), never 422.
+
+Checks run in the API server's threads, one file at a time (checks side by side measured slower on two
+cores: 24 new 5K-token files in 2.8–3.5 s against 2.0 s), while a request on a file whose verdict holds
+takes no lock and never waits for another file's check.
 """
 
 from __future__ import annotations
@@ -134,14 +138,16 @@ class CacheCatalog:
         self._model = None
         self._tokenizer = None
         self._verdicts: dict[Path, tuple[tuple[int, int, int], CheckedCache | CacheRequestError]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one check at a time
+        self._model_lock = threading.Lock()  # the model loaded once
 
     # ------------------------------------------------------------------ model
     def _load(self):
-        if self._model is None:
-            from kvfold.runtime.models import load_model
+        with self._model_lock:
+            if self._model is None:
+                from kvfold.runtime.models import load_model
 
-            self._model, self._tokenizer = load_model(self.model_spec, dtype="float32", device="cpu")
+                self._model, self._tokenizer = load_model(self.model_spec, dtype="float32", device="cpu")
         return self._model, self._tokenizer
 
     @property
@@ -179,6 +185,17 @@ class CacheCatalog:
                 that changed during each of :data:`CHECK_TRIES` checks (503).
         """
         path = cache_path(self.directory, name)
+        kept = self._verdicts.get(path)
+        if kept is None or kept[0] != _stamp(path):
+            kept = self._check_now(name, path)
+        verdict = kept[1]
+        if isinstance(verdict, CacheRequestError):
+            raise verdict
+        return verdict
+
+    def _check_now(self, name: str, path: Path) -> tuple[tuple[int, int, int], CheckedCache | CacheRequestError]:
+        """The verdict on the file at ``path`` now: checked under the catalog's lock, unless a thread that
+        held it before has just checked this version."""
         with self._lock:
             for _ in range(CHECK_TRIES):
                 stamp = _stamp(path)
@@ -193,10 +210,7 @@ class CacheCatalog:
                 raise CacheRequestError(
                     f"cache {name!r} was replaced while it was being checked, {CHECK_TRIES} times; ask again", 503
                 )
-        verdict = kept[1]
-        if isinstance(verdict, CacheRequestError):
-            raise verdict
-        return verdict
+        return kept
 
     def _check(self, name: str, path: Path) -> CheckedCache | CacheRequestError:
         from kvfold.integrations.vllm.layout import UnservableCacheError, check_servable
