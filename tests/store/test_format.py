@@ -286,6 +286,30 @@ def test_a_dtype_or_device_change_needs_an_explicit_conversion(tmp_path):
     assert all(layer.device.type == "cpu" for _, layer in moved.folded_layers)
 
 
+def test_quantized_rows_are_checked_once_and_again_when_converted(tmp_path, monkeypatch):
+    """The loader checks each layer's quantized rows before it builds any (``validate_tensors``) and
+    builds them without a second check; rows it converts to the model's dtype on the way are checked
+    again: a float32 outlier past float16's range is infinite there, and the file is refused."""
+    import kvfold.runtime.quantize as quantize
+    from tests.store.crafted import craft, poke
+
+    model = _model()
+    path = tmp_path / "doc.kvc"
+    save_context(_compressed(model, "snapkv@int4[outliers=2,key_group=8]"), path)
+    calls = []
+    real = quantize.check_quantized_tensors
+    monkeypatch.setattr(quantize, "check_quantized_tensors", lambda *a, **k: calls.append(1) or real(*a, **k))
+    load_cache(path, model)
+    assert calls == []  # the rows were checked by validate_tensors, which this does not count
+
+    big = craft(path, tmp_path / "big.kvc", tensors=poke("layer.0.q.outlier_keys", 1e6))
+    assert load_cache(big, model).get_seq_length() > 0  # finite in float32: a valid file
+    half = kvfold.enable(make_tiny_model("llama").to(torch.float16))
+    with pytest.raises(CacheFileError, match="outlier_keys.*NaN or infinite"):
+        load_cache(big, half, dtype=torch.float16)
+    assert len(calls) == 1  # checked again once converted
+
+
 def _tensors(path) -> dict:
     from safetensors.torch import load_file
 

@@ -307,15 +307,25 @@ class QuantizedRows:
 
     @classmethod
     def from_tensors(
-        cls, tensors: dict[str, Tensor], config: QuantConfig, head_dim: int, value_dim: int, dtype: torch.dtype
+        cls,
+        tensors: dict[str, Tensor],
+        config: QuantConfig,
+        head_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        *,
+        checked: bool = False,
     ) -> QuantizedRows:
         """Rebuild from :meth:`tensors` (a cache file's content), every tensor checked first
-        (:func:`check_quantized_tensors`).
+        (:func:`check_quantized_tensors`), unless ``checked``: the caller has run that check on these
+        very tensors with these arguments (a cache file's loader, which checks every layer before it
+        builds any).
 
         Raises:
             QuantizedTensorsError: a tensor missing, unexpected, or of the wrong shape, dtype or values.
         """
-        check_quantized_tensors(tensors, config, head_dim, value_dim, dtype)
+        if not checked:
+            check_quantized_tensors(tensors, config, head_dim, value_dim, dtype)
         return cls(
             config=config,
             lengths=tensors["lengths"].long(),

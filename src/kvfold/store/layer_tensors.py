@@ -64,10 +64,12 @@ def layer_from_tensors(
     batch_size: int,
     num_heads: int,
     quant: QuantConfig | None = None,
+    checked: bool = False,
 ) -> FoldedLayer:
     """Rebuild a layer from :func:`layer_tensors` (same layout, same slots, same statistics).
 
-    A ``quantized`` layout needs its format (``quant``); its codes are taken as they are.
+    A ``quantized`` layout needs its format (``quant``); its codes are taken as they are, checked first
+    unless ``checked`` (:meth:`QuantizedRows.from_tensors`: the caller checked these very tensors).
 
     Raises:
         ValueError: unknown layout or tensors of inconsistent shapes.
@@ -84,7 +86,7 @@ def layer_from_tensors(
             if quant is None:
                 raise ValueError("quantized layer: the file names no KV format")
             own = {name[2:]: t for name, t in tensors.items() if name.startswith("q.")}
-            layer.stored = QuantizedRows.from_tensors(own, quant, head_dim, value_dim, keys.dtype)
+            layer.stored = QuantizedRows.from_tensors(own, quant, head_dim, value_dim, keys.dtype, checked=checked)
             if layer.stored.num_rows != batch_size * num_heads:
                 raise ValueError("quantized layer: row count differs from batch × heads")
         elif keys.shape[:2] != (batch_size, num_heads) or values.shape[:3] != keys.shape[:3]:

@@ -92,9 +92,15 @@ def _build_cache(
             t = t.to(dtype)
         return t.to(device)
 
+    by_layer: dict[str, dict[str, torch.Tensor]] = {}  # "layer.<i>.<name>" by "<i>", in one pass
+    for n, t in tensors.items():
+        if n.startswith("layer."):
+            index_text, _, name = n[len("layer.") :].partition(".")
+            by_layer.setdefault(index_text, {})[name] = t
+    # validate_tensors checked the file's quantized rows; they are those tensors unless converted here
+    checked = str(dtype).replace("torch.", "") == info.header.get("dtype")
     for index, spec in enumerate(layers):
-        prefix = f"layer.{index}."
-        own = {n[len(prefix) :]: convert(n[len(prefix) :], t) for n, t in tensors.items() if n.startswith(prefix)}
+        own = {name: convert(name, t) for name, t in by_layer.get(str(index), {}).items()}
         kind = spec.get("kind")
         slot = cache.layers[index]
         if kind == "empty":
@@ -107,6 +113,7 @@ def _build_cache(
                 batch_size=spec["batch_size"],
                 num_heads=spec["num_heads"],
                 quant=QuantConfig.parse(spec["kv_format"]) if spec.get("kv_format") else None,
+                checked=checked,
             )
         elif kind == "sliding" and isinstance(slot, DynamicSlidingWindowLayer):
             slot.lazy_initialization(own["keys"], own["values"])
