@@ -20,7 +20,9 @@ With ``--at-once N``, it then measures what that costs a request: the first file
 source texts (N files of one content, each with its own checksum, so the worker loads each one), one
 vLLM engine (prefix caching on, a KV space of two of the first file's full contexts, as
 ``benchmarks/serve_vllm.py`` gives it), one request to warm it, then N requests on the N files sent at
-once: the median time to first token and the time until all answers are in.
+once: the median time to first token and the time until all answers are in; then, in the same engine,
+N plain requests (the same question with a number after it, in the chat template, no file) sent at once,
+and the decode tokens/s on files over the plain requests'.
 
 It writes ``results.json`` and ``results.md`` under ``--out``.
 """
@@ -146,7 +148,16 @@ def first_tokens(path: Path, count: int, dtype: str, out: Path) -> dict:
     )
     run(llm, [requests[count][0]], [requests[count][1]])  # warm, on a file of its own
     summary, _ = run(llm, [r[0] for r in requests[:count]], [r[1] for r in requests[:count]])
-    return {"file": path.stem, "at_once": count, **summary}
+    plain_params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain_prompts = [
+        {"prompt_token_ids": list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{question} ({index})"}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))}
+        for index in range(count)
+    ]  # fmt: skip
+    plain, _ = run(llm, plain_prompts, [plain_params] * count)
+    ratio = summary["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
+    return {"file": path.stem, "at_once": count, **summary, "plain": plain, "decode_over_plain": ratio}
 
 
 def main() -> None:
@@ -195,7 +206,10 @@ def main() -> None:
             "",
             f"{engine['at_once']} requests on {engine['at_once']} copies of {engine['file']} at once: first token "
             f"{engine['first_token_seconds_median']:.2f} s (median), all answers in {engine['seconds']:.2f} s, "
-            f"{engine['max_running_at_once']} at once at most.",
+            f"{engine['max_running_at_once']} at once at most; decode "
+            f"{engine['decode_tokens_per_second']:.1f} tokens/s, "
+            f"{engine['decode_over_plain']:.2f}× that of {engine['at_once']} plain requests in the same engine "
+            f"({engine['plain']['decode_tokens_per_second']:.1f}).",
         ]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -179,16 +179,23 @@ static inline void store_element(void *base, int64_t index, int64_t dtype, float
 static inline int64_t element_bytes(int64_t dtype) { return dtype == DT_F32 ? 4 : 2; }
 
 /* ------------------------------------------------------------------ vectors */
-/* Sixteen floats (GCC's and Clang's vector extensions: AVX-512 registers where the machine has them,
- * pairs or quads of narrower ones elsewhere). Head sizes are multiples of 16. */
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint8_t vbytes __attribute__((vector_size(16)));
-typedef uint8_t vbytes_unaligned __attribute__((vector_size(16), aligned(1)));
-typedef uint16_t vhalves __attribute__((vector_size(32)));
-typedef uint16_t vhalves_unaligned __attribute__((vector_size(32), aligned(2)));
+/* A vector of LANES floats (GCC's and Clang's vector extensions): sixteen in an AVX-512 register where
+ * the machine has them, else eight (an AVX2 register, or a pair of SSE ones). A vector wider than the
+ * machine's registers is lowered through the stack: sixteen lanes on an AVX2 machine ran the kernel at
+ * a third of this speed. Head sizes are multiples of 16. */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef float vf_unaligned __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef uint8_t vbytes __attribute__((vector_size(LANES)));
+typedef uint8_t vbytes_unaligned __attribute__((vector_size(LANES), aligned(1)));
+typedef uint16_t vhalves __attribute__((vector_size(LANES * 2)));
+typedef uint16_t vhalves_unaligned __attribute__((vector_size(LANES * 2), aligned(2)));
+#define BLOCK_VECTORS (BLOCK_ENTRIES / LANES) /* vectors across a block's entries */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 ALWAYS_INLINE vf vload(const float *p) { return *(const vf_unaligned *)p; }
@@ -198,11 +205,11 @@ ALWAYS_INLINE float vsum(vf x) {
     for (int k = 0; k < LANES; ++k) out += x[k];
     return out;
 }
-/* Sixteen bytes as numbers. */
+/* LANES bytes as numbers. */
 ALWAYS_INLINE vf vbytes_to_float(vbytes b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
 ALWAYS_INLINE vbytes vload_bytes(const uint8_t *p) { return *(const vbytes_unaligned *)p; }
 
-/* Runs of numbers in the engine's dtypes, as float32 (sixteen at a time). */
+/* Runs of numbers in the engine's dtypes, as float32 (a vector at a time). */
 static void to_float(const void *src, int64_t dtype, float *dst, int64_t n) {
     const uint16_t *h = (const uint16_t *)src;
     int64_t k = 0;
@@ -545,15 +552,13 @@ ALWAYS_INLINE int attend_own_tokens(const tile_job *job, softmax_state *s, const
         }
         for (int64_t i = 0; i < m; ++i) { /* logits along the block's tokens, channel by channel */
             const float *q = queries + i * dim;
-            vf a0 = {0}, a1 = {0};
+            vf acc[BLOCK_VECTORS] = {{0}};
             for (int64_t c = 0; c < dim; ++c) {
                 const vf qc = q[c] + (vf){0};
-                a0 += qc * vload(keys + c * BLOCK_ENTRIES);
-                a1 += qc * vload(keys + c * BLOCK_ENTRIES + LANES);
+                for (int a = 0; a < BLOCK_VECTORS; ++a) acc[a] += qc * vload(keys + c * BLOCK_ENTRIES + a * LANES);
             }
             float *l = s->logits + i * BLOCK_ENTRIES;
-            vstore(l, a0 * e->scale);
-            vstore(l + LANES, a1 * e->scale);
+            for (int a = 0; a < BLOCK_VECTORS; ++a) vstore(l + a * LANES, acc[a] * e->scale);
             const int64_t sees = first_seen + i / group; /* causal: own tokens 0 .. sees */
             for (int64_t t = 0; t < count; ++t)
                 if (start + t > sees) l[t] = -INFINITY;
