@@ -33,11 +33,17 @@ INV_FREQ = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
 pytestmark = pytest.mark.skipif(native.attend_pool_kernel() is None, reason=f"no pool kernel: {native.pool_status()}")
 
 
-def _rows(fmt: str | None, lengths: list[int], g: torch.Generator, dtype: torch.dtype) -> QuantizedRows | FloatRows:
+def _inv_freq(dim: int) -> torch.Tensor:
+    return 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
+def _rows(
+    fmt: str | None, lengths: list[int], g: torch.Generator, dtype: torch.dtype, dim: int = D
+) -> QuantizedRows | FloatRows:
     width = max(max(lengths), 1)
-    keys = torch.randn(KV_HEADS, width, D, generator=g) * 2
+    keys = torch.randn(KV_HEADS, width, dim, generator=g) * 2
     keys[:, :, 3] += 5.0
-    values = torch.randn(KV_HEADS, width, D, generator=g)
+    values = torch.randn(KV_HEADS, width, dim, generator=g)
     beta = torch.randn(KV_HEADS, width, generator=g)
     if fmt is None:
         beta[torch.arange(width)[None, :] >= torch.tensor(lengths)[:, None]] = float("-inf")
@@ -54,26 +60,31 @@ class Scene:
 
 
 def _scene(
-    fmt: str | None, dtype: torch.dtype = torch.float32, seed: int = 0, key_layout: str = "channel", block: int = BLOCK
+    fmt: str | None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    key_layout: str = "channel",
+    block: int = BLOCK,
+    dim: int = D,
 ) -> Scene:
     """Two files, three requests on them (a question's first step of 5 tokens, a decode step, a 40-token
     question longer than one tile), plain rows between, in an engine of ``block``-token blocks (8 by
     default: rows cut into many segments)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 160
-    caches = [torch.randn(num_blocks, KV_HEADS, block, 2 * D, generator=g).to(dtype) for _ in range(LAYERS)]
+    caches = [torch.randn(num_blocks, KV_HEADS, block, 2 * dim, generator=g).to(dtype) for _ in range(LAYERS)]
     position = None
     if key_layout == "table":  # a permutation of each block's keys other than channel-major
-        position = torch.randperm(block * D, generator=g)
-    engine = EngineCaches(caches, Q_HEADS, SCALE, key_position=position, threads=2)
+        position = torch.randperm(block * dim, generator=g)
+    engine = EngineCaches(caches, Q_HEADS, dim**-0.5, key_position=position, threads=2)
     row_dtype = dtype if fmt is None else torch.float32
     files = []
     ragged = [[70, 0, 33], [5, 90, 64], [0, 0, 0], [41, 1, 77]], [[12, 30, 9], [64, 65, 66], [3, 0, 50], [7, 8, 9]]
     for lengths in ragged:
-        layers = [_rows(fmt, row, g, row_dtype) for row in lengths]
-        plan, chunks = pack_pool(layers, KV_HEADS * block * 2 * D * caches[0].element_size())
+        layers = [_rows(fmt, row, g, row_dtype, dim) for row in lengths]
+        plan, chunks = pack_pool(layers, KV_HEADS * block * 2 * dim * caches[0].element_size())
         placeholders = math.ceil(plan.num_chunks / LAYERS) * block
-        files.append((pooled_file(plan, placeholders, 1000 + placeholders, INV_FREQ), chunks))
+        files.append((pooled_file(plan, placeholders, 1000 + placeholders, _inv_freq(dim)), chunks))
     free = torch.randperm(num_blocks, generator=g).tolist()
     requests, rows, step = [], 0, []
     for file_index, own, new in ((0, 5, 5), (1, 23, 1), (0, 47, 40)):
@@ -88,7 +99,7 @@ def _scene(
         requests.append(StepRequest(rows, new, seq_len, file, blocks))
         rows += new
         step.append(file)
-    query = torch.randn(rows + 3, Q_HEADS, D, generator=g).to(dtype)
+    query = torch.randn(rows + 3, Q_HEADS, dim, generator=g).to(dtype)
     return Scene(engine, requests, query, rows + 3)
 
 
@@ -127,6 +138,20 @@ def test_one_call_a_layer_equals_the_per_chunk_path(fmt, dtype):
         for request in scene.requests:
             served[request.query_start : request.query_start + request.query_len] = True
         assert bool(output[~served].isnan().all())  # the plain rows are not written
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+def test_a_head_size_of_64_takes_the_vectorised_unpacking_and_equals_the_per_chunk_path(fmt):
+    """At 64 channels every width's codes are unpacked a vector of bytes at a time (2-bit planes need 64:
+    the other tests' 32 take the scalar loop)."""
+    scene = _scene(fmt, dim=64)
+    step = PoolStep(scene.engine, scene.requests)
+    for layer in range(LAYERS):
+        output = torch.full_like(scene.query, float("nan"))
+        step.attend(layer, scene.query, output)
+        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
+            got = output[request.query_start : request.query_start + request.query_len]
+            torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
 
 
 def test_keys_in_any_layout_of_the_engine_are_read_right():

@@ -34,7 +34,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -205,8 +205,18 @@ ALWAYS_INLINE float vsum(vf x) {
     for (int k = 0; k < LANES; ++k) out += x[k];
     return out;
 }
-/* LANES bytes as numbers. */
+/* LANES bytes as numbers. With AVX2 and eight lanes, one zero extension (vpmovzxbd): GCC 12 turns the
+ * generic conversion of eight bytes into eight byte loads and inserts, which took a fifth of a decode
+ * step's kernel time. */
+#if defined(__AVX2__) && LANES == 8
+ALWAYS_INLINE vf vbytes_to_float(vbytes b) {
+    int64_t word;
+    memcpy(&word, &b, sizeof word);
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word)));
+}
+#else
 ALWAYS_INLINE vf vbytes_to_float(vbytes b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
+#endif
 ALWAYS_INLINE vbytes vload_bytes(const uint8_t *p) { return *(const vbytes_unaligned *)p; }
 
 /* Runs of numbers in the engine's dtypes, as float32 (a vector at a time). */
