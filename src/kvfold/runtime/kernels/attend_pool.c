@@ -195,6 +195,9 @@ typedef uint8_t vbytes __attribute__((vector_size(LANES)));
 typedef uint8_t vbytes_unaligned __attribute__((vector_size(LANES), aligned(1)));
 typedef uint16_t vhalves __attribute__((vector_size(LANES * 2)));
 typedef uint16_t vhalves_unaligned __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef int32_t v8i __attribute__((vector_size(32)));                  /* a 3-bit group's eight codes */
+typedef float v8f_unaligned __attribute__((vector_size(32), aligned(4)));
+typedef float v8f __attribute__((vector_size(32)));
 #define BLOCK_VECTORS (BLOCK_ENTRIES / LANES) /* vectors across a block's entries */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -205,19 +208,47 @@ ALWAYS_INLINE float vsum(vf x) {
     for (int k = 0; k < LANES; ++k) out += x[k];
     return out;
 }
-/* LANES bytes as numbers. With AVX2 and eight lanes, one zero extension (vpmovzxbd): GCC 12 turns the
- * generic conversion of eight bytes into eight byte loads and inserts, which took a fifth of a decode
- * step's kernel time. */
-#if defined(__AVX2__) && LANES == 8
-ALWAYS_INLINE vf vbytes_to_float(vbytes b) {
-    int64_t word;
-    memcpy(&word, &b, sizeof word);
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word)));
+/* The sums of four vectors' lanes into out[0 .. 4), by pairwise additions across them (three vhaddps
+ * with AVX2; AVX-512 first adds each vector's halves): four separate sums take six shuffles and adds
+ * each, a tenth of a decode step's kernel time. */
+ALWAYS_INLINE void vsum4(vf a0, vf a1, vf a2, vf a3, float *out) {
+#if defined(__AVX2__) && (LANES == 8 || LANES == 16)
+#if LANES == 16
+#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256((__m512)(x)), \
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd((__m512)(x)), 1)))
+    const __m256 b0 = HALVES(a0), b1 = HALVES(a1), b2 = HALVES(a2), b3 = HALVES(a3);
+#undef HALVES
+#else
+    const __m256 b0 = (__m256)a0, b1 = (__m256)a1, b2 = (__m256)a2, b3 = (__m256)a3;
+#endif
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+    out[0] = vsum(a0), out[1] = vsum(a1), out[2] = vsum(a2), out[3] = vsum(a3);
+#endif
+}
+/* LANES codes as numbers: the bytes p[0 .. LANES) shifted right by `shift` bits and masked by `mask`
+ * (8-bit codes: 0 and 255; a 4- or 2-bit plane: its shift and 15 or 3). With AVX2 or AVX-512 the bytes
+ * are shifted and masked in one 128-bit register (a 16-bit shift, then the mask drops what crossed from
+ * the next byte), then zero-extended (vpmovzxbd) and converted: GCC 12 compiles a shift or mask of a
+ * generic 8-byte vector into a byte at a time through a general register, and its conversion into a
+ * load and insert a byte; together they were most of a decode step's kernel time. */
+#if defined(__AVX512F__)
+ALWAYS_INLINE vf codes_to_float(const uint8_t *p, int shift, int mask) {
+    const __m128i x = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)p), shift), _mm_set1_epi8((char)mask));
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+}
+#elif defined(__AVX2__)
+ALWAYS_INLINE vf codes_to_float(const uint8_t *p, int shift, int mask) {
+    const __m128i x = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i *)p), shift), _mm_set1_epi8((char)mask));
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
 }
 #else
-ALWAYS_INLINE vf vbytes_to_float(vbytes b) { return __builtin_convertvector(__builtin_convertvector(b, vi), vf); }
+ALWAYS_INLINE vf codes_to_float(const uint8_t *p, int shift, int mask) {
+    const vbytes b = (*(const vbytes_unaligned *)p >> shift) & (uint8_t)mask;
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
 #endif
-ALWAYS_INLINE vbytes vload_bytes(const uint8_t *p) { return *(const vbytes_unaligned *)p; }
 
 /* Runs of numbers in the engine's dtypes, as float32 (a vector at a time). */
 static void to_float(const void *src, int64_t dtype, float *dst, int64_t n) {
@@ -250,38 +281,34 @@ static void to_float(const void *src, int64_t dtype, float *dst, int64_t n) {
  * and 4-bit codes in planes of 8 bytes or more (16 at a time where the plane allows). */
 ALWAYS_INLINE void unpack(const uint8_t *src, int64_t dim, int bits, float *dst) {
     if (bits == 8) {
-        for (int64_t c = 0; c < dim; c += LANES) vstore(dst + c, vbytes_to_float(vload_bytes(src + c)));
-    } else if (bits == 4 && dim % 32 == 0) {
+        for (int64_t c = 0; c < dim; c += LANES) vstore(dst + c, codes_to_float(src + c, 0, 255));
+    } else if (bits == 4 && dim % (2 * LANES) == 0) {
         const int64_t w = dim / 2;
         for (int64_t j = 0; j < w; j += LANES) {
-            const vbytes b = vload_bytes(src + j);
-            vstore(dst + j, vbytes_to_float(b & 15));
-            vstore(dst + w + j, vbytes_to_float(b >> 4));
+            vstore(dst + j, codes_to_float(src + j, 0, 15));
+            vstore(dst + w + j, codes_to_float(src + j, 4, 15));
         }
     } else if (bits == 4) {
         const int64_t w = dim / 2;
         for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 15u);
         for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)(src[j] >> 4);
-    } else if (bits == 2 && dim % 64 == 0) {
+    } else if (bits == 2 && dim % (4 * LANES) == 0) {
         const int64_t w = dim / 4;
-        for (int64_t j = 0; j < w; j += LANES) {
-            const vbytes b = vload_bytes(src + j);
-            vstore(dst + j, vbytes_to_float(b & 3));
-            vstore(dst + w + j, vbytes_to_float((b >> 2) & 3));
-            vstore(dst + 2 * w + j, vbytes_to_float((b >> 4) & 3));
-            vstore(dst + 3 * w + j, vbytes_to_float(b >> 6));
-        }
+        for (int64_t j = 0; j < w; j += LANES)
+            for (int plane = 0; plane < 4; ++plane) vstore(dst + plane * w + j, codes_to_float(src + j, 2 * plane, 3));
     } else if (bits == 2) {
         const int64_t w = dim / 4;
         for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 3u);
         for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)((src[j] >> 2) & 3u);
         for (int64_t j = 0; j < w; ++j) dst[2 * w + j] = (float)((src[j] >> 4) & 3u);
         for (int64_t j = 0; j < w; ++j) dst[3 * w + j] = (float)(src[j] >> 6);
-    } else { /* 3 */
+    } else { /* 3: each three bytes' word, its eight codes by eight shifts at once (vpsrlvd with AVX2) */
+        const v8i shifts = {0, 3, 6, 9, 12, 15, 18, 21};
         for (int64_t g = 0; g < dim / 8; ++g) {
             const uint8_t *b = src + 3 * g;
-            const uint32_t word = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16);
-            for (int64_t i = 0; i < 8; ++i) dst[8 * g + i] = (float)((word >> (3 * i)) & 7u);
+            const int32_t word = (int32_t)((uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16));
+            const v8i codes = ((word + (v8i){0}) >> shifts) & 7;
+            *(v8f_unaligned *)(dst + 8 * g) = __builtin_convertvector(codes, v8f);
         }
     }
 }
@@ -364,7 +391,7 @@ ALWAYS_INLINE void block_logits(softmax_state *s, const float *queries, const fl
                 a2 += qv * vload(k + 2 * dim + v * LANES);
                 a3 += qv * vload(k + 3 * dim + v * LANES);
             }
-            l[t] = vsum(a0), l[t + 1] = vsum(a1), l[t + 2] = vsum(a2), l[t + 3] = vsum(a3);
+            vsum4(a0, a1, a2, a3, l + t);
         }
         for (; t < count; ++t) {
             vf a = {0};
