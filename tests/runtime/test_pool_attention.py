@@ -7,6 +7,9 @@ anything is read (release build) or at the read (debug build)."""
 from __future__ import annotations
 
 import math
+import platform
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 import pytest
@@ -399,8 +402,11 @@ def debug_kernel(monkeypatch):
     native.attend_pool_kernel.cache_clear()
 
 
-def test_the_debug_build_computes_what_the_release_build_does(debug_kernel):
-    scene = _scene("int3")
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f or "full-precision")
+def test_the_debug_build_computes_what_the_release_build_does(debug_kernel, fmt):
+    """The debug build has no -march=native: it takes the kernel's generic vectors (no AVX2), the release
+    build this machine's (the AVX2 unpacking and sums where it has them), every format at head size 64."""
+    scene = _scene(fmt, dim=64)
     debug, release = torch.zeros_like(scene.query), torch.zeros_like(scene.query)
     PoolStep(scene.engine, scene.requests, kernel=debug_kernel).attend(1, scene.query, debug)
     PoolStep(scene.engine, scene.requests, kernel=native.load_pool_kernel(debug=False)).attend(1, scene.query, release)
@@ -415,3 +421,23 @@ def test_the_debug_build_checks_every_index_as_it_reads(debug_kernel, corrupt):
     step = PoolStep(scene.engine, scene.requests, kernel=debug_kernel)
     with pytest.raises(RuntimeError, match="code 5"):
         step.attend(0, scene.query, torch.zeros_like(scene.query))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")
+@pytest.mark.parametrize("machine", ["x86-64", "skylake-avx512"])
+def test_the_kernel_compiles_for_other_machines_vectors(tmp_path, machine):
+    """The release flags for other machines' vectors: without AVX2 (generic vectors) and with AVX-512
+    (16-float vectors, which this machine may not run), at -O0 (always-inline intrinsics are checked
+    against the target all the same, in seconds); each must build without a warning (but
+    -Wpsabi's, on vectors passed between inline functions without AVX)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    other = {"-march=native": f"-march={machine}", "-O3": "-O0"}
+    flags = [other.get(flag, flag) for flag in native.FLAGS]
+    built = subprocess.run(
+        ["cc", *flags, "-Wall", "-Werror", "-Wno-psabi", "-o", str(tmp_path / "pool.so"), str(native.POOL_SOURCE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
