@@ -277,8 +277,9 @@ static void to_float(const void *src, int64_t dtype, float *dst, int64_t n) {
 /* ------------------------------------------------------------------ codes */
 /* One entry's codes as numbers: 8 bits one a byte; 4 and 2 bits by planes (byte j holds channels
  * j, j + D/p, ..., p = 8/bits); 3 bits eight codes in three bytes (code i at bit 3i of their
- * little-endian 24-bit word). Head sizes are multiples of 16, so 8-bit codes come 16 bytes at a time
- * and 4-bit codes in planes of 8 bytes or more (16 at a time where the plane allows). */
+ * little-endian 24-bit word). Head sizes are multiples of 16, so 8-bit codes come LANES bytes at a
+ * time, and 4- and 2-bit planes too where a plane holds a multiple of LANES bytes (a byte at a time
+ * otherwise). */
 ALWAYS_INLINE void unpack(const uint8_t *src, int64_t dim, int bits, float *dst) {
     if (bits == 8) {
         for (int64_t c = 0; c < dim; c += LANES) vstore(dst + c, codes_to_float(src + c, 0, 255));
