@@ -32,7 +32,7 @@ from kvfold.store.format import (
     read_tensors,
 )
 from kvfold.store.layer_tensors import layer_from_tensors
-from kvfold.store.validate import Expected, validate_header, validate_tensors
+from kvfold.store.validate import Expected, tensors_by_layer, validate_header, validate_tensors
 
 __all__ = ["load_cache", "load_context", "load_file", "read_cache"]
 
@@ -92,15 +92,11 @@ def _build_cache(
             t = t.to(dtype)
         return t.to(device)
 
-    by_layer: dict[str, dict[str, torch.Tensor]] = {}  # "layer.<i>.<name>" by "<i>", in one pass
-    for n, t in tensors.items():
-        if n.startswith("layer."):
-            index_text, _, name = n[len("layer.") :].partition(".")
-            by_layer.setdefault(index_text, {})[name] = t
+    by_layer, _ = tensors_by_layer(tensors, len(layers))
     # validate_tensors checked the file's quantized rows; they are those tensors unless converted here
-    checked = str(dtype).replace("torch.", "") == info.header.get("dtype")
+    checked = dtype_name(dtype) == info.header.get("dtype")
     for index, spec in enumerate(layers):
-        own = {name: convert(name, t) for name, t in by_layer.get(str(index), {}).items()}
+        own = {name: convert(name, t) for name, t in by_layer[index].items()}
         kind = spec.get("kind")
         slot = cache.layers[index]
         if kind == "empty":

@@ -221,6 +221,26 @@ def _check_header_context(header: dict[str, Any], batch: int | None, logical: in
 # ------------------------------------------------------------------------------------ tensors
 
 
+def tensors_by_layer(tensors: dict[str, Tensor], layer_count: int) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+    """A file's tensors in one pass: ``layer.<i>.<name>`` as ``name`` in the ``i``-th of ``layer_count``
+    dicts, every other tensor by its full name.
+
+    Raises:
+        InvalidCacheFileError: a layer's tensor whose index is not one of the header's layers.
+    """
+    own: list[dict[str, Tensor]] = [{} for _ in range(layer_count)]
+    others: dict[str, Tensor] = {}
+    for name, tensor in tensors.items():
+        found = _LAYER_NAME.fullmatch(name)
+        if found is None:
+            others[name] = tensor
+        elif int(found.group(1)) < layer_count and found.group(1) == str(int(found.group(1))):
+            own[int(found.group(1))][found.group(2)] = tensor
+        else:
+            _fail(one_line(name, 60), f"there is no layer {one_line(found.group(1), 10)} in the file's header")
+    return own, others
+
+
 def validate_tensors(header: dict[str, Any], tensors: dict[str, Tensor], expected: Expected) -> None:
     """Refuse a file whose tensors do not fit its header (checked by :func:`validate_header`) and the model.
 
@@ -233,16 +253,7 @@ def validate_tensors(header: dict[str, Any], tensors: dict[str, Tensor], expecte
     layers = header["layers"]
     dtype = DTYPES[header["dtype"]]
     batch = next((spec["batch_size"] for spec in layers if spec["kind"] == "folded"), None)
-    own: list[dict[str, Tensor]] = [{} for _ in layers]
-    others: dict[str, Tensor] = {}
-    for name, tensor in tensors.items():
-        found = _LAYER_NAME.fullmatch(name)
-        if found is None:
-            others[name] = tensor
-        elif int(found.group(1)) < len(layers) and found.group(1) == str(int(found.group(1))):
-            own[int(found.group(1))][found.group(2)] = tensor
-        else:
-            _fail(one_line(name, 60), f"there is no layer {one_line(found.group(1), 10)} in the file's header")
+    own, others = tensors_by_layer(tensors, len(layers))
     for index, spec in enumerate(layers):
         validate_layer(index, spec, own[index], expected, dtype, batch)
     _check_context_tensors(others, expected, dtype, batch, layers)
