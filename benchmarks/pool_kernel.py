@@ -3,16 +3,26 @@
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/pool_kernel.py [--formats int4,int3,int8] [--requests 24] [--rows 440]
-        [--dtype float32] [--repeat 20] [--out runs/pool-kernel]
+        [--dtype float32] [--repeat 20] [--layers 1] [--baseline OLD.c] [--out runs/pool-kernel]
 
 Builds ``--requests`` files of random rows (``--rows`` entries in each of SmolLM2-135M's 3 KV heads, head
 size 64, β on; about what a 1,759-token context keeps under ``--memory 1/16``), packed into an engine's
 blocks of 32 tokens in ``--dtype`` as ``kvfold serve`` packs them, and times
-:meth:`kvfold.runtime.pool_attention.PoolStep.attend` (9 query heads, one kernel call, ``torch``'s
+:meth:`kvfold.runtime.pool_attention.PoolStep.attend` (9 query heads, one kernel call a layer, ``torch``'s
 threads) for two steps: every request's first step on a 40-token question (a tile of 120 queries a KV
 head), and a decode step (one token a request, 40 own tokens before it). It prints, for each format and
-step, the milliseconds a call and the multiply-adds a second over the file's rows (queries × rows ×
-(key + value) × head size), and writes ``results.json`` under ``--out`` when given.
+step, the milliseconds a layer's call and the multiply-adds a second over the file's rows (queries × rows
+× (key + value) × head size), and writes ``results.json`` under ``--out`` when given.
+
+``--layers N`` gives the files N layers and times a pass over all of them (reported per layer): at 30
+(SmolLM2's layers) and 1,240 rows the rows no longer fit the caches and stream from memory, as in an
+engine's step; at 1 a call reads rows the last call left in the caches.
+
+``--baseline OLD.c`` compares the kernel with another version of its source (for instance
+``git show REV:src/kvfold/runtime/kernels/attend_pool.c > OLD.c``) in this process, on the same rows:
+each repeat times both, in alternating order, and the ratio of each pair (this kernel ÷ the baseline)
+is reported with its 10th and 90th percentiles, with the largest difference between their outputs.
+Timings on a shared machine move by a quarter between runs; a ratio within one run moves far less.
 
 The kernel is built for the machine it runs on (``-march=native``); what it reaches depends on the
 machine's vectors (``kvfold.runtime.native``'s build notes). docs/benchmarks.md, "The pool kernel".
@@ -28,13 +38,13 @@ from pathlib import Path
 
 import torch
 
-from kvfold.runtime.native import attend_pool_kernel, pool_status
+from kvfold.runtime.native import attend_pool_kernel, load_pool_kernel, pool_status
 from kvfold.runtime.pool_attention import EngineCaches, PoolStep, StepRequest, pooled_file
 from kvfold.runtime.quant_config import QuantConfig
 from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.row_pool import pack_pool
 
-HEAD_DIM, KV_HEADS, Q_HEADS, LAYERS, BLOCK, QUESTION = 64, 3, 9, 2, 32, 40
+HEAD_DIM, KV_HEADS, Q_HEADS, BLOCK, QUESTION = 64, 3, 9, 32, 40
 INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
 
 
@@ -45,38 +55,61 @@ def _file_rows(fmt: str, rows: int, g: torch.Generator) -> QuantizedRows:
     return QuantizedRows.from_padded(keys, values, beta, torch.full((KV_HEADS,), rows), QuantConfig.parse(fmt))
 
 
-def step_seconds(fmt: str, requests: int, rows: int, dtype: torch.dtype, new: int, repeat: int) -> float:
-    """The median seconds of one layer's call for ``requests`` requests of ``new`` tokens each."""
+def _scene(fmt: str, requests: int, rows: int, layers: int, dtype: torch.dtype, new: int):
+    """An engine's caches holding ``requests`` files of ``layers`` layers, the step's requests and query."""
     g = torch.Generator().manual_seed(0)
-    num_blocks = requests * (math.ceil(rows * KV_HEADS / BLOCK) + 8)
-    caches = [torch.randn(num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
+    chunk_bytes = KV_HEADS * BLOCK * 2 * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+    packed = [pack_pool([_file_rows(fmt, rows, g) for _ in range(layers)], chunk_bytes) for _ in range(requests)]
+    placeholders = [math.ceil(plan.num_chunks / layers) * BLOCK for plan, _ in packed]
+    held = [math.ceil((p + QUESTION + (new == 1)) / BLOCK) for p in placeholders]
+    caches = [torch.zeros(sum(held), KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype) for _ in range(layers)]
     engine = EngineCaches(caches, Q_HEADS, HEAD_DIM**-0.5, threads=torch.get_num_threads())
-    chunk_bytes = KV_HEADS * BLOCK * 2 * HEAD_DIM * caches[0].element_size()
-    free, step, start = list(range(num_blocks)), [], 0
-    for _ in range(requests):
-        plan, chunks = pack_pool([_file_rows(fmt, rows, g) for _ in range(LAYERS)], chunk_bytes)
-        placeholders = math.ceil(plan.num_chunks / LAYERS) * BLOCK
-        file = pooled_file(plan, placeholders, 2 * placeholders, INV_FREQ)
-        seq_len = placeholders + QUESTION + (new == 1)
-        held = [free.pop() for _ in range(math.ceil(seq_len / BLOCK))]
-        blocks = torch.zeros(len(held) + 1, dtype=torch.int32)
-        blocks[: len(held)] = torch.tensor(held, dtype=torch.int32)
+    step, first_block, start = [], 0, 0
+    for (plan, chunks), p, count in zip(packed, placeholders, held, strict=True):
+        file = pooled_file(plan, p, 2 * p, INV_FREQ)
+        blocks = torch.zeros(count + 1, dtype=torch.int32)
+        blocks[:count] = torch.arange(first_block, first_block + count, dtype=torch.int32)
         for c in range(plan.num_chunks):
-            engine.chunk(blocks, c, LAYERS).copy_(chunks[c])
-        step.append(StepRequest(start, new, seq_len, file, blocks))
-        start += new
+            engine.chunk(blocks, c, layers).copy_(chunks[c])
+        step.append(StepRequest(start, new, p + QUESTION + (new == 1), file, blocks))
+        first_block, start = first_block + count, start + new
     query = torch.randn(start, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
-    output = torch.empty_like(query)
-    call = PoolStep(engine, step)
-    call.attend(0, query, output)  # warm
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        call.attend(0, query, output)
-        times.append(time.perf_counter() - began)
-    if not bool(torch.isfinite(output).all()):
+    return engine, step, query
+
+
+def step_times(
+    fmt: str, requests: int, rows: int, dtype: torch.dtype, new: int, repeat: int, layers: int = 1, kernels=(None,)
+) -> tuple[list[list[float]], float]:
+    """Seconds a layer's call for ``requests`` requests of ``new`` tokens each, ``repeat`` times for each of
+    ``kernels`` (None: the project's kernel), alternating their order; and the largest difference between
+    the kernels' outputs."""
+    engine, step, query = _scene(fmt, requests, rows, layers, dtype, new)
+    calls = [PoolStep(engine, step, kernel=kernel) for kernel in kernels]
+    outputs = [torch.empty_like(query) for _ in kernels]
+    for call, output in zip(calls, outputs, strict=True):  # warm
+        for layer in range(layers):
+            call.attend(layer, query, output)
+    if not all(bool(torch.isfinite(output).all()) for output in outputs):
         raise SystemExit("the kernel wrote numbers that are not finite")
-    return sorted(times)[len(times) // 2]
+    difference = max((float((o.float() - outputs[0].float()).abs().max()) for o in outputs[1:]), default=0.0)
+    times: list[list[float]] = [[] for _ in kernels]
+    for r in range(repeat):
+        order = range(len(calls)) if r % 2 == 0 else reversed(range(len(calls)))
+        for which in order:
+            began = time.perf_counter()
+            for layer in range(layers):
+                calls[which].attend(layer, query, outputs[which])
+            times[which].append((time.perf_counter() - began) / layers)
+    return times, difference
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,22 +119,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=440, help="entries a KV head keeps of each file")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--layers", type=int, default=1, help="layers of each file, all attended in each timed pass")
+    parser.add_argument("--baseline", type=Path, help="another version of the kernel's C source, timed beside it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.layers < 1 or args.repeat < 1 or args.requests < 1 or args.rows < 1:
+        raise SystemExit("--layers, --repeat, --requests and --rows take a positive number")
     if attend_pool_kernel() is None:
         raise SystemExit(f"no pool kernel here: {pool_status()}")
+    kernels: tuple = (None,)
+    if args.baseline is not None:
+        if not args.baseline.is_file():
+            raise SystemExit(f"--baseline {args.baseline}: no such file (a version of the pool kernel's C source)")
+        baseline = load_pool_kernel(source=args.baseline)
+        if baseline is None:
+            raise SystemExit(f"--baseline {args.baseline}: it does not build: {pool_status()}")
+        kernels = (None, baseline)
     dtype = getattr(torch, args.dtype)
     records = []
     for fmt in args.formats.split(","):
         for label, new in (("first step, 40 tokens", QUESTION), ("decode step", 1)):
-            seconds = step_seconds(fmt, args.requests, args.rows, dtype, new, args.repeat)
+            times, difference = step_times(fmt, args.requests, args.rows, dtype, new, args.repeat, args.layers, kernels)
+            seconds = _median(times[0])
             work = args.requests * new * Q_HEADS * args.rows * 2 * HEAD_DIM
             rate = work / seconds / 1e9
-            records.append({"format": fmt, "step": label, "tokens": new, "ms": seconds * 1e3, "gmac_per_s": rate})
-            print(f"{fmt:6} {label:22} {seconds * 1e3:8.2f} ms a call  {rate:6.2f} G multiply-adds/s")
+            record = {"format": fmt, "step": label, "tokens": new, "ms": seconds * 1e3, "gmac_per_s": rate}
+            line = f"{fmt:6} {label:22} {seconds * 1e3:8.2f} ms a call  {rate:6.2f} G multiply-adds/s"
+            if len(times) == 2:
+                ratios = [mine / theirs for mine, theirs in zip(*times, strict=True)]
+                record |= {
+                    "baseline_ms": _median(times[1]) * 1e3,
+                    "ratio": _median(ratios),
+                    "ratio_p10": _percentile(ratios, 0.1),
+                    "ratio_p90": _percentile(ratios, 0.9),
+                    "max_difference": difference,
+                }
+                line += (
+                    f"  baseline {record['baseline_ms']:8.2f} ms  ratio {record['ratio']:.3f} "
+                    f"[{record['ratio_p10']:.3f}, {record['ratio_p90']:.3f}]  max |difference| {difference:.1e}"
+                )
+            records.append(record)
+            print(line)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        settings = {k: v for k, v in vars(args).items() if k != "out"} | {"threads": torch.get_num_threads()}
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"}
+        settings["threads"] = torch.get_num_threads()
         (args.out / "results.json").write_text(json.dumps({"settings": settings, "records": records}, indent=1))
 
 

@@ -25,3 +25,37 @@ def test_each_format_and_step_is_one_kernel_call_timed(tmp_path, monkeypatch):
     assert [(r["format"], r["tokens"]) for r in records] == [("int4", 40), ("int4", 1), ("int3", 40), ("int3", 1)]
     assert all(r["ms"] > 0 and r["gmac_per_s"] > 0 for r in records)
     assert calls == [3] * (4 * 3)  # a warm-up and 2 timed calls a record, every request in each
+
+
+def test_a_baseline_source_is_timed_beside_the_kernel_on_the_same_rows(tmp_path):
+    module = load_script("benchmarks/pool_kernel.py")
+    source = native.POOL_SOURCE.read_text()
+    halved = source.replace("const float inverse = 1.0f / s.den[i]", "const float inverse = 0.5f / s.den[i]")
+    assert halved != source
+    for name, text in (("same.c", source), ("halved.c", halved)):
+        (tmp_path / name).write_text(text)
+        out = tmp_path / name.removesuffix(".c")
+        arguments = ["--formats", "int4", "--requests", "2", "--rows", "40", "--repeat", "3", "--layers", "2"]
+        module.main([*arguments, "--baseline", str(tmp_path / name), "--out", str(out)])
+        records = json.loads((out / "results.json").read_text())["records"]
+        assert [r["tokens"] for r in records] == [40, 1]
+        for r in records:
+            assert r["baseline_ms"] > 0 and 0 < r["ratio_p10"] <= r["ratio"] <= r["ratio_p90"]
+            # the baseline's outputs are its own: the same source gives the same numbers, a changed one does not
+            assert (r["max_difference"] == 0.0) == (name == "same.c")
+
+
+def test_a_baseline_that_is_not_there_is_one_line(tmp_path, capsys):
+    module = load_script("benchmarks/pool_kernel.py")
+    with pytest.raises(SystemExit, match="no such file"):
+        module.main(["--formats", "int4", "--requests", "1", "--rows", "8", "--baseline", str(tmp_path / "old.c")])
+
+
+def test_every_layer_is_attended_in_each_timed_pass(monkeypatch):
+    module = load_script("benchmarks/pool_kernel.py")
+    layers = []
+    real = PoolStep.attend
+    monkeypatch.setattr(PoolStep, "attend", lambda self, layer, *a: layers.append(layer) or real(self, layer, *a))
+    times, difference = module.step_times("int4", 2, 24, module.torch.float32, 1, repeat=2, layers=3)
+    assert layers == [0, 1, 2] * 3  # a warm pass, then two timed ones
+    assert len(times) == 1 and len(times[0]) == 2 and difference == 0.0

@@ -209,10 +209,11 @@ class PoolKernel:
         return int(self._workspace(head_dim))
 
 
-def load_pool_kernel(debug: bool = False) -> PoolKernel | None:
+def load_pool_kernel(debug: bool = False, source: Path = POOL_SOURCE) -> PoolKernel | None:
     """Build (once per source, flags and machine) and load the pool kernel, with OpenMP when the
     compiler builds it; the debug build when ``debug``. None when disabled or unbuildable, with why in
-    :func:`pool_status`."""
+    :func:`pool_status`. ``source``: another version of the kernel's C source (``benchmarks/pool_kernel.py
+    --baseline`` compares two in one process)."""
     _pool_why_not.clear()
     if os.environ.get(DISABLE_ENV, "1") == "0":
         _pool_why_not.append(f"{DISABLE_ENV}=0")
@@ -224,7 +225,7 @@ def load_pool_kernel(debug: bool = False) -> PoolKernel | None:
     failure = ""
     for extra in (OPENMP_FLAGS, ()):
         try:
-            library = ctypes.CDLL(str(_build(compiler, debug, POOL_SOURCE, extra)))
+            library = ctypes.CDLL(str(_build(compiler, debug, source, extra)))
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
             failure = f"building the pool kernel failed: {error} {detail.decode(errors='replace')[:200]}".strip()
