@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kvfold.runtime.native import attend_pool_kernel, load_pool_kernel, pool_status
+from kvfold.runtime.native import attend_pool_kernel, build_pool_kernel, pool_status
 from kvfold.runtime.pool_attention import EngineCaches, PoolStep, StepRequest, pooled_file
 from kvfold.runtime.quant_config import QuantConfig
 from kvfold.runtime.quantize import QuantizedRows
@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline is not None:
         if not args.baseline.is_file():
             raise SystemExit(f"--baseline {args.baseline}: no such file (a version of the pool kernel's C source)")
-        baseline = load_pool_kernel(source=args.baseline)
+        baseline, why = build_pool_kernel(source=args.baseline)
         if baseline is None:
-            raise SystemExit(f"--baseline {args.baseline}: it does not build: {pool_status()}")
+            raise SystemExit(f"--baseline {args.baseline}: {why}")
         kernels = (None, baseline)
     dtype = getattr(torch, args.dtype)
     records = []

@@ -45,10 +45,20 @@ def test_a_baseline_source_is_timed_beside_the_kernel_on_the_same_rows(tmp_path)
             assert (r["max_difference"] == 0.0) == (name == "same.c")
 
 
-def test_a_baseline_that_is_not_there_is_one_line(tmp_path, capsys):
+def test_a_baseline_that_is_not_there_is_one_line(tmp_path):
     module = load_script("benchmarks/pool_kernel.py")
     with pytest.raises(SystemExit, match="no such file"):
         module.main(["--formats", "int4", "--requests", "1", "--rows", "8", "--baseline", str(tmp_path / "old.c")])
+
+
+def test_a_baseline_that_does_not_build_says_why_and_leaves_the_kernels_status(tmp_path):
+    module = load_script("benchmarks/pool_kernel.py")
+    broken = tmp_path / "broken.c"
+    broken.write_text("int kvfold_attend_pool( {\n")
+    with pytest.raises(SystemExit, match="building the pool kernel failed") as stopped:
+        module.main(["--formats", "int4", "--requests", "1", "--rows", "8", "--baseline", str(broken)])
+    assert "\n" not in str(stopped.value)
+    assert native.pool_status().startswith("native")  # the project's kernel is still the one served
 
 
 def test_every_layer_is_attended_in_each_timed_pass(monkeypatch):
@@ -59,3 +69,17 @@ def test_every_layer_is_attended_in_each_timed_pass(monkeypatch):
     times, difference = module.step_times("int4", 2, 24, module.torch.float32, 1, repeat=2, layers=3)
     assert layers == [0, 1, 2] * 3  # a warm pass, then two timed ones
     assert len(times) == 1 and len(times[0]) == 2 and difference == 0.0
+
+
+def test_two_kernels_take_turns_going_first(monkeypatch):
+    module = load_script("benchmarks/pool_kernel.py")
+    steps = []
+    real = PoolStep.attend
+    monkeypatch.setattr(PoolStep, "attend", lambda self, layer, *a: steps.append(self) or real(self, layer, *a))
+    kernel = native.attend_pool_kernel()
+    times, _ = module.step_times("int4", 2, 24, module.torch.float32, 1, repeat=3, layers=1, kernels=(None, kernel))
+    first, second = steps[0], steps[1]
+    assert first is not second
+    # a warm pass of each, then repeats 0 and 2 with the project's kernel first, repeat 1 with the baseline first
+    assert steps == [first, second, first, second, second, first, first, second]
+    assert [len(t) for t in times] == [3, 3]

@@ -209,30 +209,36 @@ class PoolKernel:
         return int(self._workspace(head_dim))
 
 
-def load_pool_kernel(debug: bool = False, source: Path = POOL_SOURCE) -> PoolKernel | None:
-    """Build (once per source, flags and machine) and load the pool kernel, with OpenMP when the
-    compiler builds it; the debug build when ``debug``. None when disabled or unbuildable, with why in
-    :func:`pool_status`. ``source``: another version of the kernel's C source (``benchmarks/pool_kernel.py
-    --baseline`` compares two in one process)."""
-    _pool_why_not.clear()
+def build_pool_kernel(debug: bool = False, source: Path = POOL_SOURCE) -> tuple[PoolKernel | None, str]:
+    """Build (once per source, flags and machine) and load the pool kernel from ``source`` (the project's,
+    or another version of it: ``benchmarks/pool_kernel.py --baseline``), with OpenMP when the compiler
+    builds it; the debug build when ``debug``. Returns the kernel and "", or None and why not."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        _pool_why_not.append(f"{DISABLE_ENV}=0")
-        return None
+        return None, f"{DISABLE_ENV}=0"
     compiler = _compiler()
     if compiler is None:
-        _pool_why_not.append("no C compiler found (cc, gcc or clang; or set CC)")
-        return None
+        return None, "no C compiler found (cc, gcc or clang; or set CC)"
     failure = ""
     for extra in (OPENMP_FLAGS, ()):
         try:
             library = ctypes.CDLL(str(_build(compiler, debug, source, extra)))
         except (OSError, subprocess.SubprocessError) as error:
             detail = getattr(error, "stderr", b"") or b""
-            failure = f"building the pool kernel failed: {error} {detail.decode(errors='replace')[:200]}".strip()
+            said = " ".join(f"{error} {detail.decode(errors='replace')[:200]}".split())  # one line
+            failure = f"building the pool kernel failed: {said}"
             continue
-        return PoolKernel(library, openmp=bool(extra), debug=debug)
-    _pool_why_not.append(failure)
-    return None
+        return PoolKernel(library, openmp=bool(extra), debug=debug), ""
+    return None, failure
+
+
+def load_pool_kernel(debug: bool = False) -> PoolKernel | None:
+    """The project's pool kernel (:func:`build_pool_kernel`); None when disabled or unbuildable, with why in
+    :func:`pool_status`."""
+    _pool_why_not.clear()
+    kernel, why = build_pool_kernel(debug)
+    if kernel is None:
+        _pool_why_not.append(why)
+    return kernel
 
 
 @cache
