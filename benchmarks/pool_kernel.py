@@ -55,35 +55,55 @@ def _file_rows(fmt: str, rows: int, g: torch.Generator) -> QuantizedRows:
     return QuantizedRows.from_padded(keys, values, beta, torch.full((KV_HEADS,), rows), QuantConfig.parse(fmt))
 
 
-def _scene(fmt: str, requests: int, rows: int, layers: int, dtype: torch.dtype, new: int):
-    """An engine's caches holding ``requests`` files of ``layers`` layers, the step's requests and query."""
+def _scene(fmt: str, requests: int, rows: int, layers: int, dtype: torch.dtype, new: int, files: int | None = None):
+    """An engine's caches holding ``files`` files (default: one a request) of ``layers`` layers, the step's
+    ``requests`` requests on them in turn (those on one file share its blocks, as an engine's prefix cache
+    has them share), and the step's query."""
+    files = requests if files is None else files
     g = torch.Generator().manual_seed(0)
     chunk_bytes = KV_HEADS * BLOCK * 2 * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-    packed = [pack_pool([_file_rows(fmt, rows, g) for _ in range(layers)], chunk_bytes) for _ in range(requests)]
+    packed = [pack_pool([_file_rows(fmt, rows, g) for _ in range(layers)], chunk_bytes) for _ in range(files)]
     placeholders = [math.ceil(plan.num_chunks / layers) * BLOCK for plan, _ in packed]
-    held = [math.ceil((p + QUESTION + (new == 1)) / BLOCK) for p in placeholders]
-    caches = [torch.zeros(sum(held), KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype) for _ in range(layers)]
+    own = math.ceil((QUESTION + (new == 1)) / BLOCK)  # each request's own blocks, after its file's
+    file_blocks = [p // BLOCK for p in placeholders]
+    caches = [torch.zeros(sum(file_blocks) + requests * own, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype)]
+    caches += [torch.zeros_like(caches[0]) for _ in range(layers - 1)]
     engine = EngineCaches(caches, Q_HEADS, HEAD_DIM**-0.5, threads=torch.get_num_threads())
-    step, first_block, start = [], 0, 0
-    for (plan, chunks), p, count in zip(packed, placeholders, held, strict=True):
-        file = pooled_file(plan, p, 2 * p, INV_FREQ)
-        blocks = torch.zeros(count + 1, dtype=torch.int32)
-        blocks[:count] = torch.arange(first_block, first_block + count, dtype=torch.int32)
+    held, pooled, first_block = [], [], 0
+    for (plan, chunks), count, p in zip(packed, file_blocks, placeholders, strict=True):
+        pooled.append(pooled_file(plan, p, 2 * p, INV_FREQ))  # one a file, as an engine makes it
+        blocks = torch.arange(first_block, first_block + count, dtype=torch.int32)
         for c in range(plan.num_chunks):
             engine.chunk(blocks, c, layers).copy_(chunks[c])
-        step.append(StepRequest(start, new, p + QUESTION + (new == 1), file, blocks))
-        first_block, start = first_block + count, start + new
+        held.append(blocks)
+        first_block += count
+    step, start = [], 0
+    for n in range(requests):
+        which = n % files
+        p = placeholders[which]
+        mine = torch.arange(first_block, first_block + own, dtype=torch.int32)
+        blocks = torch.cat([held[which], mine, torch.zeros(1, dtype=torch.int32)])
+        step.append(StepRequest(start, new, p + QUESTION + (new == 1), pooled[which], blocks))
+        first_block, start = first_block + own, start + new
     query = torch.randn(start, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
     return engine, step, query
 
 
 def step_times(
-    fmt: str, requests: int, rows: int, dtype: torch.dtype, new: int, repeat: int, layers: int = 1, kernels=(None,)
+    fmt: str,
+    requests: int,
+    rows: int,
+    dtype: torch.dtype,
+    new: int,
+    repeat: int,
+    layers: int = 1,
+    kernels=(None,),
+    files: int | None = None,
 ) -> tuple[list[list[float]], float]:
-    """Seconds a layer's call for ``requests`` requests of ``new`` tokens each, ``repeat`` times for each of
-    ``kernels`` (None: the project's kernel), alternating their order; and the largest difference between
-    the kernels' outputs."""
-    engine, step, query = _scene(fmt, requests, rows, layers, dtype, new)
+    """Seconds a layer's call for ``requests`` requests of ``new`` tokens each on ``files`` files (default:
+    one a request), ``repeat`` times for each of ``kernels`` (None: the project's kernel), alternating their
+    order; and the largest difference between the kernels' outputs."""
+    engine, step, query = _scene(fmt, requests, rows, layers, dtype, new, files)
     calls = [PoolStep(engine, step, kernel=kernel) for kernel in kernels]
     outputs = [torch.empty_like(query) for _ in kernels]
     for call, output in zip(calls, outputs, strict=True):  # warm
@@ -116,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="int4,int3,int8")
     parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--files", type=int, help="files the requests are on, in turn (default: one a request)")
     parser.add_argument("--rows", type=int, default=440, help="entries a KV head keeps of each file")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeat", type=int, default=20)
@@ -125,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.layers < 1 or args.repeat < 1 or args.requests < 1 or args.rows < 1:
         raise SystemExit("--layers, --repeat, --requests and --rows take a positive number")
+    if args.files is not None and not 1 <= args.files <= args.requests:
+        raise SystemExit(f"--files takes 1 to --requests ({args.requests})")
     if attend_pool_kernel() is None:
         raise SystemExit(f"no pool kernel here: {pool_status()}")
     kernels: tuple = (None,)
@@ -139,7 +162,9 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for fmt in args.formats.split(","):
         for label, new in (("first step, 40 tokens", QUESTION), ("decode step", 1)):
-            times, difference = step_times(fmt, args.requests, args.rows, dtype, new, args.repeat, args.layers, kernels)
+            times, difference = step_times(
+                fmt, args.requests, args.rows, dtype, new, args.repeat, args.layers, kernels, args.files
+            )
             seconds = _median(times[0])
             work = args.requests * new * Q_HEADS * args.rows * 2 * HEAD_DIM
             rate = work / seconds / 1e9

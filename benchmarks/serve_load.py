@@ -17,7 +17,8 @@ the first time a request names the file (a file's content is kept afterwards, on
   size, in ``--dtype``).
 
 With ``--at-once N``, it then measures what that costs a request: the first file saved again under N
-source texts (N files of one content, each with its own checksum, so the worker loads each one), one
+source texts (N files of one content, each with its own checksum, so the worker loads each one; with
+``--same-file``, N numbered questions on one of them, so that the prefix cache shares its blocks), one
 vLLM engine (prefix caching on, a KV space of two of the first file's full contexts, as
 ``benchmarks/serve_vllm.py`` gives it), one request to warm it, then N requests on the N files sent at
 once: the median time to first token and the time until all answers are in; then, in the same engine,
@@ -103,8 +104,9 @@ def measure(path: Path, catalog, worker, config, dtype, repeat: int) -> dict:
     }
 
 
-def first_tokens(path: Path, count: int, dtype: str, out: Path) -> dict:
-    """N requests on N copies of ``path`` sent at once (module docstring): what the run measured."""
+def first_tokens(path: Path, count: int, dtype: str, out: Path, same_file: bool = False) -> dict:
+    """N requests on N copies of ``path`` (or on one, ``same_file``) sent at once (module docstring): what
+    the run measured."""
     import math
     import os
     import sys
@@ -124,18 +126,23 @@ def first_tokens(path: Path, count: int, dtype: str, out: Path) -> dict:
     copies.mkdir(parents=True, exist_ok=True)
     model, tokenizer = kvfold.load_model()
     context = kvfold.load_context(path, model, tokenizer)
-    for index in range(count + 1):
+    for index in [0, count] if same_file else range(count + 1):
         kvfold.save_context(context, copies / f"copy{index}.kvc", source_text=f"{path.name}, copy {index}")
     catalog = CacheCatalog(copies, "smollm2-135m", dtype)
     question = "What is the special magic number mentioned in the text?"
 
-    def request(index: int):
-        prepared = catalog.prepare(f"copy{index}", question, max_tokens=48)
+    def request(index: int, asked: str = question):
+        prepared = catalog.prepare(f"copy{index}", asked, max_tokens=48)
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
                                 extra_args={"kv_transfer_params": prepared.kv_transfer_params})  # fmt: skip
         return {"prompt_token_ids": prepared.prompt_token_ids, "cache_salt": prepared.cache_salt}, params
 
-    requests = [request(index) for index in range(count + 1)]  # the API server's checks, before the run
+    if same_file:  # one file's blocks, shared; the questions differ (numbered, as the plain ones below)
+        requests = [request(0, f"{question} ({index})") for index in range(count)]
+    else:
+        requests = [request(index) for index in range(count)]
+    requests.append(request(count))  # to warm the engine, on a file of its own; the API server's checks
+    # are all done here, before the run
     full_blocks = math.ceil((context.source.context_tokens + 48 + 64) / BLOCK_SIZE)
     llm = LLM(
         model=resolve_spec("smollm2-135m")[0],
@@ -157,7 +164,14 @@ def first_tokens(path: Path, count: int, dtype: str, out: Path) -> dict:
     ]  # fmt: skip
     plain, _ = run(llm, plain_prompts, [plain_params] * count)
     ratio = summary["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
-    return {"file": path.stem, "at_once": count, **summary, "plain": plain, "decode_over_plain": ratio}
+    return {
+        "file": path.stem,
+        "at_once": count,
+        "same_file": same_file,
+        **summary,
+        "plain": plain,
+        "decode_over_plain": ratio,
+    }
 
 
 def main() -> None:
@@ -166,6 +180,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--at-once", type=int, default=0, help="then N requests on N copies of the first file")
+    parser.add_argument("--same-file", action="store_true", help="the N requests on one copy, sharing its blocks")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -199,12 +214,13 @@ def main() -> None:
             f"{r['copy_seconds']:.3f} | {r['worker_seconds']:.3f} |"
         )
     if args.at_once:
-        engine = first_tokens(paths[0], args.at_once, args.dtype, args.out)
+        engine = first_tokens(paths[0], args.at_once, args.dtype, args.out, args.same_file)
         record["at_once"] = engine
         (args.out / "results.json").write_text(json.dumps(record, indent=1))
         lines += [
             "",
-            f"{engine['at_once']} requests on {engine['at_once']} copies of {engine['file']} at once: first token "
+            f"{engine['at_once']} requests on {'one copy' if args.same_file else str(engine['at_once']) + ' copies'} "
+            f"of {engine['file']} at once: first token "
             f"{engine['first_token_seconds_median']:.2f} s (median), all answers in {engine['seconds']:.2f} s, "
             f"{engine['max_running_at_once']} at once at most; decode "
             f"{engine['decode_tokens_per_second']:.1f} tokens/s, "

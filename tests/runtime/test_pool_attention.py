@@ -441,3 +441,91 @@ def test_the_kernel_compiles_for_other_machines_vectors(tmp_path, machine):
         timeout=300,
     )
     assert built.returncode == 0, built.stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------ requests sharing a file's blocks
+def _shared_scene(fmt: str, threads: int = 2, decoders: int = 6) -> Scene:
+    """Requests on files as an engine's prefix cache leaves them: ``decoders`` decode requests, a 5-token
+    question and a 40-token one (two pieces) on file A's blocks, shared, in turn with two requests on file
+    B; and, second, a request with A's tables whose own blocks hold other rows of A's shape (a load of
+    other bytes with the same plan): it must not be read from A's blocks."""
+    g = torch.Generator().manual_seed(7)
+    caches = [torch.randn(400, KV_HEADS, BLOCK, 2 * D, generator=g) for _ in range(LAYERS)]
+    engine = EngineCaches(caches, Q_HEADS, SCALE, threads=threads)
+    chunk_bytes = KV_HEADS * BLOCK * 2 * D * caches[0].element_size()
+    lengths = [[70, 0, 33], [5, 90, 64], [0, 0, 0], [41, 1, 77]]
+    packed = [pack_pool([_rows(fmt, row, g, torch.float32) for row in lengths], chunk_bytes) for _ in range(3)]
+    assert packed[0][0] == packed[2][0]  # same lengths, same plan: the third's bytes fit A's tables
+    placeholders = math.ceil(packed[0][0].num_chunks / LAYERS) * BLOCK
+    free = iter(torch.randperm(400, generator=g).tolist())
+
+    def load(chunks) -> list[int]:
+        held = [next(free) for _ in range(placeholders // BLOCK)]
+        for c, chunk in enumerate(chunks):
+            engine.chunk(torch.tensor(held, dtype=torch.int32), c, LAYERS).copy_(chunk)
+        return held
+
+    file_a = pooled_file(packed[0][0], placeholders, 1000 + placeholders, INV_FREQ)
+    file_b = pooled_file(packed[1][0], placeholders, 1200 + placeholders, INV_FREQ)
+    blocks_a, blocks_b = load(packed[0][1]), load(packed[1][1])
+    kinds = [(file_a, blocks_a, 1, 30)] * decoders + [(file_a, blocks_a, 5, 5), (file_a, blocks_a, 40, 47)]
+    kinds[2:2] = [(file_b, blocks_b, 1, 12), (file_b, blocks_b, 3, 3)]
+    kinds.insert(1, (file_a, load(packed[2][1]), 1, 9))  # among A's decode requests
+    requests, rows = [], 0
+    for file, held, new, own in kinds:
+        mine = [next(free) for _ in range(math.ceil(own / BLOCK))]
+        blocks = torch.tensor(held + mine + [0], dtype=torch.int32)
+        requests.append(StepRequest(rows, new, placeholders + own, file, blocks))
+        rows += new + 1  # a plain row after each
+    return Scene(engine, requests, torch.randn(rows, Q_HEADS, D, generator=g), rows)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int3", "int8"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_requests_on_one_files_blocks_share_a_pass_and_get_what_each_gets_alone(fmt, threads):
+    """The tiles that read a file's rows once for several requests' queries: each request's rows are the
+    bits it gets in a call of its own, and the per-chunk path's within float tolerances; the request whose
+    blocks hold other bytes under the same tables is read from its own blocks."""
+    scene = _shared_scene(fmt, threads)
+    step = PoolStep(scene.engine, scene.requests)
+    tiles = step.tiles()
+    on_a = {n for n, r in enumerate(scene.requests) if r.file is scene.requests[0].file}
+    shared = on_a - {1}
+    assert any(len(tile) > 1 for tile in tiles)  # requests share passes over the file
+    for tile in tiles:
+        assert set(tile) <= shared or len(tile) == 1 or set(tile).isdisjoint(on_a)
+    assert [len(tile) for tile in tiles if 1 in tile] == [1]
+    output = torch.full_like(scene.query, float("nan"))
+    for layer in (0, 3):
+        step.attend(layer, scene.query, output)
+        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
+            rows = slice(request.query_start, request.query_start + request.query_len)
+            alone = torch.full_like(scene.query, float("nan"))
+            PoolStep(scene.engine, [request]).attend(layer, scene.query, alone)
+            assert torch.equal(output[rows], alone[rows])
+            torch.testing.assert_close(output[rows], expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_a_files_tiles_hold_at_most_64_queries_and_enough_tiles_for_the_threads(threads):
+    """24 decode requests on one file's blocks (3 queries a KV head each): as few tiles as the threads
+    allow, none past 64 queries a KV head, every request in exactly one."""
+    scene = _shared_scene("int4", threads, decoders=24)
+    first = scene.requests[0]
+    held = first.file.placeholders // BLOCK
+    on_its_blocks = [
+        r for r in scene.requests if r.query_len == 1 and torch.equal(r.blocks[:held], first.blocks[:held])
+    ]
+    step = PoolStep(scene.engine, on_its_blocks)
+    assert len(step.requests) == 24
+    tiles = step.tiles()
+    group = Q_HEADS // KV_HEADS
+    assert sorted(n for tile in tiles for n in tile) == list(range(24))
+    assert all(len(tile) * group <= 64 for tile in tiles)
+    assert len(tiles) == max(2, math.ceil(2 * threads / KV_HEADS))  # 72 queries; 2 items a thread
+    output = torch.zeros_like(scene.query)
+    step.attend(1, scene.query, output)
+    for request in step.requests:
+        rows = slice(request.query_start, request.query_start + request.query_len)
+        expected = attend_request_per_chunk(scene.engine, request, 1, scene.query[rows])
+        torch.testing.assert_close(output[rows], expected, rtol=2e-5, atol=2e-5)

@@ -30,7 +30,7 @@ def test_each_format_and_step_is_one_kernel_call_timed(tmp_path, monkeypatch):
 def test_a_baseline_source_is_timed_beside_the_kernel_on_the_same_rows(tmp_path):
     module = load_script("benchmarks/pool_kernel.py")
     source = native.POOL_SOURCE.read_text()
-    halved = source.replace("const float inverse = 1.0f / s.den[i]", "const float inverse = 0.5f / s.den[i]")
+    halved = source.replace("const float inverse = 1.0f / own.den[i]", "const float inverse = 0.5f / own.den[i]")
     assert halved != source
     for name, text in (("same.c", source), ("halved.c", halved)):
         (tmp_path / name).write_text(text)
@@ -83,3 +83,34 @@ def test_two_kernels_take_turns_going_first(monkeypatch):
     # a warm pass of each, then repeats 0 and 2 with the project's kernel first, repeat 1 with the baseline first
     assert steps == [first, second, first, second, second, first, first, second]
     assert [len(t) for t in times] == [3, 3]
+
+
+def test_requests_on_fewer_files_share_their_files_blocks_as_an_engine_has_them():
+    """--files 2: six requests on two files in turn, each file's blocks held once and named by its
+    requests' block tables, its tables one object (as an engine's prefix cache and the backend give
+    them), so that the kernel reads each file once for its requests' queries."""
+    import torch
+
+    module = load_script("benchmarks/pool_kernel.py")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel's threads: one, so that each file's requests make one tile
+    try:
+        engine, step, query = module._scene("int4", 6, 40, 2, torch.float32, 1, files=2)
+    finally:
+        torch.set_num_threads(threads)
+    held = [r.file.placeholders // module.BLOCK for r in step]
+    assert [r.file for r in step[::2]] == [step[0].file] * 3 and step[1].file is not step[0].file
+    for index, (request, n) in enumerate(zip(step, held, strict=True)):
+        assert torch.equal(request.blocks[:n], step[index % 2].blocks[:n])
+    own = [r.blocks[n] for r, n in zip(step, held, strict=True)]
+    assert len(set(map(int, own))) == 6  # each request's own tokens in blocks of its own
+    tiles = PoolStep(engine, step).tiles()
+    assert sorted(map(sorted, tiles)) == [[0, 2, 4], [1, 3, 5]]
+    alone = module._scene("int4", 6, 40, 2, torch.float32, 1)[1]
+    assert len({id(r.file) for r in alone}) == 6  # by default, a file a request
+
+
+def test_more_files_than_requests_is_one_line():
+    module = load_script("benchmarks/pool_kernel.py")
+    with pytest.raises(SystemExit, match="--files takes 1 to --requests"):
+        module.main(["--requests", "2", "--files", "3"])

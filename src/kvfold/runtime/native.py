@@ -203,10 +203,27 @@ class PoolKernel:
         workspace = library.kvfold_pool_workspace_floats
         workspace.argtypes, workspace.restype = [i64], i64
         self._workspace = workspace
+        self._tiles = getattr(library, "kvfold_pool_tiles", None)  # older sources (a --baseline) lack it
+        if self._tiles is not None:
+            self._tiles.argtypes, self._tiles.restype = [ptr, ptr, i64, ptr, ptr, i64], i64
         self.openmp, self.debug = openmp, debug
 
     def workspace_floats(self, head_dim: int) -> int:
         return int(self._workspace(head_dim))
+
+    def tiles(self, engine, requests, count: int) -> list[list[int]] | None:
+        """The tiles a call attends for ``count`` requests (the engine and request structures, as for
+        :attr:`attend`): for each tile, the indices of the requests whose queries it holds, in order (a
+        request on a file whose blocks other requests share is in one tile with them). None for a kernel
+        built from a source without it."""
+        if self._tiles is None:
+            return None
+        capacity = 64 + sum(int(requests[n].query_len) for n in range(count))
+        pieces, starts = (ctypes.c_int64 * capacity)(), (ctypes.c_int64 * (capacity + 1))()
+        found = int(self._tiles(engine, requests, count, pieces, starts, capacity))
+        if found < 0:
+            raise ValueError(f"the pool kernel cannot plan these requests' tiles (code {found})")
+        return [sorted({pieces[k] for k in range(starts[t], starts[t + 1])}) for t in range(found)]
 
 
 def build_pool_kernel(debug: bool = False, source: Path = POOL_SOURCE) -> tuple[PoolKernel | None, str]:

@@ -424,6 +424,16 @@ class PoolStep:
             _raise_for(self._call(self._table, len(self.requests), layer, query, output))
         return refused
 
+    def tiles(self) -> list[list[int]] | None:
+        """The kernel's tiles for this step's requests: for each, the indices (in :attr:`requests`) of the
+        requests whose queries it attends together. Requests that hold one file in the same blocks share a
+        tile (one pass over the file's rows for all their queries, up to 64 queries a KV head, fewer when
+        the call's threads need more tiles to share out). None without the kernel."""
+        if self.kernel is None:
+            return None
+        engine = ctypes.byref(self.engine.struct(self.kernel))
+        return self.kernel.tiles(engine, self._table, len(self.requests))
+
     def _call(self, table, count: int, layer: int, query: Tensor, output: Tensor) -> int:
         return self.kernel.attend(
             ctypes.byref(self.engine.struct(self.kernel)), table, count, layer, query.shape[0],
