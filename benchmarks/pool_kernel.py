@@ -3,7 +3,7 @@
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/pool_kernel.py [--formats int4,int3,int8] [--requests 24] [--rows 440]
-        [--dtype float32] [--repeat 20] [--layers 1] [--baseline OLD.c] [--out runs/pool-kernel]
+        [--dtype float32] [--repeat 20] [--layers 1] [--files N] [--baseline OLD.c] [--out runs/pool-kernel]
 
 Builds ``--requests`` files of random rows (``--rows`` entries in each of SmolLM2-135M's 3 KV heads, head
 size 64, β on; about what a 1,759-token context keeps under ``--memory 1/16``), packed into an engine's
@@ -17,6 +17,10 @@ step, the milliseconds a layer's call and the multiply-adds a second over the fi
 ``--layers N`` gives the files N layers and times a pass over all of them (reported per layer): at 30
 (SmolLM2's layers) and 1,240 rows the rows no longer fit the caches and stream from memory, as in an
 engine's step; at 1 a call reads rows the last call left in the caches.
+
+``--files N`` puts the requests on N files in turn (default: a file each); the requests on one file share
+its blocks and its tables, as an engine's prefix cache and the vLLM backend give them, so that the kernel
+reads the file once for their queries (``PoolStep.tiles``).
 
 ``--baseline OLD.c`` compares the kernel with another version of its source (for instance
 ``git show REV:src/kvfold/runtime/kernels/attend_pool.c > OLD.c``) in this process, on the same rows:

@@ -9,7 +9,8 @@ Two kernels:
   into the probabilities. It computes what the PyTorch path computes (a test holds them equal).
 * ``kernels/attend_pool.c`` (:func:`attend_pool_kernel`): one layer's attention for every request of a
   serving step on a pooled cache file (:mod:`kvfold.runtime.pool_attention`), read in the engine's
-  blocks, in one call; parallel over (request, KV head) with OpenMP when the compiler has it
+  blocks, in one call (requests that share a file's blocks read it once, in shared tiles of queries);
+  parallel over (tile, KV head) with OpenMP when the compiler has it
   (``-fopenmp``; built without it otherwise, :func:`pool_status` says which).
 
 The shared library is built once per kernel source, compiler flags and machine into
@@ -78,7 +79,8 @@ ERRORS = {
     7: "a request does not fit the engine: its file, blocks, rows or chunk headers (its blocks may not hold its file)",
     8: "an engine layout the pool kernel does not read (layer, dtype, block size or key layout)",
 }
-"""What the kernels' nonzero return codes mean (4 is the codes kernel's; 7 and 8 the pool kernel's; 7
+"""What the kernels' nonzero return codes mean (4 is the codes kernel's; 7 and 8 the pool kernel's, and 3
+when it cannot allocate its list of tiles; 7
 refuses one or more requests of a call before anything is written, so the call can be made again without
 them: :meth:`kvfold.runtime.pool_attention.PoolStep.attend` does)."""
 REQUEST_REFUSED = 7
@@ -191,7 +193,7 @@ class PoolKernel:
             query and output tensors' addresses and strides in elements. Returns 0 or a code of
             :data:`ERRORS`.
         workspace_floats: floats of workspace one thread needs, for a head size.
-        openmp: whether it was built with OpenMP (parallel over requests and KV heads).
+        openmp: whether it was built with OpenMP (parallel over tiles of queries and KV heads).
         debug: whether it is the debug build (every index checked as it is read).
     """
 
