@@ -23,7 +23,8 @@ def test_a_phase_is_cut_to_what_the_budget_leaves(tmp_path):
     cut = next(line for line in log.splitlines() if "tests: 2000s cut to the " in line)
     left = int(cut.split("cut to the ")[1].split("s")[0])
     elapsed = int(cut.split("[gpu.sh ")[1].split("s]")[0])
-    assert 1000 - 20 - elapsed - 2 <= left <= 1000 - 20 - elapsed
+    # the log's elapsed is read from the clock after `left` was: a second may have turned in between
+    assert 1000 - 20 - elapsed - 2 <= left <= 1000 - 20 - elapsed + 1
     assert (tmp_path / "test_cuda.txt").exists()  # the phase ran
 
 
