@@ -180,6 +180,34 @@ def test_blocks_longer_than_the_kernels_runs_of_entries_are_read_from_where_each
         torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_slots_past_a_requests_own_tokens_are_never_used_whatever_they_hold(dtype):
+    """64-token blocks: a float32 engine's own keys are read in place a whole run of 32 slots at a time, so
+    the slots after a request's last token are loaded too; NaN there (another request's old bytes could
+    be anything) must change nothing."""
+    scene = _scene("int4", dtype, block=64)
+    step = PoolStep(scene.engine, scene.requests)
+    clean = torch.zeros_like(scene.query)
+    step.attend(1, scene.query, clean)
+    block = scene.engine.block_size
+    for request in scene.requests:
+        last = request.seq_len - 1
+        where = int(request.blocks[last // block])
+        past = torch.arange(last % block + 1, block)
+        assert len(past)  # the scene's requests end inside a block
+        cache = scene.engine.caches[1][where]  # (kv_heads, block, 2 · D): keys channel-major, then values
+        keys = cache[:, :, :D].reshape(KV_HEADS, -1)[:, : block * D].view(KV_HEADS, D, block)
+        keys[:, :, past] = float("nan")
+        cache.reshape(KV_HEADS, -1)[:, block * D :].view(KV_HEADS, block, D)[:, past] = float("nan")
+    output = torch.zeros_like(scene.query)
+    step.attend(1, scene.query, output)
+    assert torch.equal(output, clean)
+    for request, expected in zip(scene.requests, _reference(scene, 1), strict=True):
+        got = output[request.query_start : request.query_start + request.query_len].float()
+        tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
 def test_the_reference_is_the_softmax_over_the_rows_and_the_own_tokens_in_float64():
     """The per-chunk path itself, against attention written out in float64 for one request and layer."""
     scene = _scene("int8")

@@ -345,13 +345,28 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * two_n.f;
 }
 
+/* The largest of a block's logits l[0 .. BLOCK_ENTRIES), a vector at a time: a scalar loop is one
+ * chain of dependent maxima (vmaxss), which GCC does not vectorise while NaNs are honoured. */
+ALWAYS_INLINE float block_maximum(const float *l) {
+    vf top = vload(l);
+    for (int a = 1; a < BLOCK_VECTORS; ++a) {
+        const vf x = vload(l + a * LANES);
+        const vi greater = x > top;
+        top = (vf)(((vi)x & greater) | ((vi)top & ~greater));
+    }
+    float out = top[0];
+    for (int k = 1; k < LANES; ++k) out = top[k] > out ? top[k] : out;
+    return out;
+}
+
 /* Turn a block's logits (n entries) into weights relative to the running maximum, rescaling what was
- * gathered before when the maximum grows; adds the weights to the denominators. */
+ * gathered before when the maximum grows; adds the weights to the denominators. The block's slots past n
+ * are set to −inf (weight 0) so that the maximum and the weights go over whole vectors. */
 static void update_maximum(softmax_state *s, int64_t n, int64_t dim) {
     for (int64_t i = 0; i < s->m; ++i) {
         float *l = s->logits + i * BLOCK_ENTRIES;
-        float block_top = -INFINITY;
-        for (int64_t t = 0; t < n; ++t) block_top = l[t] > block_top ? l[t] : block_top;
+        for (int64_t t = n; t < BLOCK_ENTRIES; ++t) l[t] = -INFINITY;
+        const float block_top = block_maximum(l);
         if (block_top == -INFINITY) { /* nothing seen yet, or all masked: weights 0 */
             for (int64_t t = 0; t < n; ++t) l[t] = 0.0f;
             continue;
@@ -365,7 +380,7 @@ static void update_maximum(softmax_state *s, int64_t n, int64_t dim) {
         }
         const float top = s->top[i];
         float added = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = 0; t < BLOCK_ENTRIES; ++t) {
             const float w = exp_nonpositive(l[t] - top);
             l[t] = w;
             added += w;
@@ -407,12 +422,63 @@ ALWAYS_INLINE void block_logits(softmax_state *s, const float *queries, const fl
     }
 }
 
+/* Query rows i .. i + 2's numerators plus a block's values `values` (count, dim) weighted by their
+ * weights: three queries and four vectors of channels at a time, twelve accumulators in registers across
+ * the block, so that each value vector loaded serves three queries and twelve chains of multiply-adds
+ * hide their latency (one query's four chains left the FMA units waiting). */
+ALWAYS_INLINE void values_three(softmax_state *s, int64_t i, const float *values, int64_t count, int64_t dim) {
+    const int64_t nv = dim / LANES;
+    const float *l0 = s->logits + i * BLOCK_ENTRIES, *l1 = l0 + BLOCK_ENTRIES, *l2 = l1 + BLOCK_ENTRIES;
+    float *r0 = s->num + i * dim, *r1 = r0 + dim, *r2 = r1 + dim;
+    for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+        const int64_t width = nv - v0 < 4 ? nv - v0 : 4;
+        vf a[3][4] = {{{0}}};
+        for (int k = 0; k < width; ++k)
+            a[0][k] = vload(r0 + (v0 + k) * LANES), a[1][k] = vload(r1 + (v0 + k) * LANES), a[2][k] = vload(r2 + (v0 + k) * LANES);
+        for (int64_t t = 0; t < count; ++t) {
+            const vf w0 = l0[t] + (vf){0}, w1 = l1[t] + (vf){0}, w2 = l2[t] + (vf){0};
+            const float *x = values + t * dim + v0 * LANES;
+            for (int k = 0; k < 4; ++k) {
+                if (k >= width) break;
+                const vf xv = vload(x + k * LANES);
+                a[0][k] += w0 * xv, a[1][k] += w1 * xv, a[2][k] += w2 * xv;
+            }
+        }
+        for (int k = 0; k < width; ++k)
+            vstore(r0 + (v0 + k) * LANES, a[0][k]), vstore(r1 + (v0 + k) * LANES, a[1][k]), vstore(r2 + (v0 + k) * LANES, a[2][k]);
+    }
+}
+
+/* Query row i's numerators plus the block's weighted values: four vectors of channels at a time. */
+ALWAYS_INLINE void values_one(softmax_state *s, int64_t i, const float *values, int64_t count, int64_t dim) {
+    const int64_t nv = dim / LANES;
+    const float *l = s->logits + i * BLOCK_ENTRIES;
+    float *o = s->num + i * dim;
+    for (int64_t v0 = 0; v0 < nv; v0 += 4) {
+        vf o0 = vload(o + v0 * LANES), o1 = {0}, o2 = {0}, o3 = {0};
+        if (v0 + 1 < nv) o1 = vload(o + (v0 + 1) * LANES);
+        if (v0 + 2 < nv) o2 = vload(o + (v0 + 2) * LANES);
+        if (v0 + 3 < nv) o3 = vload(o + (v0 + 3) * LANES);
+        for (int64_t t = 0; t < count; ++t) {
+            const vf w = l[t] + (vf){0};
+            const float *x = values + t * dim + v0 * LANES;
+            o0 += w * vload(x);
+            if (v0 + 1 < nv) o1 += w * vload(x + LANES);
+            if (v0 + 2 < nv) o2 += w * vload(x + 2 * LANES);
+            if (v0 + 3 < nv) o3 += w * vload(x + 3 * LANES);
+        }
+        vstore(o + v0 * LANES, o0);
+        if (v0 + 1 < nv) vstore(o + (v0 + 1) * LANES, o1);
+        if (v0 + 2 < nv) vstore(o + (v0 + 2) * LANES, o2);
+        if (v0 + 3 < nv) vstore(o + (v0 + 3) * LANES, o3);
+    }
+}
+
 /* Add a block's values `values` (count, dim), weighted by the block's weights (each entry's times its
  * value scale `value_scale`, its zero point `value_zero` into a sum; both may be NULL: 1 and 0), to
- * the numerators: four vectors of channels at a time, held in registers across the block. */
+ * the numerators. */
 ALWAYS_INLINE void block_values(softmax_state *s, const float *values, const float *value_scale,
                                 const float *value_zero, int64_t count, int64_t dim) {
-    const int64_t nv = dim / LANES;
     for (int64_t i = 0; i < s->m; ++i) {
         float *l = s->logits + i * BLOCK_ENTRIES;
         if (value_zero) {
@@ -422,26 +488,10 @@ ALWAYS_INLINE void block_values(softmax_state *s, const float *values, const flo
         }
         if (value_scale)
             for (int64_t t = 0; t < count; ++t) l[t] *= value_scale[t];
-        float *o = s->num + i * dim;
-        for (int64_t v0 = 0; v0 < nv; v0 += 4) {
-            vf o0 = vload(o + v0 * LANES), o1 = {0}, o2 = {0}, o3 = {0};
-            if (v0 + 1 < nv) o1 = vload(o + (v0 + 1) * LANES);
-            if (v0 + 2 < nv) o2 = vload(o + (v0 + 2) * LANES);
-            if (v0 + 3 < nv) o3 = vload(o + (v0 + 3) * LANES);
-            for (int64_t t = 0; t < count; ++t) {
-                const vf w = l[t] + (vf){0};
-                const float *x = values + t * dim + v0 * LANES;
-                o0 += w * vload(x);
-                if (v0 + 1 < nv) o1 += w * vload(x + LANES);
-                if (v0 + 2 < nv) o2 += w * vload(x + 2 * LANES);
-                if (v0 + 3 < nv) o3 += w * vload(x + 3 * LANES);
-            }
-            vstore(o + v0 * LANES, o0);
-            if (v0 + 1 < nv) vstore(o + (v0 + 1) * LANES, o1);
-            if (v0 + 2 < nv) vstore(o + (v0 + 2) * LANES, o2);
-            if (v0 + 3 < nv) vstore(o + (v0 + 3) * LANES, o3);
-        }
     }
+    int64_t i = 0;
+    for (; i + 3 <= s->m; i += 3) values_three(s, i, values, count, dim);
+    for (; i < s->m; ++i) values_one(s, i, values, count, dim);
 }
 
 /* ------------------------------------------------------------------ a file's segment */
@@ -590,7 +640,13 @@ ALWAYS_INLINE int attend_own_tokens(const tile_job *job, const query_piece *piec
         const int64_t id = r->blocks[block_index];
         CHECK(id >= 0 && id < e->num_blocks && job->layer < e->layers);
         const uint8_t *run = block_base(e, job->layer, id) + job->head * head_bytes;
-        if (e->key_layout == KEYS_CHANNEL_MAJOR) {
+        const float *key_rows = keys; /* channel c's keys at key_rows + c * key_stride */
+        int64_t key_stride = BLOCK_ENTRIES;
+        if (e->key_layout == KEYS_CHANNEL_MAJOR && e->dtype == DT_F32 && offset + BLOCK_ENTRIES <= bs) {
+            /* read in place: a whole block's vectors lie within the block; the slots past count are the
+             * block's other tokens, whose logits update_maximum replaces by −inf */
+            key_rows = (const float *)(const void *)(run + offset * size), key_stride = bs;
+        } else if (e->key_layout == KEYS_CHANNEL_MAJOR) {
             for (int64_t c = 0; c < dim; ++c) to_float(run + (c * bs + offset) * size, e->dtype, keys + c * BLOCK_ENTRIES, count);
         } else {
             for (int64_t c = 0; c < dim; ++c)
@@ -605,7 +661,7 @@ ALWAYS_INLINE int attend_own_tokens(const tile_job *job, const query_piece *piec
             vf acc[BLOCK_VECTORS] = {{0}};
             for (int64_t c = 0; c < dim; ++c) {
                 const vf qc = q[c] + (vf){0};
-                for (int a = 0; a < BLOCK_VECTORS; ++a) acc[a] += qc * vload(keys + c * BLOCK_ENTRIES + a * LANES);
+                for (int a = 0; a < BLOCK_VECTORS; ++a) acc[a] += qc * vload(key_rows + c * key_stride + a * LANES);
             }
             float *l = s->logits + i * BLOCK_ENTRIES;
             for (int a = 0; a < BLOCK_VECTORS; ++a) vstore(l + a * LANES, acc[a] * e->scale);
@@ -614,8 +670,13 @@ ALWAYS_INLINE int attend_own_tokens(const tile_job *job, const query_piece *piec
                 if (start + t > sees) l[t] = -INFINITY;
         }
         update_maximum(s, count, dim);
-        to_float(run + bs * dim * size + offset * dim * size, e->dtype, block, count * dim); /* values: row-major */
-        block_values(s, block, NULL, NULL, count, dim);
+        const uint8_t *values = run + bs * dim * size + offset * dim * size; /* row-major */
+        if (e->dtype == DT_F32) {
+            block_values(s, (const float *)(const void *)values, NULL, NULL, count, dim);
+        } else {
+            to_float(values, e->dtype, block, count * dim);
+            block_values(s, block, NULL, NULL, count, dim);
+        }
     }
     return 0;
 }
