@@ -422,55 +422,31 @@ ALWAYS_INLINE void block_logits(softmax_state *s, const float *queries, const fl
     }
 }
 
-/* Query rows i .. i + 2's numerators plus a block's values `values` (count, dim) weighted by their
- * weights: three queries and four vectors of channels at a time, twelve accumulators in registers across
- * the block, so that each value vector loaded serves three queries and twelve chains of multiply-adds
- * hide their latency (one query's four chains left the FMA units waiting). */
-ALWAYS_INLINE void values_three(softmax_state *s, int64_t i, const float *values, int64_t count, int64_t dim) {
-    const int64_t nv = dim / LANES;
-    const float *l0 = s->logits + i * BLOCK_ENTRIES, *l1 = l0 + BLOCK_ENTRIES, *l2 = l1 + BLOCK_ENTRIES;
-    float *r0 = s->num + i * dim, *r1 = r0 + dim, *r2 = r1 + dim;
-    for (int64_t v0 = 0; v0 < nv; v0 += 4) {
-        const int64_t width = nv - v0 < 4 ? nv - v0 : 4;
-        vf a[3][4] = {{{0}}};
-        for (int k = 0; k < width; ++k)
-            a[0][k] = vload(r0 + (v0 + k) * LANES), a[1][k] = vload(r1 + (v0 + k) * LANES), a[2][k] = vload(r2 + (v0 + k) * LANES);
-        for (int64_t t = 0; t < count; ++t) {
-            const vf w0 = l0[t] + (vf){0}, w1 = l1[t] + (vf){0}, w2 = l2[t] + (vf){0};
-            const float *x = values + t * dim + v0 * LANES;
-            for (int k = 0; k < 4; ++k) {
-                if (k >= width) break;
-                const vf xv = vload(x + k * LANES);
-                a[0][k] += w0 * xv, a[1][k] += w1 * xv, a[2][k] += w2 * xv;
-            }
-        }
-        for (int k = 0; k < width; ++k)
-            vstore(r0 + (v0 + k) * LANES, a[0][k]), vstore(r1 + (v0 + k) * LANES, a[1][k]), vstore(r2 + (v0 + k) * LANES, a[2][k]);
-    }
-}
-
-/* Query row i's numerators plus the block's weighted values: four vectors of channels at a time. */
-ALWAYS_INLINE void values_one(softmax_state *s, int64_t i, const float *values, int64_t count, int64_t dim) {
+/* Query rows i .. i + rows − 1's numerators (rows 1 to 3) plus a block's values `values` (count, dim)
+ * weighted by their weights: four vectors of channels at a time, rows × 4 accumulators in registers
+ * across the block. Three queries share each value vector loaded, and their twelve chains of
+ * multiply-adds hide the chains' latency (one query's four left the FMA units waiting). */
+ALWAYS_INLINE void values_rows(softmax_state *s, int64_t i, int rows, const float *values, int64_t count,
+                               int64_t dim) {
     const int64_t nv = dim / LANES;
     const float *l = s->logits + i * BLOCK_ENTRIES;
     float *o = s->num + i * dim;
     for (int64_t v0 = 0; v0 < nv; v0 += 4) {
-        vf o0 = vload(o + v0 * LANES), o1 = {0}, o2 = {0}, o3 = {0};
-        if (v0 + 1 < nv) o1 = vload(o + (v0 + 1) * LANES);
-        if (v0 + 2 < nv) o2 = vload(o + (v0 + 2) * LANES);
-        if (v0 + 3 < nv) o3 = vload(o + (v0 + 3) * LANES);
+        const int64_t width = nv - v0 < 4 ? nv - v0 : 4;
+        vf a[3][4] = {{{0}}};
+        for (int j = 0; j < rows; ++j)
+            for (int k = 0; k < width; ++k) a[j][k] = vload(o + j * dim + (v0 + k) * LANES);
         for (int64_t t = 0; t < count; ++t) {
-            const vf w = l[t] + (vf){0};
+            vf w[3];
+            for (int j = 0; j < rows; ++j) w[j] = l[j * BLOCK_ENTRIES + t] + (vf){0};
             const float *x = values + t * dim + v0 * LANES;
-            o0 += w * vload(x);
-            if (v0 + 1 < nv) o1 += w * vload(x + LANES);
-            if (v0 + 2 < nv) o2 += w * vload(x + 2 * LANES);
-            if (v0 + 3 < nv) o3 += w * vload(x + 3 * LANES);
+            for (int k = 0; k < width; ++k) {
+                const vf xv = vload(x + k * LANES);
+                for (int j = 0; j < rows; ++j) a[j][k] += w[j] * xv;
+            }
         }
-        vstore(o + v0 * LANES, o0);
-        if (v0 + 1 < nv) vstore(o + (v0 + 1) * LANES, o1);
-        if (v0 + 2 < nv) vstore(o + (v0 + 2) * LANES, o2);
-        if (v0 + 3 < nv) vstore(o + (v0 + 3) * LANES, o3);
+        for (int j = 0; j < rows; ++j)
+            for (int k = 0; k < width; ++k) vstore(o + j * dim + (v0 + k) * LANES, a[j][k]);
     }
 }
 
@@ -490,8 +466,8 @@ ALWAYS_INLINE void block_values(softmax_state *s, const float *values, const flo
             for (int64_t t = 0; t < count; ++t) l[t] *= value_scale[t];
     }
     int64_t i = 0;
-    for (; i + 3 <= s->m; i += 3) values_three(s, i, values, count, dim);
-    for (; i < s->m; ++i) values_one(s, i, values, count, dim);
+    for (; i + 3 <= s->m; i += 3) values_rows(s, i, 3, values, count, dim);
+    for (; i < s->m; ++i) values_rows(s, i, 1, values, count, dim);
 }
 
 /* ------------------------------------------------------------------ a file's segment */
