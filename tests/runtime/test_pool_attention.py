@@ -69,6 +69,7 @@ def _scene(
     key_layout: str = "channel",
     block: int = BLOCK,
     dim: int = D,
+    q_heads: int = Q_HEADS,
 ) -> Scene:
     """Two files, three requests on them (a question's first step of 5 tokens, a decode step, a 40-token
     question longer than one tile), plain rows between, in an engine of ``block``-token blocks (8 by
@@ -79,7 +80,7 @@ def _scene(
     position = None
     if key_layout == "table":  # a permutation of each block's keys other than channel-major
         position = torch.randperm(block * dim, generator=g)
-    engine = EngineCaches(caches, Q_HEADS, dim**-0.5, key_position=position, threads=2)
+    engine = EngineCaches(caches, q_heads, dim**-0.5, key_position=position, threads=2)
     row_dtype = dtype if fmt is None else torch.float32
     files = []
     ragged = [[70, 0, 33], [5, 90, 64], [0, 0, 0], [41, 1, 77]], [[12, 30, 9], [64, 65, 66], [3, 0, 50], [7, 8, 9]]
@@ -102,7 +103,7 @@ def _scene(
         requests.append(StepRequest(rows, new, seq_len, file, blocks))
         rows += new
         step.append(file)
-    query = torch.randn(rows + 3, Q_HEADS, dim, generator=g).to(dtype)
+    query = torch.randn(rows + 3, q_heads, dim, generator=g).to(dtype)
     return Scene(engine, requests, query, rows + 3)
 
 
@@ -148,6 +149,22 @@ def test_a_head_size_of_64_takes_the_vectorised_unpacking_and_equals_the_per_chu
     """At 64 channels every width's codes are unpacked a vector of bytes at a time (2-bit planes need 64:
     the other tests' 32 take the scalar loop)."""
     scene = _scene(fmt, dim=64)
+    step = PoolStep(scene.engine, scene.requests)
+    for layer in range(LAYERS):
+        output = torch.full_like(scene.query, float("nan"))
+        step.attend(layer, scene.query, output)
+        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
+            got = output[request.query_start : request.query_start + request.query_len]
+            torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("q_heads", [3, 6, 12, 21], ids=lambda q: f"{q // KV_HEADS}-queries-a-kv-head")
+@pytest.mark.parametrize("fmt", ["int4", None], ids=lambda f: f or "full-precision")
+def test_any_number_of_query_heads_a_kv_head_equals_the_per_chunk_path(fmt, q_heads):
+    """The kernel takes a tile's queries three at a time (logits and weighted values) and the rest one at a
+    time: groups of 1, 2, 4 and 7 query heads (multi-head attention, Llama-3.1-8B's 4, Qwen2.5-7B's 7) leave
+    one or two queries past the last three in a decode step, and tiles of any size in a first step."""
+    scene = _scene(fmt, dim=64, q_heads=q_heads)
     step = PoolStep(scene.engine, scene.requests)
     for layer in range(LAYERS):
         output = torch.full_like(scene.query, float("nan"))
