@@ -46,6 +46,7 @@
 
 #define MAX_DIM 512
 #define TILE_QUERIES 64 /* queries attended in one pass over a row */
+#define CODES_IN_PLACE_QUERIES 3 /* at most this many queries in a pass turn codes into numbers where used */
 #define BLOCK_ENTRIES 32 /* entries whose logits are taken before the softmax is updated */
 #define CHUNK_MAGIC 0x4346564Bu
 #define HEADER_BYTES 16
@@ -340,6 +341,45 @@ ALWAYS_INLINE void unpack(const uint8_t *src, int64_t dim, int bits, float *dst)
     }
 }
 
+/* Whether an entry's codes of this width and head size can be turned into numbers a vector at a time
+ * where they are used (code_vector): 8 bits; 4 and 2 bits where a plane holds whole vectors; 3 bits in
+ * vectors of eight. */
+ALWAYS_INLINE int codes_by_vector(int bits, int64_t dim) {
+    if (bits == 8) return 1;
+    if (bits == 4) return dim % (2 * LANES) == 0;
+    if (bits == 2) return dim % (4 * LANES) == 0;
+    return bits == 3 && LANES == 8;
+}
+
+/* Vector v (channels v · LANES ..) of one entry's codes `src` as numbers: the vector unpack writes there
+ * (codes_by_vector(bits, dim) must hold). */
+ALWAYS_INLINE vf code_vector(const uint8_t *src, int64_t v, int bits, int64_t dim) {
+    if (bits == 8) return codes_to_float(src + v * LANES, 0, 255);
+    if (bits == 4) {
+        const int64_t per = dim / 2 / LANES; /* vectors a plane */
+        return v < per ? codes_to_float(src + v * LANES, 0, 15) : codes_to_float(src + (v - per) * LANES, 4, 15);
+    }
+    if (bits == 2) {
+        const int64_t per = dim / 4 / LANES, plane = v / per;
+        return codes_to_float(src + (v - plane * per) * LANES, 2 * (int)plane, 3);
+    }
+#if LANES == 8
+    const v8i shifts = {0, 3, 6, 9, 12, 15, 18, 21};
+    const uint8_t *b = src + 3 * v;
+    const int32_t word = (int32_t)((uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16));
+    return (vf)__builtin_convertvector(((word + (v8i){0}) >> shifts) & 7, v8f);
+#else
+    return (vf){0}; /* not reached: codes_by_vector is false */
+#endif
+}
+
+/* Vector v of entry t of a block's rows: `rows` is (count, dim) floats when bits is 0, else the entries'
+ * codes, `stride` bytes an entry, turned into numbers here (no block of numbers written and read back). */
+ALWAYS_INLINE vf entry_vector(const void *rows, int64_t t, int64_t v, int bits, int64_t stride, int64_t dim) {
+    if (bits == 0) return vload((const float *)rows + t * dim + v * LANES);
+    return code_vector((const uint8_t *)rows + t * stride, v, bits, dim);
+}
+
 /* ------------------------------------------------------------------ the running softmax */
 typedef struct {
     int64_t m;
@@ -413,24 +453,24 @@ static void update_maximum(softmax_state *s, int64_t n, int64_t dim) {
 }
 
 /* ------------------------------------------------------------------ a block of entries */
-/* Query rows i .. i + rows − 1's (rows 1 to 3) dot products with a block's keys `keys` (count, dim) into
- * their logits: four entries at a time, the rows' query vectors and each key vector loaded once into a
- * register and used by every row (rows × 4 chains of multiply-adds; one row at a time loaded five vectors
- * for four multiply-adds, and GCC loaded a vector again for each use). */
-ALWAYS_INLINE void logits_rows(softmax_state *s, int64_t i, int rows, const float *queries, const float *keys,
-                               int64_t count, int64_t dim) {
+/* Query rows i .. i + rows − 1's (rows 1 to 3) dot products with a block's keys into their logits (keys as
+ * entry_vector reads them: numbers, or codes turned into numbers here): four entries at a time, the
+ * rows' query vectors and each key vector loaded once into a register and used by every row (rows × 4
+ * chains of multiply-adds; one row at a time loaded five vectors for four multiply-adds, and GCC loaded a
+ * vector again for each use). */
+ALWAYS_INLINE void logits_rows(softmax_state *s, int64_t i, int rows, const float *queries, const void *keys,
+                               int bits, int64_t stride, int64_t count, int64_t dim) {
     const int64_t nv = dim / LANES;
     const float *q = queries + i * dim;
     float *l = s->logits + i * BLOCK_ENTRIES;
     int64_t t = 0;
     for (; t + 4 <= count; t += 4) {
         vf a[3][4] = {{{0}}};
-        const float *k = keys + t * dim;
         for (int64_t v = 0; v < nv; ++v) {
             vf qv[3];
             for (int j = 0; j < rows; ++j) qv[j] = vload(q + j * dim + v * LANES), in_register(&qv[j]);
             for (int e = 0; e < 4; ++e) {
-                vf kv = vload(k + e * dim + v * LANES);
+                vf kv = entry_vector(keys, t + e, v, bits, stride, dim);
                 in_register(&kv);
                 for (int j = 0; j < rows; ++j) a[j][e] = vfma(a[j][e], qv[j], kv);
             }
@@ -440,19 +480,20 @@ ALWAYS_INLINE void logits_rows(softmax_state *s, int64_t i, int rows, const floa
     for (; t < count; ++t)
         for (int j = 0; j < rows; ++j) {
             vf a = {0};
-            for (int64_t v = 0; v < nv; ++v) a = vfma(a, vload(q + j * dim + v * LANES), vload(keys + t * dim + v * LANES));
+            for (int64_t v = 0; v < nv; ++v) a = vfma(a, vload(q + j * dim + v * LANES), entry_vector(keys, t, v, bits, stride, dim));
             l[j * BLOCK_ENTRIES + t] = vsum(a);
         }
 }
 
-/* Logits of a block's keys `keys` (count, dim), as float32: query i's is
+/* Logits of a block's keys `keys` (count entries, as entry_vector reads them), as float32: query i's is
  * (queries_i · k_t + offset_i) · scale + beta_t (offset and beta may be NULL: 0). Three queries at a time
  * (a decode step's three query heads a KV head in SmolLM2), then one at a time. */
 ALWAYS_INLINE void block_logits(softmax_state *s, const float *queries, const float *offset, float scale,
-                                const float *beta, const float *keys, int64_t count, int64_t dim) {
+                                const float *beta, const void *keys, int bits, int64_t stride, int64_t count,
+                                int64_t dim) {
     int64_t i = 0;
-    for (; i + 3 <= s->m; i += 3) logits_rows(s, i, 3, queries, keys, count, dim);
-    for (; i < s->m; ++i) logits_rows(s, i, 1, queries, keys, count, dim);
+    for (; i + 3 <= s->m; i += 3) logits_rows(s, i, 3, queries, keys, bits, stride, count, dim);
+    for (; i < s->m; ++i) logits_rows(s, i, 1, queries, keys, bits, stride, count, dim);
     for (i = 0; i < s->m; ++i) {
         float *l = s->logits + i * BLOCK_ENTRIES;
         const float shift = offset ? offset[i] : 0.0f;
@@ -464,8 +505,8 @@ ALWAYS_INLINE void block_logits(softmax_state *s, const float *queries, const fl
  * weighted by their weights: four vectors of channels at a time, rows × 4 accumulators in registers
  * across the block. Three queries share each value vector loaded, and their twelve chains of
  * multiply-adds hide the chains' latency (one query's four left the FMA units waiting). */
-ALWAYS_INLINE void values_rows(softmax_state *s, int64_t i, int rows, const float *values, int64_t count,
-                               int64_t dim) {
+ALWAYS_INLINE void values_rows(softmax_state *s, int64_t i, int rows, const void *values, int bits, int64_t stride,
+                               int64_t count, int64_t dim) {
     const int64_t nv = dim / LANES;
     const float *l = s->logits + i * BLOCK_ENTRIES;
     float *o = s->num + i * dim;
@@ -477,9 +518,8 @@ ALWAYS_INLINE void values_rows(softmax_state *s, int64_t i, int rows, const floa
         for (int64_t t = 0; t < count; ++t) {
             vf w[3];
             for (int j = 0; j < rows; ++j) w[j] = l[j * BLOCK_ENTRIES + t] + (vf){0};
-            const float *x = values + t * dim + v0 * LANES;
             for (int k = 0; k < width; ++k) {
-                vf xv = vload(x + k * LANES);
+                vf xv = entry_vector(values, t, v0 + k, bits, stride, dim);
                 in_register(&xv);
                 for (int j = 0; j < rows; ++j) a[j][k] = vfma(a[j][k], w[j], xv);
             }
@@ -492,8 +532,8 @@ ALWAYS_INLINE void values_rows(softmax_state *s, int64_t i, int rows, const floa
 /* Add a block's values `values` (count, dim), weighted by the block's weights (each entry's times its
  * value scale `value_scale`, its zero point `value_zero` into a sum; both may be NULL: 1 and 0), to
  * the numerators. */
-ALWAYS_INLINE void block_values(softmax_state *s, const float *values, const float *value_scale,
-                                const float *value_zero, int64_t count, int64_t dim) {
+ALWAYS_INLINE void block_values(softmax_state *s, const void *values, int bits, int64_t stride,
+                                const float *value_scale, const float *value_zero, int64_t count, int64_t dim) {
     for (int64_t i = 0; i < s->m; ++i) {
         float *l = s->logits + i * BLOCK_ENTRIES;
         if (value_zero) {
@@ -505,8 +545,8 @@ ALWAYS_INLINE void block_values(softmax_state *s, const float *values, const flo
             for (int64_t t = 0; t < count; ++t) l[t] *= value_scale[t];
     }
     int64_t i = 0;
-    for (; i + 3 <= s->m; i += 3) values_rows(s, i, 3, values, count, dim);
-    for (; i < s->m; ++i) values_rows(s, i, 1, values, count, dim);
+    for (; i + 3 <= s->m; i += 3) values_rows(s, i, 3, values, bits, stride, count, dim);
+    for (; i < s->m; ++i) values_rows(s, i, 1, values, bits, stride, count, dim);
 }
 
 /* ------------------------------------------------------------------ a file's segment */
@@ -524,6 +564,9 @@ ALWAYS_INLINE int attend_codes(segment_work *w, softmax_state *s, const uint8_t 
     const kvf_file *f = w->f;
     const int64_t m = s->m, n = seg[SEG_ENTRIES], group = f->group;
     const int64_t kb = dim * bits / 8;
+    /* A decode step's few queries turn each code vector into numbers where they use it; more queries (a first
+     * step, requests sharing a file) unpack a block once into numbers for all of them. */
+    const int in_place = m <= CODES_IN_PLACE_QUERIES && codes_by_vector(bits, dim);
     float scales[MAX_DIM], zeros[MAX_DIM], beta[BLOCK_ENTRIES], value_scale[BLOCK_ENTRIES], value_zero[BLOCK_ENTRIES];
     CHECK(group >= 1);
     for (int64_t first = 0; first < n; first += group) {
@@ -545,23 +588,32 @@ ALWAYS_INLINE int attend_codes(segment_work *w, softmax_state *s, const uint8_t 
         for (int64_t start = first; start < stop; start += BLOCK_ENTRIES) {
             const int64_t count = stop - start < BLOCK_ENTRIES ? stop - start : BLOCK_ENTRIES;
             CHECK(seg[SEG_KEYS] >= HEADER_BYTES && seg[SEG_KEYS] + (start + count) * kb <= f->chunk_bytes);
-            for (int64_t t = 0; t < count; ++t) unpack(chunk + seg[SEG_KEYS] + (start + t) * kb, dim, bits, w->block + t * dim);
+            const uint8_t *key_codes = chunk + seg[SEG_KEYS] + start * kb;
             const float *b = NULL;
             if (f->flags & FLAG_BETA) {
                 CHECK(seg[SEG_BETA] >= HEADER_BYTES && seg[SEG_BETA] + (start + count) * 4 <= f->chunk_bytes);
                 memcpy(beta, chunk + seg[SEG_BETA] + start * 4, sizeof(float) * (size_t)count);
                 b = beta;
             }
-            block_logits(s, w->folded, w->zero_dot, w->e->scale, b, w->block, count, dim);
+            if (in_place) {
+                block_logits(s, w->folded, w->zero_dot, w->e->scale, b, key_codes, bits, kb, count, dim);
+            } else {
+                for (int64_t t = 0; t < count; ++t) unpack(key_codes + t * kb, dim, bits, w->block + t * dim);
+                block_logits(s, w->folded, w->zero_dot, w->e->scale, b, w->block, 0, 0, count, dim);
+            }
             update_maximum(s, count, dim);
             CHECK(seg[SEG_VALUES] >= HEADER_BYTES && seg[SEG_VALUES] + (start + count) * kb <= f->chunk_bytes);
             CHECK(seg[SEG_VALUE_SCALE] >= HEADER_BYTES && seg[SEG_VALUE_SCALE] + (start + count) * 2 <= f->chunk_bytes);
             CHECK(seg[SEG_VALUE_ZERO] >= HEADER_BYTES && seg[SEG_VALUE_ZERO] + (start + count) * 2 <= f->chunk_bytes);
-            for (int64_t t = 0; t < count; ++t)
-                unpack(chunk + seg[SEG_VALUES] + (start + t) * kb, dim, bits, w->block + t * dim);
+            const uint8_t *value_codes = chunk + seg[SEG_VALUES] + start * kb;
             to_float(chunk + seg[SEG_VALUE_SCALE] + start * 2, DT_F16, value_scale, count);
             to_float(chunk + seg[SEG_VALUE_ZERO] + start * 2, DT_F16, value_zero, count);
-            block_values(s, w->block, value_scale, value_zero, count, dim);
+            if (in_place) {
+                block_values(s, value_codes, bits, kb, value_scale, value_zero, count, dim);
+            } else {
+                for (int64_t t = 0; t < count; ++t) unpack(value_codes + t * kb, dim, bits, w->block + t * dim);
+                block_values(s, w->block, 0, 0, value_scale, value_zero, count, dim);
+            }
         }
     }
     return 0;
@@ -582,11 +634,11 @@ ALWAYS_INLINE int attend_float_rows(segment_work *w, softmax_state *s, const uin
             memcpy(beta, chunk + seg[SEG_BETA] + start * 4, sizeof(float) * (size_t)count);
             b = beta;
         }
-        block_logits(s, w->turned, NULL, w->e->scale, b, w->block, count, dim);
+        block_logits(s, w->turned, NULL, w->e->scale, b, w->block, 0, 0, count, dim);
         update_maximum(s, count, dim);
         CHECK(seg[SEG_VALUES] >= HEADER_BYTES && seg[SEG_VALUES] + (start + count) * row <= f->chunk_bytes);
         to_float(chunk + seg[SEG_VALUES] + start * row, dt, w->block, count * dim);
-        block_values(s, w->block, NULL, NULL, count, dim);
+        block_values(s, w->block, 0, 0, NULL, NULL, count, dim);
     }
     return 0;
 }
@@ -687,10 +739,10 @@ ALWAYS_INLINE int attend_own_tokens(const tile_job *job, const query_piece *piec
         update_maximum(s, count, dim);
         const uint8_t *values = run + bs * dim * size + offset * dim * size; /* row-major */
         if (e->dtype == DT_F32) {
-            block_values(s, (const float *)(const void *)values, NULL, NULL, count, dim);
+            block_values(s, values, 0, 0, NULL, NULL, count, dim);
         } else {
             to_float(values, e->dtype, block, count * dim);
-            block_values(s, block, NULL, NULL, count, dim);
+            block_values(s, block, 0, 0, NULL, NULL, count, dim);
         }
     }
     return 0;
