@@ -115,6 +115,17 @@ def _reference(scene: Scene, layer: int) -> list[torch.Tensor]:
     return out
 
 
+def _assert_equals_the_per_chunk_path(scene: Scene, layers) -> None:
+    """One call a layer (float32 engine) gives each request's rows what the per-chunk path gives them."""
+    step = PoolStep(scene.engine, scene.requests)
+    for layer in layers:
+        output = torch.full_like(scene.query, float("nan"))
+        step.attend(layer, scene.query, output)
+        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
+            got = output[request.query_start : request.query_start + request.query_len]
+            torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
 FORMATS = ["int8", "int4", "int3", "int2", "int4[key_group=16]", "int3[rotate=1]", None]
 
 
@@ -149,13 +160,7 @@ def test_a_head_size_of_64_takes_the_vectorised_unpacking_and_equals_the_per_chu
     """At 64 channels every width's codes are unpacked a vector of bytes at a time (2-bit planes need 64:
     the other tests' 32 take the scalar loop)."""
     scene = _scene(fmt, dim=64)
-    step = PoolStep(scene.engine, scene.requests)
-    for layer in range(LAYERS):
-        output = torch.full_like(scene.query, float("nan"))
-        step.attend(layer, scene.query, output)
-        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
-            got = output[request.query_start : request.query_start + request.query_len]
-            torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    _assert_equals_the_per_chunk_path(scene, range(LAYERS))
 
 
 @pytest.mark.parametrize("q_heads", [3, 6, 12, 21], ids=lambda q: f"{q // KV_HEADS}-queries-a-kv-head")
@@ -165,36 +170,20 @@ def test_any_number_of_query_heads_a_kv_head_equals_the_per_chunk_path(fmt, q_he
     time: groups of 1, 2, 4 and 7 query heads (multi-head attention, Llama-3.1-8B's 4, Qwen2.5-7B's 7) leave
     one or two queries past the last three in a decode step, and tiles of any size in a first step."""
     scene = _scene(fmt, dim=64, q_heads=q_heads)
-    step = PoolStep(scene.engine, scene.requests)
-    for layer in range(LAYERS):
-        output = torch.full_like(scene.query, float("nan"))
-        step.attend(layer, scene.query, output)
-        for request, expected in zip(scene.requests, _reference(scene, layer), strict=True):
-            got = output[request.query_start : request.query_start + request.query_len]
-            torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    _assert_equals_the_per_chunk_path(scene, range(LAYERS))
 
 
 def test_keys_in_any_layout_of_the_engine_are_read_right():
     scene = _scene("int4", key_layout="table")
     assert scene.engine.layout == 1
-    step = PoolStep(scene.engine, scene.requests)
-    output = torch.zeros_like(scene.query)
-    step.attend(2, scene.query, output)
-    for request, expected in zip(scene.requests, _reference(scene, 2), strict=True):
-        got = output[request.query_start : request.query_start + request.query_len]
-        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    _assert_equals_the_per_chunk_path(scene, [2])
 
 
 @pytest.mark.parametrize("key_layout", ["channel", "table"])
 def test_blocks_longer_than_the_kernels_runs_of_entries_are_read_from_where_each_token_lies(key_layout):
     """64-token blocks (vLLM's CPU default is 128): a request's own tokens start and stop inside blocks."""
     scene = _scene("int4", key_layout=key_layout, block=64)
-    step = PoolStep(scene.engine, scene.requests)
-    output = torch.zeros_like(scene.query)
-    step.attend(3, scene.query, output)
-    for request, expected in zip(scene.requests, _reference(scene, 3), strict=True):
-        got = output[request.query_start : request.query_start + request.query_len]
-        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    _assert_equals_the_per_chunk_path(scene, [3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
