@@ -302,48 +302,17 @@ static void to_float(const void *src, int64_t dtype, float *dst, int64_t n) {
 }
 
 /* ------------------------------------------------------------------ codes */
-/* One entry's codes as numbers: 8 bits one a byte; 4 and 2 bits by planes (byte j holds channels
- * j, j + D/p, ..., p = 8/bits); 3 bits eight codes in three bytes (code i at bit 3i of their
- * little-endian 24-bit word). Head sizes are multiples of 16, so 8-bit codes come LANES bytes at a
- * time, and 4- and 2-bit planes too where a plane holds a multiple of LANES bytes (a byte at a time
- * otherwise). */
-ALWAYS_INLINE void unpack(const uint8_t *src, int64_t dim, int bits, float *dst) {
-    if (bits == 8) {
-        for (int64_t c = 0; c < dim; c += LANES) vstore(dst + c, codes_to_float(src + c, 0, 255));
-    } else if (bits == 4 && dim % (2 * LANES) == 0) {
-        const int64_t w = dim / 2;
-        for (int64_t j = 0; j < w; j += LANES) {
-            vstore(dst + j, codes_to_float(src + j, 0, 15));
-            vstore(dst + w + j, codes_to_float(src + j, 4, 15));
-        }
-    } else if (bits == 4) {
-        const int64_t w = dim / 2;
-        for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 15u);
-        for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)(src[j] >> 4);
-    } else if (bits == 2 && dim % (4 * LANES) == 0) {
-        const int64_t w = dim / 4;
-        for (int64_t j = 0; j < w; j += LANES)
-            for (int plane = 0; plane < 4; ++plane) vstore(dst + plane * w + j, codes_to_float(src + j, 2 * plane, 3));
-    } else if (bits == 2) {
-        const int64_t w = dim / 4;
-        for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 3u);
-        for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)((src[j] >> 2) & 3u);
-        for (int64_t j = 0; j < w; ++j) dst[2 * w + j] = (float)((src[j] >> 4) & 3u);
-        for (int64_t j = 0; j < w; ++j) dst[3 * w + j] = (float)(src[j] >> 6);
-    } else { /* 3: each three bytes' word, its eight codes by eight shifts at once (vpsrlvd with AVX2) */
-        const v8i shifts = {0, 3, 6, 9, 12, 15, 18, 21};
-        for (int64_t g = 0; g < dim / 8; ++g) {
-            const uint8_t *b = src + 3 * g;
-            const int32_t word = (int32_t)((uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16));
-            const v8i codes = ((word + (v8i){0}) >> shifts) & 7;
-            *(v8f_unaligned *)(dst + 8 * g) = __builtin_convertvector(codes, v8f);
-        }
-    }
+/* Codes 8g .. 8g + 7 of an entry's 3-bit codes as numbers: their three bytes' word, shifted eight ways at
+ * once (vpsrlvd with AVX2). */
+ALWAYS_INLINE v8f code_group(const uint8_t *src, int64_t g) {
+    const v8i shifts = {0, 3, 6, 9, 12, 15, 18, 21};
+    const uint8_t *b = src + 3 * g;
+    const int32_t word = (int32_t)((uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16));
+    return __builtin_convertvector(((word + (v8i){0}) >> shifts) & 7, v8f);
 }
 
-/* Whether an entry's codes of this width and head size can be turned into numbers a vector at a time
- * where they are used (code_vector): 8 bits; 4 and 2 bits where a plane holds whole vectors; 3 bits in
- * vectors of eight. */
+/* Whether an entry's codes of this width and head size come a vector at a time (code_vector): 8 bits; 4
+ * and 2 bits where a plane holds whole vectors; 3 bits in vectors of eight. */
 ALWAYS_INLINE int codes_by_vector(int bits, int64_t dim) {
     if (bits == 8) return 1;
     if (bits == 4) return dim % (2 * LANES) == 0;
@@ -351,8 +320,8 @@ ALWAYS_INLINE int codes_by_vector(int bits, int64_t dim) {
     return bits == 3 && LANES == 8;
 }
 
-/* Vector v (channels v · LANES ..) of one entry's codes `src` as numbers: the vector unpack writes there
- * (codes_by_vector(bits, dim) must hold). */
+/* Vector v (channels v · LANES ..) of one entry's codes `src` as numbers (codes_by_vector(bits, dim) must
+ * hold): what unpack writes there, and what a decode step reads in place. */
 ALWAYS_INLINE vf code_vector(const uint8_t *src, int64_t v, int bits, int64_t dim) {
     if (bits == 8) return codes_to_float(src + v * LANES, 0, 255);
     if (bits == 4) {
@@ -364,13 +333,33 @@ ALWAYS_INLINE vf code_vector(const uint8_t *src, int64_t v, int bits, int64_t di
         return codes_to_float(src + (v - plane * per) * LANES, 2 * (int)plane, 3);
     }
 #if LANES == 8
-    const v8i shifts = {0, 3, 6, 9, 12, 15, 18, 21};
-    const uint8_t *b = src + 3 * v;
-    const int32_t word = (int32_t)((uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16));
-    return (vf)__builtin_convertvector(((word + (v8i){0}) >> shifts) & 7, v8f);
+    return (vf)code_group(src, v);
 #else
     return (vf){0}; /* not reached: codes_by_vector is false */
 #endif
+}
+
+/* One entry's codes as numbers: 8 bits one a byte; 4 and 2 bits by planes (byte j holds channels
+ * j, j + D/p, ..., p = 8/bits); 3 bits eight codes in three bytes (code i at bit 3i of their
+ * little-endian 24-bit word). Head sizes are multiples of 16, so 8-bit codes come LANES bytes at a
+ * time, and 4- and 2-bit planes too where a plane holds a multiple of LANES bytes (a byte at a time
+ * otherwise). */
+ALWAYS_INLINE void unpack(const uint8_t *src, int64_t dim, int bits, float *dst) {
+    if (codes_by_vector(bits, dim)) {
+        for (int64_t v = 0; v < dim / LANES; ++v) vstore(dst + v * LANES, code_vector(src, v, bits, dim));
+    } else if (bits == 4) { /* a plane of fewer bytes than a vector: a byte at a time */
+        const int64_t w = dim / 2;
+        for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 15u);
+        for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)(src[j] >> 4);
+    } else if (bits == 2) {
+        const int64_t w = dim / 4;
+        for (int64_t j = 0; j < w; ++j) dst[j] = (float)(src[j] & 3u);
+        for (int64_t j = 0; j < w; ++j) dst[w + j] = (float)((src[j] >> 2) & 3u);
+        for (int64_t j = 0; j < w; ++j) dst[2 * w + j] = (float)((src[j] >> 4) & 3u);
+        for (int64_t j = 0; j < w; ++j) dst[3 * w + j] = (float)(src[j] >> 6);
+    } else { /* 3 bits in vectors of sixteen: two groups of eight a vector */
+        for (int64_t g = 0; g < dim / 8; ++g) *(v8f_unaligned *)(dst + 8 * g) = code_group(src, g);
+    }
 }
 
 /* Vector v of entry t of a block's rows: `rows` is (count, dim) floats when bits is 0, else the entries'
