@@ -99,22 +99,29 @@ def test_the_release_build_refuses_rows_that_do_not_fit(mutate):
         _stored_part_native(kernel, queries, mutate(stored), SCALING)
 
 
-def test_the_kernel_refuses_a_scratch_space_too_small(debug_kernel):
-    """Called directly: every size the caller passes bounds what the kernel touches."""
-    stored, queries = _rows([20, 7, 33])
+def _call_directly(kernel, stored: QuantizedRows, queries: torch.Tensor, entries: int, groups: int, dim: int = D):
     rows, m, _ = queries.shape
     f32 = torch.float32
-    ks, kz = stored.key_scale.to(f32), stored.key_zero.to(f32)
+    ks, kz = stored.key_scale.to(f32).contiguous(), stored.key_zero.to(f32).contiguous()
     vs, vz = stored.value_scale[:, 0].to(f32).contiguous(), stored.value_zero[:, 0].to(f32).contiguous()
-    beta = stored.log_mass
     top, den, num = torch.empty(rows, m), torch.empty(rows, m), torch.empty(rows, m, D)
-    entries, groups = stored.key_codes.shape[0], ks.shape[0]
+    return kernel(
+        rows, m, dim, D, 4, stored.config.key_group, entries, groups,
+        stored.lengths.data_ptr(), stored.key_codes.data_ptr(), ks.data_ptr(), kz.data_ptr(),
+        stored.value_codes.data_ptr(), vs.data_ptr(), vz.data_ptr(), stored.log_mass.data_ptr(), queries.data_ptr(),
+        SCALING, top.data_ptr(), den.data_ptr(), num.data_ptr(),
+    )  # fmt: skip
+
+
+def test_the_kernel_reads_no_further_than_the_sizes_passed(debug_kernel):
+    """Called directly: the entries and key groups the caller says its buffers hold bound what the kernel
+    reads, one fewer of either is refused (the rows need all of them), and a head size it does not read
+    is refused before anything."""
+    stored, queries = _rows([20, 7, 33])
+    entries, groups = stored.key_codes.shape[0], stored.key_scale.shape[0]
+    assert entries == 60 and groups == 4  # key groups of 32 entries: 1 + 1 + 2
     for kernel, code in ((debug_kernel, 5), (native.load_kernel(debug=False), 4)):
-        scratch = torch.empty(32 * m)  # the longest row holds 33 entries
-        returned = kernel(
-            rows, m, D, D, 4, 32, entries, groups, scratch.numel(),
-            stored.lengths.data_ptr(), stored.key_codes.data_ptr(), ks.data_ptr(), kz.data_ptr(),
-            stored.value_codes.data_ptr(), vs.data_ptr(), vz.data_ptr(), beta.data_ptr(), queries.data_ptr(),
-            SCALING, scratch.data_ptr(), top.data_ptr(), den.data_ptr(), num.data_ptr(),
-        )  # fmt: skip
-        assert returned == code
+        assert _call_directly(kernel, stored, queries, entries, groups) == 0
+        assert _call_directly(kernel, stored, queries, entries - 1, groups) == code
+        assert _call_directly(kernel, stored, queries, entries, groups - 1) == code
+        assert _call_directly(kernel, stored, queries, entries, groups, dim=D + 8) == 1

@@ -459,17 +459,19 @@ def test_the_debug_build_checks_every_index_as_it_reads(debug_kernel, corrupt):
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")
 @pytest.mark.parametrize("machine", ["x86-64", "skylake-avx512"])
-def test_the_kernel_compiles_for_other_machines_vectors(tmp_path, machine):
+@pytest.mark.parametrize("source", [native.POOL_SOURCE, native.SOURCE], ids=["pool", "codes"])
+def test_the_kernel_compiles_for_other_machines_vectors(tmp_path, machine, source):
     """The release flags for other machines' vectors: without AVX2 (generic vectors) and with AVX-512
     (16-float vectors, which this machine may not run), at -O0 (always-inline intrinsics are checked
     against the target all the same, in seconds); each must build without a warning (but
-    -Wpsabi's, on vectors passed between inline functions without AVX)."""
+    -Wpsabi's, on vectors passed between inline functions without AVX). Both kernels, on the blocks they
+    share (attend_blocks.h)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 targets")
     other = {"-march=native": f"-march={machine}", "-O3": "-O0"}
     flags = [other.get(flag, flag) for flag in native.FLAGS]
     built = subprocess.run(
-        ["cc", *flags, "-Wall", "-Werror", "-Wno-psabi", "-o", str(tmp_path / "pool.so"), str(native.POOL_SOURCE)],
+        ["cc", *flags, "-Wall", "-Werror", "-Wno-psabi", "-o", str(tmp_path / "kernel.so"), str(source)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,6 +3,7 @@ compiled kernel and the PyTorch path against a float64 reference over the dequan
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -103,6 +104,8 @@ def test_the_kernel_reads_integer_codes_without_outliers_and_nothing_else():
     assert not native_applies(plain[1], _case([5, 3], "fp8", True)[0])
     assert not native_applies(plain[1], _case([5, 3], "int4[outliers=1]", True)[0])
     assert not native_applies(plain[1].double(), plain[0])
+    odd = _case_of([5, 3], "int4", 3, 24, 24)  # a head size the kernel is not built for: the PyTorch path
+    assert not native_applies(odd[1], odd[0])
 
 
 @pytest.mark.skipif(native.attend_codes_kernel() is None, reason=f"no native kernel here: {native.status()}")
@@ -149,14 +152,32 @@ def test_disabled_or_unbuildable_kernels_leave_the_torch_path_and_say_why(fresh_
 
 
 @pytest.mark.skipif(native.attend_codes_kernel() is None, reason=f"no native kernel here: {native.status()}")
-def test_a_kernel_is_built_once_into_the_cache_directory(fresh_kernel):
+def test_a_kernel_is_built_once_into_the_cache_directory(fresh_kernel, capsys):
     assert native.attend_codes_kernel() is not None
     built = list((fresh_kernel / "kernels").glob("attend_codes-*.so"))
     assert len(built) == 1
+    assert "compiling attend_codes.c for this machine, once" in capsys.readouterr().err  # a first build says so
     stamp = built[0].stat().st_mtime_ns
     native.attend_codes_kernel.cache_clear()
     assert native.attend_codes_kernel() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert capsys.readouterr().err == ""
+
+
+def test_a_kernel_is_built_again_when_the_header_it_includes_changes(tmp_path, monkeypatch):
+    """The library's name hashes the source and the headers beside it (attend_blocks.h): a changed header
+    is a new build, never the stale library of the old one."""
+    monkeypatch.setenv("KVFOLD_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "k.c").write_text('#include "k.h"\nint kvfold_k(void) { return K; }\n')
+    (tmp_path / "k.h").write_text("#define K 1\n")
+    compiler = native._compiler()  # noqa: SLF001 - the build function itself, on a two-line source
+    if compiler is None:
+        pytest.skip("no C compiler")
+    first = native._build(compiler, source_path=tmp_path / "k.c")  # noqa: SLF001
+    (tmp_path / "k.h").write_text("#define K 2\n")
+    second = native._build(compiler, source_path=tmp_path / "k.c")  # noqa: SLF001
+    assert first != second and first.exists() and second.exists()
+    assert ctypes.CDLL(str(second)).kvfold_k() == 2
 
 
 def _per_row_part(queries: torch.Tensor, stored: QuantizedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,3 +232,41 @@ def test_the_paged_torch_path_runs_a_fixed_number_of_operations_and_reads_nothin
             with HostSyncCounter() as syncs:
                 module._stored_part_torch(queries, stored, SCALING)
             assert len(calls) == products and not syncs.kvfold, syncs.summary()
+
+
+def _case_of(lengths: list[int], fmt: str, m: int, dim: int, value_dim: int, seed: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    rows, width = len(lengths), max(lengths)
+    keys, values = torch.randn(rows, width, dim, generator=g), torch.randn(rows, width, value_dim, generator=g)
+    log_mass = torch.randn(rows, width, generator=g)
+    stored = QuantizedRows.from_padded(keys, values, log_mass, torch.tensor(lengths), QuantConfig.parse(fmt))
+    queries = torch.randn(rows, m, dim, generator=g)
+    tail_keys, tail_values = torch.randn(rows, 2, dim, generator=g), torch.randn(rows, 2, value_dim, generator=g)
+    return stored, queries, queries @ tail_keys.transpose(1, 2) * dim**-0.5, tail_values
+
+
+def _reference_at(stored: QuantizedRows, queries, tail_logits, tail_values, scaling: float) -> torch.Tensor:
+    keys, values, log_mass = (t.double() for t in stored.to_padded())
+    stored_logits = queries.double() @ keys.transpose(1, 2) * scaling + log_mass[:, None]
+    logits = torch.cat([stored_logits, tail_logits.double()], -1)
+    return torch.softmax(logits, -1) @ torch.cat([values, tail_values.double()], 1)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int3", "int2"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (32, 32), (32, 48)], ids=lambda d: f"{d[0]}x{d[1]}")
+def test_the_kernel_reads_any_number_of_queries_and_head_size(fmt, m, dims, monkeypatch):
+    """A row's queries are its GQA group's heads × the new tokens: any number of them, in groups of three
+    and one at a time after. Up to three read the codes in place, compiled for head sizes 64 and 128; more,
+    and other head sizes (values of another size than the keys too), unpack a block once. Against the
+    float64 reference, the kernel's path only."""
+    import kvfold.runtime.quantized_attention as module
+
+    _require_kernel()
+    dim, value_dim = dims
+    stored, queries, tail_logits, tail_values = _case_of([70, 0, 33, 1, 64], fmt, m, dim, value_dim)
+    assert native_applies(queries, stored) and stored.value_dim == value_dim
+    monkeypatch.setattr(module, "attend_stored_torch", None)  # the kernel's path only
+    out = attend_stored(queries, tail_logits, tail_values, stored, dim**-0.5)
+    expected = _reference_at(stored, queries, tail_logits, tail_values, dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)

@@ -13,11 +13,16 @@ Two kernels:
   parallel over (tile, KV head) with OpenMP when the compiler has it
   (``-fopenmp``; built without it otherwise, :func:`pool_status` says which).
 
-The shared library is built once per kernel source, compiler flags and machine into
-``$KVFOLD_CACHE_DIR/kernels`` (default ``~/.cache/kvfold/kernels``), written to a temporary name
-and renamed, so concurrent processes never load a half-written file. Without a C compiler, or with
-``KVFOLD_NATIVE=0``, :func:`attend_codes_kernel` returns None and the PyTorch path runs
-(:func:`status` says which and why; ``kvfold bench`` records it).
+Both are written on ``kernels/attend_blocks.h``: the code vectors of every width, the running softmax and
+a block's logits and weighted values, once for the two (a decode step's few queries read the codes in
+place; more unpack a block once).
+
+The shared library is built once per kernel source (with the headers beside it), compiler flags and
+machine into ``$KVFOLD_CACHE_DIR/kernels`` (default ``~/.cache/kvfold/kernels``), saying so on
+standard error (a first build takes up to a minute), written to a temporary name and renamed, so
+concurrent processes never load a half-written file. Without a C compiler, or with ``KVFOLD_NATIVE=0``,
+:func:`attend_codes_kernel` returns None and the PyTorch path runs (:func:`status` says which and why;
+``kvfold bench`` records it).
 
 ``KVFOLD_NATIVE_DEBUG=1`` builds a debug kernel instead (its own file, ``attend_codes-debug-….so``):
 ``-O1 -g``, the undefined-behaviour checks that need no runtime library (a trap), and
@@ -34,6 +39,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -73,7 +79,7 @@ ERRORS = {
     1: "a dimension or the number of queries is past the kernel's limits",
     2: "a code width it does not read",
     3: "out of memory",
-    4: "the row lengths do not fit the codes, scales or scratch space passed",
+    4: "the row lengths do not fit the codes or scales passed",
     5: "an index past a buffer (debug build)",
     6: "a workspace too small for the threads asked",
     7: "a request does not fit the engine: its file, blocks, rows or chunk headers (its blocks may not hold its file)",
@@ -113,13 +119,16 @@ def _machine_tag() -> str:
 
 
 def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra: tuple[str, ...] = ()) -> Path:
-    source = source_path.read_bytes()
+    # the headers beside the source (kernels/attend_blocks.h) are part of what is built
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     flags = (*(DEBUG_FLAGS if debug else FLAGS), *extra)
     digest = hashlib.sha256(source + " ".join(flags).encode() + _machine_tag().encode()).hexdigest()[:16]
     target = cache_dir() / f"{source_path.stem}-{'debug-' if debug else ''}{digest}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # a first build takes tens of seconds (the kernels are compiled for each code width and head size)
+    print(f"kvfold: compiling {source_path.name} for this machine, once (up to a minute)", file=sys.stderr, flush=True)
     fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.part", dir=target.parent)
     os.close(fd)
     try:
@@ -149,12 +158,12 @@ def load_kernel(debug: bool = False) -> ctypes._CFuncPtr | None:  # type: ignore
     """Build (once per source, flags and machine) and load the kernel, the debug build when ``debug``;
     None when disabled or unbuildable, with why in :func:`status`.
 
-    Its C signature: ``rows, m, dim, vdim, bits, group, entries, groups, scratch_len`` (int64), then
-    the pointers ``lengths, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
-    beta, queries``, ``scaling`` (float) and the outputs ``scratch, top, den, num``. ``entries``,
-    ``groups`` and ``scratch_len`` are the sizes of the buffers passed (entries the codes, value
-    scales and β hold; key groups the key scales hold; floats of scratch); the kernel reads nothing
-    past them, and returns 4 (5 in the debug build) rather than do so (:data:`ERRORS`)."""
+    Its C signature: ``rows, m, dim, vdim, bits, group, entries, groups`` (int64), then the pointers
+    ``lengths, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, beta, queries``,
+    ``scaling`` (float) and the outputs ``top, den, num``. ``entries`` and ``groups`` are the sizes
+    of the buffers passed (entries the codes, value scales and β hold; key groups the key scales
+    hold); the kernel reads nothing past them, and returns 4 (5 in the debug build) rather than do so
+    (:data:`ERRORS`). It allocates its own workspace (a few blocks' floats)."""
     _why_not.clear()
     if os.environ.get(DISABLE_ENV, "1") == "0":
         _why_not.append(f"{DISABLE_ENV}=0")
@@ -171,7 +180,7 @@ def load_kernel(debug: bool = False) -> ctypes._CFuncPtr | None:  # type: ignore
         return None
     function = library.kvfold_attend_codes
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    function.argtypes = [i64] * 9 + [ptr] * 9 + [f32] + [ptr] * 4
+    function.argtypes = [i64] * 8 + [ptr] * 9 + [f32] + [ptr] * 3
     function.restype = ctypes.c_int
     return function
 

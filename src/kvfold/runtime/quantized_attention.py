@@ -5,8 +5,9 @@ one after another, KIVI's axes, Liu et al. 2024 §3): keys per channel over grou
 values per entry. Two paths compute the same thing (both are tested against a float64 reference):
 
 * **the compiled kernel** (:mod:`kvfold.runtime.native`, on the CPU, 8-, 4-, 3- and 2-bit codes
-  without outlier entries): one pass over each entry's codes, a key group's scales folded into the
-  queries (``q · k = codes · (q ⊙ s) + q · z``), a value's scale into its probability;
+  without outlier entries, head sizes multiples of 16): a block of entries at a time on the serving
+  kernel's blocks (``kernels/attend_blocks.h``), a key group's scales folded into the queries
+  (``q · k = codes · (q ⊙ s) + q · z``), a value's scale into its probability;
 * **PyTorch** (:func:`attend_stored_torch`, everywhere else): the rows are read in pages, one a key
   group (:mod:`kvfold.runtime.pages`, built once for the rows and kept with them): each page's codes
   are gathered and its keys dequantized with the page's scales, its logits computed against its row's
@@ -103,7 +104,8 @@ def _with_tail(top: Tensor, den: Tensor, num: Tensor, tail_logits: Tensor, tail_
 
 def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
     """Whether the compiled kernel can read these rows: float32 queries on the CPU, codes of 8, 4, 3
-    or 2 bits with one value scale an entry, no full-precision outlier entries, outside a step that
+    or 2 bits with one value scale an entry, no full-precision outlier entries, head sizes that are
+    multiples of 16 (every model family kvfold supports has them), outside a step that
     ``torch.compile`` traces (it compiles the PyTorch path; a ctypes call would break its graph)."""
     return (
         queries.device.type == "cpu"
@@ -115,6 +117,8 @@ def native_applies(queries: Tensor, stored: QuantizedRows) -> bool:
         and not stored.outlier_index.numel()
         and stored.head_dim <= 1024
         and stored.value_dim <= 1024
+        and stored.head_dim % 16 == 0
+        and stored.value_dim % 16 == 0
         and queries.shape[1] <= 256
     )
 
@@ -127,14 +131,12 @@ def _stored_part_native(
     rows, m, dim = queries.shape
     queries = queries.contiguous()
     lengths = stored.lengths.to(torch.int64).contiguous()
-    longest = int(lengths.max()) if rows else 0
     f32 = torch.float32
     key_scale, key_zero = stored.key_scale.to(f32).contiguous(), stored.key_zero.to(f32).contiguous()
     value_scale = stored.value_scale[:, 0].to(f32).contiguous()
     value_zero = stored.value_zero[:, 0].to(f32).contiguous()
     beta = None if stored.log_mass is None else stored.log_mass.to(f32).contiguous()
     key_codes, value_codes = stored.key_codes.contiguous(), stored.value_codes.contiguous()
-    scratch = queries.new_empty(max(longest, 1) * m)
     top, den = queries.new_empty(rows, m), queries.new_empty(rows, m)
     num = queries.new_empty(rows, m, stored.value_dim)
     bits = stored.config.bits
@@ -143,11 +145,11 @@ def _stored_part_native(
     per_entry += [value_scale.numel(), value_zero.numel()] + ([] if beta is None else [beta.numel()])
     groups = min(key_scale.numel(), key_zero.numel()) // max(1, dim)  # what the buffers hold: read no further
     code = kernel(
-        rows, m, dim, stored.value_dim, bits, stored.config.key_group, min(per_entry), groups, scratch.numel(),
+        rows, m, dim, stored.value_dim, bits, stored.config.key_group, min(per_entry), groups,
         lengths.data_ptr(), key_codes.data_ptr(), key_scale.data_ptr(), key_zero.data_ptr(),
         value_codes.data_ptr(), value_scale.data_ptr(), value_zero.data_ptr(),
         0 if beta is None else beta.data_ptr(), queries.data_ptr(), scaling,
-        scratch.data_ptr(), top.data_ptr(), den.data_ptr(), num.data_ptr(),
+        top.data_ptr(), den.data_ptr(), num.data_ptr(),
     )  # fmt: skip
     if code:
         why = ERRORS.get(code, "unknown")

@@ -1,4 +1,4 @@
-/* Attention of a few queries over quantized rows read from their codes, in one pass a row.
+/* Attention of a few queries over quantized rows read from their codes, a block of entries at a time.
  *
  * The stored part of kvfold's quantized attention (kvfold.runtime.quantized_attention): keys
  * quantized per channel over groups of `group` consecutive entries of a row, values per entry
@@ -6,50 +6,63 @@
  * the codes of channels j, j + D/p, ..., p = 8/bits codes a byte) or of 3 bits (eight codes in three
  * bytes, code i of the eight at bit 3i of their little-endian 24-bit word). A key group's scales are folded
  * into the queries (q . k = sum_c codes_c (q_c s_c) + q . z), a value's scale into its
- * probability, so no key or value is ever dequantized.
+ * probability, so no key or value is ever dequantized into memory. The blocks' logits, running softmax
+ * and weighted values are attend_blocks.h's, which the served files' pool kernel (attend_pool.c) uses
+ * too: a decode step's few queries (at most CODES_IN_PLACE_QUERIES a row) turn each code vector into
+ * numbers where they use it, more queries (a prefill's) unpack a block once for all of them.
  *
- * `scratch` holds the longest row's m logits an entry. For every row r and query i it writes, relative to the row's own maximum logit top[r, i]:
+ * For every row r and query i it writes, relative to the row's own maximum logit top[r, i]:
  *   den[r, i]    = sum_t exp(l_t - top)
  *   num[r, i, :] = sum_t exp(l_t - top) * value_t
  * with l_t = scaling * q_i . k_t + beta_t. A row without entries gets top = -inf, den = 0, num = 0.
+ * Head sizes (dim, vdim) are multiples of 16, at most MAX_DIM.
  *
- * Bounds. `entries` is what the entry buffers hold (key_codes: entries * ceil(dim*bits/8) bytes,
- * value_codes: entries * ceil(vdim*bits/8), value_scale, value_zero and beta: entries floats),
- * `groups` what the key scales and zero points hold (groups * dim floats), `scratch_len` the floats
- * of scratch. Before reading anything the kernel checks the row lengths against them (each length
- * non-negative, their entries, key groups and scratch within the buffers) and returns 4 if they do
- * not fit. Built with -DKVFOLD_DEBUG (KVFOLD_NATIVE_DEBUG=1) it skips that check and checks every
- * index as it reads instead, returning 5 before a read out of bounds: a test that passes
- * inconsistent lengths then shows each access is guarded.
+ * Bounds. `entries` is what the entry buffers hold (key_codes: entries * dim*bits/8 bytes,
+ * value_codes: entries * vdim*bits/8, value_scale, value_zero and beta: entries floats),
+ * `groups` what the key scales and zero points hold (groups * dim floats). Before reading anything the
+ * kernel checks the row lengths against them (each length non-negative, their entries and key groups
+ * within the buffers) and returns 4 if they do not fit. Built with -DKVFOLD_DEBUG (KVFOLD_NATIVE_DEBUG=1)
+ * it skips that check and checks each row's entries and every key group as it reads them instead,
+ * returning 5 before a read out of bounds: a test that passes inconsistent lengths then shows each
+ * access is guarded.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "attend_blocks.h"
+
 #define MAX_DIM 1024
 #define MAX_QUERIES 256
 
 #ifdef KVFOLD_DEBUG
-#define CHECK(cond)          \
-    do {                     \
-        if (!(cond)) {       \
-            status = 5;      \
-            goto done;       \
-        }                    \
+#define CHECK(cond)            \
+    do {                       \
+        if (!(cond)) return 5; \
     } while (0)
 #else
 #define CHECK(cond) ((void)0)
 #endif
 
+/* One call's arguments (kvfold_attend_codes's) and its workspace. */
+typedef struct {
+    int64_t rows, m, group, entries, groups;
+    const int64_t *lengths;
+    const uint8_t *key_codes, *value_codes;
+    const float *key_scale, *key_zero, *value_scale, *value_zero, *beta, *queries;
+    float scaling;
+    float *top, *den, *num;
+    float *folded, *zero_dot, *zero_sum, *logits, *block; /* the workspace */
+} codes_call;
+
 #ifndef KVFOLD_DEBUG
 /* Whether the rows' lengths fit the buffers: 0 if they do, 4 if not. */
-static int rows_fit(int64_t rows, int64_t m, int64_t group, const int64_t *lengths, int64_t entries,
-                    int64_t groups, int64_t scratch_len) {
+static int rows_fit(int64_t rows, int64_t group, const int64_t *lengths, int64_t entries, int64_t groups) {
     int64_t entry = 0, group_count = 0;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = lengths[r];
-        if (n < 0 || n > entries - entry || n > scratch_len / (m > 0 ? m : 1)) return 4;
+        if (n < 0 || n > entries - entry) return 4;
         entry += n;
         group_count += n / group + (n % group != 0);
         if (group_count > groups) return 4;
@@ -58,114 +71,112 @@ static int rows_fit(int64_t rows, int64_t m, int64_t group, const int64_t *lengt
 }
 #endif
 
-static void unpack(const uint8_t *src, int64_t dim, int64_t bits, float *dst) {
-    if (bits == 8) {
-        for (int64_t c = 0; c < dim; ++c) dst[c] = (float)src[c];
-        return;
-    }
-    if (bits == 3) {
-        for (int64_t g = 0; g < dim / 8; ++g) {
-            const uint8_t *b = src + 3 * g;
-            const uint32_t word = (uint32_t)b[0] | ((uint32_t)b[1] << 8) | ((uint32_t)b[2] << 16);
-            for (int64_t i = 0; i < 8; ++i) dst[8 * g + i] = (float)((word >> (3 * i)) & 7u);
-        }
-        return;
-    }
-    const int64_t per = 8 / bits, width = dim / per;
-    const unsigned mask = (1u << bits) - 1u;
-    for (int64_t k = 0; k < per; ++k) {
-        const unsigned shift = (unsigned)(k * bits);
-        float *d = dst + k * width;
-        for (int64_t j = 0; j < width; ++j) d[j] = (float)((src[j] >> shift) & mask);
-    }
-}
-
-int kvfold_attend_codes(int64_t rows, int64_t m, int64_t dim, int64_t vdim, int64_t bits, int64_t group,
-                        int64_t entries, int64_t groups, int64_t scratch_len, const int64_t *lengths, const uint8_t *key_codes, const float *key_scale,
-                        const float *key_zero, const uint8_t *value_codes, const float *value_scale,
-                        const float *value_zero, const float *beta, const float *queries, float scaling,
-                        float *scratch, float *top, float *den, float *num) {
-    if (dim > MAX_DIM || vdim > MAX_DIM || m > MAX_QUERIES || group < 1) return 1;
-    if (bits != 8 && bits != 4 && bits != 3 && bits != 2) return 2;
-    if (entries < 0 || groups < 0 || scratch_len < 0) return 4;
-#ifndef KVFOLD_DEBUG
-    if (rows_fit(rows, m, group, lengths, entries, groups, scratch_len)) return 4;
-#endif
-    const int64_t kb = dim * bits / 8, vb = vdim * bits / 8;
-    int status = 0;
-    float codes[MAX_DIM];
-    float *qs = (float *)malloc(sizeof(float) * (size_t)(m * dim));
-    float *qz = (float *)malloc(sizeof(float) * (size_t)m);
-    float *zs = (float *)malloc(sizeof(float) * (size_t)m);
-    if (!qs || !qz || !zs) {
-        free(qs), free(qz), free(zs);
-        return 3;
-    }
+/* Every row's stored part, for one code width and head size (constants where the caller passes them, so
+ * that the code vectors' width and the channel loops are compiled for them). */
+ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_t vdim, int in_place) {
+    const int64_t m = c->m, group = c->group, kb = dim * bits / 8, vb = vdim * bits / 8;
+    const int keys_in_place = in_place && codes_by_vector(bits, dim);
+    const int values_in_place = in_place && codes_by_vector(bits, vdim);
+    float *folded = c->folded, *zero_dot = c->zero_dot, *zero_sum = c->zero_sum, *block = c->block;
     int64_t entry = 0, first_group = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = lengths[r];
-        CHECK(n >= 0 && n <= entries - entry);
-        const float *q = queries + r * m * dim;
-        float *tp = top + r * m, *dn = den + r * m, *nm = num + r * m * vdim;
-        for (int64_t i = 0; i < m; ++i) tp[i] = -INFINITY, dn[i] = 0.0f;
-        memset(nm, 0, sizeof(float) * (size_t)(m * vdim));
-        /* logits: the group's scales folded into the queries, one group of entries at a time */
-        for (int64_t start = 0; start < n; start += group) {
-            const int64_t g = first_group + start / group;
-            CHECK(g < groups);
-            const float *s = key_scale + g * dim, *z = key_zero + g * dim;
-            for (int64_t i = 0; i < m; ++i) {
+    for (int64_t r = 0; r < c->rows; ++r) {
+        const int64_t n = c->lengths[r];
+        CHECK(n >= 0 && n <= c->entries - entry);
+        const float *q = c->queries + r * m * dim;
+        softmax_state s = {m, c->top + r * m, c->den + r * m, zero_sum, c->num + r * m * vdim, c->logits};
+        for (int64_t i = 0; i < m; ++i) s.top[i] = -INFINITY, s.den[i] = 0.0f, zero_sum[i] = 0.0f;
+        memset(s.num, 0, sizeof(float) * (size_t)(m * vdim));
+        for (int64_t first = 0; first < n; first += group) {
+            const int64_t g = first_group + first / group;
+            CHECK(g < c->groups);
+            const float *scale = c->key_scale + g * dim, *zero = c->key_zero + g * dim;
+            for (int64_t i = 0; i < m; ++i) { /* q · k = codes · (q ⊙ s) + q · z */
                 float offset = 0.0f;
-                for (int64_t c = 0; c < dim; ++c) {
-                    qs[i * dim + c] = q[i * dim + c] * s[c];
-                    offset += q[i * dim + c] * z[c];
+                for (int64_t k = 0; k < dim; ++k) {
+                    folded[i * dim + k] = q[i * dim + k] * scale[k];
+                    offset += q[i * dim + k] * zero[k];
                 }
-                qz[i] = offset;
+                zero_dot[i] = offset;
             }
-            const int64_t stop = start + group < n ? start + group : n;
-            for (int64_t t = start; t < stop; ++t) {
-                CHECK(entry + t < entries && (t + 1) * m <= scratch_len);
-                unpack(key_codes + (entry + t) * kb, dim, bits, codes);
-                const float b = beta ? beta[entry + t] : 0.0f;
-                for (int64_t i = 0; i < m; ++i) {
-                    const float *qi = qs + i * dim;
-                    float dot = 0.0f;
-                    for (int64_t c = 0; c < dim; ++c) dot += qi[c] * codes[c];
-                    const float l = (dot + qz[i]) * scaling + b;
-                    scratch[t * m + i] = l;
-                    if (l > tp[i]) tp[i] = l;
+            const int64_t stop = first + group < n ? first + group : n;
+            for (int64_t start = first; start < stop; start += BLOCK_ENTRIES) {
+                const int64_t count = stop - start < BLOCK_ENTRIES ? stop - start : BLOCK_ENTRIES;
+                const int64_t at = entry + start; /* the block's first entry in the buffers */
+                const uint8_t *keys = c->key_codes + at * kb, *values = c->value_codes + at * vb;
+                const float *b = c->beta ? c->beta + at : NULL;
+                if (keys_in_place) {
+                    block_logits(&s, folded, zero_dot, c->scaling, b, keys, bits, kb, count, dim);
+                } else {
+                    for (int64_t t = 0; t < count; ++t) unpack(keys + t * kb, dim, bits, block + t * dim);
+                    block_logits(&s, folded, zero_dot, c->scaling, b, block, 0, 0, count, dim);
+                }
+                update_maximum(&s, count, vdim);
+                const float *value_scale = c->value_scale + at, *value_zero = c->value_zero + at;
+                if (values_in_place) {
+                    block_values(&s, values, bits, vb, value_scale, value_zero, count, vdim);
+                } else {
+                    for (int64_t t = 0; t < count; ++t) unpack(values + t * vb, vdim, bits, block + t * vdim);
+                    block_values(&s, block, 0, 0, value_scale, value_zero, count, vdim);
                 }
             }
         }
-        /* probabilities relative to the row's maximum */
-        for (int64_t t = 0; t < n; ++t)
-            for (int64_t i = 0; i < m; ++i) {
-                const float w = tp[i] == -INFINITY ? 0.0f : expf(scratch[t * m + i] - tp[i]);
-                scratch[t * m + i] = w;
-                dn[i] += w;
-            }
-        /* values: each entry's scale folded into its probability, its zero point into a sum */
-        for (int64_t i = 0; i < m; ++i) zs[i] = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
-            CHECK(entry + t < entries && (t + 1) * m <= scratch_len);
-            unpack(value_codes + (entry + t) * vb, vdim, bits, codes);
-            const float s = value_scale[entry + t], z = value_zero[entry + t];
-            for (int64_t i = 0; i < m; ++i) {
-                const float w = scratch[t * m + i];
-                const float a = w * s;
-                float *o = nm + i * vdim;
-                zs[i] += w * z;
-                for (int64_t c = 0; c < vdim; ++c) o[c] += a * codes[c];
-            }
-        }
-        for (int64_t i = 0; i < m; ++i)
-            for (int64_t c = 0; c < vdim; ++c) nm[i * vdim + c] += zs[i];
+        for (int64_t i = 0; i < m; ++i) /* each value's zero point, weighted, on every channel */
+            for (int64_t k = 0; k < vdim; ++k) s.num[i * vdim + k] += zero_sum[i];
         entry += n;
         first_group += n / group + (n % group != 0);
     }
-#ifdef KVFOLD_DEBUG
-done:
+    return 0;
+}
+
+/* attend_rows compiled for the common head sizes (64 and 128, their loops unrolled) and any other. More
+ * queries than CODES_IN_PLACE_QUERIES a row (a prefill's) unpack a block once into numbers for all of them:
+ * compiled once for every code width (the width only decides how a block is unpacked). A decode step's few
+ * queries read the codes in place, compiled for each width and the common head sizes; other head sizes
+ * unpack. Each copy costs seconds of the first build (about 30 s in all on this project's 2-core machine). */
+static int attend_rows_unpacked(const codes_call *c, int bits, int64_t dim, int64_t vdim) {
+    if (dim == 64 && vdim == 64) return attend_rows(c, bits, 64, 64, 0);
+    if (dim == 128 && vdim == 128) return attend_rows(c, bits, 128, 128, 0);
+    return attend_rows(c, bits, dim, vdim, 0);
+}
+
+ALWAYS_INLINE int attend_rows_in_place(const codes_call *c, int bits, int64_t dim, int64_t vdim) {
+    if (dim == 64 && vdim == 64) return attend_rows(c, bits, 64, 64, 1);
+    if (dim == 128 && vdim == 128) return attend_rows(c, bits, 128, 128, 1);
+    return attend_rows_unpacked(c, bits, dim, vdim);
+}
+
+int kvfold_attend_codes(int64_t rows, int64_t m, int64_t dim, int64_t vdim, int64_t bits, int64_t group,
+                        int64_t entries, int64_t groups, const int64_t *lengths, const uint8_t *key_codes,
+                        const float *key_scale, const float *key_zero, const uint8_t *value_codes,
+                        const float *value_scale, const float *value_zero, const float *beta, const float *queries,
+                        float scaling, float *top, float *den, float *num) {
+    if (dim > MAX_DIM || vdim > MAX_DIM || dim % 16 || vdim % 16 || m > MAX_QUERIES || group < 1) return 1;
+    if (bits != 8 && bits != 4 && bits != 3 && bits != 2) return 2;
+    if (entries < 0 || groups < 0) return 4;
+#ifndef KVFOLD_DEBUG
+    if (rows_fit(rows, group, lengths, entries, groups)) return 4;
 #endif
-    free(qs), free(qz), free(zs);
+    const int64_t widest = dim > vdim ? dim : vdim;
+    /* the queries folded with a key group's scales (m, dim), their zero points' dot products (m), the
+     * zero points' sums (m), a block's logits then weights (m, BLOCK_ENTRIES), a block as numbers */
+    const size_t floats = (size_t)(m * dim + 2 * m + m * BLOCK_ENTRIES + BLOCK_ENTRIES * widest);
+    float *work = (float *)malloc(sizeof(float) * (floats > 0 ? floats : 1));
+    if (!work) return 3;
+    codes_call c = {rows, m, group, entries, groups, lengths, key_codes, value_codes, key_scale, key_zero,
+                    value_scale, value_zero, beta, queries, scaling, top, den, num};
+    c.folded = work, c.zero_dot = work + m * dim, c.zero_sum = c.zero_dot + m;
+    c.logits = c.zero_sum + m, c.block = c.logits + m * BLOCK_ENTRIES;
+    int status;
+    if (m > CODES_IN_PLACE_QUERIES) {
+        status = attend_rows_unpacked(&c, (int)bits, dim, vdim);
+    } else {
+        switch (bits) {
+            case 8: status = attend_rows_in_place(&c, 8, dim, vdim); break;
+            case 4: status = attend_rows_in_place(&c, 4, dim, vdim); break;
+            case 3: status = attend_rows_in_place(&c, 3, dim, vdim); break;
+            default: status = attend_rows_in_place(&c, 2, dim, vdim);
+        }
+    }
+    free(work);
     return status;
 }
