@@ -23,7 +23,8 @@ its blocks and its tables, as an engine's prefix cache and the vLLM backend give
 reads the file once for their queries (``PoolStep.tiles``).
 
 ``--baseline OLD.c`` compares the kernel with another version of its source (for instance
-``git show REV:src/kvfold/runtime/kernels/attend_pool.c > OLD.c``) in this process, on the same rows:
+``git show REV:src/kvfold/runtime/kernels/attend_pool.c > OLD/attend_pool.c``, and from 84246ac on that
+revision's ``attend_blocks.h`` beside it, which the source includes) in this process, on the same rows:
 each repeat times both, in alternating order, and the ratio of each pair (this kernel ÷ the baseline)
 is reported with its 10th and 90th percentiles, with the largest difference between their outputs.
 Timings on a shared machine move by a quarter between runs; a ratio within one run moves far less.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -32,6 +33,7 @@ def test_a_baseline_source_is_timed_beside_the_kernel_on_the_same_rows(tmp_path)
     source = native.POOL_SOURCE.read_text()
     halved = source.replace("const float inverse = 1.0f / own.den[i]", "const float inverse = 0.5f / own.den[i]")
     assert halved != source
+    shutil.copy(native.POOL_SOURCE.with_name("attend_blocks.h"), tmp_path / "attend_blocks.h")  # it includes
     for name, text in (("same.c", source), ("halved.c", halved)):
         (tmp_path / name).write_text(text)
         out = tmp_path / name.removesuffix(".c")

@@ -165,24 +165,31 @@ def load_kernel(debug: bool = False) -> ctypes._CFuncPtr | None:  # type: ignore
     hold); the kernel reads nothing past them, and returns 4 (5 in the debug build) rather than do so
     (:data:`ERRORS`). It allocates its own workspace (a few blocks' floats)."""
     _why_not.clear()
+    function, why = build_codes_kernel(debug)
+    if function is None:
+        _why_not.append(why)
+    return function
+
+
+def build_codes_kernel(debug: bool = False, source: Path = SOURCE) -> tuple[ctypes._CFuncPtr | None, str]:  # type: ignore[name-defined]
+    """Build (once per source, the headers beside it, flags and machine) and load ``kvfold_attend_codes``
+    from ``source`` (the project's, or another version of it: ``benchmarks/codes_kernel.py --baseline``);
+    the debug build when ``debug``. Returns the function and "", or None and why not (one line)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
-        _why_not.append(f"{DISABLE_ENV}=0")
-        return None
+        return None, f"{DISABLE_ENV}=0"
     compiler = _compiler()
     if compiler is None:
-        _why_not.append("no C compiler found (cc, gcc or clang; or set CC)")
-        return None
+        return None, "no C compiler found (cc, gcc or clang; or set CC)"
     try:
-        library = ctypes.CDLL(str(_build(compiler, debug)))
+        library = ctypes.CDLL(str(_build(compiler, debug, source)))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
-        _why_not.append(f"building the kernel failed: {error} {detail.decode(errors='replace')[:200]}".strip())
-        return None
+        return None, " ".join(f"building the kernel failed: {error} {detail.decode(errors='replace')[:200]}".split())
     function = library.kvfold_attend_codes
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     function.argtypes = [i64] * 8 + [ptr] * 9 + [f32] + [ptr] * 3
     function.restype = ctypes.c_int
-    return function
+    return function, ""
 
 
 def status() -> str:
