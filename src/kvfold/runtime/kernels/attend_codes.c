@@ -8,7 +8,7 @@
  * into the queries (q . k = sum_c codes_c (q_c s_c) + q . z), a value's scale into its
  * probability, so no key or value is ever dequantized into memory. The blocks' logits, running softmax
  * and weighted values are attend_blocks.h's, which the served files' pool kernel (attend_pool.c) uses
- * too: a decode step's few queries (at most CODES_IN_PLACE_QUERIES a row) turn each code vector into
+ * too: a decode step's few queries (at most IN_PLACE_QUERIES a row) turn each code vector into
  * numbers where they use it, more queries (a prefill's) unpack a block once for all of them.
  *
  * For every row r and query i it writes, relative to the row's own maximum logit top[r, i]:
@@ -35,6 +35,11 @@
 
 #define MAX_DIM 1024
 #define MAX_QUERIES 256
+/* At most this many queries a row read the codes in place (three, then one again for a fourth): a GQA group
+ * of four (Llama-3.1-8B's) took 0.95x the time of unpacking with 4-bit codes, 0.91x with 3-bit and 0.67x
+ * with 8-bit (benchmarks/codes_kernel.py --queries 4 --baseline, paired; outputs equal bit for bit). The
+ * pool kernel's CODES_IN_PLACE_QUERIES (3) was measured on three only. */
+#define IN_PLACE_QUERIES 4
 
 #ifdef KVFOLD_DEBUG
 #define CHECK(cond)            \
@@ -129,7 +134,7 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
 }
 
 /* attend_rows compiled for the common head sizes (64 and 128, their loops unrolled) and any other. More
- * queries than CODES_IN_PLACE_QUERIES a row (a prefill's) unpack a block once into numbers for all of them:
+ * queries than IN_PLACE_QUERIES a row (a prefill's) unpack a block once into numbers for all of them:
  * compiled once for every code width (the width only decides how a block is unpacked). A decode step's few
  * queries read the codes in place, compiled for each width and the common head sizes; other head sizes
  * unpack. Each copy costs seconds of the first build (about 30 s in all on this project's 2-core machine). */
@@ -167,7 +172,7 @@ int kvfold_attend_codes(int64_t rows, int64_t m, int64_t dim, int64_t vdim, int6
     c.folded = work, c.zero_dot = work + m * dim, c.zero_sum = c.zero_dot + m;
     c.logits = c.zero_sum + m, c.block = c.logits + m * BLOCK_ENTRIES;
     int status;
-    if (m > CODES_IN_PLACE_QUERIES) {
+    if (m > IN_PLACE_QUERIES) {
         status = attend_rows_unpacked(&c, (int)bits, dim, vdim);
     } else {
         switch (bits) {
