@@ -3,7 +3,8 @@
 Usage::
 
     OMP_NUM_THREADS=1 python benchmarks/pool_kernel.py [--formats int4,int3,int8] [--requests 24] [--rows 440]
-        [--dtype float32] [--repeat 20] [--layers 1] [--files N] [--baseline OLD.c] [--out runs/pool-kernel]
+        [--dtype float32] [--repeat 20] [--layers 1] [--files N] [--group 3] [--head-dim 64] [--baseline OLD.c]
+        [--out runs/pool-kernel]
 
 Builds ``--requests`` files of random rows (``--rows`` entries in each of SmolLM2-135M's 3 KV heads, head
 size 64, β on; about what a 1,759-token context keeps under ``--memory 1/16``), packed into an engine's
@@ -17,6 +18,9 @@ step, the milliseconds a layer's call and the multiply-adds a second over the fi
 ``--layers N`` gives the files N layers and times a pass over all of them (reported per layer): at 30
 (SmolLM2's layers) and 1,240 rows the rows no longer fit the caches and stream from memory, as in an
 engine's step; at 1 a call reads rows the last call left in the caches.
+
+``--group G --head-dim D`` gives the model G query heads a KV head and heads of D channels (default
+SmolLM2's 3 and 64; Llama-3.1-8B's are 4 and 128): a decode step's pass over a row then holds G queries.
 
 ``--files N`` puts the requests on N files in turn (default: a file each); the requests on one file share
 its blocks and its tables, as an engine's prefix cache and the vLLM backend give them, so that the kernel
@@ -40,6 +44,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -49,34 +54,65 @@ from kvfold.runtime.quant_config import QuantConfig
 from kvfold.runtime.quantize import QuantizedRows
 from kvfold.runtime.row_pool import pack_pool
 
-HEAD_DIM, KV_HEADS, Q_HEADS, BLOCK, QUESTION = 64, 3, 9, 32, 40
-INV_FREQ = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+BLOCK, QUESTION = 32, 40
 
 
-def _file_rows(fmt: str, rows: int, g: torch.Generator) -> QuantizedRows:
-    keys = torch.randn(KV_HEADS, rows, HEAD_DIM, generator=g)
-    values = torch.randn(KV_HEADS, rows, HEAD_DIM, generator=g)
-    beta = torch.randn(KV_HEADS, rows, generator=g)
-    return QuantizedRows.from_padded(keys, values, beta, torch.full((KV_HEADS,), rows), QuantConfig.parse(fmt))
+class Shape(NamedTuple):
+    """The model's attention as the engine holds it: KV heads, query heads a KV head, and the head size.
+    The default is SmolLM2-135M's (3 KV heads of 64, 9 query heads); ``--group 4 --head-dim 128`` is
+    Llama-3.1-8B's layout a KV head (4 query heads a KV head, head size 128)."""
+
+    kv_heads: int = 3
+    group: int = 3
+    head_dim: int = 64
+
+    @property
+    def q_heads(self) -> int:
+        return self.kv_heads * self.group
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
 
 
-def _scene(fmt: str, requests: int, rows: int, layers: int, dtype: torch.dtype, new: int, files: int | None = None):
+SMOLLM2 = Shape()
+
+
+def _file_rows(fmt: str, rows: int, g: torch.Generator, shape: Shape) -> QuantizedRows:
+    keys = torch.randn(shape.kv_heads, rows, shape.head_dim, generator=g)
+    values = torch.randn(shape.kv_heads, rows, shape.head_dim, generator=g)
+    beta = torch.randn(shape.kv_heads, rows, generator=g)
+    lengths = torch.full((shape.kv_heads,), rows)
+    return QuantizedRows.from_padded(keys, values, beta, lengths, QuantConfig.parse(fmt))
+
+
+def _scene(
+    fmt: str,
+    requests: int,
+    rows: int,
+    layers: int,
+    dtype: torch.dtype,
+    new: int,
+    files: int | None = None,
+    shape: Shape = SMOLLM2,
+):
     """An engine's caches holding ``files`` files (default: one a request) of ``layers`` layers, the step's
     ``requests`` requests on them in turn (those on one file share its blocks, as an engine's prefix cache
     has them share), and the step's query."""
     files = requests if files is None else files
     g = torch.Generator().manual_seed(0)
-    chunk_bytes = KV_HEADS * BLOCK * 2 * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
-    packed = [pack_pool([_file_rows(fmt, rows, g) for _ in range(layers)], chunk_bytes) for _ in range(files)]
+    kv_heads, head_dim = shape.kv_heads, shape.head_dim
+    chunk_bytes = kv_heads * BLOCK * 2 * head_dim * torch.empty((), dtype=dtype).element_size()
+    packed = [pack_pool([_file_rows(fmt, rows, g, shape) for _ in range(layers)], chunk_bytes) for _ in range(files)]
     placeholders = [math.ceil(plan.num_chunks / layers) * BLOCK for plan, _ in packed]
     own = math.ceil((QUESTION + (new == 1)) / BLOCK)  # each request's own blocks, after its file's
     file_blocks = [p // BLOCK for p in placeholders]
-    caches = [torch.zeros(sum(file_blocks) + requests * own, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=dtype)]
+    caches = [torch.zeros(sum(file_blocks) + requests * own, kv_heads, BLOCK, 2 * head_dim, dtype=dtype)]
     caches += [torch.zeros_like(caches[0]) for _ in range(layers - 1)]
-    engine = EngineCaches(caches, Q_HEADS, HEAD_DIM**-0.5, threads=torch.get_num_threads())
+    engine = EngineCaches(caches, shape.q_heads, head_dim**-0.5, threads=torch.get_num_threads())
     held, pooled, first_block = [], [], 0
     for (plan, chunks), count, p in zip(packed, file_blocks, placeholders, strict=True):
-        pooled.append(pooled_file(plan, p, 2 * p, INV_FREQ))  # one a file, as an engine makes it
+        pooled.append(pooled_file(plan, p, 2 * p, shape.inv_freq))  # one a file, as an engine makes it
         blocks = torch.arange(first_block, first_block + count, dtype=torch.int32)
         for c in range(plan.num_chunks):
             engine.chunk(blocks, c, layers).copy_(chunks[c])
@@ -90,7 +126,7 @@ def _scene(fmt: str, requests: int, rows: int, layers: int, dtype: torch.dtype, 
         blocks = torch.cat([held[which], mine, torch.zeros(1, dtype=torch.int32)])
         step.append(StepRequest(start, new, p + QUESTION + (new == 1), pooled[which], blocks))
         first_block, start = first_block + own, start + new
-    query = torch.randn(start, Q_HEADS, HEAD_DIM, generator=g).to(dtype)
+    query = torch.randn(start, shape.q_heads, head_dim, generator=g).to(dtype)
     return engine, step, query
 
 
@@ -104,11 +140,12 @@ def step_times(
     layers: int = 1,
     kernels=(None,),
     files: int | None = None,
+    shape: Shape = SMOLLM2,
 ) -> tuple[list[list[float]], float]:
     """Seconds a layer's call for ``requests`` requests of ``new`` tokens each on ``files`` files (default:
     one a request), ``repeat`` times for each of ``kernels`` (None: the project's kernel), alternating their
     order; and the largest difference between the kernels' outputs."""
-    engine, step, query = _scene(fmt, requests, rows, layers, dtype, new, files)
+    engine, step, query = _scene(fmt, requests, rows, layers, dtype, new, files, shape)
     calls = [PoolStep(engine, step, kernel=kernel) for kernel in kernels]
     outputs = [torch.empty_like(query) for _ in kernels]
     for call, output in zip(calls, outputs, strict=True):  # warm
@@ -146,11 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--layers", type=int, default=1, help="layers of each file, all attended in each timed pass")
+    parser.add_argument("--group", type=int, default=SMOLLM2.group, help="query heads a KV head (SmolLM2: 3)")
+    parser.add_argument("--head-dim", type=int, default=SMOLLM2.head_dim, choices=[64, 128])
     parser.add_argument("--baseline", type=Path, help="another version of the kernel's C source, timed beside it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if args.layers < 1 or args.repeat < 1 or args.requests < 1 or args.rows < 1:
         raise SystemExit("--layers, --repeat, --requests and --rows take a positive number")
+    if args.group < 1:
+        raise SystemExit("--group takes a positive number (query heads a KV head)")
     if args.files is not None and not 1 <= args.files <= args.requests:
         raise SystemExit(f"--files takes 1 to --requests ({args.requests})")
     if attend_pool_kernel() is None:
@@ -164,14 +205,15 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--baseline {args.baseline}: {why}")
         kernels = (None, baseline)
     dtype = getattr(torch, args.dtype)
+    shape = Shape(SMOLLM2.kv_heads, args.group, args.head_dim)
     records = []
     for fmt in args.formats.split(","):
         for label, new in (("first step, 40 tokens", QUESTION), ("decode step", 1)):
             times, difference = step_times(
-                fmt, args.requests, args.rows, dtype, new, args.repeat, args.layers, kernels, args.files
+                fmt, args.requests, args.rows, dtype, new, args.repeat, args.layers, kernels, args.files, shape
             )
             seconds = _median(times[0])
-            work = args.requests * new * Q_HEADS * args.rows * 2 * HEAD_DIM
+            work = args.requests * new * shape.q_heads * args.rows * 2 * shape.head_dim
             rate = work / seconds / 1e9
             record = {"format": fmt, "step": label, "tokens": new, "ms": seconds * 1e3, "gmac_per_s": rate}
             line = f"{fmt:6} {label:22} {seconds * 1e3:8.2f} ms a call  {rate:6.2f} G multiply-adds/s"

@@ -164,11 +164,12 @@ def test_a_head_size_of_64_takes_the_vectorised_unpacking_and_equals_the_per_chu
 
 
 @pytest.mark.parametrize("q_heads", [3, 6, 12, 21], ids=lambda q: f"{q // KV_HEADS}-queries-a-kv-head")
-@pytest.mark.parametrize("fmt", ["int4", None], ids=lambda f: f or "full-precision")
+@pytest.mark.parametrize("fmt", ["int4", "int8", None], ids=lambda f: f or "full-precision")
 def test_any_number_of_query_heads_a_kv_head_equals_the_per_chunk_path(fmt, q_heads):
     """The kernel takes a tile's queries three at a time (logits and weighted values) and the rest one at a
     time: groups of 1, 2, 4 and 7 query heads (multi-head attention, Llama-3.1-8B's 4, Qwen2.5-7B's 7) leave
-    one or two queries past the last three in a decode step, and tiles of any size in a first step."""
+    one or two queries past the last three in a decode step, and tiles of any size in a first step. 8-bit
+    codes are read in place by up to four queries, other widths by up to three (more unpack a block)."""
     scene = _scene(fmt, dim=64, q_heads=q_heads)
     _assert_equals_the_per_chunk_path(scene, range(LAYERS))
 

@@ -116,3 +116,19 @@ def test_more_files_than_requests_is_one_line():
     module = load_script("benchmarks/pool_kernel.py")
     with pytest.raises(SystemExit, match="--files takes 1 to --requests"):
         module.main(["--requests", "2", "--files", "3"])
+
+
+def test_another_models_layout_gives_each_kv_head_its_group_of_queries(tmp_path, monkeypatch):
+    module = load_script("benchmarks/pool_kernel.py")
+    shapes = []
+    real = PoolStep.attend
+    monkeypatch.setattr(
+        PoolStep, "attend", lambda self, layer, q, *a: shapes.append(tuple(q.shape)) or real(self, layer, q, *a)
+    )
+    arguments = ["--formats", "int4", "--requests", "2", "--rows", "40", "--repeat", "1", "--out", str(tmp_path)]
+    module.main([*arguments, "--group", "4", "--head-dim", "128"])
+    assert set(shapes) == {(2 * 40, 12, 128), (2, 12, 128)}  # 3 KV heads × 4 query heads, of 128 channels
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert records[1]["gmac_per_s"] == pytest.approx(2 * 12 * 40 * 2 * 128 / (records[1]["ms"] / 1e3) / 1e9)
+    with pytest.raises(SystemExit, match="--group takes a positive number"):
+        module.main([*arguments, "--group", "0"])

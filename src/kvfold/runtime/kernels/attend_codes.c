@@ -38,7 +38,7 @@
 /* At most this many queries a row read the codes in place (three, then one again for a fourth): a GQA group
  * of four (Llama-3.1-8B's) took 0.95x the time of unpacking with 4-bit codes, 0.91x with 3-bit and 0.67x
  * with 8-bit (benchmarks/codes_kernel.py --queries 4 --baseline, paired; outputs equal bit for bit). The
- * pool kernel's CODES_IN_PLACE_QUERIES (3) was measured on three only. */
+ * pool kernel keeps three, four for 8-bit codes (CODES_IN_PLACE_QUERIES, measured there). */
 #define IN_PLACE_QUERIES 4
 
 #ifdef KVFOLD_DEBUG
