@@ -27,14 +27,20 @@
 #endif
 
 #define BLOCK_ENTRIES 32 /* entries whose logits are taken before the softmax is updated */
-/* At most this many queries in a pass turn codes into numbers where used (the pool kernel's rule; the codes
- * kernel has its own): three, and four for 8-bit codes. Four, a GQA group of Llama-3.1-8B's, took 1.23x the
- * time of unpacking with 4-bit codes and 1.28x with 3-bit at a head size of 64, 1.08x and 1.10x at 128, but
- * 0.89x and 0.84x with 8-bit (benchmarks/pool_kernel.py --group 4, 24 requests, 1,240 entries, 30 layers,
- * paired; outputs equal bit for bit): the pool kernel unpacks a block at a code width known when compiled,
- * which the codes kernel's unpacking path does not, and an 8-bit code is a byte read where it is used. */
+/* At most this many queries in a pass turn codes into numbers where used, in both kernels: three, and four
+ * for 8-bit codes; more unpack a block once into numbers for all of them, at a width known when compiled.
+ * Four (a GQA group of Llama-3.1-8B's) in place took 1.23x the time of unpacking with 4-bit codes and 1.28x
+ * with 3-bit in the pool kernel at a head size of 64 (1.08x and 1.10x at 128), 1.11x and 1.25x in the codes
+ * kernel (1.13x and 1.19x at 128), but 0.89x and 0.84x with 8-bit in the pool kernel, 0.79x in the codes
+ * kernel at 64 (benchmarks/pool_kernel.py --group 4 and codes_kernel.py --queries 4, paired; outputs equal
+ * bit for bit): an 8-bit code is a byte read where it is used. */
 #define CODES_IN_PLACE_QUERIES 3
 #define CODES_IN_PLACE_QUERIES_8BIT 4
+
+/* How many queries a pass may read codes of `bits` bits in place (above). */
+static inline int64_t codes_in_place_queries(int bits) {
+    return bits == 8 ? CODES_IN_PLACE_QUERIES_8BIT : CODES_IN_PLACE_QUERIES;
+}
 
 /* ------------------------------------------------------------------ vectors */
 /* A vector of LANES floats (GCC's and Clang's vector extensions): sixteen in an AVX-512 register where

@@ -8,8 +8,8 @@
  * into the queries (q . k = sum_c codes_c (q_c s_c) + q . z), a value's scale into its
  * probability, so no key or value is ever dequantized into memory. The blocks' logits, running softmax
  * and weighted values are attend_blocks.h's, which the served files' pool kernel (attend_pool.c) uses
- * too: a decode step's few queries (at most IN_PLACE_QUERIES a row) turn each code vector into
- * numbers where they use it, more queries (a prefill's) unpack a block once for all of them.
+ * too: a decode step's few queries (codes_in_place_queries(bits) a row at most) turn each code vector
+ * into numbers where they use it, more queries (a prefill's) unpack a block once for all of them.
  *
  * For every row r and query i it writes, relative to the row's own maximum logit top[r, i]:
  *   den[r, i]    = sum_t exp(l_t - top)
@@ -35,11 +35,6 @@
 
 #define MAX_DIM 1024
 #define MAX_QUERIES 256
-/* At most this many queries a row read the codes in place (three, then one again for a fourth): a GQA group
- * of four (Llama-3.1-8B's) took 0.95x the time of unpacking with 4-bit codes, 0.91x with 3-bit and 0.67x
- * with 8-bit (benchmarks/codes_kernel.py --queries 4 --baseline, paired; outputs equal bit for bit). The
- * pool kernel keeps three, four for 8-bit codes (CODES_IN_PLACE_QUERIES, measured there). */
-#define IN_PLACE_QUERIES 4
 
 #ifdef KVFOLD_DEBUG
 #define CHECK(cond)            \
@@ -75,6 +70,18 @@ static int rows_fit(int64_t rows, int64_t group, const int64_t *lengths, int64_t
     return 0;
 }
 #endif
+
+/* A block's `count` entries' codes (`stride` bytes an entry) as numbers, (count, dim): the width's own loop,
+ * chosen once a block, so that a copy of attend_rows for every width is not needed to unpack at a width
+ * known when compiled. */
+ALWAYS_INLINE void unpack_block(const uint8_t *src, int64_t count, int64_t stride, int64_t dim, int bits, float *dst) {
+    switch (bits) {
+        case 8: for (int64_t t = 0; t < count; ++t) unpack(src + t * stride, dim, 8, dst + t * dim); break;
+        case 4: for (int64_t t = 0; t < count; ++t) unpack(src + t * stride, dim, 4, dst + t * dim); break;
+        case 3: for (int64_t t = 0; t < count; ++t) unpack(src + t * stride, dim, 3, dst + t * dim); break;
+        default: for (int64_t t = 0; t < count; ++t) unpack(src + t * stride, dim, 2, dst + t * dim);
+    }
+}
 
 /* Every row's stored part, for one code width and head size (constants where the caller passes them, so
  * that the code vectors' width and the channel loops are compiled for them). */
@@ -112,7 +119,7 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
                 if (keys_in_place) {
                     block_logits(&s, folded, zero_dot, c->scaling, b, keys, bits, kb, count, dim);
                 } else {
-                    for (int64_t t = 0; t < count; ++t) unpack(keys + t * kb, dim, bits, block + t * dim);
+                    unpack_block(keys, count, kb, dim, bits, block);
                     block_logits(&s, folded, zero_dot, c->scaling, b, block, 0, 0, count, dim);
                 }
                 update_maximum(&s, count, vdim);
@@ -120,7 +127,7 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
                 if (values_in_place) {
                     block_values(&s, values, bits, vb, value_scale, value_zero, count, vdim);
                 } else {
-                    for (int64_t t = 0; t < count; ++t) unpack(values + t * vb, vdim, bits, block + t * vdim);
+                    unpack_block(values, count, vb, vdim, bits, block);
                     block_values(&s, block, 0, 0, value_scale, value_zero, count, vdim);
                 }
             }
@@ -134,10 +141,11 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
 }
 
 /* attend_rows compiled for the common head sizes (64 and 128, their loops unrolled) and any other. More
- * queries than IN_PLACE_QUERIES a row (a prefill's) unpack a block once into numbers for all of them:
- * compiled once for every code width (the width only decides how a block is unpacked). A decode step's few
- * queries read the codes in place, compiled for each width and the common head sizes; other head sizes
- * unpack. Each copy costs seconds of the first build (about 30 s in all on this project's 2-core machine). */
+ * queries than codes_in_place_queries(bits) a row (a prefill's, and a decode step's GQA group of four
+ * with codes under 8 bits) unpack a block once into numbers for all of them: compiled once for every code
+ * width, each block unpacked by its width's own loop (unpack_block). A decode step's few queries read the
+ * codes in place, compiled for each width and the common head sizes; other head sizes unpack. Each copy
+ * costs seconds of the first build (about 22 s in all on this project's 2-core machine). */
 static int attend_rows_unpacked(const codes_call *c, int bits, int64_t dim, int64_t vdim) {
     if (dim == 64 && vdim == 64) return attend_rows(c, bits, 64, 64, 0);
     if (dim == 128 && vdim == 128) return attend_rows(c, bits, 128, 128, 0);
@@ -172,7 +180,7 @@ int kvfold_attend_codes(int64_t rows, int64_t m, int64_t dim, int64_t vdim, int6
     c.folded = work, c.zero_dot = work + m * dim, c.zero_sum = c.zero_dot + m;
     c.logits = c.zero_sum + m, c.block = c.logits + m * BLOCK_ENTRIES;
     int status;
-    if (m > IN_PLACE_QUERIES) {
+    if (m > codes_in_place_queries((int)bits)) {
         status = attend_rows_unpacked(&c, (int)bits, dim, vdim);
     } else {
         switch (bits) {

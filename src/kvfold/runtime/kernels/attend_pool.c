@@ -224,8 +224,7 @@ ALWAYS_INLINE int attend_codes(segment_work *w, softmax_state *s, const uint8_t 
     const int64_t kb = dim * bits / 8;
     /* A decode step's few queries turn each code vector into numbers where they use it; more queries (a first
      * step, requests sharing a file) unpack a block once into numbers for all of them. */
-    const int in_place_queries = bits == 8 ? CODES_IN_PLACE_QUERIES_8BIT : CODES_IN_PLACE_QUERIES;
-    const int in_place = m <= in_place_queries && codes_by_vector(bits, dim);
+    const int in_place = m <= codes_in_place_queries(bits) && codes_by_vector(bits, dim);
     float scales[MAX_DIM], zeros[MAX_DIM], beta[BLOCK_ENTRIES], value_scale[BLOCK_ENTRIES], value_zero[BLOCK_ENTRIES];
     CHECK(group >= 1);
     for (int64_t first = 0; first < n; first += group) {
