@@ -71,3 +71,20 @@ def test_generate_compresses_with_the_recommended_pipeline_and_says_so(tiny_dir,
     assert f"[{RECOMMENDED} (the recommended pipeline) @ 0.1]" in err
     assert main([*argv, "--new-tokens", "2", "--quiet"]) == 0
     assert "compressing" not in capsys.readouterr().err  # --quiet: the summary only
+
+
+def test_models_and_kernels_are_kept_under_one_cache_folder(monkeypatch, tmp_path):
+    """``$KVFOLD_CACHE`` moves both the converted models and the compiled kernels; without it
+    ``$XDG_CACHE_HOME/kvfold``, then ``~/.cache/kvfold``."""
+    from kvfold.runtime import models, native
+
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "mine"))
+    assert defaults.cache_root() == tmp_path / "mine"
+    assert native.cache_dir() == tmp_path / "mine" / "kernels"
+    assert models.cache_root is defaults.cache_root  # the converted models' folder is the same root
+    monkeypatch.delenv("KVFOLD_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == tmp_path / "xdg" / "kvfold" / "kernels"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert defaults.cache_root() == tmp_path / "home" / ".cache" / "kvfold"

@@ -128,7 +128,7 @@ def test_the_kernel_is_the_one_used_where_it_applies(monkeypatch):
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
     """A kernel looked up anew, built into an empty cache directory."""
-    monkeypatch.setenv("KVFOLD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path))
     native.attend_codes_kernel.cache_clear()
     native._why_not.clear()  # noqa: SLF001 - the test resets the module's record
     yield tmp_path
@@ -167,7 +167,7 @@ def test_a_kernel_is_built_once_into_the_cache_directory(fresh_kernel, capsys):
 def test_a_kernel_is_built_again_when_the_header_it_includes_changes(tmp_path, monkeypatch):
     """The library's name hashes the source and the headers beside it (attend_blocks.h): a changed header
     is a new build, never the stale library of the old one."""
-    monkeypatch.setenv("KVFOLD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "cache"))
     (tmp_path / "k.c").write_text('#include "k.h"\nint kvfold_k(void) { return K; }\n')
     (tmp_path / "k.h").write_text("#define K 1\n")
     compiler = native._compiler()  # noqa: SLF001 - the build function itself, on a two-line source

@@ -7,6 +7,12 @@ The command line shows them in ``--help`` before torch is imported; the Python A
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+CACHE_ENV = "KVFOLD_CACHE"
+"""The folder kvfold keeps what it makes once per machine: converted models and compiled kernels."""
+
 RECOMMENDED = "kvzip+am_fit"
 """The pipeline recommended for query-agnostic compaction: the default method of ``kvfold generate``,
 ``kvfold compress``, ``kvfold chat``, ``kvfold bench``, :meth:`kvfold.PrefilledContext.compress` and
@@ -26,3 +32,13 @@ DEFAULT_LENGTH = 2048
 DEFAULT_CHAT_BUDGET = 512
 """Entries per KV head a conversation keeps after a compaction when no budget is given
 (:class:`kvfold.pipeline.chat.ChatSession`, ``kvfold chat``)."""
+
+
+def cache_root() -> Path:
+    """Where kvfold keeps what it makes once per machine (converted GGUF models under ``converted/``,
+    compiled kernels under ``kernels/``): ``$KVFOLD_CACHE``, else ``$XDG_CACHE_HOME/kvfold``, else
+    ``~/.cache/kvfold``."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfold"
+    )
+    return Path(root)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ from transformers import (
 )
 
 from kvfold.runtime.attention import enable
-from kvfold.runtime.defaults import DEFAULT_MODEL
+from kvfold.runtime.defaults import DEFAULT_MODEL, cache_root
 from kvfold.runtime.errors import UserError
 
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
@@ -57,14 +56,6 @@ DTYPES = {
 class ModelLoadError(UserError, RuntimeError):
     """A model spec could not be resolved to a model; the message says how to provide one (a user
     error, and a RuntimeError as it always was)."""
-
-
-def cache_root() -> Path:
-    """Where converted GGUF models are kept (``$KVFOLD_CACHE`` or ``~/.cache/kvfold``)."""
-    root = os.environ.get("KVFOLD_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "kvfold"
-    )
-    return Path(root)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -18,7 +18,7 @@ a block's logits and weighted values, once for the two (a decode step's few quer
 place; more unpack a block once).
 
 The shared library is built once per kernel source (with the headers beside it), compiler flags and
-machine into ``$KVFOLD_CACHE_DIR/kernels`` (default ``~/.cache/kvfold/kernels``), saying so on
+machine into ``$KVFOLD_CACHE/kernels`` (default ``~/.cache/kvfold/kernels``), saying so on
 standard error (a first build takes up to a minute), written to a temporary name and renamed, so
 concurrent processes never load a half-written file. Without a C compiler, or with ``KVFOLD_NATIVE=0``,
 :func:`attend_codes_kernel` returns None and the PyTorch path runs (:func:`status` says which and why;
@@ -43,6 +43,8 @@ import sys
 import tempfile
 from functools import cache
 from pathlib import Path
+
+from kvfold.runtime.defaults import cache_root
 
 SOURCE = Path(__file__).with_name("kernels") / "attend_codes.c"
 POOL_SOURCE = Path(__file__).with_name("kernels") / "attend_pool.c"
@@ -96,9 +98,9 @@ _pool_why_not: list[str] = []
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept (``$KVFOLD_CACHE_DIR/kernels``, default ``~/.cache/kvfold/kernels``)."""
-    root = os.environ.get("KVFOLD_CACHE_DIR") or Path.home() / ".cache" / "kvfold"
-    return Path(root) / "kernels"
+    """Where compiled kernels are kept: ``kernels/`` under kvfold's cache folder
+    (:func:`kvfold.runtime.defaults.cache_root`: ``$KVFOLD_CACHE``, default ``~/.cache/kvfold``)."""
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
