@@ -19,6 +19,7 @@ import pytest
 from kvfold.cli import serve
 from kvfold.cli.main import main
 from kvfold.integrations.vllm import settings
+from kvfold.runtime import native
 
 GIB = 1 << 30
 
@@ -207,6 +208,36 @@ def test_kv_space_passes_on_what_was_asked(monkeypatch, llama, tmp_path):
     _, spec = _serve_until_exec(monkeypatch, argv)
     command = spec["command"]
     assert command[command.index("--kv-cache-memory-bytes") + 1] == str(GIB // 2)
+
+
+# ---------------------------------------------------------------------------- the pool kernel
+def test_the_pool_kernel_is_built_before_vllm_starts(monkeypatch, llama, tmp_path):
+    """Built in the engine's first step on a file, its first compile (about 70 s on 2 cores) would hold
+    every request of that step; built here, the engine loads it from the cache."""
+    monkeypatch.setattr(settings, "available_memory", lambda: 20 * GIB)
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    events: list[str] = []
+    monkeypatch.setattr(native, "attend_pool_kernel", lambda: events.append("kernel") or object())
+
+    def execve(path, args, env):
+        events.append("vllm")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(serve.os, "execve", execve)
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(llama), "--caches", str(tmp_path)])
+    assert events == ["kernel", "vllm"]
+
+
+def test_without_a_pool_kernel_serve_says_why_in_one_line_and_starts(monkeypatch, llama, tmp_path, capsys):
+    monkeypatch.setattr(settings, "available_memory", lambda: 20 * GIB)
+    monkeypatch.setattr(native, "attend_pool_kernel", lambda: None)
+    monkeypatch.setattr(native, "pool_status", lambda: "torch (no C compiler found (cc, gcc or clang; or set CC))")
+    status, spec = _serve_until_exec(monkeypatch, ["serve", "--model", str(llama), "--caches", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status is None and spec  # vLLM starts all the same
+    line = "kvfold serve: no pool kernel (torch (no C compiler found (cc, gcc or clang; or set CC))): requests on "
+    assert err.count("\n") == 1 and err.startswith(line) and "per-chunk PyTorch path" in err
 
 
 # ---------------------------------------------------------------------------- the supervisor

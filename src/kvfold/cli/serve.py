@@ -252,11 +252,29 @@ def run_serve(args: argparse.Namespace) -> int:
         "start": f"kvfold serve: starting vLLM: {caches} caches in {args.caches}, {how}; log: {log}",
         "ready": f"kvfold serve: serving {url} (log: {log})",
     }
+    prepare_pool_kernel()
     sys.stderr.flush()
     sys.stdout.flush()
     argv = [sys.executable, "-m", "kvfold.cli.serve", "--supervise", json.dumps(spec)]
     os.execve(argv[0], argv, env)  # a fresh, small process: the checks above loaded torch and transformers
     return 0  # not reached
+
+
+def prepare_pool_kernel() -> bool:
+    """Build the pool kernel now, before vLLM starts (once per machine and kvfold version: about 70 s on 2
+    cores), so that the engine's first step on a file does not hold every request while it compiles; the
+    engine then loads it from the cache. Returns whether it is there; when it is not, one line on standard
+    error says why and that requests on files take the per-chunk PyTorch path (slower, same answers)."""
+    from kvfold.runtime import native
+
+    if native.attend_pool_kernel() is not None:
+        return True
+    print(
+        f"kvfold serve: no pool kernel ({native.pool_status()}): requests on files take the slower per-chunk "
+        "PyTorch path",
+        file=sys.stderr,
+    )
+    return False
 
 
 def _new_log() -> Path:

@@ -19,10 +19,12 @@ place; more unpack a block once).
 
 The shared library is built once per kernel source (with the headers beside it), compiler flags and
 machine into ``$KVFOLD_CACHE/kernels`` (default ``~/.cache/kvfold/kernels``), saying so on
-standard error (a first build takes up to a minute), written to a temporary name and renamed, so
-concurrent processes never load a half-written file. Without a C compiler, or with ``KVFOLD_NATIVE=0``,
-:func:`attend_codes_kernel` returns None and the PyTorch path runs (:func:`status` says which and why;
-``kvfold bench`` records it).
+standard error with the seconds it took (on 2 cores about 20 s for the codes kernel and 70 s for the
+pool kernel, several times that on a loaded machine: :data:`BUILD_SECONDS`), written to a temporary name
+and renamed, so concurrent processes never load a half-written file. Processes that need the same
+library at once compile it once: the others wait for it under a lock beside it (and say so). Without a
+C compiler, or with ``KVFOLD_NATIVE=0``, :func:`attend_codes_kernel` returns None and the PyTorch path
+runs (:func:`status` says which and why; ``kvfold bench`` records it).
 
 ``KVFOLD_NATIVE_DEBUG=1`` builds a debug kernel instead (its own file, ``attend_codes-debug-….so``):
 ``-O1 -g``, the undefined-behaviour checks that need no runtime library (a trap), and
@@ -33,6 +35,7 @@ runtime must be loaded before the Python interpreter, which a library opened by 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -41,6 +44,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -93,6 +98,10 @@ refuses one or more requests of a call before anything is written, so the call c
 them: :meth:`kvfold.runtime.pool_attention.PoolStep.attend` does)."""
 REQUEST_REFUSED = 7
 """The pool kernel's code for a request that does not fit (:data:`ERRORS`)."""
+BUILD_SECONDS = 900
+"""How long a compiler may take on a kernel before the build counts as failed: a first build takes about
+20 s (codes) and 70 s (pool) on 2 free cores, and a machine busy with other work (a test run, a server)
+slows it several times; a build cut short would leave requests on the slower PyTorch path."""
 _why_not: list[str] = []
 _pool_why_not: list[str] = []
 
@@ -129,19 +138,49 @@ def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # a first build takes tens of seconds (the kernels are compiled for each code width and head size)
-    print(f"kvfold: compiling {source_path.name} for this machine, once (up to a minute)", file=sys.stderr, flush=True)
-    fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.part", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *flags, "-o", partial, str(source_path), "-lm"], check=True, capture_output=True, timeout=120
-        )
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    with _build_lock(target, source_path.name):
+        if target.exists():  # another process built it while this one waited
+            return target
+        # a first build takes tens of seconds (the kernels are compiled for each code width and head size)
+        said = f"kvfold: compiling {source_path.name} for this machine, once (a minute or two)"
+        print(said, file=sys.stderr, flush=True)
+        began = time.monotonic()
+        fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.part", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run(
+                [compiler, *flags, "-o", partial, str(source_path), "-lm"],
+                check=True,
+                capture_output=True,
+                timeout=BUILD_SECONDS,
+            )
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+        print(f"kvfold: compiled {source_path.name} in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     return target
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path, name: str) -> Iterator[None]:
+    """Hold ``target``'s build lock (an exclusive ``flock`` on ``<target>.lock``), saying so when another
+    process holds it; without ``fcntl`` (not POSIX) nothing is locked and each process builds its own copy."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows has no flock; renaming still keeps the file whole
+        yield
+        return
+    with open(target.with_suffix(".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"kvfold: waiting for another process compiling {name}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def debug_requested() -> bool:

@@ -1,0 +1,57 @@
+"""How the native kernels are built: once, even when several processes ask at the same moment."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvfold.runtime import native
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="the build lock is flock, POSIX only")
+
+
+def _slow_compiler(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in compiler that takes a second, counts its runs and writes the ``-o`` file."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "cc"
+    script.write_text(
+        "#!/bin/sh\n"
+        'while [ "$#" -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
+        f'sleep 1; echo run >> {runs}; echo library > "$out"\n'
+    )
+    script.chmod(0o755)
+    return script, runs
+
+
+def test_processes_asking_at_once_compile_a_kernel_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "cache"))
+    compiler, runs = _slow_compiler(tmp_path)
+    source = tmp_path / "k.c"
+    source.write_text("int kvfold_k(void) { return 1; }\n")
+    built: list[Path] = []
+    start = threading.Barrier(3)
+
+    def build() -> None:  # each thread opens the lock file itself, as another process would
+        start.wait()
+        built.append(native._build(str(compiler), source_path=source))  # noqa: SLF001 - the build itself
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert runs.read_text().count("run") == 1  # one compiler run, not three
+    assert len(set(built)) == 1 and built[0].read_text() == "library\n"
+    err = capsys.readouterr().err
+    assert err.count("kvfold: compiling k.c") == 1 and err.count("compiled k.c in") == 1
+    assert err.count("waiting for another process compiling k.c") == 2
+    assert not list(built[0].parent.glob("*.part"))
+
+
+def test_a_slow_first_build_has_minutes_not_seconds():
+    """On 2 busy cores the pool kernel's first build has taken over 90 s: a limit near that would leave a
+    server's requests on the PyTorch path, and try again in every new process."""
+    assert native.BUILD_SECONDS >= 600
