@@ -212,8 +212,8 @@ def test_kv_space_passes_on_what_was_asked(monkeypatch, llama, tmp_path):
 
 # ---------------------------------------------------------------------------- the pool kernel
 def test_the_pool_kernel_is_built_before_vllm_starts(monkeypatch, llama, tmp_path):
-    """Built in the engine's first step on a file, its first compile (about 70 s on 2 cores) would hold
-    every request of that step; built here, the engine loads it from the cache."""
+    """Built in the engine's first step on a file, its first compile (25 s on 2 free cores, minutes on busy
+    ones) would hold every request of that step; built here, the engine loads it from the cache."""
     monkeypatch.setattr(settings, "available_memory", lambda: 20 * GIB)
     monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
     events: list[str] = []

@@ -261,10 +261,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def prepare_pool_kernel() -> bool:
-    """Build the pool kernel now, before vLLM starts (once per machine and kvfold version: about 70 s on 2
-    cores), so that the engine's first step on a file does not hold every request while it compiles; the
-    engine then loads it from the cache. Returns whether it is there; when it is not, one line on standard
-    error says why and that requests on files take the per-chunk PyTorch path (slower, same answers)."""
+    """Build the pool kernel now, before vLLM starts (once per machine and kvfold version: about 25 s on 2
+    cores, several times that on a busy machine), so that the engine's first step on a file does not hold
+    every request while it compiles; the engine then loads it from the cache. Returns whether it is there;
+    when it is not, one line on standard error says why and that requests on files take the per-chunk
+    PyTorch path (slower, same answers)."""
     from kvfold.runtime import native
 
     if native.attend_pool_kernel() is not None:

@@ -19,7 +19,7 @@ place; more unpack a block once).
 
 The shared library is built once per kernel source (with the headers beside it), compiler flags and
 machine into ``$KVFOLD_CACHE/kernels`` (default ``~/.cache/kvfold/kernels``), saying so on
-standard error with the seconds it took (on 2 cores about 20 s for the codes kernel and 70 s for the
+standard error with the seconds it took (on 2 cores about 18 s for the codes kernel and 25 s for the
 pool kernel, several times that on a loaded machine: :data:`BUILD_SECONDS`), written to a temporary name
 and renamed, so concurrent processes never load a half-written file. Processes that need the same
 library at once compile it once: the others wait for it under a lock beside it (and say so). Without a
@@ -100,7 +100,8 @@ REQUEST_REFUSED = 7
 """The pool kernel's code for a request that does not fit (:data:`ERRORS`)."""
 BUILD_SECONDS = 900
 """How long a compiler may take on a kernel before the build counts as failed: a first build takes about
-20 s (codes) and 70 s (pool) on 2 free cores, and a machine busy with other work (a test run, a server)
+18 s (codes) and 25 s (pool) on 2 free cores (the pool kernel took 70-96 s before its segments were
+functions of their own), and a machine busy with other work (a test run, a server)
 slows it several times; a build cut short would leave requests on the slower PyTorch path."""
 _why_not: list[str] = []
 _pool_why_not: list[str] = []

@@ -377,4 +377,41 @@ ALWAYS_INLINE void block_values(softmax_state *s, const void *values, int bits, 
     for (; i < s->m; ++i) values_rows(s, i, 1, values, bits, stride, count, dim);
 }
 
+/* block_logits and block_values over a block of numbers (codes unpacked, or float rows), in functions of their
+ * own for each common head size (noinline), shared by every code width: three query rows' twelve accumulators,
+ * three weights and a value vector take all sixteen AVX2 registers, and inlined among a width's code GCC kept
+ * one accumulator on the stack (a first step over 3-bit codes 1.18x slower, paired, 2026-12-01). */
+#define NUMBERS_BLOCK_FUNCTIONS(D, SUFFIX)                                                                    \
+    __attribute__((noinline)) static void numbers_logits_##SUFFIX(                                           \
+        softmax_state *s, const float *queries, const float *offset, float scale, const float *beta,         \
+        const float *block, int64_t count, int64_t dim) {                                                    \
+        (void)dim;                                                                                           \
+        block_logits(s, queries, offset, scale, beta, block, 0, 0, count, D);                                \
+    }                                                                                                        \
+    __attribute__((noinline)) static void numbers_values_##SUFFIX(                                           \
+        softmax_state *s, const float *block, const float *value_scale, const float *value_zero,             \
+        int64_t count, int64_t dim) {                                                                        \
+        (void)dim;                                                                                           \
+        block_values(s, block, 0, 0, value_scale, value_zero, count, D);                                     \
+    }
+NUMBERS_BLOCK_FUNCTIONS(64, 64)
+NUMBERS_BLOCK_FUNCTIONS(128, 128)
+NUMBERS_BLOCK_FUNCTIONS(dim, any)
+
+/* block_logits over a block of numbers (count, dim), in the function for its head size. */
+ALWAYS_INLINE void numbers_logits(softmax_state *s, const float *queries, const float *offset, float scale,
+                                  const float *beta, const float *block, int64_t count, int64_t dim) {
+    if (dim == 64) numbers_logits_64(s, queries, offset, scale, beta, block, count, dim);
+    else if (dim == 128) numbers_logits_128(s, queries, offset, scale, beta, block, count, dim);
+    else numbers_logits_any(s, queries, offset, scale, beta, block, count, dim);
+}
+
+/* block_values over a block of numbers (count, dim), in the function for its head size. */
+ALWAYS_INLINE void numbers_values(softmax_state *s, const float *block, const float *value_scale,
+                                  const float *value_zero, int64_t count, int64_t dim) {
+    if (dim == 64) numbers_values_64(s, block, value_scale, value_zero, count, dim);
+    else if (dim == 128) numbers_values_128(s, block, value_scale, value_zero, count, dim);
+    else numbers_values_any(s, block, value_scale, value_zero, count, dim);
+}
+
 #endif /* KVFOLD_ATTEND_BLOCKS_H */

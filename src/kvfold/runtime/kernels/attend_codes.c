@@ -120,7 +120,7 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
                     block_logits(&s, folded, zero_dot, c->scaling, b, keys, bits, kb, count, dim);
                 } else {
                     unpack_block(keys, count, kb, dim, bits, block);
-                    block_logits(&s, folded, zero_dot, c->scaling, b, block, 0, 0, count, dim);
+                    numbers_logits(&s, folded, zero_dot, c->scaling, b, block, count, dim);
                 }
                 update_maximum(&s, count, vdim);
                 const float *value_scale = c->value_scale + at, *value_zero = c->value_zero + at;
@@ -128,7 +128,7 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
                     block_values(&s, values, bits, vb, value_scale, value_zero, count, vdim);
                 } else {
                     unpack_block(values, count, vb, vdim, bits, block);
-                    block_values(&s, block, 0, 0, value_scale, value_zero, count, vdim);
+                    numbers_values(&s, block, value_scale, value_zero, count, vdim);
                 }
             }
         }
@@ -145,16 +145,38 @@ ALWAYS_INLINE int attend_rows(const codes_call *c, int bits, int64_t dim, int64_
  * with codes under 8 bits) unpack a block once into numbers for all of them: compiled once for every code
  * width, each block unpacked by its width's own loop (unpack_block). A decode step's few queries read the
  * codes in place, compiled for each width and the common head sizes; other head sizes unpack. Each copy
- * costs seconds of the first build (about 22 s in all on this project's 2-core machine). */
-static int attend_rows_unpacked(const codes_call *c, int bits, int64_t dim, int64_t vdim) {
+ * costs seconds of the first build (about 18 s in all on this project's 2-core machine). */
+__attribute__((noinline)) static int attend_rows_unpacked(const codes_call *c, int bits, int64_t dim, int64_t vdim) {
     if (dim == 64 && vdim == 64) return attend_rows(c, bits, 64, 64, 0);
     if (dim == 128 && vdim == 128) return attend_rows(c, bits, 128, 128, 0);
     return attend_rows(c, bits, dim, vdim, 0);
 }
 
+/* The rows read in place, a function for each code width and common head size (noinline): inlined into one,
+ * the eight took GCC longer to compile and kept accumulators on the stack. */
+#define IN_PLACE_FUNCTIONS(BITS)                                                                                \
+    __attribute__((noinline)) static int in_place_##BITS##_64(const codes_call *c) {                           \
+        return attend_rows(c, BITS, 64, 64, 1);                                                                \
+    }                                                                                                          \
+    __attribute__((noinline)) static int in_place_##BITS##_128(const codes_call *c) {                          \
+        return attend_rows(c, BITS, 128, 128, 1);                                                              \
+    }
+IN_PLACE_FUNCTIONS(8)
+IN_PLACE_FUNCTIONS(4)
+IN_PLACE_FUNCTIONS(3)
+IN_PLACE_FUNCTIONS(2)
+
 ALWAYS_INLINE int attend_rows_in_place(const codes_call *c, int bits, int64_t dim, int64_t vdim) {
-    if (dim == 64 && vdim == 64) return attend_rows(c, bits, 64, 64, 1);
-    if (dim == 128 && vdim == 128) return attend_rows(c, bits, 128, 128, 1);
+#define IN_PLACE_SWITCH(D)                              \
+    switch (bits) {                                     \
+        case 8: return in_place_8_##D(c);               \
+        case 4: return in_place_4_##D(c);               \
+        case 3: return in_place_3_##D(c);               \
+        default: return in_place_2_##D(c);              \
+    }
+    if (dim == 64 && vdim == 64) IN_PLACE_SWITCH(64)
+    if (dim == 128 && vdim == 128) IN_PLACE_SWITCH(128)
+#undef IN_PLACE_SWITCH
     return attend_rows_unpacked(c, bits, dim, vdim);
 }
 

@@ -257,7 +257,7 @@ ALWAYS_INLINE int attend_codes(segment_work *w, softmax_state *s, const uint8_t 
                 block_logits(s, w->folded, w->zero_dot, w->e->scale, b, key_codes, bits, kb, count, dim);
             } else {
                 for (int64_t t = 0; t < count; ++t) unpack(key_codes + t * kb, dim, bits, w->block + t * dim);
-                block_logits(s, w->folded, w->zero_dot, w->e->scale, b, w->block, 0, 0, count, dim);
+                numbers_logits(s, w->folded, w->zero_dot, w->e->scale, b, w->block, count, dim);
             }
             update_maximum(s, count, dim);
             CHECK(seg[SEG_VALUES] >= HEADER_BYTES && seg[SEG_VALUES] + (start + count) * kb <= f->chunk_bytes);
@@ -270,7 +270,7 @@ ALWAYS_INLINE int attend_codes(segment_work *w, softmax_state *s, const uint8_t 
                 block_values(s, value_codes, bits, kb, value_scale, value_zero, count, dim);
             } else {
                 for (int64_t t = 0; t < count; ++t) unpack(value_codes + t * kb, dim, bits, w->block + t * dim);
-                block_values(s, w->block, 0, 0, value_scale, value_zero, count, dim);
+                numbers_values(s, w->block, value_scale, value_zero, count, dim);
             }
         }
     }
@@ -292,13 +292,48 @@ ALWAYS_INLINE int attend_float_rows(segment_work *w, softmax_state *s, const uin
             memcpy(beta, chunk + seg[SEG_BETA] + start * 4, sizeof(float) * (size_t)count);
             b = beta;
         }
-        block_logits(s, w->turned, NULL, w->e->scale, b, w->block, 0, 0, count, dim);
+        numbers_logits(s, w->turned, NULL, w->e->scale, b, w->block, count, dim);
         update_maximum(s, count, dim);
         CHECK(seg[SEG_VALUES] >= HEADER_BYTES && seg[SEG_VALUES] + (start + count) * row <= f->chunk_bytes);
         to_float(chunk + seg[SEG_VALUES] + start * row, dt, w->block, count * dim);
-        block_values(s, w->block, 0, 0, NULL, NULL, count, dim);
+        numbers_values(s, w->block, NULL, NULL, count, dim);
     }
     return 0;
+}
+
+/* One segment's entries, a function for each format and common head size (noinline: a tile calls one a
+ * segment). Inlined into the tile, the fifteen made one function that took GCC 70-90 s to compile on 2 cores;
+ * apart they take about 20 s, and the outputs are the same to the bit. */
+#define SEGMENT_FUNCTION(NAME, CALL)                                                                            \
+    __attribute__((noinline)) static int NAME(segment_work *w, softmax_state *s, const uint8_t *chunk,        \
+                                              const int64_t *seg, int64_t dim) {                              \
+        (void)dim;                                                                                            \
+        return CALL;                                                                                          \
+    }
+#define SEGMENT_FUNCTIONS(D, SUFFIX)                                               \
+    SEGMENT_FUNCTION(codes8_##SUFFIX, attend_codes(w, s, chunk, seg, 8, D))        \
+    SEGMENT_FUNCTION(codes4_##SUFFIX, attend_codes(w, s, chunk, seg, 4, D))        \
+    SEGMENT_FUNCTION(codes3_##SUFFIX, attend_codes(w, s, chunk, seg, 3, D))        \
+    SEGMENT_FUNCTION(codes2_##SUFFIX, attend_codes(w, s, chunk, seg, 2, D))        \
+    SEGMENT_FUNCTION(floats_##SUFFIX, attend_float_rows(w, s, chunk, seg, D))
+SEGMENT_FUNCTIONS(64, 64)
+SEGMENT_FUNCTIONS(128, 128)
+SEGMENT_FUNCTIONS(dim, any)
+#define SEGMENT_SWITCH(SUFFIX)                                      \
+    switch (bits) {                                                 \
+        case 8: return codes8_##SUFFIX(w, s, chunk, seg, dim);      \
+        case 4: return codes4_##SUFFIX(w, s, chunk, seg, dim);      \
+        case 3: return codes3_##SUFFIX(w, s, chunk, seg, dim);      \
+        case 2: return codes2_##SUFFIX(w, s, chunk, seg, dim);      \
+        default: return floats_##SUFFIX(w, s, chunk, seg, dim);     \
+    }
+
+/* A segment of a file's rows in its format (bits 0: float rows), at the head size the tile is compiled for. */
+ALWAYS_INLINE int attend_segment(segment_work *w, softmax_state *s, const uint8_t *chunk, const int64_t *seg,
+                                 int64_t bits, int64_t dim) {
+    if (dim == 64) SEGMENT_SWITCH(64)
+    if (dim == 128) SEGMENT_SWITCH(128)
+    SEGMENT_SWITCH(any)
 }
 
 /* ------------------------------------------------------------------ one (tile of queries, head) */
@@ -445,14 +480,7 @@ ALWAYS_INLINE int attend_file_rows(const tile_job *job, softmax_state *s, segmen
         const int64_t id = r->blocks[chunk / f->layers];
         CHECK(id >= 0 && id < job->e->num_blocks);
         const uint8_t *bytes = block_base(job->e, chunk % f->layers, id);
-        int status;
-        switch (f->bits) {
-            case 8: status = attend_codes(w, s, bytes, seg, 8, dim); break;
-            case 4: status = attend_codes(w, s, bytes, seg, 4, dim); break;
-            case 3: status = attend_codes(w, s, bytes, seg, 3, dim); break;
-            case 2: status = attend_codes(w, s, bytes, seg, 2, dim); break;
-            default: status = attend_float_rows(w, s, bytes, seg, dim);
-        }
+        const int status = attend_segment(w, s, bytes, seg, f->bits, dim);
         if (status) return status;
     }
     if (f->flags & FLAG_ROTATED) rotate_back(s, f->value_rotation, w->block, dim);
