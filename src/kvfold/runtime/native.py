@@ -143,7 +143,7 @@ def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra
         if target.exists():  # another process built it while this one waited
             return target
         # a first build takes tens of seconds (the kernels are compiled for each code width and head size)
-        said = f"kvfold: compiling {source_path.name} for this machine, once (a minute or two)"
+        said = f"kvfold: compiling {source_path.name} for this machine, once (tens of seconds)"
         print(said, file=sys.stderr, flush=True)
         began = time.monotonic()
         fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.part", dir=target.parent)
