@@ -335,6 +335,7 @@ ALWAYS_INLINE int attend_segment(segment_work *w, softmax_state *s, const uint8_
     if (dim == 128) SEGMENT_SWITCH(128)
     SEGMENT_SWITCH(any)
 }
+#undef SEGMENT_SWITCH
 
 /* ------------------------------------------------------------------ one (tile of queries, head) */
 /* Tokens first_token .. first_token + tokens − 1 of a request's query. */
