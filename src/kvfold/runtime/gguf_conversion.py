@@ -1,0 +1,157 @@
+"""A GGUF model dequantized once per machine into a transformers directory under
+``$KVFOLD_CACHE/converted`` (:func:`kvfold.runtime.defaults.cache_root`), found again by the file's
+contents.
+
+A conversion is named by the GGUF's bytes (SHA-256), the transformers version that reads it and
+:data:`CONVERSION_VERSION`: a fresh virtual environment, a reinstall or a second clone of the same
+package finds the conversion made before (it is about half a gigabyte for SmolLM2-135M in float32).
+Hashing the file takes about a third of a second, so its digest is remembered per path, size and
+modification time (``converted/keys/``). One process converts while others wait under a lock
+(:func:`kvfold.runtime.machine_cache.exclusive`), into a folder of its own renamed whole when written.
+
+Each conversion sweeps the folder (:func:`sweep`): conversions unused for
+:data:`~kvfold.runtime.machine_cache.KEEP_UNUSED_DAYS` days, partial ones, and conversions named
+the way kvfold named them before 0.3.0 (by the GGUF's path and modification time, so that every new
+environment made one more) whose file is gone or has changed: no version can find those again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvfold.runtime.defaults import cache_root
+from kvfold.runtime.machine_cache import exclusive, mark_used, remove_orphan_locks, remove_unused
+
+CONVERSION_VERSION = 2
+"""What a conversion writes (1: named by the GGUF's path, before kvfold 0.3.0; 2: by its contents)."""
+SOURCE_FILE = "kvfold-source.json"
+"""A conversion's record of what it was made from: ``gguf`` (a path), and from version 2 ``sha256``
+(the first 16 hex digits) and ``transformers``."""
+TEMPORARY_SUFFIX = ".tmp"
+
+
+def converted_root() -> Path:
+    """The folder of conversions: ``converted/`` under :func:`kvfold.runtime.defaults.cache_root`."""
+    return cache_root() / "converted"
+
+
+def location_key(gguf_path: Path) -> str:
+    """16 hex digits of the file's resolved path, size and modification time (what a conversion was
+    named by in version 1, and where the file's digest is remembered)."""
+    stat = gguf_path.stat()
+    return hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def content_digest(gguf_path: Path) -> str:
+    """The first 16 hex digits of the file's SHA-256, remembered in ``converted/keys/<location key>``."""
+    memo = converted_root() / "keys" / location_key(gguf_path)
+    try:
+        digest = memo.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) == 16 and all(c in "0123456789abcdef" for c in digest):
+        mark_used(memo)
+        return digest
+    with open(gguf_path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()[:16]
+    try:  # remembered whole or not at all
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=memo.name, suffix=TEMPORARY_SUFFIX, dir=memo.parent)
+        with os.fdopen(fd, "w") as out:
+            out.write(digest)
+        os.replace(partial, memo)
+    except OSError:
+        pass
+    return digest
+
+
+def conversion_dir(gguf_path: Path) -> Path:
+    """Where the conversion of ``gguf_path`` is (or will be) kept."""
+    key = f"{content_digest(gguf_path)}:{transformers.__version__}:{CONVERSION_VERSION}"
+    return converted_root() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+
+def write_conversion(gguf_path: Path, out: Path) -> None:
+    """Dequantize ``gguf_path`` into ``out``: the model in float32 safetensors, and its tokenizer."""
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    # The dequantized weights are plain float32: drop the GGUF quantizer so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """The transformers directory of ``gguf_path``, converted on first use (then :func:`sweep`)."""
+    target = conversion_dir(gguf_path)
+    if _complete(target):
+        mark_used(target)
+        return target
+    with exclusive(target, f"converting {gguf_path.name}"):
+        if _complete(target):  # another process converted it while this one waited
+            return target
+        partial = Path(tempfile.mkdtemp(prefix=target.name + ".", suffix=TEMPORARY_SUFFIX, dir=target.parent))
+        try:
+            write_conversion(gguf_path, partial)
+            record = {"gguf": str(gguf_path), "sha256": content_digest(gguf_path)}
+            (partial / SOURCE_FILE).write_text(json.dumps({**record, "transformers": transformers.__version__}))
+            if target.exists():  # an incomplete one, from before
+                shutil.rmtree(target)
+            partial.rename(target)
+        finally:
+            if partial.exists():
+                shutil.rmtree(partial, ignore_errors=True)
+    sweep(target)
+    return target
+
+
+def _unreachable(folder: Path) -> bool:
+    """A version-1 conversion (no ``sha256`` in its record) whose GGUF is gone or has changed since:
+    it was named by that file's path, size and time, which no version will compute again."""
+    try:
+        record = json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False  # not a conversion this code made: left to the age rule
+    if not isinstance(record, dict) or "sha256" in record or not isinstance(record.get("gguf"), str):
+        return False
+    source = Path(record["gguf"])
+    try:
+        return not folder.name.endswith("-" + location_key(source))
+    except OSError:  # the file is gone
+        return True
+
+
+def sweep(made: Path, now: float | None = None) -> list[Path]:
+    """Remove, beside the conversion ``made``: conversions and remembered digests unused for
+    :data:`~kvfold.runtime.machine_cache.KEEP_UNUSED_DAYS` days, partial ones, unreachable version-1
+    conversions (:func:`_unreachable`), and lock files without a conversion. Returns what was removed."""
+    root = made.parent
+    now = time.time() if now is None else now
+    folders = [p for p in root.iterdir() if p.is_dir() and p.name != "keys" and not p.name.endswith(TEMPORARY_SUFFIX)]
+    partials = [p for p in root.iterdir() if p.name.endswith(TEMPORARY_SUFFIX)]
+    keys = root / "keys"
+    remembered = [p for p in keys.iterdir() if not p.name.endswith(TEMPORARY_SUFFIX)] if keys.is_dir() else []
+    key_partials = [p for p in keys.iterdir() if p.name.endswith(TEMPORARY_SUFFIX)] if keys.is_dir() else []
+    removed = remove_unused([*folders, *remembered], [*partials, *key_partials], keep=[made], now=now)
+    unreachable = [p for p in folders if p not in removed and p != made and _unreachable(p)]
+    removed += remove_unused(unreachable, keep=[made], days=0, now=now)
+    for folder in (root, keys):
+        removed += remove_orphan_locks(folder, now=now)
+    return removed
