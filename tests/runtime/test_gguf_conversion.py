@@ -58,8 +58,8 @@ def test_copies_of_one_file_in_two_environments_share_one_conversion(tmp_path, c
 def test_a_files_digest_is_computed_once_per_path_and_time(tmp_path, conversions, monkeypatch):
     gguf = _gguf(tmp_path / "m.gguf")
     digests = []
-    real = gguf_conversion.hashlib.file_digest
-    monkeypatch.setattr(gguf_conversion.hashlib, "file_digest", lambda *a: digests.append(1) or real(*a))
+    real = gguf_conversion.file_sha256
+    monkeypatch.setattr(gguf_conversion, "file_sha256", lambda path: digests.append(1) or real(path))
     first = gguf_conversion.convert_gguf(gguf)
     assert gguf_conversion.convert_gguf(gguf) == first
     assert len(digests) == 1

@@ -52,6 +52,15 @@ def location_key(gguf_path: Path) -> str:
     return hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read a mebibyte at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def content_digest(gguf_path: Path) -> str:
     """The first 16 hex digits of the file's SHA-256, remembered in ``converted/keys/<location key>``."""
     memo = converted_root() / "keys" / location_key(gguf_path)
@@ -62,8 +71,7 @@ def content_digest(gguf_path: Path) -> str:
     if len(digest) == 16 and all(c in "0123456789abcdef" for c in digest):
         mark_used(memo)
         return digest
-    with open(gguf_path, "rb") as handle:
-        digest = hashlib.file_digest(handle, "sha256").hexdigest()[:16]
+    digest = file_sha256(gguf_path)[:16]
     try:  # remembered whole or not at all
         memo.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(prefix=memo.name, suffix=TEMPORARY_SUFFIX, dir=memo.parent)
