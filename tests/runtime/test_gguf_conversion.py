@@ -81,7 +81,9 @@ def test_processes_asking_at_once_convert_once(tmp_path, conversions, capsys):
     for thread in threads:
         thread.join()
     assert len(conversions) == 1 and len(set(found)) == 1
-    assert capsys.readouterr().err.count("kvfold: waiting for another process converting m.gguf") == 2
+    err = capsys.readouterr().err
+    assert err.count("kvfold: waiting for another process converting m.gguf") == 2
+    assert err.count("kvfold: converting m.gguf to float32 in ") == 1 and err.count("converted m.gguf in") == 1
 
 
 def test_a_failed_conversion_leaves_nothing_half_written(tmp_path, conversions, monkeypatch):

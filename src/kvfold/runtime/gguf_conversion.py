@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -115,6 +116,12 @@ def convert_gguf(gguf_path: Path) -> Path:
     with exclusive(target, f"converting {gguf_path.name}"):
         if _complete(target):  # another process converted it while this one waited
             return target
+        print(
+            f"kvfold: converting {gguf_path.name} to float32 in {target.parent}, once per machine (seconds)",
+            file=sys.stderr,
+            flush=True,
+        )
+        began = time.monotonic()
         partial = Path(tempfile.mkdtemp(prefix=target.name + ".", suffix=TEMPORARY_SUFFIX, dir=target.parent))
         try:
             write_conversion(gguf_path, partial)
@@ -126,6 +133,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         finally:
             if partial.exists():
                 shutil.rmtree(partial, ignore_errors=True)
+        print(f"kvfold: converted {gguf_path.name} in {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
     sweep(target)
     return target
 
