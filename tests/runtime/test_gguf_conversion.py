@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -127,3 +128,16 @@ def test_a_conversion_sweeps_what_no_one_can_load_again(tmp_path, conversions):
     left = sorted(p.name for p in root.iterdir())
     assert left == sorted(["keys", made.name, made.name + ".lock", reachable.name])
     assert not deleted_venv.exists() and not changed.exists() and not unused.exists() and not partial.exists()
+
+
+def test_what_is_made_has_the_umasks_permissions_for_a_shared_cache(tmp_path, conversions):
+    """A temporary folder of ``tempfile`` is the owner's alone (0700): another user of a shared
+    ``KVFOLD_CACHE`` could not read the conversion renamed from it."""
+    old = os.umask(0o022)
+    try:
+        target = gguf_conversion.convert_gguf(_gguf(tmp_path / "m.gguf"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    memo = gguf_conversion.converted_root() / "keys" / gguf_conversion.location_key(tmp_path / "m.gguf")
+    assert stat.S_IMODE(memo.stat().st_mode) == 0o644

@@ -85,8 +85,13 @@ def test_a_build_removes_libraries_unused_for_a_month_and_a_load_marks_its_own(t
     compiler, _ = _slow_compiler(tmp_path)
     source = tmp_path / "k.c"
     source.write_text("int kvfold_k(void) { return 1; }\n")
-    built = native._build(str(compiler), source_path=source)  # noqa: SLF001 - the build itself
+    umask = os.umask(0o022)
+    try:
+        built = native._build(str(compiler), source_path=source)  # noqa: SLF001 - the build itself
+    finally:
+        os.umask(umask)
     assert sorted(p.name for p in folder.iterdir()) == sorted([recent.name, built.name, built.name + ".lock"])
+    assert built.stat().st_mode & 0o044 == 0o044  # readable by a shared cache's other users (umask 022)
     os.utime(built, (month, month))
     assert native._build(str(compiler), source_path=source) == built  # noqa: SLF001 - found, and marked used
     assert time.time() - built.stat().st_mtime < 60

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvfold.runtime.defaults import cache_root
-from kvfold.runtime.machine_cache import exclusive, mark_used, remove_orphan_locks, remove_unused
+from kvfold.runtime.machine_cache import exclusive, mark_used, partial_path, remove_orphan_locks, remove_unused
 
 CONVERSION_VERSION = 2
 """What a conversion writes (1: named by the GGUF's path, before kvfold 0.3.0; 2: by its contents)."""
@@ -75,9 +74,8 @@ def content_digest(gguf_path: Path) -> str:
     digest = file_sha256(gguf_path)[:16]
     try:  # remembered whole or not at all
         memo.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(prefix=memo.name, suffix=TEMPORARY_SUFFIX, dir=memo.parent)
-        with os.fdopen(fd, "w") as out:
-            out.write(digest)
+        partial = partial_path(memo, TEMPORARY_SUFFIX)
+        partial.write_text(digest)
         os.replace(partial, memo)
     except OSError:
         pass
@@ -122,8 +120,9 @@ def convert_gguf(gguf_path: Path) -> Path:
             flush=True,
         )
         began = time.monotonic()
-        partial = Path(tempfile.mkdtemp(prefix=target.name + ".", suffix=TEMPORARY_SUFFIX, dir=target.parent))
+        partial = partial_path(target, TEMPORARY_SUFFIX)
         try:
+            partial.mkdir()
             write_conversion(gguf_path, partial)
             record = {"gguf": str(gguf_path), "sha256": content_digest(gguf_path)}
             (partial / SOURCE_FILE).write_text(json.dumps({**record, "transformers": transformers.__version__}))

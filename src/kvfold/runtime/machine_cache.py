@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -29,6 +30,13 @@ DAY_SECONDS = 86_400
 PARTIAL_SECONDS = 3_600
 """A partial file or folder (a build or conversion killed before its rename) older than this is left over:
 a kernel's compiler has at most 15 minutes, a model's conversion takes seconds."""
+
+
+def partial_path(entry: Path, suffix: str) -> Path:
+    """A name of this process's own beside ``entry`` to make it under (``<entry>.<pid>-<random><suffix>``),
+    renamed to ``entry`` when whole. Not created: what makes it gives it the umask's permissions, as the
+    entry would have (``tempfile``'s are the owner's alone, which another user of a shared cache cannot read)."""
+    return entry.with_name(f"{entry.name}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
 
 
 def lock_path(entry: Path) -> Path:

@@ -44,13 +44,12 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from functools import cache
 from pathlib import Path
 
 from kvfold.runtime.defaults import cache_root
-from kvfold.runtime.machine_cache import exclusive, mark_used, remove_orphan_locks, remove_unused
+from kvfold.runtime.machine_cache import exclusive, mark_used, partial_path, remove_orphan_locks, remove_unused
 
 SOURCE = Path(__file__).with_name("kernels") / "attend_codes.c"
 POOL_SOURCE = Path(__file__).with_name("kernels") / "attend_pool.c"
@@ -148,8 +147,7 @@ def _build(compiler: str, debug: bool = False, source_path: Path = SOURCE, extra
         said = f"kvfold: compiling {source_path.name} for this machine, once (tens of seconds)"
         print(said, file=sys.stderr, flush=True)
         began = time.monotonic()
-        fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.part", dir=target.parent)
-        os.close(fd)
+        partial = str(partial_path(target, ".part"))
         try:
             subprocess.run(
                 [compiler, *flags, "-o", partial, str(source_path), "-lm"],
@@ -170,7 +168,7 @@ def _sweep(folder: Path, built: Path) -> None:
     """After a build, remove the libraries of ``folder`` unused for
     :data:`~kvfold.runtime.machine_cache.KEEP_UNUSED_DAYS` days (other versions' kernels, benchmarks'
     baselines), partial builds left by a killed compiler, and lock files without a library."""
-    remove_unused(folder.glob("*.so"), folder.glob("*.so.part"), keep=[built])
+    remove_unused(folder.glob("*.so"), folder.glob("*.part"), keep=[built])
     remove_orphan_locks(folder)
 
 
