@@ -159,12 +159,12 @@ def sweep(made: Path, now: float | None = None) -> list[Path]:
     conversions (:func:`_unreachable`), and lock files without a conversion. Returns what was removed."""
     root = made.parent
     now = time.time() if now is None else now
-    folders = [p for p in root.iterdir() if p.is_dir() and p.name != "keys" and not p.name.endswith(TEMPORARY_SUFFIX)]
-    partials = [p for p in root.iterdir() if p.name.endswith(TEMPORARY_SUFFIX)]
     keys = root / "keys"
-    remembered = [p for p in keys.iterdir() if not p.name.endswith(TEMPORARY_SUFFIX)] if keys.is_dir() else []
-    key_partials = [p for p in keys.iterdir() if p.name.endswith(TEMPORARY_SUFFIX)] if keys.is_dir() else []
-    removed = remove_unused([*folders, *remembered], [*partials, *key_partials], keep=[made], now=now)
+    listed = [*root.iterdir(), *(keys.iterdir() if keys.is_dir() else ())]  # each folder read once
+    partials = [p for p in listed if p.name.endswith(TEMPORARY_SUFFIX)]
+    folders = [p for p in listed if p.parent == root and p.is_dir() and p != keys and p not in partials]
+    remembered = [p for p in listed if p.parent == keys and p not in partials]
+    removed = remove_unused([*folders, *remembered], partials, keep=[made], now=now)
     unreachable = [p for p in folders if p not in removed and p != made and _unreachable(p)]
     removed += remove_unused(unreachable, keep=[made], days=0, now=now)
     for folder in (root, keys):
