@@ -64,6 +64,21 @@ def test_the_vllm_command_serves_the_folder_with_the_plugin(tmp_path):
     assert command[-2:] == ["--max-num-seqs", "4"]
 
 
+@pytest.mark.parametrize(
+    ("model_type", "architecture"),
+    [
+        ("llama", "KvfoldLlamaForCausalLM"),
+        ("mistral", "KvfoldMistralForCausalLM"),
+        ("qwen2", "KvfoldQwen2ForCausalLM"),
+        ("qwen3", "KvfoldQwen3ForCausalLM"),
+    ],
+)
+def test_the_vllm_command_names_the_model_familys_class(tmp_path, model_type, architecture):
+    command = serve.vllm_command(_args(tmp_path), "/models/m", model_type=model_type)
+    overrides = command[command.index("--hf-overrides") + 1]
+    assert json.loads(overrides) == {"architectures": [architecture]}
+
+
 # ---------------------------------------------------------------------------- one command
 def _no_vllm(monkeypatch) -> None:
     real = serve.importlib.util.find_spec
@@ -119,18 +134,25 @@ def test_without_any_vllm_environment_it_names_the_command_to_run(capsys, monkey
     assert "--port 8124" in err
 
 
-@pytest.mark.parametrize("case", ["no-folder", "not-llama"])
+@pytest.mark.parametrize("case", ["no-folder", "not-served", "narrow-heads"])
 def test_what_it_cannot_serve_is_one_line(capsys, monkeypatch, tmp_path, case):
     monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
     if case == "no-folder":
         argv = ["serve", "--caches", str(tmp_path / "missing")]
         expected = "no such folder"
-    else:
+    elif case == "narrow-heads":
         model = tmp_path / "qwen"
         model.mkdir()
-        (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+        shape = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+        (model / "config.json").write_text(json.dumps({"model_type": "qwen2", **shape}))
         argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
-        expected = "serves llama models"
+        expected = "takes heads of 32, 64, 80"
+    else:
+        model = tmp_path / "gemma"
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+        argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
+        expected = "serves llama, mistral, qwen2, qwen3 models"
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1

@@ -101,12 +101,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def vllm_command(args: argparse.Namespace, model_dir: str, kv_bytes: int | None = None) -> list[str]:
+def vllm_command(
+    args: argparse.Namespace, model_dir: str, kv_bytes: int | None = None, model_type: str = "llama"
+) -> list[str]:
     """The command line of vLLM's OpenAI server that :func:`run_serve` runs (``kv_bytes``: the KV space,
-    as ``--kv-cache-memory-bytes``; None leaves it to vLLM)."""
+    as ``--kv-cache-memory-bytes``; None leaves it to vLLM; ``model_type``: the model's family, which
+    names the plugin's model class)."""
     from kvfold.integrations.vllm.settings import engine_settings
 
-    settings = engine_settings(str(args.caches.resolve()), dtype=getattr(args, "dtype", "float32"))
+    settings = engine_settings(
+        str(args.caches.resolve()), model_type=model_type, dtype=getattr(args, "dtype", "float32")
+    )
     command = [
         sys.executable,
         "-m",
@@ -219,7 +224,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from kvfold.integrations.vllm.server import ENV_CACHES, ENV_DTYPE, ENV_MODEL
-    from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES
+    from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES, check_head_size
     from kvfold.runtime.models import resolve_spec
 
     model_dir, local = resolve_spec(args.model)
@@ -228,10 +233,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_type = getattr(config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
-        raise UserError(
-            f"kvfold serve serves {', '.join(SERVED_MODEL_TYPES)} models (its model class is vLLM's "
-            f"Llama); {args.model} is {model_type!r}"
-        )
+        raise UserError(f"kvfold serve serves {', '.join(SERVED_MODEL_TYPES)} models; {args.model} is {model_type!r}")
+    check_head_size(config)
     env = dict(os.environ)
     env[ENV_CACHES] = str(args.caches.resolve())
     env[ENV_MODEL] = args.model
@@ -240,7 +243,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.kv_space is not None:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     kv_bytes, how = kv_space_bytes(args, config, model_dir)
-    command = vllm_command(args, model_dir, kv_bytes)
+    command = vllm_command(args, model_dir, kv_bytes, model_type)
     log = Path(args.log) if args.log is not None else _new_log()
     caches = len(list(args.caches.glob("*.kvc")))
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(args.host, args.host)

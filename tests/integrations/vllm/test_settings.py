@@ -50,3 +50,21 @@ def test_too_little_memory_is_one_line_with_the_flags_to_pass():
     message = str(err.value)
     assert "\n" not in message and "4.0 GiB of memory is free" in message
     assert "--max-model-len N" in message and "--kv-space N" in message
+
+
+def test_the_head_widths_kvfold_serve_checks_are_vllms_cpu_attentions():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvfold.integrations.vllm.settings import CPU_HEAD_SIZES
+
+    assert list(CPU_HEAD_SIZES) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def test_the_engine_settings_name_each_familys_class_and_refuse_others():
+    overrides = {kind: settings.engine_settings("/c", model_type=kind)["hf_overrides"] for kind in ("llama", "qwen3")}
+    assert overrides == {
+        "llama": {"architectures": ["KvfoldLlamaForCausalLM"]},
+        "qwen3": {"architectures": ["KvfoldQwen3ForCausalLM"]},
+    }
+    with pytest.raises(UserError, match="serves llama, mistral, qwen2, qwen3 models; this one is 'gemma3'"):
+        settings.engine_settings("/c", model_type="gemma3")

@@ -1,11 +1,12 @@
 """kvfold caches served by vLLM (0.32, CPU): ``pip install 'kvfold[vllm]'``, then ``kvfold serve``.
 
 vLLM loads :func:`register` in every process through the ``vllm.general_plugins`` entry point; it
-only registers the model architecture ``KvfoldLlamaForCausalLM`` (nothing changes for a server that
-does not ask for it). ``kvfold serve`` starts vLLM's OpenAI server with
+only registers the model architectures of :data:`~kvfold.integrations.vllm.settings.ARCHITECTURES`
+(``KvfoldLlamaForCausalLM``, ``KvfoldQwen3ForCausalLM``, …; nothing changes for a server that does
+not ask for one). ``kvfold serve`` starts vLLM's OpenAI server with
 :func:`~kvfold.integrations.vllm.settings.engine_settings`:
 
-* :mod:`.model` — vLLM's Llama whose attention layers run kvfold's backend;
+* :mod:`.model` — vLLM's Llama, Mistral, Qwen2 and Qwen3 whose attention layers run kvfold's backend;
 * :mod:`.backend` — the attention backend: vLLM's ``CPU_ATTN`` for every request, kvfold's attention
   over the file's rows for requests on a cache file;
 * :mod:`.layout` — what is served, and the RoPE turn that puts the question at the context's positions;
@@ -22,14 +23,17 @@ Importing this package imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-from kvfold.integrations.vllm.settings import ARCHITECTURE, BLOCK_SIZE, engine_settings
+from kvfold.integrations.vllm.settings import ARCHITECTURES, BLOCK_SIZE, engine_settings
 
-__all__ = ["ARCHITECTURE", "BLOCK_SIZE", "engine_settings", "register"]
+__all__ = ["ARCHITECTURES", "BLOCK_SIZE", "engine_settings", "register"]
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register :data:`ARCHITECTURE` with vLLM's model registry."""
+    """The ``vllm.general_plugins`` entry point: register :data:`ARCHITECTURES` with vLLM's model registry
+    (each name is its class's in :mod:`kvfold.integrations.vllm.model`)."""
     from vllm import ModelRegistry
 
-    if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "kvfold.integrations.vllm.model:KvfoldLlamaForCausalLM")
+    supported = ModelRegistry.get_supported_archs()
+    for architecture in ARCHITECTURES.values():
+        if architecture not in supported:
+            ModelRegistry.register_model(architecture, f"kvfold.integrations.vllm.model:{architecture}")

@@ -1,56 +1,100 @@
-"""vLLM's Llama on kvfold's attention backend.
+"""vLLM's Llama, Mistral, Qwen2 and Qwen3 on kvfold's attention backend.
 
-Every attention layer is given :class:`~kvfold.integrations.vllm.backend.KvfoldAttentionBackend`
-through ``Attention(..., attn_backend=...)``: vLLM's ``CPU_ATTN`` for every request (heads keep their
-width, so a request that names no cache file holds what stock vLLM holds), and kvfold's attention
-for the requests on cache files. vLLM's choice of backend for other models is untouched.
+Each served class is vLLM's own model class, built as vLLM builds it; then every attention layer
+(vLLM's ``Attention``) is rebuilt with the same heads, scale, window and name and
+:class:`~kvfold.integrations.vllm.backend.KvfoldAttentionBackend` (:func:`use_kvfold_attention`):
+vLLM's ``CPU_ATTN`` for every request (heads keep their width, so a request that names no cache file
+holds what stock vLLM holds), and kvfold's attention for the requests on cache files. Projections,
+biases (Qwen2), query and key norms (Qwen3) and RoPE stay vLLM's, so the keys the backend receives are
+the keys transformers' model gives ``kvfold compress``. vLLM's choice of backend for other models is
+untouched.
 """
 
 from __future__ import annotations
 
-from vllm.config import VllmConfig
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["KvfoldLlamaAttention", "KvfoldLlamaDecoderLayer", "KvfoldLlamaForCausalLM"]
+__all__ = [
+    "KvfoldLlamaForCausalLM",
+    "KvfoldMistralForCausalLM",
+    "KvfoldQwen2ForCausalLM",
+    "KvfoldQwen3ForCausalLM",
+    "use_kvfold_attention",
+]
 
 
-class KvfoldLlamaAttention(LlamaAttention):
-    """:class:`LlamaAttention` whose attention layer runs kvfold's backend (module docstring)."""
+def use_kvfold_attention(model: nn.Module) -> int:
+    """Rebuild every attention layer of ``model`` (vLLM's ``Attention``, held as a module's ``attn``) on
+    kvfold's backend, under the name the stock layer registered, and return how many were rebuilt.
 
-    def __init__(self, *args, prefix: str = "", **kwargs) -> None:
-        super().__init__(*args, prefix=prefix, **kwargs)
-        from vllm.config import get_current_vllm_config
+    Call it inside the model's ``__init__`` (vLLM's current config is the one being loaded). A layer
+    with ALiBi, a logit soft cap or an attention sink is not rebuilt: the families served have none,
+    and kvfold's kernel computes none of them.
 
-        from kvfold.integrations.vllm.backend import KvfoldAttentionBackend
+    Raises:
+        ValueError: an attention layer with one of those (the model is not of a served family).
+    """
+    from kvfold.integrations.vllm.backend import KvfoldAttentionBackend
 
-        stock = self.attn
-        name = f"{prefix}.attn"
-        context = get_current_vllm_config().compilation_config.static_forward_context
-        context.pop(name, None)  # the stock layer registered itself under this name; this one takes it
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.scaling,
-            num_kv_heads=self.num_kv_heads,
-            cache_config=kwargs.get("cache_config"),
-            quant_config=kwargs.get("quant_config"),
-            per_layer_sliding_window=getattr(stock, "sliding_window", None),
-            prefix=name,
+    vllm_config = get_current_vllm_config()
+    context = vllm_config.compilation_config.static_forward_context
+    rebuilt = 0
+    for owner in list(model.modules()):
+        stock = getattr(owner, "attn", None)
+        if type(stock) is not Attention:
+            continue
+        impl = stock.impl
+        if getattr(impl, "alibi_slopes", None) is not None or getattr(impl, "logits_soft_cap", None) or stock.has_sink:
+            raise ValueError(f"{stock.layer_name}: ALiBi, a logit soft cap or sinks are not served by kvfold")
+        context.pop(stock.layer_name, None)  # the stock layer registered itself under this name; this one takes it
+        owner.attn = Attention(
+            stock.num_heads,
+            stock.head_size,
+            impl.scale,
+            num_kv_heads=stock.num_kv_heads,
+            cache_config=vllm_config.cache_config,
+            quant_config=stock.quant_config,
+            per_layer_sliding_window=stock.sliding_window,
+            prefix=stock.layer_name,
             attn_backend=KvfoldAttentionBackend,
         )
-
-
-class KvfoldLlamaDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer with :class:`KvfoldLlamaAttention`."""
-
-    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None, **kwargs) -> None:
-        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=KvfoldLlamaAttention)
+        rebuilt += 1
+    return rebuilt
 
 
 class KvfoldLlamaForCausalLM(LlamaForCausalLM):
-    """vLLM's Llama on kvfold's attention backend; served as architecture ``KvfoldLlamaForCausalLM``
-    (``hf_overrides={"architectures": ["KvfoldLlamaForCausalLM"]}``)."""
+    """vLLM's Llama on kvfold's attention backend (architecture ``KvfoldLlamaForCausalLM``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=KvfoldLlamaDecoderLayer)
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldMistralForCausalLM(MistralForCausalLM):
+    """vLLM's Mistral on kvfold's attention backend (architecture ``KvfoldMistralForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldQwen2ForCausalLM(Qwen2ForCausalLM):
+    """vLLM's Qwen2 on kvfold's attention backend (architecture ``KvfoldQwen2ForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldQwen3ForCausalLM(Qwen3ForCausalLM):
+    """vLLM's Qwen3 on kvfold's attention backend (architecture ``KvfoldQwen3ForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)

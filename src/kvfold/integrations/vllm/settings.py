@@ -14,10 +14,17 @@ from typing import Any
 
 from kvfold.runtime.errors import UserError
 
-ARCHITECTURE = "KvfoldLlamaForCausalLM"
-"""The architecture name under which Llama on kvfold's attention backend is registered with vLLM."""
-SERVED_MODEL_TYPES = ("llama",)
-"""Model families the plugin serves (its model class is vLLM's Llama)."""
+ARCHITECTURES = {
+    "llama": "KvfoldLlamaForCausalLM",
+    "mistral": "KvfoldMistralForCausalLM",
+    "qwen2": "KvfoldQwen2ForCausalLM",
+    "qwen3": "KvfoldQwen3ForCausalLM",
+}
+"""Model type (a transformers config's ``model_type``) → the architecture name under which vLLM's model
+class of that family, on kvfold's attention backend, is registered with vLLM
+(:mod:`kvfold.integrations.vllm.model`)."""
+SERVED_MODEL_TYPES = tuple(ARCHITECTURES)
+"""Model families the plugin serves."""
 EXTRA_CACHES = "kvfold_caches"
 """``kv_connector_extra_config`` key: the folder of cache files."""
 EXTRA_SHIFT = "kvfold_keep_positions"
@@ -28,14 +35,25 @@ BLOCK_SIZE = 32
 
 
 def engine_settings(
-    caches: str, *, keep_positions: bool = True, prefix_caching: bool = True, dtype: str = "float32"
+    caches: str,
+    *,
+    model_type: str = "llama",
+    keep_positions: bool = True,
+    prefix_caching: bool = True,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """The vLLM engine arguments that serve kvfold caches from folder ``caches`` (``vllm.LLM(**...)`` or
-    ``AsyncEngineArgs``): Llama on kvfold's attention backend, ``dtype`` (float32 by default), the
-    connector, prefix caching salted per file. ``keep_positions=False`` exists for a test that shows the
-    queries' turn matters."""
+    ``AsyncEngineArgs``): the model family ``model_type`` (:data:`SERVED_MODEL_TYPES`) on kvfold's
+    attention backend, ``dtype`` (float32 by default), the connector, prefix caching salted per file.
+    ``keep_positions=False`` exists for a test that shows the queries' turn matters.
+
+    Raises:
+        UserError: a model type the plugin does not serve.
+    """
+    if model_type not in ARCHITECTURES:
+        raise UserError(f"kvfold serve serves {', '.join(SERVED_MODEL_TYPES)} models; this one is {model_type!r}")
     return {
-        "hf_overrides": {"architectures": [ARCHITECTURE]},
+        "hf_overrides": {"architectures": [ARCHITECTURES[model_type]]},
         "dtype": dtype,
         "block_size": BLOCK_SIZE,
         "enable_prefix_caching": prefix_caching,
@@ -63,14 +81,38 @@ WEIGHT_COPIES = 2
 checks files against the model's fingerprint."""
 
 
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head widths vLLM 0.32's CPU attention takes (``CPUAttentionBackend.get_supported_head_sizes()``, copied
+so that ``kvfold serve`` checks a model without importing vLLM; a test of the vLLM suite compares the two).
+Another width fails in vLLM's kernel at the first request, a plain one too."""
+
+
+def head_size(config: Any) -> int:
+    """Channels of one attention head, from a transformers config (``head_dim``, else hidden ÷ heads)."""
+    return int(getattr(config, "head_dim", None) or int(config.hidden_size) // int(config.num_attention_heads))
+
+
+def check_head_size(config: Any) -> None:
+    """Refuse, in one line, a model whose heads vLLM's CPU attention does not take (:data:`CPU_HEAD_SIZES`).
+
+    Raises:
+        UserError: the width is not one of them.
+    """
+    width = head_size(config)
+    if width not in CPU_HEAD_SIZES:
+        raise UserError(
+            f"vLLM's CPU attention takes heads of {', '.join(map(str, CPU_HEAD_SIZES))} channels; "
+            f"this model's have {width}"
+        )
+
+
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 4) -> int:
     """Bytes of vLLM's KV cache for one token (keys and values, every layer and KV head, float32 by
     default), from a transformers config (or anything with its attributes): stock vLLM's, since the
     plugin keeps the heads' width."""
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-    return int(config.num_hidden_layers) * 2 * kv_heads * int(head_dim) * dtype_bytes
+    return int(config.num_hidden_layers) * 2 * kv_heads * head_size(config) * dtype_bytes
 
 
 def weights_bytes(model_dir: str | os.PathLike, dtype_bytes: int = 4) -> int:
