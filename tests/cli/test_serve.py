@@ -406,3 +406,29 @@ def test_vllms_own_memory_flags_are_left_to_it(monkeypatch, llama, tmp_path, fla
     _, spec = _serve_until_exec(monkeypatch, argv)
     assert "--kv-cache-memory-bytes" not in spec["command"]  # kvfold's own size is not added
     assert "set by vLLM's " + flag.split("=")[0] in spec["start"]
+
+
+def test_a_hub_model_is_served_from_its_folder_in_the_hugging_face_cache(monkeypatch, tmp_path, capsys):
+    """A hub id: vLLM and the file checks read the model's folder in the cache; requests name the hub id."""
+    from kvfold.integrations.vllm.server import ENV_MODEL
+    from tests.runtime.test_models import fake_hub_model
+
+    snapshot = fake_hub_model(tmp_path / "hub", monkeypatch)
+    monkeypatch.setattr(settings, "available_memory", lambda: 20 * GIB)
+    monkeypatch.setattr(native, "attend_pool_kernel", lambda: object())
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    seen: dict = {}
+
+    def execve(path, args, env):
+        seen.update(spec=json.loads(args[-1]), env=env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(serve.os, "execve", execve)
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "org/tiny", "--caches", str(tmp_path)])
+    command = seen["spec"]["command"]
+    assert command[command.index("--model") + 1] == str(snapshot)
+    assert command[command.index("--served-model-name") + 1] == "org/tiny"
+    assert json.loads(command[command.index("--hf-overrides") + 1]) == {"architectures": ["KvfoldQwen3ForCausalLM"]}
+    assert seen["env"][ENV_MODEL] == str(snapshot)
+    assert "org/tiny: from the Hugging Face cache" in capsys.readouterr().err

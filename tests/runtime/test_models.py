@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -134,3 +136,54 @@ def test_random_spec_builds_the_architecture_with_seeded_random_weights(tmp_path
     (tmp_path / "bare").mkdir()
     with pytest.raises(ModelLoadError, match="random:DIR needs a directory with config.json"):
         load_model(f"random:{tmp_path / 'bare'}")
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_hub_model(cache, monkeypatch, repo: str = "org/tiny", shards: int = 2) -> Path:
+    """``repo`` in a Hugging Face cache of its own (offline), as a download leaves it: a tiny Qwen3 in
+    ``shards`` safetensors shards named by an index, plus a second copy of the weights the index does not
+    name (as Mistral's repositories hold ``consolidated.safetensors``). Returns the snapshot folder."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / COMMIT
+    make_tiny_model("qwen3", head_dim=32).save_pretrained(snapshot, max_shard_size="20KB" if shards > 1 else "1GB")
+    _write_tokenizer(snapshot)
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_a_hub_model_in_the_cache_is_found_with_what_a_server_reads(tmp_path, monkeypatch):
+    from kvfold.runtime.models import hub_snapshot
+
+    snapshot = fake_hub_model(tmp_path / "hub", monkeypatch)
+    assert len(list(snapshot.glob("model-*.safetensors"))) >= 2
+    assert hub_snapshot("org/tiny") == str(snapshot)
+    model, _ = load_model(hub_snapshot("org/tiny"))
+    assert model.config.model_type == "qwen3"
+
+
+def test_a_hub_shard_missing_from_the_cache_is_one_line(tmp_path, monkeypatch):
+    from kvfold.runtime.models import hub_snapshot
+
+    snapshot = fake_hub_model(tmp_path / "hub", monkeypatch)
+    next(iter(sorted(snapshot.glob("model-*.safetensors")))).unlink()
+    with pytest.raises(ModelLoadError, match="could not fetch 'org/tiny' from the Hugging Face hub") as err:
+        hub_snapshot("org/tiny")
+    assert "\n" not in str(err.value)
+
+
+def test_a_hub_repository_without_weights_or_not_there_is_one_line(tmp_path, monkeypatch):
+    from kvfold.runtime.models import hub_snapshot
+
+    snapshot = fake_hub_model(tmp_path / "hub", monkeypatch, shards=1)
+    (snapshot / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="found no weights transformers reads"):
+        hub_snapshot("org/tiny")
+    with pytest.raises(ModelLoadError, match="could not fetch 'nobody/nothing'"):
+        hub_snapshot("nobody/nothing")

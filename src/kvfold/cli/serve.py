@@ -72,7 +72,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     from kvfold.cli.args import DEFAULT_MODEL
 
     p = sub.add_parser("serve", help="serve saved caches (.kvc) with vLLM's OpenAI server (make install-vllm)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model spec: smollm2-135m, a .gguf or a directory")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model spec: smollm2-135m, a .gguf, a directory or a hub id (served from the Hugging Face cache)",
+    )
     p.add_argument("--caches", required=True, type=Path, help="folder of cache files: request 'doc' is DIR/doc.kvc")
     p.add_argument("--host", default="127.0.0.1", help="address the server listens on")
     p.add_argument("--port", type=int, default=8000, help="port the server listens on")
@@ -225,11 +229,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvfold.integrations.vllm.server import ENV_CACHES, ENV_DTYPE, ENV_MODEL
     from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES, check_head_size
-    from kvfold.runtime.models import resolve_spec
+    from kvfold.runtime.models import hub_snapshot, resolve_spec
 
     model_dir, local = resolve_spec(args.model)
     if not local:
-        raise UserError(f"kvfold serve needs a local model (a directory, a .gguf or smollm2-135m); got {args.model}")
+        print(
+            f"kvfold serve: {args.model}: from the Hugging Face cache, fetched first if it is not there",
+            file=sys.stderr,
+        )
+        model_dir = hub_snapshot(args.model)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     model_type = getattr(config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
@@ -237,7 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
     check_head_size(config)
     env = dict(os.environ)
     env[ENV_CACHES] = str(args.caches.resolve())
-    env[ENV_MODEL] = args.model
+    env[ENV_MODEL] = args.model if local else model_dir  # a hub model's files are checked from its folder
     env[ENV_DTYPE] = args.dtype
     env.pop(ENV_RERUN, None)
     if args.kv_space is not None:

@@ -122,6 +122,45 @@ def resolve_spec(spec: str) -> tuple[str, bool]:
     return spec, False
 
 
+HUB_WEIGHTS = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+"""The weight files ``from_pretrained`` looks for in a hub repository, in its order (an index names its shards)."""
+
+
+def hub_snapshot(spec: str, *, revision: str | None = None, token: str | bool | None = None) -> str:
+    """The local folder of hub model ``spec`` holding what a server reads: its config, weights, tokenizer
+    and generation config, fetched into the Hugging Face cache as ``from_pretrained`` fetches them (the
+    weights its index names, not every weight file of the repository: Mistral's repositories hold their
+    weights twice), or found there (``HF_HUB_OFFLINE=1``).
+
+    Raises:
+        ModelLoadError: the repository or one of its files could not be fetched or found, or it holds
+            no weights transformers reads.
+    """
+    from transformers.utils import cached_file
+    from transformers.utils.hub import get_checkpoint_shard_files
+
+    hub: dict[str, Any] = {key: value for key, value in (("revision", revision), ("token", token)) if value is not None}
+    optional = {"_raise_exceptions_for_missing_entries": False, "_raise_exceptions_for_connection_errors": False}
+    try:
+        config = cached_file(spec, "config.json", **hub)
+        weights = next((name for name in HUB_WEIGHTS if cached_file(spec, name, **optional, **hub)), None)
+        if weights is None:
+            raise ModelLoadError(
+                f"{spec}: found no weights transformers reads ({', '.join(HUB_WEIGHTS)}) in the hub repository "
+                "or the Hugging Face cache; pass a local directory"
+            )
+        if weights.endswith(".index.json"):
+            get_checkpoint_shard_files(spec, cached_file(spec, weights, **hub), **hub)
+        AutoTokenizer.from_pretrained(spec, **hub)  # its files and chat template, into the same folder
+        cached_file(spec, "generation_config.json", **optional, **hub)
+    except OSError as err:
+        raise ModelLoadError(
+            f"could not fetch {spec!r} from the Hugging Face hub or find it in its cache: {cause(err)}. Check its "
+            "name, the network and the token, or pass a local directory"
+        ) from err
+    return str(Path(config).parent)
+
+
 def check_supported(config) -> None:
     """Raise a clear error for architectures kvfold does not support."""
     model_type = getattr(config, "model_type", None)

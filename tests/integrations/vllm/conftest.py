@@ -162,16 +162,22 @@ def _wait_group_gone(pgid: int, seconds: float = 30) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def start_server(caches: Path, folder: Path, *flags: str, port: int | None = None) -> Server:
+def start_server(
+    caches: Path, folder: Path, *flags: str, port: int | None = None, env: dict[str, str] | None = None
+) -> Server:
     """Start ``kvfold serve`` over ``caches`` (not waiting for it): its logs in ``folder``, ``flags`` after
-    the caches (e.g. ``--kv-space``, ``--`` and vLLM's own)."""
+    the caches (e.g. ``--kv-space``, ``--`` and vLLM's own), ``env`` added to its environment."""
     port = port or _free_port()
     log, vllm_log = folder / "serve.log", folder / "vllm.log"
     command = [str(Path(sys.executable).with_name("kvfold")), "serve", "--caches", str(caches), "--port", str(port)]
     command += ["--log", str(vllm_log), *flags]
     with log.open("a") as out:
         process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **SERVE_ENV), start_new_session=True
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, **SERVE_ENV, **(env or {})),
+            start_new_session=True,
         )
     return Server(f"http://127.0.0.1:{port}", process, log, vllm_log, command)
 

@@ -2,7 +2,8 @@
 the family, its files answered as ``kvfold ask`` answers them.
 
 Each family gets a model directory (random weights, SmolLM2's tokenizer and chat template, so the
-prompts are the shared suite's), files compressed from a short logbook, and a server of its own. The
+prompts are the shared suite's), files compressed from a short logbook, and a server of its own. Qwen3
+is served by a hub id from a Hugging Face cache (offline), the others from their directory. The
 weights are drawn wider than transformers' default (``initializer_range``) so that a greedy token leads
 its runner-up by far more than the two attentions' float32 differences.
 """
@@ -56,6 +57,12 @@ ANSWER = 12
 LOGBOOK = 600
 
 
+HUB_FAMILY = "qwen3"
+"""The family served by a hub id, from a Hugging Face cache of its own (offline), as a user who
+downloaded the model would serve it; the others from a model directory."""
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
 def write_model(family: str, tokenizer, out: Path) -> Path:
     """A tiny random model of ``family`` in ``out`` (safetensors, config, SmolLM2's tokenizer)."""
     config_cls, model_cls, extra = FAMILY_MODELS[family]
@@ -75,13 +82,13 @@ def write_model(family: str, tokenizer, out: Path) -> Path:
 class Family:
     """One family's model directory, files, server, and kvfold's own model to check it against."""
 
-    def __init__(self, family: str, directory: Path, server, paths: dict[str, Path], model, tokenizer) -> None:
-        self.family, self.directory, self.server, self.paths = family, directory, server, paths
+    def __init__(self, family: str, spec: str, directory: Path, server, paths: dict[str, Path], model, tokenizer):
+        self.family, self.spec, self.directory, self.server, self.paths = family, spec, directory, server, paths
         self.model, self.tokenizer = model, tokenizer
 
     def ask(self, name: str | None, question: str, **extra) -> dict:
         payload = {
-            "model": str(self.directory),
+            "model": self.spec,
             "messages": [{"role": "user", "content": question}],
             "max_tokens": ANSWER,
             "temperature": 0,
@@ -105,7 +112,17 @@ def family(request, model_and_tokenizer, tmp_path_factory):
     torch.set_num_threads(1)
     _, tokenizer = model_and_tokenizer
     folder = tmp_path_factory.mktemp(request.param)
-    directory = write_model(request.param, tokenizer, folder / "model")
+    spec, env = None, {}
+    if request.param == HUB_FAMILY:
+        spec = f"kvfold-tests/tiny-{request.param}"
+        repository = folder / "hub" / f"models--{spec.replace('/', '--')}"
+        directory = write_model(request.param, tokenizer, repository / "snapshots" / HUB_COMMIT)
+        (repository / "refs").mkdir()
+        (repository / "refs" / "main").write_text(HUB_COMMIT)
+        env = {"HF_HUB_CACHE": str(folder / "hub"), "HF_HUB_OFFLINE": "1"}
+    else:
+        directory = write_model(request.param, tokenizer, folder / "model")
+    spec = spec or str(directory)
     model, tokenizer = kvfold.load_model(str(directory))
     assert model.config.model_type == request.param
     caches = folder / "caches"
@@ -118,10 +135,11 @@ def family(request, model_and_tokenizer, tmp_path_factory):
         paths[name] = caches / f"{name}.kvc"
         compressed = context.compress(how.pop("method", "kvzip+am_fit"), **how)
         kvfold.save_context(compressed, paths[name], source_text=logbook)
-    server = start_server(caches, folder, "--model", str(directory), "--", "--enforce-eager", "--max-num-seqs", "4")
+    flags = ("--model", spec, "--", "--enforce-eager", "--max-num-seqs", "4")
+    server = start_server(caches, folder, *flags, env=env)
     try:
         server.wait()
-        yield Family(request.param, directory, server, paths, model, tokenizer)
+        yield Family(request.param, spec, directory, server, paths, model, tokenizer)
     finally:
         server.stop()
 
