@@ -34,8 +34,8 @@ def use_kvfold_attention(model: nn.Module) -> int:
     kvfold's backend, under the name the stock layer registered, and return how many were rebuilt.
 
     Call it inside the model's ``__init__`` (vLLM's current config is the one being loaded). A layer
-    with ALiBi, a logit soft cap or an attention sink is not rebuilt: the families served have none,
-    and kvfold's kernel computes none of them.
+    with ALiBi, a logit soft cap or an attention sink is refused: the families served have none, and
+    kvfold's kernel computes none of them.
 
     Raises:
         ValueError: an attention layer with one of those (the model is not of a served family).
