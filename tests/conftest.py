@@ -16,14 +16,24 @@ if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is None:
 from transformers import (  # noqa: E402 - after the line above
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["integrations/vllm"]
@@ -40,11 +50,30 @@ TINY = dict(
     head_dim=16,
 )
 
+MOE = {"num_experts_per_tok": 2, "experts_implementation": "eager"}
+QWEN_MOE = {"num_experts": 4, "moe_intermediate_size": 32}
+
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"use_sliding_window": False}),
+    # Mixture-of-experts: the attention of the dense families; experts looped in eager code, which takes
+    # float64 (transformers' grouped products do not).
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"sliding_window": None, **MOE, "num_local_experts": 4}),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        {"use_sliding_window": False, **MOE, **QWEN_MOE, "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"use_sliding_window": False, **MOE, **QWEN_MOE}),
+    # OLMo 2: query and key norms over all heads at once; Granite: its own logit scale and multipliers.
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "granite": (
+        GraniteConfig,
+        GraniteForCausalLM,
+        {"attention_multiplier": 0.3, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0},
+    ),
     # Gemma3: sliding-window layers stay as transformers keeps them; global layers are folded.
     "gemma3": (
         Gemma3TextConfig,

