@@ -69,8 +69,12 @@ def test_the_vllm_command_serves_the_folder_with_the_plugin(tmp_path):
     [
         ("llama", "KvfoldLlamaForCausalLM"),
         ("mistral", "KvfoldMistralForCausalLM"),
+        ("mixtral", "KvfoldMixtralForCausalLM"),
         ("qwen2", "KvfoldQwen2ForCausalLM"),
+        ("qwen2_moe", "KvfoldQwen2MoeForCausalLM"),
         ("qwen3", "KvfoldQwen3ForCausalLM"),
+        ("qwen3_moe", "KvfoldQwen3MoeForCausalLM"),
+        ("granite", "KvfoldGraniteForCausalLM"),
     ],
 )
 def test_the_vllm_command_names_the_model_familys_class(tmp_path, model_type, architecture):
@@ -152,7 +156,7 @@ def test_what_it_cannot_serve_is_one_line(capsys, monkeypatch, tmp_path, case):
         model.mkdir()
         (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
         argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
-        expected = "serves llama, mistral, qwen2, qwen3 models"
+        expected = "serves llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, granite models"
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1

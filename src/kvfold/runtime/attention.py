@@ -530,8 +530,8 @@ def _inject_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[t
 
 
 def is_attention_module(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a decoder layer's attention: it has ``layer_idx`` and ``o_proj`` (Llama,
-    Mistral, Qwen2, Qwen3 and Gemma3-style decoders)."""
+    """Whether ``module`` is a decoder layer's attention: it has ``layer_idx`` and ``o_proj`` (the decoders
+    of :data:`kvfold.runtime.models.SUPPORTED_MODEL_TYPES`)."""
     return hasattr(module, "layer_idx") and hasattr(module, "o_proj")
 
 
@@ -578,6 +578,6 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     if hooked == 0:
         raise UserError(
             f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`; "
-            "kvfold supports Llama, Mistral, Qwen2, Qwen3 and Gemma3-style decoders"
+            "kvfold supports Llama, Mistral, Qwen, OLMo 2, Granite and Gemma3-style decoders"
         )
     return model

@@ -1,5 +1,5 @@
-"""``kvfold serve`` on each served family besides Llama (Mistral, Qwen2, Qwen3): a tiny random model of
-the family, its files answered as ``kvfold ask`` answers them.
+"""``kvfold serve`` on each served family besides Llama (Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
+Granite): a tiny random model of the family, its files answered as ``kvfold ask`` answers them.
 
 Each family gets a model directory (random weights, SmolLM2's tokenizer and chat template, so the
 prompts are the shared suite's), files compressed from a short logbook, and a server of its own. Qwen3
@@ -17,12 +17,20 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 import kvfold
@@ -31,13 +39,24 @@ from kvfold.pipeline.context import greedy_decode
 from kvfold.runtime.prompts import build_prompt, encode
 from tests.integrations.vllm.conftest import LOGPROB_TOLERANCE, start_server
 
+MOE = {"num_experts_per_tok": 2}
+QWEN_MOE = {"num_experts": 4, "moe_intermediate_size": 64}
 FAMILY_MODELS = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 64}),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"sliding_window": None, "num_local_experts": 4, **MOE}),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, {**MOE, **QWEN_MOE, "shared_expert_intermediate_size": 64}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"head_dim": 64, **MOE, **QWEN_MOE}),
+    "granite": (
+        GraniteConfig,
+        GraniteForCausalLM,
+        {"attention_multiplier": 0.1, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 2.0},
+    ),
 }
 """Model type → transformers' config and model classes, and what the family's config adds. Qwen3's heads
-are wider than ``hidden_size / heads`` (as in Qwen3-8B's config); Qwen2 has biases on q, k and v."""
+are wider than ``hidden_size / heads`` (as in Qwen3-8B's config); Qwen2 has biases on q, k and v; Granite
+scales its logits by its own ``attention_multiplier``; the mixture-of-experts families route 2 of 4."""
 # Heads of 32 and 64 channels: vLLM's CPU attention takes neither 16 nor most other widths.
 SHAPE = {  # RoPE's base as in Qwen2.5, Qwen3 and Mistral-7B-v0.3 (Llama's 10,000 is transformers' default)
     "hidden_size": 128,

@@ -67,3 +67,18 @@ def test_attention_kvfolds_kernel_does_not_compute_is_refused(vllm_config):
         model = _layers(vllm_config, alibi_slopes=[0.5] * 4)
         with pytest.raises(ValueError, match="ALiBi, a logit soft cap or sinks"):
             use_kvfold_attention(model)
+
+
+def test_every_served_familys_architecture_is_registered_with_its_class():
+    from vllm import ModelRegistry
+
+    from kvfold.integrations.vllm import model as served
+    from kvfold.integrations.vllm import register
+    from kvfold.integrations.vllm.settings import ARCHITECTURES
+
+    register()
+    supported = ModelRegistry.get_supported_archs()
+    for model_type, architecture in ARCHITECTURES.items():
+        cls = getattr(served, architecture)
+        assert architecture in supported, model_type
+        assert cls.__mro__[1].__name__ == architecture.removeprefix("Kvfold"), model_type  # vLLM's own class

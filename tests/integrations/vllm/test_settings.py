@@ -66,5 +66,8 @@ def test_the_engine_settings_name_each_familys_class_and_refuse_others():
         "llama": {"architectures": ["KvfoldLlamaForCausalLM"]},
         "qwen3": {"architectures": ["KvfoldQwen3ForCausalLM"]},
     }
-    with pytest.raises(UserError, match="serves llama, mistral, qwen2, qwen3 models; this one is 'gemma3'"):
+    with pytest.raises(
+        UserError,
+        match="serves llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, granite models; this one is 'gemma",
+    ):
         settings.engine_settings("/c", model_type="gemma3")

@@ -6,7 +6,7 @@ only registers the model architectures of :data:`~kvfold.integrations.vllm.setti
 not ask for one). ``kvfold serve`` starts vLLM's OpenAI server with
 :func:`~kvfold.integrations.vllm.settings.engine_settings`:
 
-* :mod:`.model` — vLLM's Llama, Mistral, Qwen2 and Qwen3 whose attention layers run kvfold's backend;
+* :mod:`.model` — vLLM's model classes of the served families, their attention layers on kvfold's backend;
 * :mod:`.backend` — the attention backend: vLLM's ``CPU_ATTN`` for every request, kvfold's attention
   over the file's rows for requests on a cache file;
 * :mod:`.layout` — what is served, and the RoPE turn that puts the question at the context's positions;

@@ -1,4 +1,5 @@
-"""vLLM's Llama, Mistral, Qwen2 and Qwen3 on kvfold's attention backend.
+"""vLLM's Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and Granite on kvfold's attention
+backend.
 
 Each served class is vLLM's own model class, built as vLLM builds it; then every attention layer
 (vLLM's ``Attention``) is rebuilt with the same heads, scale, window and name and
@@ -15,16 +16,24 @@ from __future__ import annotations
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.mixtral import MixtralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 __all__ = [
+    "KvfoldGraniteForCausalLM",
     "KvfoldLlamaForCausalLM",
     "KvfoldMistralForCausalLM",
+    "KvfoldMixtralForCausalLM",
     "KvfoldQwen2ForCausalLM",
+    "KvfoldQwen2MoeForCausalLM",
     "KvfoldQwen3ForCausalLM",
+    "KvfoldQwen3MoeForCausalLM",
     "use_kvfold_attention",
 ]
 
@@ -94,6 +103,39 @@ class KvfoldQwen2ForCausalLM(Qwen2ForCausalLM):
 
 class KvfoldQwen3ForCausalLM(Qwen3ForCausalLM):
     """vLLM's Qwen3 on kvfold's attention backend (architecture ``KvfoldQwen3ForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldMixtralForCausalLM(MixtralForCausalLM):
+    """vLLM's Mixtral on kvfold's attention backend (architecture ``KvfoldMixtralForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldQwen2MoeForCausalLM(Qwen2MoeForCausalLM):
+    """vLLM's Qwen2-MoE on kvfold's attention backend (architecture ``KvfoldQwen2MoeForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
+    """vLLM's Qwen3-MoE on kvfold's attention backend (architecture ``KvfoldQwen3MoeForCausalLM``)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+
+class KvfoldGraniteForCausalLM(GraniteForCausalLM):
+    """vLLM's Granite on kvfold's attention backend (architecture ``KvfoldGraniteForCausalLM``); its
+    logit scale (``attention_multiplier``) is kept with the layer's."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)

@@ -17,8 +17,12 @@ from kvfold.runtime.errors import UserError
 ARCHITECTURES = {
     "llama": "KvfoldLlamaForCausalLM",
     "mistral": "KvfoldMistralForCausalLM",
+    "mixtral": "KvfoldMixtralForCausalLM",
     "qwen2": "KvfoldQwen2ForCausalLM",
+    "qwen2_moe": "KvfoldQwen2MoeForCausalLM",
     "qwen3": "KvfoldQwen3ForCausalLM",
+    "qwen3_moe": "KvfoldQwen3MoeForCausalLM",
+    "granite": "KvfoldGraniteForCausalLM",
 }
 """Model type (a transformers config's ``model_type``) → the architecture name under which vLLM's model
 class of that family, on kvfold's attention backend, is registered with vLLM
