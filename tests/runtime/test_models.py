@@ -187,3 +187,39 @@ def test_a_hub_repository_without_weights_or_not_there_is_one_line(tmp_path, mon
         hub_snapshot("org/tiny")
     with pytest.raises(ModelLoadError, match="could not fetch 'nobody/nothing'"):
         hub_snapshot("nobody/nothing")
+
+
+def test_a_hub_model_is_fetched_as_transformers_fetches_it_not_every_weight_file(tmp_path, monkeypatch):
+    """What is asked of the hub: the config, the weight index and the shards it names (not the second copy
+    of the weights beside them), the tokenizer and the generation config."""
+    import transformers.utils
+    import transformers.utils.hub
+
+    from kvfold.runtime import models
+
+    snapshot = fake_hub_model(tmp_path / "hub", monkeypatch)
+    (snapshot / "consolidated.safetensors").write_bytes(b"not asked for")
+    asked: list[str] = []
+    real_file, real_shards = transformers.utils.cached_file, transformers.utils.hub.get_checkpoint_shard_files
+
+    def cached_file(spec, name, **kwargs):
+        asked.append(name)
+        return real_file(spec, name, **kwargs)
+
+    def shards(spec, index, **kwargs):
+        found, _ = real_shards(spec, index, **kwargs)
+        asked.extend(Path(path).name for path in found)
+        return found, _
+
+    monkeypatch.setattr(transformers.utils, "cached_file", cached_file)
+    monkeypatch.setattr(transformers.utils.hub, "get_checkpoint_shard_files", shards)
+    tokenizers = []
+    real_tokenizer = models.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        models.AutoTokenizer, "from_pretrained", lambda spec, **k: tokenizers.append(spec) or real_tokenizer(spec, **k)
+    )
+    assert models.hub_snapshot("org/tiny") == str(snapshot)
+    weights = sorted(path.name for path in snapshot.glob("model-*.safetensors"))
+    assert asked[:2] == ["config.json", "model.safetensors.index.json"]
+    assert sorted(asked[2:-1]) == weights and asked[-1] == "generation_config.json"
+    assert tokenizers == ["org/tiny"]

@@ -156,14 +156,15 @@ def hub_snapshot(spec: str, *, revision: str | None = None, token: str | bool | 
     optional = {"_raise_exceptions_for_missing_entries": False, "_raise_exceptions_for_connection_errors": False}
     try:
         config = cached_file(spec, "config.json", **hub)
-        weights = next((name for name in HUB_WEIGHTS if cached_file(spec, name, **optional, **hub)), None)
+        found = (cached_file(spec, name, **optional, **hub) for name in HUB_WEIGHTS)
+        weights = next((path for path in found if path), None)
         if weights is None:
             raise ModelLoadError(
                 f"{spec}: found no weights transformers reads ({', '.join(HUB_WEIGHTS)}) in the hub repository "
                 "or the Hugging Face cache; pass a local directory"
             )
         if weights.endswith(".index.json"):
-            get_checkpoint_shard_files(spec, cached_file(spec, weights, **hub), **hub)
+            get_checkpoint_shard_files(spec, weights, **hub)
         AutoTokenizer.from_pretrained(spec, **hub)  # its files and chat template, into the same folder
         cached_file(spec, "generation_config.json", **optional, **hub)
     except OSError as err:

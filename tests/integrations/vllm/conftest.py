@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -55,6 +56,30 @@ differences are ~1e-4: the two sum attention in another order, vLLM's RoPE table
 question's queries by T − P (float64, then float32) each move a logit by a few float32 ulps of
 values up to ~30; 2e-3 is 10× the largest seen and 100× below the gap between a greedy token and the
 runner-up that these answers need to stay the same."""
+
+
+def worst_logprob_difference(steps: list[dict], log_probs: torch.Tensor) -> float:
+    """The largest difference between vLLM's top log-probabilities (``logprobs.content`` of a response
+    asked with ``return_tokens_as_token_ids``) and ``log_probs`` (one row of kvfold's a step)."""
+    worst = 0.0
+    for step, row in zip(steps, log_probs, strict=True):
+        for top in step["top_logprobs"]:
+            token = int(top["token"].removeprefix("token_id:"))
+            if math.isfinite(top["logprob"]):
+                worst = max(worst, abs(top["logprob"] - float(row[token])))
+    return worst
+
+
+@torch.inference_mode()
+def stock_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens of plain transformers (its own cache and attention), EOS not special."""
+    out, past, step = [], None, ids
+    for _ in range(steps):
+        result = model(step, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        out.append(int(result.logits[0, -1].argmax()))
+        step = torch.tensor([[out[-1]]])
+    return out
 
 
 def _free_port() -> int:

@@ -10,7 +10,6 @@ its runner-up by far more than the two attentions' float32 differences.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,12 @@ import kvfold
 from kvfold.evaluate.data.logbook import FACTS, build_logbook
 from kvfold.pipeline.context import greedy_decode
 from kvfold.runtime.prompts import build_prompt, encode
-from tests.integrations.vllm.conftest import LOGPROB_TOLERANCE, start_server
+from tests.integrations.vllm.conftest import (
+    LOGPROB_TOLERANCE,
+    start_server,
+    stock_greedy,
+    worst_logprob_difference,
+)
 
 MOE = {"num_experts_per_tok": 2}
 QWEN_MOE = {"num_experts": 4, "moe_intermediate_size": 64}
@@ -196,12 +200,7 @@ def test_a_familys_log_probabilities_agree_with_kvfold(family, name):
         positions = torch.arange(start, start + ids.shape[1])[None]
         logits = family.model(ids, past_key_values=cache, position_ids=positions).logits
     ours = torch.log_softmax(logits[0, len(suffix) - 1 :].double(), -1)
-    worst = 0.0
-    for step, row in zip(steps, ours, strict=True):
-        for top in step["top_logprobs"]:
-            token = int(top["token"].removeprefix("token_id:"))
-            if math.isfinite(top["logprob"]):
-                worst = max(worst, abs(top["logprob"] - float(row[token])))
+    worst = worst_logprob_difference(steps, ours)
     assert worst < LOGPROB_TOLERANCE, (family.family, name, worst)
 
 
@@ -210,13 +209,4 @@ def test_a_plain_request_is_the_familys_stock_model(family):
     body = family.ask(None, FACTS[1][1])
     served = body["choices"][0]["token_ids"]
     stock = AutoModelForCausalLM.from_pretrained(family.directory, dtype=torch.float32).eval()
-    ids = torch.tensor([body["prompt_token_ids"]])
-    out = []
-    with torch.inference_mode():
-        past, step = None, ids
-        for _ in range(ANSWER):
-            result = stock(step, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            out.append(int(result.logits[0, -1].argmax()))
-            step = torch.tensor([[out[-1]]])
-    assert served == out, family.family
+    assert served == stock_greedy(stock, torch.tensor([body["prompt_token_ids"]]), ANSWER), family.family

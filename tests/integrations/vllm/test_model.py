@@ -82,3 +82,11 @@ def test_every_served_familys_architecture_is_registered_with_its_class():
         cls = getattr(served, architecture)
         assert architecture in supported, model_type
         assert cls.__mro__[1].__name__ == architecture.removeprefix("Kvfold"), model_type  # vLLM's own class
+
+
+@pytest.mark.parametrize("extra", [{"logits_soft_cap": 30.0}], ids=["soft-cap"])
+def test_a_logit_soft_cap_is_refused_too(vllm_config, extra):
+    with set_current_vllm_config(vllm_config), torch.device("cpu"):
+        model = _layers(vllm_config, **extra)
+        with pytest.raises(ValueError, match="ALiBi, a logit soft cap or sinks"):
+            use_kvfold_attention(model)

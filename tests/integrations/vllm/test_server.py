@@ -31,6 +31,8 @@ from tests.integrations.vllm.conftest import (
     PAIR,
     SERVED,
     _free_port,
+    stock_greedy,
+    worst_logprob_difference,
 )
 
 
@@ -72,19 +74,7 @@ def test_a_full_cache_answers_as_kvfold_and_stock_transformers(server, saved, mo
     stock = AutoModelForCausalLM.from_pretrained(resolve_spec("smollm2-135m")[0], dtype=torch.float32).eval()
     text = " ".join([PAIR[0].format(PAIR[1][0])] * 4)
     ids = torch.tensor([encode(tokenizer, build_prompt(tokenizer, text, question).context, special=True) + suffix])
-    assert served == ours == _stock_greedy(stock, ids, ANSWER_TOKENS)
-
-
-@torch.inference_mode()
-def _stock_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
-    """Greedy tokens of plain transformers (its own cache and attention), EOS not special."""
-    out, past, step = [], None, ids
-    for _ in range(steps):
-        result = model(step, past_key_values=past, use_cache=True)
-        past = result.past_key_values
-        out.append(int(result.logits[0, -1].argmax()))
-        step = torch.tensor([[out[-1]]])
-    return out
+    assert served == ours == stock_greedy(stock, ids, ANSWER_TOKENS)
 
 
 @pytest.mark.parametrize("name", sorted(SERVED))
@@ -116,13 +106,7 @@ def test_log_probabilities_agree_with_kvfold(server, saved, model_and_tokenizer,
     with torch.inference_mode():
         logits = model(ids, past_key_values=cache, position_ids=torch.arange(start, start + ids.shape[1])[None]).logits
     ours = torch.log_softmax(logits[0, len(suffix) - 1 :].double(), -1)
-    worst = 0.0
-    for step, row in zip(steps, ours, strict=True):
-        for top in step["top_logprobs"]:
-            token = int(top["token"].removeprefix("token_id:"))
-            if math.isfinite(top["logprob"]):
-                worst = max(worst, abs(top["logprob"] - float(row[token])))
-    assert worst < LOGPROB_TOLERANCE
+    assert worst_logprob_difference(steps, ours) < LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize("name", sorted(SERVED))
@@ -184,7 +168,7 @@ def test_a_request_without_a_cache_is_plain_vllm_at_stock_bytes(server, saved, m
     status, body = server.ask(None, "Name three colours.", max_tokens=12, ignore_eos=True)
     assert status == 200, body
     ids = torch.tensor([body["prompt_token_ids"]])
-    assert body["choices"][0]["token_ids"] == _stock_greedy(model, ids, 12)
+    assert body["choices"][0]["token_ids"] == stock_greedy(model, ids, 12)
     status, body = server.ask("kvzip", FACTS[0][1], max_tokens=2)
     assert status == 200, body
     config = model.config

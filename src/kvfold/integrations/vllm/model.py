@@ -34,6 +34,7 @@ __all__ = [
     "KvfoldQwen2MoeForCausalLM",
     "KvfoldQwen3ForCausalLM",
     "KvfoldQwen3MoeForCausalLM",
+    "on_kvfold_attention",
     "use_kvfold_attention",
 ]
 
@@ -77,66 +78,54 @@ def use_kvfold_attention(model: nn.Module) -> int:
     return rebuilt
 
 
+def on_kvfold_attention(cls: type[nn.Module]) -> type[nn.Module]:
+    """Class decorator for a subclass of one of vLLM's model classes: its ``__init__`` builds the model as
+    vLLM's class does, then runs :func:`use_kvfold_attention` on it."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
+        super(cls, self).__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        use_kvfold_attention(self)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@on_kvfold_attention
 class KvfoldLlamaForCausalLM(LlamaForCausalLM):
     """vLLM's Llama on kvfold's attention backend (architecture ``KvfoldLlamaForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldMistralForCausalLM(MistralForCausalLM):
     """vLLM's Mistral on kvfold's attention backend (architecture ``KvfoldMistralForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldQwen2ForCausalLM(Qwen2ForCausalLM):
     """vLLM's Qwen2 on kvfold's attention backend (architecture ``KvfoldQwen2ForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldQwen3ForCausalLM(Qwen3ForCausalLM):
     """vLLM's Qwen3 on kvfold's attention backend (architecture ``KvfoldQwen3ForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldMixtralForCausalLM(MixtralForCausalLM):
     """vLLM's Mixtral on kvfold's attention backend (architecture ``KvfoldMixtralForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldQwen2MoeForCausalLM(Qwen2MoeForCausalLM):
     """vLLM's Qwen2-MoE on kvfold's attention backend (architecture ``KvfoldQwen2MoeForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
     """vLLM's Qwen3-MoE on kvfold's attention backend (architecture ``KvfoldQwen3MoeForCausalLM``)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
 
-
+@on_kvfold_attention
 class KvfoldGraniteForCausalLM(GraniteForCausalLM):
-    """vLLM's Granite on kvfold's attention backend (architecture ``KvfoldGraniteForCausalLM``); its
-    logit scale (``attention_multiplier``) is kept with the layer's."""
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", **kwargs) -> None:
-        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
-        use_kvfold_attention(self)
+    """vLLM's Granite on kvfold's attention backend (architecture ``KvfoldGraniteForCausalLM``);
+    its logit scale (``attention_multiplier``) is kept with the layer's."""

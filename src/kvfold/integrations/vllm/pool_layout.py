@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 
 from kvfold.integrations.vllm.layout import UnservableCacheError, rope_inverse_frequencies
+from kvfold.integrations.vllm.settings import head_size
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.folded_layer import FoldedLayer
 from kvfold.runtime.pool_attention import PooledFile, pooled_file
@@ -55,9 +56,7 @@ class ServedPool:
 def chunk_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of one layer in vLLM's CPU cache: keys and values of ``block_size`` tokens
     for every KV head, in ``dtype``."""
-    heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return heads * block_size * 2 * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return config.num_key_value_heads * block_size * 2 * head_size(config) * torch.empty(0, dtype=dtype).element_size()
 
 
 def pool_rows(cache: FoldedCache) -> list[QuantizedRows] | list[FloatRows]:
