@@ -26,6 +26,8 @@ from transformers import (  # noqa: E402 - after the line above
     MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -74,6 +76,8 @@ FAMILIES = {
         GraniteForCausalLM,
         {"attention_multiplier": 0.3, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0},
     ),
+    # Phi-3: one fused qkv_proj.
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Gemma3: sliding-window layers stay as transformers keeps them; global layers are folded.
     "gemma3": (
         Gemma3TextConfig,

@@ -138,7 +138,7 @@ def test_without_any_vllm_environment_it_names_the_command_to_run(capsys, monkey
     assert "--port 8124" in err
 
 
-@pytest.mark.parametrize("case", ["no-folder", "not-served", "narrow-heads"])
+@pytest.mark.parametrize("case", ["no-folder", "not-served", "narrow-heads", "longrope"])
 def test_what_it_cannot_serve_is_one_line(capsys, monkeypatch, tmp_path, case):
     monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
     if case == "no-folder":
@@ -151,12 +151,21 @@ def test_what_it_cannot_serve_is_one_line(capsys, monkeypatch, tmp_path, case):
         (model / "config.json").write_text(json.dumps({"model_type": "qwen2", **shape}))
         argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
         expected = "takes heads of 32, 64, 80"
+    elif case == "longrope":  # Phi-3.5-mini's RoPE: files of it could not be turned to served positions
+        model = tmp_path / "phi"
+        model.mkdir()
+        shape = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+        rope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32, "rope_theta": 1e4}
+        config = {"model_type": "phi3", **shape, "original_max_position_embeddings": 64, "rope_scaling": rope}
+        (model / "config.json").write_text(json.dumps(config))
+        argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
+        expected = "RoPE type 'longrope' is not supported"
     else:
         model = tmp_path / "gemma"
         model.mkdir()
         (model / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
         argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
-        expected = "serves llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, granite models"
+        expected = "serves llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, granite, phi3 models"
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert expected in err and err.count("\n") == 1

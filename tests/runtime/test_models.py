@@ -6,10 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import Gemma3TextConfig, GPT2Config, GPT2LMHeadModel
 
-from kvfold.runtime.models import ModelLoadError, load_model, load_tokenizer, resolve_dtype
-from tests.conftest import make_tiny_model
+from kvfold.runtime.errors import UserError
+from kvfold.runtime.models import (
+    ModelLoadError,
+    check_rotary,
+    check_supported,
+    load_model,
+    load_tokenizer,
+    prepare_model,
+    resolve_dtype,
+)
+from tests.conftest import TINY, make_tiny_model
 
 
 def test_load_local_directory_enables_kvfold(tmp_path):
@@ -39,6 +48,43 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'; kvfold supports: llama, mistral"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+            "RoPE type 'longrope' is not supported",
+        ),
+    ],
+)
+def test_rope_kvfold_cannot_undo_is_refused_in_one_line_before_any_method_runs(tmp_path, rope, message):
+    # Phi-4-mini turns 3/4 of each head; Phi-3-mini-128k and Phi-3.5 switch tables past 4K positions.
+    model = make_tiny_model(
+        "phi3", rope_parameters={"rope_theta": 10000.0, **rope}, original_max_position_embeddings=64
+    )
+    model.save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    with pytest.raises(UserError, match=message) as err:
+        load_model(str(tmp_path))
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=message):
+        prepare_model(model)
+
+
+def test_rope_over_whole_heads_is_taken_in_every_family_and_per_layer_type(tiny_family):
+    check_supported(make_tiny_model(tiny_family).config)
+    config = Gemma3TextConfig(
+        **{**TINY, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]},
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+        },
+    )
+    with pytest.raises(UserError, match="partial_rotary_factor 0.25"):  # one layer type is enough
+        check_rotary(config)
 
 
 def test_missing_paths_and_unreachable_hub_say_how_to_provide_a_model(tmp_path, monkeypatch):

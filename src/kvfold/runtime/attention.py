@@ -578,6 +578,6 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     if hooked == 0:
         raise UserError(
             f"{type(model).__name__}: found no attention modules with `layer_idx` and `o_proj`; "
-            "kvfold supports Llama, Mistral, Qwen, OLMo 2, Granite and Gemma3-style decoders"
+            "kvfold supports Llama, Mistral, Qwen, OLMo 2, Granite, Phi-3 and Gemma3-style decoders"
         )
     return model

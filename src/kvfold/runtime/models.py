@@ -13,8 +13,8 @@ Specs:
   measuring cost (``kvfold bench``) at a model's shape without its weights. Its answers mean nothing.
 
 Supported families (:data:`SUPPORTED_MODEL_TYPES`): Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, OLMo 2, Granite, and Gemma3 (global layers compressed, sliding-window layers kept as
-transformers keeps them).
+Qwen3-MoE, OLMo 2, Granite, Phi-3 (RoPE over whole heads, not ``longrope``: :func:`check_rotary`) and
+Gemma3 (global layers compressed, sliding-window layers kept as transformers keeps them).
 """
 
 from __future__ import annotations
@@ -52,9 +52,14 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "olmo2",
     "granite",
+    "phi3",
     "gemma3_text",
     "gemma3",
 )
+VARIABLE_ROPE_TYPES = ("longrope",)
+"""RoPE types whose tables depend on the sequence's length below the model's window (transformers'
+``dynamic_rope_update``: ``longrope`` switches its factors past ``original_max_position_embeddings``);
+``dynamic`` changes them only past the model's window, where kvfold refuses a context."""
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -175,11 +180,44 @@ def hub_snapshot(spec: str, *, revision: str | None = None, token: str | bool | 
     return str(Path(config).parent)
 
 
+def rope_settings(config) -> list[dict[str, Any]]:
+    """The RoPE parameters of every kind of layer of ``config`` (one dict, or one per layer type, as
+    Gemma3's ``rope_parameters`` hold them); empty dicts for a config that names none."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    nested = [value for value in params.values() if isinstance(value, dict)]
+    return nested or [params]
+
+
+def check_rotary(config) -> None:
+    """Refuse, in one line, RoPE that kvfold cannot undo or shift by a position: RoPE over part of each head
+    (``partial_rotary_factor`` < 1, e.g. Phi-4-mini) and RoPE whose tables change with the sequence's
+    length (``longrope``: Phi-3-mini-128k, Phi-3.5). Methods undo RoPE at known positions to get the
+    keys before it (:func:`kvfold.methods.core.model.pre_rope_keys`) and shift keys by a position, both
+    over whole heads with one table a position."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for params in rope_settings(config):
+        factor = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
+        if float(factor) != 1.0:
+            raise UserError(
+                f"RoPE over part of each head (partial_rotary_factor {factor:g}) is not supported: kvfold undoes "
+                "and shifts RoPE over whole heads; use a model whose RoPE turns every channel"
+            )
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type in VARIABLE_ROPE_TYPES:
+            raise UserError(
+                f"RoPE type {rope_type!r} is not supported: its tables change with the sequence's length, and kvfold "
+                "undoes and shifts RoPE with one table a position; use a checkpoint with another RoPE type"
+            )
+
+
 def check_supported(config) -> None:
-    """Raise a clear error for architectures kvfold does not support."""
+    """Raise a clear error for architectures kvfold does not support (model type, then RoPE:
+    :func:`check_rotary`)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"unsupported architecture {model_type!r}; kvfold supports: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_rotary(config)
 
 
 def load_model(

@@ -1,5 +1,5 @@
 """``kvfold serve`` on each served family besides Llama (Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
-Granite): a tiny random model of the family, its files answered as ``kvfold ask`` answers them.
+Granite, Phi-3): a tiny random model of the family, its files answered as ``kvfold ask`` answers them.
 
 Each family gets a model directory (random weights, SmolLM2's tokenizer and chat template, so the
 prompts are the shared suite's), files compressed from a short logbook, and a server of its own. Qwen3
@@ -22,6 +22,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -57,10 +59,12 @@ FAMILY_MODELS = {
         GraniteForCausalLM,
         {"attention_multiplier": 0.1, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 2.0},
     ),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": None}),
 }
 """Model type → transformers' config and model classes, and what the family's config adds. Qwen3's heads
 are wider than ``hidden_size / heads`` (as in Qwen3-8B's config); Qwen2 has biases on q, k and v; Granite
-scales its logits by its own ``attention_multiplier``; the mixture-of-experts families route 2 of 4."""
+scales its logits by its own ``attention_multiplier``; Phi-3 projects queries, keys and values in one
+``qkv_proj``; the mixture-of-experts families route 2 of 4."""
 # Heads of 32 and 64 channels: vLLM's CPU attention takes neither 16 nor most other widths.
 SHAPE = {  # RoPE's base as in Qwen2.5, Qwen3 and Mistral-7B-v0.3 (Llama's 10,000 is transformers' default)
     "hidden_size": 128,

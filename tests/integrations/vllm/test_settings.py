@@ -68,6 +68,6 @@ def test_the_engine_settings_name_each_familys_class_and_refuse_others():
     }
     with pytest.raises(
         UserError,
-        match="serves llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, granite models; this one is 'gemma",
+        match="qwen3_moe, granite, phi3 models; this one is 'gemma",
     ):
         settings.engine_settings("/c", model_type="gemma3")

@@ -36,15 +36,19 @@ def exact_leverage(keys: torch.Tensor) -> torch.Tensor:
 
 
 def projected_keys(model, ids, mask=None) -> dict[int, torch.Tensor]:
-    """Pre-RoPE keys ``(B, H_kv, N, D)`` per layer, captured at the output of k_norm (or k_proj)."""
+    """Pre-RoPE keys ``(B, H_kv, N, D)`` per layer, captured at the output of k_norm (or k_proj, or the keys
+    of Phi-3's fused qkv_proj)."""
     captured: dict[int, torch.Tensor] = {}
     hooks = []
     for layer_idx, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        source = getattr(attn, "k_norm", None) or attn.k_proj
+        source = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None) or attn.qkv_proj
 
         def hook(module, args, output, layer_idx=layer_idx, attn=attn):
             heads = model.config.num_key_value_heads
+            if module is getattr(attn, "qkv_proj", None):  # Phi-3: queries, keys, values in one projection
+                start = model.config.num_attention_heads * attn.head_dim
+                output = output[..., start : start + heads * attn.head_dim]
             if output.dim() == 4 and output.shape[1] == heads:  # Gemma3's k_norm: (B, H, N, D)
                 captured[layer_idx] = output.detach()
                 return

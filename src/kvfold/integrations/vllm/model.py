@@ -1,5 +1,5 @@
-"""vLLM's Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and Granite on kvfold's attention
-backend.
+"""vLLM's Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Granite and Phi-3 on kvfold's
+attention backend.
 
 Each served class is vLLM's own model class, built as vLLM builds it; then every attention layer
 (vLLM's ``Attention``) is rebuilt with the same heads, scale, window and name and
@@ -20,6 +20,7 @@ from vllm.model_executor.models.granite import GraniteForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.mixtral import MixtralForCausalLM
+from vllm.model_executor.models.phi3 import Phi3ForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
@@ -30,6 +31,7 @@ __all__ = [
     "KvfoldLlamaForCausalLM",
     "KvfoldMistralForCausalLM",
     "KvfoldMixtralForCausalLM",
+    "KvfoldPhi3ForCausalLM",
     "KvfoldQwen2ForCausalLM",
     "KvfoldQwen2MoeForCausalLM",
     "KvfoldQwen3ForCausalLM",
@@ -129,3 +131,9 @@ class KvfoldQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
 class KvfoldGraniteForCausalLM(GraniteForCausalLM):
     """vLLM's Granite on kvfold's attention backend (architecture ``KvfoldGraniteForCausalLM``);
     its logit scale (``attention_multiplier``) is kept with the layer's."""
+
+
+@on_kvfold_attention
+class KvfoldPhi3ForCausalLM(Phi3ForCausalLM):
+    """vLLM's Phi-3 (Llama's model with one fused ``qkv_proj``) on kvfold's attention backend (architecture
+    ``KvfoldPhi3ForCausalLM``)."""

@@ -23,6 +23,7 @@ ARCHITECTURES = {
     "qwen3": "KvfoldQwen3ForCausalLM",
     "qwen3_moe": "KvfoldQwen3MoeForCausalLM",
     "granite": "KvfoldGraniteForCausalLM",
+    "phi3": "KvfoldPhi3ForCausalLM",
 }
 """Model type (a transformers config's ``model_type``) → the architecture name under which vLLM's model
 class of that family, on kvfold's attention backend, is registered with vLLM
