@@ -180,10 +180,15 @@ def hub_snapshot(spec: str, *, revision: str | None = None, token: str | bool | 
     return str(Path(config).parent)
 
 
+def text_config(config):
+    """The decoder's config of ``config`` (Gemma3's multimodal config holds it; others are it)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def rope_settings(config) -> list[dict[str, Any]]:
     """The RoPE parameters of every kind of layer of ``config`` (one dict, or one per layer type, as
     Gemma3's ``rope_parameters`` hold them); empty dicts for a config that names none."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     nested = [value for value in params.values() if isinstance(value, dict)]
     return nested or [params]
@@ -195,8 +200,8 @@ def check_rotary(config) -> None:
     length (``longrope``: Phi-3-mini-128k, Phi-3.5). Methods undo RoPE at known positions to get the
     keys before it (:func:`kvfold.methods.core.model.pre_rope_keys`) and shift keys by a position, both
     over whole heads with one table a position."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    for params in rope_settings(config):
+    text = text_config(config)
+    for params in rope_settings(text):
         factor = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0
         if float(factor) != 1.0:
             raise UserError(

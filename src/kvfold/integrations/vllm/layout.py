@@ -25,6 +25,7 @@ import torch
 from kvfold.runtime.cache import FoldedCache
 from kvfold.runtime.errors import UserError
 from kvfold.runtime.folded_layer import FoldedLayer
+from kvfold.runtime.models import rope_settings
 from kvfold.runtime.pool_attention import turn, turn_table
 
 LINEAR_ROPE_TYPES = ("default", "linear", "llama3")
@@ -41,7 +42,7 @@ def rope_inverse_frequencies(config) -> torch.Tensor:
     Raises:
         UnservableCacheError: a RoPE type whose angle is not linear in the position (dynamic, YaRN, …).
     """
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = rope_settings(config)[0]  # the served families have one RoPE for every layer
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in LINEAR_ROPE_TYPES:
         raise UnservableCacheError(
