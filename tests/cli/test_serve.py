@@ -138,9 +138,10 @@ def test_without_any_vllm_environment_it_names_the_command_to_run(capsys, monkey
     assert "--port 8124" in err
 
 
-@pytest.mark.parametrize("case", ["no-folder", "not-served", "narrow-heads", "longrope"])
+@pytest.mark.parametrize("case", ["no-folder", "not-served", "narrow-heads", "longrope", "query-scaling"])
 def test_what_it_cannot_serve_is_one_line(capsys, monkeypatch, tmp_path, case):
     monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(serve.os, "execve", lambda *a: pytest.fail("started the server"))
     if case == "no-folder":
         argv = ["serve", "--caches", str(tmp_path / "missing")]
         expected = "no such folder"
@@ -160,6 +161,14 @@ def test_what_it_cannot_serve_is_one_line(capsys, monkeypatch, tmp_path, case):
         (model / "config.json").write_text(json.dumps(config))
         argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
         expected = "RoPE type 'longrope' is not supported"
+    elif case == "query-scaling":  # Mistral's queries scaled by position: vLLM would, transformers does not
+        model = tmp_path / "mistral"
+        model.mkdir()
+        shape = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+        scaling = {"original_max_position_embeddings": 64, "beta": 0.1}
+        (model / "config.json").write_text(json.dumps({"model_type": "mistral", **shape, "llama_4_scaling": scaling}))
+        argv = ["serve", "--model", str(model), "--caches", str(tmp_path)]
+        expected = "query scaling by position (llama_4_scaling) is not supported"
     else:
         model = tmp_path / "gemma"
         model.mkdir()

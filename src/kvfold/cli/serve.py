@@ -228,7 +228,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
     from kvfold.integrations.vllm.server import ENV_CACHES, ENV_DTYPE, ENV_MODEL
-    from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES, check_head_size
+    from kvfold.integrations.vllm.settings import SERVED_MODEL_TYPES, check_head_size, check_query_scaling
     from kvfold.runtime.models import check_rotary, hub_snapshot, resolve_spec
 
     model_dir, local = resolve_spec(args.model)
@@ -243,6 +243,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if model_type not in SERVED_MODEL_TYPES:
         raise UserError(f"kvfold serve serves {', '.join(SERVED_MODEL_TYPES)} models; {args.model} is {model_type!r}")
     check_head_size(config)
+    check_query_scaling(config)
     check_rotary(config)  # the files' RoPE turns, as the library's
     env = dict(os.environ)
     env[ENV_CACHES] = str(args.caches.resolve())

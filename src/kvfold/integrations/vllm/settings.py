@@ -111,6 +111,25 @@ def check_head_size(config: Any) -> None:
         )
 
 
+def check_query_scaling(config: Any) -> None:
+    """Refuse, in one line, Mistral's query scaling by position (``llama_4_scaling``).
+
+    vLLM's Mistral attention multiplies each query by ``1 + β·log(1 + ⌊position / original⌋)`` when
+    the config names it; transformers' Mistral model, which compresses the files and answers
+    ``kvfold ask``, does not scale queries, so past the original window the served answers would
+    differ from the library's.
+
+    Raises:
+        UserError: the config names it.
+    """
+    if getattr(config, "llama_4_scaling", None):
+        raise UserError(
+            "query scaling by position (llama_4_scaling) is not supported: transformers' Mistral model, which "
+            "compresses the files, does not scale queries, so served answers would differ; "
+            "serve a checkpoint without it"
+        )
+
+
 def kv_bytes_per_token(config: Any, dtype_bytes: int = 4) -> int:
     """Bytes of vLLM's KV cache for one token (keys and values, every layer and KV head, float32 by
     default), from a transformers config (or anything with its attributes): stock vLLM's, since the
