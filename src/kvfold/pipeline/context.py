@@ -176,6 +176,7 @@ class PrefilledContext:
         plan = plan_memory(target.memory, composed, self.cache, self.context_tokens)
         stored = _stored_as(composed, plan.quant)
         result = self._compress(stored, plan.tokens, seed)
+        previous = None  # (token fraction, memory held) of the attempt before
         for attempt in range(MAX_RETRIES + 1):
             measured = over_budget(result.cache, target.memory)
             if measured is None:
@@ -186,7 +187,9 @@ class PrefilledContext:
                     f"after {attempt + 1} compressions {stored.spec} still holds {measured:.4g} of the 16-bit "
                     "full cache; give a larger memory budget"
                 )
-            plan = shrink(plan, measured, self.context_tokens)
+            smaller = shrink(plan, measured, self.context_tokens, previous)
+            previous = (plan.tokens.fraction, measured)
+            plan = smaller
             result = self._compress(stored, plan.tokens, seed)
         result.memory = target.memory
         result.token_budget = plan.tokens

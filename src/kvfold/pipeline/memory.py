@@ -54,8 +54,14 @@ more at 4K (81.5 against 77.8); at 1/64 3 bits retained more at 4K (44.4 against
 ROW_LENGTH_BYTES = 8
 """Bytes a quantized row holds besides its entries: its length (int64)."""
 
-MAX_RETRIES = 3
-"""Compressions redone smaller when one holds more bytes than the budget (group rounding, uneven heads)."""
+MAX_RETRIES = 5
+"""Compressions redone smaller when one holds more bytes than the budget (group rounding, uneven heads,
+layers stored wider as their rows shorten)."""
+
+SLOWEST_FALL = 0.25
+"""The least elasticity :func:`shrink` assumes (bytes fall as tokens to this power): the step it takes
+after a compression whose bytes fell less, or rose (``wide`` layers: fewer tokens turn more layers
+into the wider storage)."""
 
 FULL_FORMATS: tuple[str | None, ...] = (None, "int8", "int4", "int3")
 """The storages ``full`` (every token) may be given under a memory budget, widest first: the model's
@@ -176,11 +182,26 @@ def plan_memory(memory: float, method: ComposedMethod, cache: FoldedCache, conte
     return MemoryPlan(memory, Budget(fraction=fraction), quant)
 
 
-def shrink(plan: MemoryPlan, measured: float, context_tokens: int) -> MemoryPlan:
+def shrink(
+    plan: MemoryPlan, measured: float, context_tokens: int, previous: tuple[float, float] | None = None
+) -> MemoryPlan:
     """A smaller token budget after a compression held ``measured`` > ``plan.memory``: scaled by
     their ratio, and at least one token a row fewer (a budget rounds up to whole tokens, so on a
-    short context a scaled budget can keep the same count)."""
-    fraction = plan.tokens.fraction * plan.memory / measured * 0.99
+    short context a scaled budget can keep the same count).
+
+    Bytes need not fall in proportion to the tokens: a row's last key group and its length stay, and
+    with ``wide`` a layer whose rows shorten to one key group is stored wider, so fewer tokens can hold
+    more bytes. Given the attempt before (``previous``: its token fraction and the memory it held),
+    the step assumes the elasticity those two attempts show (``log`` bytes over ``log`` tokens),
+    bounded by :data:`SLOWEST_FALL` and 1: the ratio raised to its inverse.
+    """
+    elasticity = 1.0
+    if previous is not None:
+        fraction_before, held_before = previous
+        if fraction_before > plan.tokens.fraction and held_before > 0:
+            fell = math.log(held_before / measured) / math.log(fraction_before / plan.tokens.fraction)
+            elasticity = min(1.0, max(SLOWEST_FALL, fell))
+    fraction = plan.tokens.fraction * (plan.memory / measured) ** (1 / elasticity) * 0.99
     fraction = min(fraction, (plan.tokens.count(context_tokens) - 1) / max(context_tokens, 1))
     return MemoryPlan(plan.memory, Budget(fraction=max(fraction, 1e-6)), plan.quant)
 
