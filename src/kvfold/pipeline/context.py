@@ -163,7 +163,9 @@ class PrefilledContext:
 
     def _compress_to_memory(self, composed: ComposedMethod, target: Budget, seed: int) -> CompressedContext:
         """Compress within ``target.memory`` of the 16-bit full cache's bytes: the planned tokens and
-        precision, redone smaller while the result holds more (at most :data:`MAX_RETRIES` times).
+        precision, redone smaller while the result holds more (at most :data:`MAX_RETRIES` times); its
+        ``compress_seconds`` are every attempt's (shared results counted once, :func:`own_seconds`),
+        ``report["compressions"]`` their number.
         ``full`` keeps every token in the widest storage that holds within the budget
         (:meth:`_full_to_memory`).
 
@@ -176,6 +178,7 @@ class PrefilledContext:
         plan = plan_memory(target.memory, composed, self.cache, self.context_tokens)
         stored = _stored_as(composed, plan.quant)
         result = self._compress(stored, plan.tokens, seed)
+        spent = result.compress_seconds  # every attempt is the user's time
         previous = None  # (token fraction, memory held) of the attempt before
         for attempt in range(MAX_RETRIES + 1):
             measured = over_budget(result.cache, target.memory)
@@ -191,6 +194,9 @@ class PrefilledContext:
             previous = (plan.tokens.fraction, measured)
             plan = smaller
             result = self._compress(stored, plan.tokens, seed)
+            spent += own_seconds(result)
+        result.compress_seconds = spent
+        result.report["compressions"] = attempt + 1
         result.memory = target.memory
         result.token_budget = plan.tokens
         return result
@@ -205,14 +211,23 @@ class PrefilledContext:
         """
         head_dim, value_dim = cache_dims(self.cache)
         held = None
+        spent = 0.0
         for quant in full_formats(target.memory, composed, head_dim, value_dim):
             result = self._compress(_stored_as(composed, quant), Budget(fraction=1.0), seed)
+            spent += own_seconds(result) if spent else result.compress_seconds
+            result.compress_seconds = spent
             held = over_budget(result.cache, target.memory)
             if held is None:
                 result.memory = target.memory
                 result.token_budget = Budget(fraction=1.0)
                 return result
         raise full_out_of_reach(target.memory, composed, head_dim, value_dim, held)
+
+
+def own_seconds(result: CompressedContext) -> float:
+    """A retry's own time: its compression's, less what it reused of shared results (the first
+    attempt counted them as if computed, :meth:`PrefilledContext._compress`)."""
+    return result.compress_seconds - result.report.get("reused_seconds", 0.0)
 
 
 def _stored_as(composed: ComposedMethod, quant: QuantConfig | None) -> ComposedMethod:
