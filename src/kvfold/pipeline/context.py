@@ -288,7 +288,8 @@ class CompressedContext:
     def memory_record(self) -> dict[str, Any]:
         """The fields every result record carries about memory: ``kv_bytes``, ``kv_bytes_full``,
         ``kv_bytes_16`` (the cache at 16 bits), ``kv_bytes_full_16``, ``memory`` (the budget asked
-        for, or None), ``memory_ratio``, ``kv_format`` and, with a memory budget, ``token_budget``."""
+        for, or None), ``memory_ratio``, ``kv_format``, with a memory budget ``token_budget``, and
+        ``compressions`` (1, or more when a memory budget redid it smaller)."""
         quant = self.cache.quant
         return {
             "kv_bytes": self.kv_bytes,
@@ -299,6 +300,7 @@ class CompressedContext:
             "memory_ratio": self.memory_ratio,
             "kv_format": "16" if quant is None else quant.describe(),
             "token_budget": None if self.token_budget is None else self.token_budget.label(),
+            "compressions": int(self.report.get("compressions", 1)),
         }
 
     def answer(self, question: str = "", **options: Any) -> str | list[str]:
