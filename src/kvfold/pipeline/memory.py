@@ -48,8 +48,9 @@ from 0.5625 on every token fits in 8 bits; below it 4 bits retained the most or 
 more at 4K (81.5 against 77.8); at 1/64 3 bits retained more at 4K (44.4 against 22.2) and tied at
 2K. Below 1/64 nothing was measured. Searched ranges with rounding by feedback (``clip=1`` with
 ``am_fit[value_feedback=true]``) retained more prose at 2K on two seeds and 10.6 points less at 4K
-(8 contexts a task), rotated values (``rotate=1``) nothing more at 2K; they are options, not the rule
-(docs/memory.md)."""
+(8 contexts a task), rounding by feedback alone, rotated values (``rotate=1``) and layers of few
+entries in 16 bits (``wide=16``) nothing measurably more at 2K (``wide=16``: 30 points less prose at
+4K); they are options, not the rule (docs/memory.md)."""
 
 ROW_LENGTH_BYTES = 8
 """Bytes a quantized row holds besides its entries: its length (int64)."""
