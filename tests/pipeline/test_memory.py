@@ -189,6 +189,30 @@ def test_full_under_a_memory_budget_keeps_every_token_in_the_widest_storage_that
     assert named.cache.quant == QuantConfig(format="int2") and named.memory_ratio <= 0.25
 
 
+def test_full_over_its_bytes_in_one_storage_takes_the_next_and_counts_both(context, monkeypatch):
+    """When the widest storage the closed form allows holds more bytes than the budget, ``full`` takes
+    the next; the record counts both compressions and their time."""
+    from kvfold.pipeline import context as context_module
+
+    real_over, real_compress = context_module.over_budget, type(context)._compress
+    seconds: list[float] = []
+
+    def counted(self, composed, budget, seed):
+        result = real_compress(self, composed, budget, seed)
+        seconds.append(result.compress_seconds)
+        return result
+
+    def first_over(cache, memory):  # the first storage tried is over, whatever it holds
+        return 1.0 if len(seconds) == 1 else real_over(cache, memory)
+
+    monkeypatch.setattr(context_module, "over_budget", first_over)
+    monkeypatch.setattr(type(context), "_compress", counted)
+    small = context.compress("full", memory=0.7)
+    assert small.cache.quant == QuantConfig(format="int4")  # int8 would fit; it was made to be over
+    assert small.memory_record()["compressions"] == len(seconds) == 2
+    assert small.compress_seconds == pytest.approx(sum(seconds))
+
+
 @pytest.mark.parametrize(
     "spec,memory,message",
     [

@@ -212,12 +212,13 @@ class PrefilledContext:
         head_dim, value_dim = cache_dims(self.cache)
         held = None
         spent = 0.0
-        for quant in full_formats(target.memory, composed, head_dim, value_dim):
+        for tried, quant in enumerate(full_formats(target.memory, composed, head_dim, value_dim), start=1):
             result = self._compress(_stored_as(composed, quant), Budget(fraction=1.0), seed)
-            spent += own_seconds(result) if spent else result.compress_seconds
+            spent += own_seconds(result) if tried > 1 else result.compress_seconds
             result.compress_seconds = spent
             held = over_budget(result.cache, target.memory)
             if held is None:
+                result.report["compressions"] = tried
                 result.memory = target.memory
                 result.token_budget = Budget(fraction=1.0)
                 return result
