@@ -350,6 +350,54 @@ def test_top_verbatim_options_are_checked():
         build_method("kvzip+am_fit[top_verbatim=0.25,preselect=2]")
 
 
+# ---------------------------------------------------------------------------- layers of few entries as selected
+
+
+def test_verbatim_rows_keeps_layers_of_few_entries_as_selected_and_fits_the_others():
+    """``kvzip+am_fit[verbatim_rows=n]``: a layer whose rows keep on average at most ``n`` entries
+    is ``kvzip``'s bit for bit (values and β⁰ as selected, not fitted), every other layer is the
+    default fit's bit for bit; a threshold above every layer is ``kvzip`` itself."""
+    model, tok = model64("llama"), CharTokenizer()
+    pre = kvfold.prefill(model, tok, TEXT * 4, use_chat_template=False)
+    plain = pre.compress("kvzip", 0.3).cache
+    fitted = pre.compress("kvzip+am_fit", 0.3).cache
+    rows = {i: layer.row_lengths()[0] for i, layer in plain.folded_layers}
+    means = {i: float(row.float().mean()) for i, row in rows.items()}
+
+    def splits(n: int) -> bool:  # a layer kept as selected, and a fitted one with a row of ≤ n entries
+        fitted = [i for i in rows if means[i] > n]
+        return len(fitted) < len(rows) and any(int(rows[i].min()) <= n for i in fitted)
+
+    threshold = next(n for n in range(1, int(max(means.values())) + 1) if splits(n))  # per layer, not per head
+    few = {i for i, mean in means.items() if mean <= threshold}
+    split = pre.compress(f"kvzip+am_fit[verbatim_rows={threshold}]", 0.3)
+    assert split.report["am_fit"]["verbatim_layers"] == sorted(few)
+    for (i, layer), (_, a), (_, b) in zip(
+        split.cache.folded_layers, plain.folded_layers, fitted.folded_layers, strict=True
+    ):
+        expected = a if i in few else b
+        for x, y in zip(layer.padded(), expected.padded(), strict=True):
+            assert torch.equal(x, y), i
+    assert any(
+        not torch.equal(a.padded()[1], b.padded()[1])
+        for (i, a), (_, b) in zip(plain.folded_layers, fitted.folded_layers, strict=True)
+        if i in few
+    )  # the default fits the layers the option keeps as selected
+    every = pre.compress("kvzip+am_fit[verbatim_rows=100000]", 0.3).cache
+    for (_, a), (_, b) in zip(every.folded_layers, plain.folded_layers, strict=True):
+        for x, y in zip(a.padded(), b.padded(), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_verbatim_rows_options_are_checked():
+    from kvfold.methods.core.spec import SpecError
+
+    with pytest.raises(SpecError, match="verbatim_rows ≥ 0"):
+        build_method("kvzip+am_fit[verbatim_rows=-1]")
+    with pytest.raises(SpecError, match="without preselect"):
+        build_method("kvzip+am_fit[verbatim_rows=32,preselect=2]")
+
+
 # ---------------------------------------------------------------------------- quantized storage: the fit order
 
 

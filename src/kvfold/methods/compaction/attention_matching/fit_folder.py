@@ -60,7 +60,8 @@ class AMFit(Folder):
             it had (``beta_min=-inf`` is the paper's plain NNLS, ``-3`` AM-HighestAttnKeys' box);
             ``beta_max=4`` (default) lets a kept entry stand for up to e⁴ ≈ 55 entries (App. C.2's
             box for AM-HighestAttnKeys is 3, e³ ≈ 20: at keep 1/16 it binds for every entry that
-            stands for more than the average, and the fit moved the values a question reads).
+            stands for more than the average, and the fit moved the values a question reads; within
+            1/64 of the bytes, rows of a dozen entries bind 4 too, and 8 keeps more: docs/memory.md).
         mass_weight: ``relative`` (default): each query's mass residual is divided by its mass,
             so the few queries that attend to one rare entry count as much as diffuse ones;
             ``none`` is the paper's unweighted ``‖Φ_S w − m‖²``.
@@ -102,6 +103,13 @@ class AMFit(Folder):
             fit's Gram matrix (GPTQ's update, :mod:`.value_rounding`), so the output on the reference
             queries absorbs the values' codes as it absorbs the keys' (``quant_order=before``).
             Off by default until it is measured at 4K (docs/memory.md). Not in the paper.
+        verbatim_rows: a layer whose rows keep on average at most this many entries (KVzip's global
+            ranking leaves some layers a few entries a head) is not fitted: its kept entries keep the
+            selector's values and β, as ``kvzip`` alone keeps them; the other layers are fitted as
+            usual (0, the default: every layer is fitted). Not in the paper. With a dozen entries a
+            row each stands for hundreds, ``beta_max`` binds and the fit moves the values a question
+            reads; within 1/64, 32 kept more at 4K and less at 2K, and ``beta_max=8`` more than
+            either (docs/memory.md).
     """
 
     name: ClassVar[str] = "am_fit"
@@ -127,6 +135,7 @@ class AMFit(Folder):
     top_verbatim: float = 0.0
     quant_order: str = "before"
     value_feedback: bool = False
+    verbatim_rows: int = 0
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -167,9 +176,11 @@ class AMFit(Folder):
             parse_sources(self.queries, self.name)
         check_fit_options(self.name, self.mass_weight, self.value_ridge)
         bad_cap = self.max_queries is not None and self.max_queries < 1
-        if bad_cap or self.nnls_iters < 0 or self.beta_min > self.beta_max or self.sinks < 0:
+        bad_counts = self.nnls_iters < 0 or self.sinks < 0 or self.verbatim_rows < 0
+        if bad_cap or bad_counts or self.beta_min > self.beta_max:
             raise SpecError(
-                "am_fit: max_queries must be ≥ 1 (or none), nnls_iters and sinks ≥ 0 and beta_min ≤ beta_max"
+                "am_fit: max_queries must be ≥ 1 (or none), nnls_iters, sinks and verbatim_rows ≥ 0 "
+                "and beta_min ≤ beta_max"
             )
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
@@ -180,8 +191,10 @@ class AMFit(Folder):
             raise SpecError(f"am_fit: top_verbatim must be a fraction in [0, 1]; got {self.top_verbatim}")
         if self.quant_order not in ("before", "after"):
             raise SpecError(f"am_fit: quant_order must be before or after; got {self.quant_order!r}")
-        if self.top_verbatim and self.preselect != 1.0:
-            raise SpecError("am_fit: top_verbatim applies to the selector's own entries; use it without preselect")
+        if (self.top_verbatim or self.verbatim_rows) and self.preselect != 1.0:
+            raise SpecError(
+                "am_fit: top_verbatim and verbatim_rows apply to the selector's own entries; use them without preselect"
+            )
 
     def fit_config(self, ctx: CompressionContext | None = None, lengths: Tensor | None = None) -> FitConfig:
         """The fit's settings; with ``value_feedback`` and a layer stored in integer codes (``ctx.quant``,
@@ -247,6 +260,12 @@ class AMFit(Folder):
         fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim
         if self.top_verbatim:
             fixed |= top_scored(scores.gather(2, keep), slot & ~fixed, self.top_verbatim)
+        if self.verbatim_rows:  # a layer of few entries a row (per sequence) stays as selected
+            few = lengths.float().mean(-1) <= self.verbatim_rows
+            fixed |= slot & few[:, None, None]
+            if bool(few.all()):
+                self._keep_as_selected(layer_idx, layer, keep, lengths, slot, ctx)
+                return
         # (padded slots of ``keep`` repeat an index: only the used ones may write)
         at = torch.where(fixed, keep, torch.full_like(keep, valid.shape[-1]))
         b, h, n = valid.shape
@@ -291,6 +310,17 @@ class AMFit(Folder):
         beta = beta.masked_fill(~slot, float("-inf"))
         layer.replace(c_k, c_v, beta, lengths=lengths)
         _report_errors(ctx, result)
+
+    def _keep_as_selected(
+        self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, slot: Tensor, ctx: CompressionContext
+    ) -> None:
+        """A layer none of whose rows is fitted (``verbatim_rows``): the kept entries as they were."""
+        keys, values, log_mass, _ = layer.padded()
+        c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        c_v = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
+        beta = log_mass.float().gather(2, keep).masked_fill(~slot, float("-inf"))
+        layer.replace(c_k, c_v, beta, lengths=lengths)
+        ctx.report.setdefault("am_fit", {}).setdefault("verbatim_layers", []).append(layer_idx)
 
     def _stored_keys(self, keys: Tensor, keep: Tensor, lengths: Tensor, ctx: CompressionContext) -> Tensor | None:
         """``(B, H, N, D)`` the cache's keys with each kept entry's key as quantized storage will
