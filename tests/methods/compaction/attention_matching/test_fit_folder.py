@@ -331,7 +331,11 @@ def test_top_verbatim_keeps_the_selectors_highest_scored_entries_as_they_are_and
     assert verbatim_seen and refitted_seen
     same = pre.compress("kvzip+am_fit[top_verbatim=0]", 0.3).cache
     plain = pre.compress("kvzip", 0.3).cache
-    kept_all = pre.compress("kvzip+am_fit[top_verbatim=1]", 0.3).cache
+    every_entry = pre.compress("kvzip+am_fit[top_verbatim=1]", 0.3)
+    kept_all = every_entry.cache
+    # nothing left to fit: no layer is solved, each is listed as kept as selected
+    assert every_entry.report["am_fit"]["verbatim_layers"] == [i for i, _ in kept_all.folded_layers]
+    assert "mass_error" not in every_entry.report["am_fit"]
     for (_, a), (_, b), (_, c), (_, d) in zip(
         default.folded_layers, same.folded_layers, plain.folded_layers, kept_all.folded_layers, strict=True
     ):

@@ -106,7 +106,9 @@ class AMFit(Folder):
         verbatim_rows: a layer whose rows keep on average at most this many entries (KVzip's global
             ranking leaves some layers a few entries a head) is not fitted: its kept entries keep the
             selector's values and β, as ``kvzip`` alone keeps them; the other layers are fitted as
-            usual (0, the default: every layer is fitted). Not in the paper. With a dozen entries a
+            usual (0, the default: every layer is fitted). A layer with no entry left to fit (this
+            option, ``top_verbatim=1``, or only sinks kept) is not solved and is listed in the
+            report's ``am_fit.verbatim_layers``. Not in the paper. With a dozen entries a
             row each stands for hundreds, ``beta_max`` binds and the fit moves the values a question
             reads; within 1/64, 32 kept more at 4K and less at 2K, and ``beta_max=8`` more than
             either (docs/memory.md).
@@ -252,75 +254,74 @@ class AMFit(Folder):
             self._fold_preselected(layer_idx, layer, keep, lengths, ctx)
             return
         keys, values, log_mass, _ = layer.padded()
-        queries = ctx.memo["am_fit_queries"][layer_idx].on(keys.device)  # one layer's on the device at a time
         slot = torch.arange(keep.shape[-1], device=keep.device)[None, None, :] < lengths[..., None]
         # kept entries of the template and the sinks stay verbatim: the fit matches the rest
-        valid = torch.isfinite(log_mass)
         in_prefix = self._verbatim_entries(layer_idx, log_mass, ctx)
         fixed = slot & in_prefix.gather(2, keep)  # (B, H, K): kept, verbatim
         if self.top_verbatim:
             fixed |= top_scored(scores.gather(2, keep), slot & ~fixed, self.top_verbatim)
         if self.verbatim_rows:  # a layer of few entries a row (per sequence) stays as selected
-            few = lengths.float().mean(-1) <= self.verbatim_rows
-            fixed |= slot & few[:, None, None]
-            if bool(few.all()):
-                self._keep_as_selected(layer_idx, layer, keep, lengths, slot, ctx)
-                return
+            fixed |= slot & (lengths.float().mean(-1) <= self.verbatim_rows)[:, None, None]
+        result = None
+        if bool((slot & ~fixed).any()):
+            result = self._fit_kept(layer_idx, layer, keep, lengths, slot, fixed, ctx)
+        else:  # nothing left to fit: every kept entry as the selector left it
+            ctx.report.setdefault("am_fit", {}).setdefault("verbatim_layers", []).append(layer_idx)
+        # every kept entry where it was (keep ascends): verbatim ones as they are, the others as the
+        # fit gives them back (the m-th fitted = the m-th kept entry not verbatim)
+        c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
+        c_v = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
+        beta = log_mass.float().gather(2, keep)
+        if result is not None and result.index.shape[-1]:
+            fitted_slot = ((slot & ~fixed).long().cumsum(-1) - 1).clamp(0, result.index.shape[-1] - 1)
+            v_fit = result.values.to(values.dtype).gather(2, fitted_slot[..., None].expand_as(c_v))
+            c_v = torch.where(fixed[..., None], c_v, v_fit)
+            beta = torch.where(fixed, beta, result.log_mass.float().gather(2, fitted_slot))
+        layer.replace(c_k, c_v, beta.masked_fill(~slot, float("-inf")), lengths=lengths)
+        if result is not None:
+            _report_errors(ctx, result)
+
+    def _fit_kept(
+        self,
+        layer_idx: int,
+        layer: FoldedLayer,
+        keep: Tensor,
+        lengths: Tensor,
+        slot: Tensor,
+        fixed: Tensor,
+        ctx: CompressionContext,
+    ):
+        """The fit of a layer's kept entries not ``fixed`` to the attention of the cache around the
+        fixed ones (§3.2; by repeat chunk under ``fit_chunk``, §3.5): a ``FitResult`` whose m-th
+        entry is the m-th kept entry not fixed."""
+        keys, values, log_mass, _ = layer.padded()
+        queries = ctx.memo["am_fit_queries"][layer_idx].on(keys.device)  # one layer's on the device at a time
         # (padded slots of ``keep`` repeat an index: only the used ones may write)
-        at = torch.where(fixed, keep, torch.full_like(keep, valid.shape[-1]))
-        b, h, n = valid.shape
-        kept_fixed = torch.zeros(b, h, n + 1, dtype=torch.bool, device=valid.device).scatter_(2, at, True)[..., :n]
+        n = log_mass.shape[-1]
+        at = torch.where(fixed, keep, torch.full_like(keep, n))
+        kept_fixed = torch.zeros(*keep.shape[:2], n + 1, dtype=torch.bool, device=keep.device)
+        kept_fixed = kept_fixed.scatter_(2, at, True)[..., :n]
         span_mass = log_mass.masked_fill(kept_fixed, float("-inf"))
         given = torch.where(slot & ~fixed, keep, torch.full_like(keep, -1))
         scaling = layer_scaling(ctx, layer_idx, layer)
         tokens = ctx.memo.get("am_fit_chunk", 0)
         chunk_of = layer_chunks(ctx, layer, tokens) if tokens else None
         compact = self._stored_keys(keys, keep, lengths, ctx)
+        config = self.fit_config(ctx, lengths)
         if chunk_of is not None:  # §3.5: each repeat chunk's kept entries on that chunk's queries
-            result = fit_given_by_chunk(
-                keys, values, span_mass, queries, chunk_of, given, scaling, self.fit_config(ctx, lengths), compact
-            )
-        else:
-            config = self.fit_config(ctx, lengths)
-            result = fit_problems(
-                keys,
-                values,
-                span_mass,
-                queries.queries,
-                queries.valid,
-                lengths,
-                scaling,
-                config,
-                given=given,
-                compact_keys=compact,
-            )
-        # every kept entry where it was (keep ascends): verbatim ones as they are, the others as the
-        # fit gives them back (the m-th fitted = the m-th kept entry not verbatim)
-        fitted_slot = ((slot & ~fixed).long().cumsum(-1) - 1).clamp(0, max(result.index.shape[-1] - 1, 0))
-        c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        v_kept = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
-        beta_kept = log_mass.float().gather(2, keep)
-        v_fit, beta_fit = v_kept, beta_kept
-        if result.index.shape[-1]:
-            expand = fitted_slot[..., None].expand(-1, -1, -1, v_kept.shape[-1])
-            v_fit = result.values.to(values.dtype).gather(2, expand)
-            beta_fit = result.log_mass.float().gather(2, fitted_slot)
-        c_v = torch.where(fixed[..., None], v_kept, v_fit)
-        beta = torch.where(fixed, beta_kept, beta_fit)
-        beta = beta.masked_fill(~slot, float("-inf"))
-        layer.replace(c_k, c_v, beta, lengths=lengths)
-        _report_errors(ctx, result)
-
-    def _keep_as_selected(
-        self, layer_idx: int, layer: FoldedLayer, keep: Tensor, lengths: Tensor, slot: Tensor, ctx: CompressionContext
-    ) -> None:
-        """A layer none of whose rows is fitted (``verbatim_rows``): the kept entries as they were."""
-        keys, values, log_mass, _ = layer.padded()
-        c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
-        c_v = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
-        beta = log_mass.float().gather(2, keep).masked_fill(~slot, float("-inf"))
-        layer.replace(c_k, c_v, beta, lengths=lengths)
-        ctx.report.setdefault("am_fit", {}).setdefault("verbatim_layers", []).append(layer_idx)
+            return fit_given_by_chunk(keys, values, span_mass, queries, chunk_of, given, scaling, config, compact)
+        return fit_problems(
+            keys,
+            values,
+            span_mass,
+            queries.queries,
+            queries.valid,
+            lengths,
+            scaling,
+            config,
+            given=given,
+            compact_keys=compact,
+        )
 
     def _stored_keys(self, keys: Tensor, keep: Tensor, lengths: Tensor, ctx: CompressionContext) -> Tensor | None:
         """``(B, H, N, D)`` the cache's keys with each kept entry's key as quantized storage will
