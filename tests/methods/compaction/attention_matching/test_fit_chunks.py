@@ -63,7 +63,7 @@ def products(fit) -> int:
     return FIT_PRODUCTS.products - before
 
 
-CONFIG = FitConfig(beta_min=0.0, beta_max=4.0, mass_weight="relative")  # am_fit's fit
+CONFIG = FitConfig(beta_min=0.0, beta_max=8.0, mass_weight="relative")  # am_fit's fit
 
 
 def chunked(case):

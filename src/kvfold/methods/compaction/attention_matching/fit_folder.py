@@ -58,10 +58,12 @@ class AMFit(Folder):
         nnls_iters, beta_min, beta_max: the β fit (Algorithm 3) boxed to ``β − β⁰ ∈ [beta_min,
             beta_max]``; ``beta_min=0`` (default) means a kept entry never receives less mass than
             it had (``beta_min=-inf`` is the paper's plain NNLS, ``-3`` AM-HighestAttnKeys' box);
-            ``beta_max=4`` (default) lets a kept entry stand for up to e⁴ ≈ 55 entries (App. C.2's
-            box for AM-HighestAttnKeys is 3, e³ ≈ 20: at keep 1/16 it binds for every entry that
-            stands for more than the average, and the fit moved the values a question reads; within
-            1/64 of the bytes, rows of a dozen entries bind 4 too, and 8 keeps more: docs/memory.md).
+            ``beta_max=8`` (default) lets a kept entry stand for up to e⁸ ≈ 3,000 entries. App. C.2's
+            box for AM-HighestAttnKeys is 3 (e³ ≈ 20): at keep 1/16 it binds for every entry that
+            stands for more than the average, and the fit moved the values a question reads. 4 was
+            the default from 2026-11-26 to 2026-12-02; within 1/64 of the bytes, where KVzip's global
+            ranking leaves rows of a dozen entries each standing for hundreds, 4 binds too, and 8
+            kept more at 4K and as much at 2K (docs/methods.md).
         mass_weight: ``relative`` (default): each query's mass residual is divided by its mass,
             so the few queries that attend to one rare entry count as much as diffuse ones;
             ``none`` is the paper's unweighted ``‖Φ_S w − m‖²``.
@@ -108,10 +110,10 @@ class AMFit(Folder):
             selector's values and β, as ``kvzip`` alone keeps them; the other layers are fitted as
             usual (0, the default: every layer is fitted). A layer with no entry left to fit (this
             option, ``top_verbatim=1``, or only sinks kept) is not solved and is listed in the
-            report's ``am_fit.verbatim_layers``. Not in the paper. With a dozen entries a
-            row each stands for hundreds, ``beta_max`` binds and the fit moves the values a question
-            reads; within 1/64, 32 kept more at 4K and less at 2K, and ``beta_max=8`` more than
-            either (docs/memory.md).
+            report's ``am_fit.verbatim_layers``. Not in the paper. Built for rows of a dozen
+            entries each standing for hundreds, where ``beta_max=4`` bound β and the fit moved the
+            values a question reads: within 1/64, 32 kept more at 4K and less at 2K, and
+            ``beta_max=8`` (now the default) more than either (docs/memory.md).
     """
 
     name: ClassVar[str] = "am_fit"
@@ -123,7 +125,7 @@ class AMFit(Folder):
     max_queries: int | None = None
     nnls_iters: int = 2
     beta_min: float = 0.0
-    beta_max: float = 4.0
+    beta_max: float = 8.0
     mass_weight: str = "relative"
     value_ridge: float | None = None
     fit_values: bool = True
