@@ -266,7 +266,7 @@ class AMFit(Folder):
             fixed |= slot & (lengths.float().mean(-1) <= self.verbatim_rows)[:, None, None]
         result = None
         if bool((slot & ~fixed).any()):
-            result = self._fit_kept(layer_idx, layer, keep, lengths, slot, fixed, ctx)
+            result = self._fit_kept(layer_idx, layer, (keys, values, log_mass), keep, lengths, slot, fixed, ctx)
         else:  # nothing left to fit: every kept entry as the selector left it
             ctx.report.setdefault("am_fit", {}).setdefault("verbatim_layers", []).append(layer_idx)
         # every kept entry where it was (keep ascends): verbatim ones as they are, the others as the
@@ -274,19 +274,20 @@ class AMFit(Folder):
         c_k = keys.gather(2, keep[..., None].expand(-1, -1, -1, keys.shape[-1]))
         c_v = values.gather(2, keep[..., None].expand(-1, -1, -1, values.shape[-1]))
         beta = log_mass.float().gather(2, keep)
-        if result is not None and result.index.shape[-1]:
+        if result is not None:
+            _report_errors(ctx, result)
+        if result is not None and result.index.shape[-1]:  # (no column: no kept entry had mass to fit)
             fitted_slot = ((slot & ~fixed).long().cumsum(-1) - 1).clamp(0, result.index.shape[-1] - 1)
             v_fit = result.values.to(values.dtype).gather(2, fitted_slot[..., None].expand_as(c_v))
             c_v = torch.where(fixed[..., None], c_v, v_fit)
             beta = torch.where(fixed, beta, result.log_mass.float().gather(2, fitted_slot))
         layer.replace(c_k, c_v, beta.masked_fill(~slot, float("-inf")), lengths=lengths)
-        if result is not None:
-            _report_errors(ctx, result)
 
     def _fit_kept(
         self,
         layer_idx: int,
         layer: FoldedLayer,
+        padded: tuple[Tensor, Tensor, Tensor],
         keep: Tensor,
         lengths: Tensor,
         slot: Tensor,
@@ -295,8 +296,9 @@ class AMFit(Folder):
     ):
         """The fit of a layer's kept entries not ``fixed`` to the attention of the cache around the
         fixed ones (§3.2; by repeat chunk under ``fit_chunk``, §3.5): a ``FitResult`` whose m-th
-        entry is the m-th kept entry not fixed."""
-        keys, values, log_mass, _ = layer.padded()
+        entry is the m-th kept entry not fixed. ``padded``: the layer's ``(keys, values, log_mass)``
+        as :meth:`FoldedLayer.padded` gave them to :meth:`fold` (a copy for stored rows: built once)."""
+        keys, values, log_mass = padded
         queries = ctx.memo["am_fit_queries"][layer_idx].on(keys.device)  # one layer's on the device at a time
         # (padded slots of ``keep`` repeat an index: only the used ones may write)
         n = log_mass.shape[-1]
