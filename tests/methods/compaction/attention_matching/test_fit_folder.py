@@ -91,6 +91,32 @@ def test_the_unconstrained_fit_erases_the_rarely_attended_key():
     assert after < 0.01 * before
 
 
+def test_the_default_bound_lets_a_kept_entry_carry_a_thousand_entries_mass():
+    """A row of 1,000 copies of one entry and 24 others, one copy kept among the 24: to give every
+    query the attention it had, the kept copy needs β = ln 1,000 ≈ 6.9 (it stands for all of them).
+    ``am_fit``'s default bound (β − β⁰ ≤ 8) lets it; the bound before (4) stops it at 4."""
+    g = torch.Generator().manual_seed(5)
+    copies, others, D = 1000, 24, 8
+    keys = torch.cat(
+        [torch.randn(1, D, generator=g, dtype=F64).expand(copies, D), torch.randn(others, D, generator=g, dtype=F64)]
+    )
+    values = torch.cat(
+        [torch.randn(1, D, generator=g, dtype=F64).expand(copies, D), torch.randn(others, D, generator=g, dtype=F64)]
+    )
+    queries = torch.randn(200, D, generator=g, dtype=F64) * 0.5
+    beta0 = torch.zeros(copies + others, dtype=F64)
+    valid = torch.ones(1, queries.shape[0], dtype=torch.bool)
+    given = torch.cat([torch.tensor([0]), torch.arange(copies, copies + others)])[None]
+
+    def kept_copy_beta(config: FitConfig) -> float:
+        res = fit_problems(keys[None], values[None], beta0[None], queries[None], valid, None, 1.0, config, given=given)
+        return float(res.log_mass[0][res.index[0] == 0])
+
+    assert AMFit().beta_max == 8.0
+    assert kept_copy_beta(AMFit().fit_config()) == pytest.approx(math.log(copies), abs=0.05)
+    assert kept_copy_beta(AMFit(beta_max=4.0).fit_config()) == pytest.approx(4.0, abs=1e-6)
+
+
 def test_streamed_normal_equations_equal_the_materialised_fit():
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(4, 50, 8, generator=g, dtype=F64)
