@@ -46,7 +46,9 @@ on equal-bytes grids of ``kvzip+am_fit`` on seed 1's contexts of the headline su
 from 0.5625 on every token fits in 8 bits; below it 4 bits retained the most or tied at 1/16 (2K: 8,
 4, 3 and 2 bits); at 1/32 4 bits retained more at 2K (90 against 60 for 3 bits) and 3 bits a little
 more at 4K (81.5 against 77.8); at 1/64 3 bits retained more at 4K (44.4 against 22.2) and tied at
-2K. Below 1/64 nothing was measured. Searched ranges with rounding by feedback (``clip=1`` with
+2K (both with ``am_fit``'s bound on β at 4; with the default of 8, 3 bits kept 16 points more than
+4 within 1/64 at 2K and tied at 4K, and the two tied within 1/32 at 2K). Below 1/64 nothing was measured.
+Searched ranges with rounding by feedback (``clip=1`` with
 ``am_fit[value_feedback=true]``) retained more prose at 2K on two seeds and 10.6 points less at 4K
 (8 contexts a task), rounding by feedback alone, rotated values (``rotate=1``) and layers of few
 entries in 16 bits (``wide=16``) nothing measurably more at 2K (``wide=16``: 30 points less prose at
