@@ -8,12 +8,14 @@ not seconds.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import kvfold
 from kvfold.methods import SpecError, build_method
-from kvfold.methods.compaction.attention_matching.fit_chunks import fit_given_by_chunk
+from kvfold.methods.compaction.attention_matching.fit_chunks import chunk_shares, fit_given_by_chunk
 from kvfold.methods.compaction.attention_matching.grouping import FIT_PRODUCTS
 from kvfold.methods.compaction.attention_matching.queries import ReferenceQueries
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
@@ -218,3 +220,159 @@ def test_compact_keys_equal_to_the_keys_change_nothing_and_others_are_absorbed(f
         return float((out - target).norm() / target.norm())
 
     assert error(absorbed) < 0.9 * error(plain)
+
+
+# ---------------------------------------------------------------------------- queries every chunk reads
+
+
+def test_shared_queries_are_evenly_spaced_and_leave_their_chunk():
+    _, _, _, ref, _, _ = synthetic(4 * CHUNK)
+    total = ref.queries.shape[2]
+    assert ref.share_across_chunks(0) is ref
+    shared = ref.share_across_chunks(8)
+    moved = (shared.chunk[0, 0] < 0).nonzero().flatten()
+    assert moved.numel() == 8 and torch.equal(moved, torch.arange(8) * (total // 8) + total // 8 - 1)
+    assert torch.equal(shared.chunk[0, 0][shared.chunk[0, 0] >= 0], ref.chunk[0, 0][shared.chunk[0, 0] >= 0])
+    assert bool((ref.share_across_chunks(10 * total).chunk < 0).all())  # all of them, never more
+    half = ReferenceQueries(ref.queries, ref.valid & (torch.arange(total) % 2 == 0), ref.chunk)
+    assert bool(half.valid[half.share_across_chunks(total).chunk < 0].all())  # invalid queries are never moved
+
+
+def test_a_chunk_reading_every_query_fits_its_own_block_on_all_of_them():
+    """With every query shared, chunk 1's fit is chunk 1's entries alone fitted on every query: its
+    target is still its own block's mass and output (§2), read by queries from both chunks."""
+    keys, values, beta0, ref, chunk_of, given = synthetic(2 * CHUNK)
+    shared = ref.share_across_chunks(ref.queries.shape[2])
+    res = chunked((keys, values, beta0, shared, chunk_of, given))
+    own = chunked((keys, values, beta0, ref, chunk_of, given))
+    alone = (
+        keys[:, :, CHUNK:],
+        values[:, :, CHUNK:],
+        beta0[:, :, CHUNK:],
+        ReferenceQueries(ref.queries, ref.valid),
+        chunk_of[:, CHUNK:] * 0,
+        given[given >= CHUNK][None, None] - CHUNK,
+    )
+    second = unchunked(alone)
+    n = int(second.lengths)
+    start = int(res.lengths) - n
+    torch.testing.assert_close(res.log_mass[..., start:], second.log_mass[..., :n], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.values[..., start:, :], second.values[..., :n, :], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(res.values[..., start:, :], own.values[..., start:, :], atol=1e-3)
+
+
+def test_a_fixed_number_of_shared_queries_keeps_the_fit_linear():
+    """Every chunk reads its own queries and the same ``s`` shared ones: doubling the context about
+    doubles the products (a chunk's own queries that are shared are read once, so slightly more
+    than 2), where the fit on every query grows ×6 or more (above)."""
+    short, long = synthetic(8 * CHUNK), synthetic(16 * CHUNK)
+    count = 2 * (PROMPT + CHUNK) * 2  # two chunks' worth of queries
+
+    def with_shared(case):
+        keys, values, beta0, ref, chunk_of, given = case
+        return chunked((keys, values, beta0, ref.share_across_chunks(count), chunk_of, given))
+
+    grown = products(lambda: with_shared(long)) / products(lambda: with_shared(short))
+    assert grown <= 2.2
+    assert products(lambda: with_shared(long)) > products(lambda: chunked(long))
+
+
+def test_am_fit_shares_queries_only_in_a_chunked_fit():
+    pre = kvfold.prefill(model64(), CharTokenizer(), TEXT * 2, use_chat_template=False)
+    split = pre.compress("kvzip+am_fit[fit_chunk=40]", 0.3)
+    shared = pre.compress("kvzip+am_fit[fit_chunk=40,shared_queries=64]", 0.3)
+    plain = pre.compress("kvzip+am_fit[fit_chunk=none]", 0.3)
+    whole = pre.compress("kvzip+am_fit[fit_chunk=none,shared_queries=64]", 0.3)
+    layers = zip(split.cache.folded_layers, shared.cache.folded_layers, strict=True)
+    assert any(not torch.allclose(a.padded()[1], b.padded()[1], atol=1e-6) for (_, a), (_, b) in layers)
+    for (_, a), (_, b) in zip(plain.cache.folded_layers, whole.cache.folded_layers, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.padded(), b.padded(), strict=True))
+    with pytest.raises(SpecError):
+        build_method("kvzip+am_fit[shared_queries=-1]")
+
+
+# ---------------------------------------------------------------------------- chunks weighted by their share
+
+
+def test_chunk_shares_are_each_chunks_part_of_a_querys_attention():
+    keys, _, beta0, ref, chunk_of, _ = synthetic(3 * CHUNK)
+    beta0 = beta0.clone()
+    beta0[..., 5] = -math.inf  # an entry the fit does not match counts nowhere
+    weights = torch.softmax(ref.queries[0, 0] @ keys[0, 0].mT * 0.5 + beta0[0, 0], -1)
+    expected = torch.stack([weights[:, chunk_of[0] == c].sum(-1) for c in range(3)], -1)
+    blocks, block_beta = keys.view(1, 1, 3, CHUNK, -1), beta0.view(1, 1, 3, CHUNK)
+    torch.testing.assert_close(
+        chunk_shares(blocks, block_beta, ref.queries, 0.5)[0, 0], expected, rtol=1e-12, atol=1e-12
+    )
+    as32 = chunk_shares(blocks.float(), block_beta.float(), ref.queries.float(), 0.5)  # the fused CPU kernel
+    torch.testing.assert_close(as32[0, 0], expected.float(), rtol=1e-5, atol=1e-6)
+    block_beta = block_beta.clone()
+    block_beta[:, :, 1] = -math.inf  # a chunk that matches nothing has no share
+    for dt in (F64, torch.float32):
+        none = chunk_shares(blocks.to(dt), block_beta.to(dt), ref.queries.to(dt), 0.5)
+        assert bool((none[..., 1] == 0).all()) and torch.allclose(none.sum(-1), torch.ones((), dtype=dt))
+
+
+def test_a_query_weight_of_two_is_the_query_counted_twice():
+    """fit_problems' ``query_weight`` weighs a query's squared residuals in the mass and the value fit:
+    weight 2 on a few queries gives the fit on those queries repeated (float64)."""
+    keys, values, beta0, ref, _, given = synthetic(CHUNK, keep_every=3)
+    q, qv = ref.queries, ref.valid
+    twice = torch.zeros(q.shape[2], dtype=torch.bool)
+    twice[::7] = True
+    weight = 1.0 + twice.to(F64)[None, None]
+    weighted = fit_problems(keys, values, beta0, q, qv, None, 0.5, CONFIG, given=given, query_weight=weight)
+    q2 = torch.cat([q, q[:, :, twice]], dim=2)
+    qv2 = torch.cat([qv, qv[:, :, twice]], dim=2)
+    repeated = fit_problems(keys, values, beta0, q2, qv2, None, 0.5, CONFIG, given=given)
+    plain = unchunked((keys, values, beta0, ref, None, given))
+    torch.testing.assert_close(weighted.log_mass, repeated.log_mass, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(weighted.values, repeated.values, rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(weighted.values, plain.values, atol=1e-6)
+
+
+def test_a_chunk_weighted_by_share_fits_its_block_with_those_weights():
+    """``by_share``: chunk 1's fit is chunk 1's entries fitted on its queries, each query's residuals
+    weighted by chunk 1's share of that query's attention, squared; not the fit of ``own``."""
+    keys, values, beta0, ref, chunk_of, given = synthetic(2 * CHUNK)
+    res = fit_given_by_chunk(keys, values, beta0, ref, chunk_of, given, 0.5, CONFIG, by_share=True)
+    own = chunked((keys, values, beta0, ref, chunk_of, given))
+    mine = ref.chunk[0, 0] == 1
+    share = torch.softmax(ref.queries[0, 0] @ keys[0, 0].mT * 0.5, -1)[:, CHUNK:].sum(-1)
+    alone = fit_problems(
+        keys[:, :, CHUNK:],
+        values[:, :, CHUNK:],
+        beta0[:, :, CHUNK:],
+        ref.queries[:, :, mine],
+        ref.valid[:, :, mine],
+        None,
+        0.5,
+        CONFIG,
+        given=given[given >= CHUNK][None, None] - CHUNK,
+        query_weight=share[mine].square()[None, None],
+    )
+    n = int(alone.lengths)
+    start = int(res.lengths) - n
+    torch.testing.assert_close(res.log_mass[..., start:], alone.log_mass[..., :n], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.values[..., start:, :], alone.values[..., :n, :], rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(res.values[..., start:, :], own.values[..., start:, :], atol=1e-4)
+
+
+def test_one_chunk_weighted_by_share_is_the_unchunked_fit():
+    case = synthetic(CHUNK, keep_every=3)
+    keys, values, beta0, ref, chunk_of, given = case
+    assert same(
+        fit_given_by_chunk(keys, values, beta0, ref, chunk_of, given, 0.5, CONFIG, by_share=True), unchunked(case)
+    )
+
+
+def test_am_fit_weighs_chunks_by_share_on_request():
+    pre = kvfold.prefill(model64(), CharTokenizer(), TEXT * 2, use_chat_template=False)
+    own = pre.compress("kvzip+am_fit[fit_chunk=40]", 0.3)
+    share = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=share]", 0.3)
+    layers = zip(own.cache.folded_layers, share.cache.folded_layers, strict=True)
+    assert any(not torch.allclose(a.padded()[1], b.padded()[1], atol=1e-6) for (_, a), (_, b) in layers)
+    assert build_method("kvzip+am_fit").folder.chunk_weights == "own"
+    for spec in ("kvzip+am_fit[chunk_weights=both]", "kvzip+am_fit[chunk_weights=share,solver=exact]"):
+        with pytest.raises(SpecError):
+            build_method(spec)

@@ -422,7 +422,7 @@ def test_verbatim_rows_keeps_layers_of_few_entries_as_selected_and_fits_the_othe
 def test_verbatim_rows_options_are_checked():
     from kvfold.methods.core.spec import SpecError
 
-    with pytest.raises(SpecError, match="verbatim_rows ≥ 0"):
+    with pytest.raises(SpecError, match="verbatim_rows and shared_queries ≥ 0"):
         build_method("kvzip+am_fit[verbatim_rows=-1]")
     with pytest.raises(SpecError, match="without preselect"):
         build_method("kvzip+am_fit[verbatim_rows=32,preselect=2]")

@@ -132,7 +132,8 @@ class Group:
     their validity ``(P, n)`` and logit scales ``(P,)``; ``compact_keys`` ``(P, T, D)``, when given,
     are the keys a kept entry will have in the compact cache (quantized, as stored) where ``keys``
     are the cache's own: the target is computed from ``keys``, the kept entries' features from
-    ``compact_keys``, so the fit absorbs the difference.
+    ``compact_keys``, so the fit absorbs the difference; ``query_weight`` ``(P, n)``, when given,
+    weighs each query's squared residuals (:func:`~.solve.fit_problems`).
 
     Where :func:`exact_products.applies` (a GPU, 16-bit queries and keys of one dtype) the queries and keys
     stay in 16 bits and only their logits are float32: the same products on tensor cores, and a group's
@@ -145,6 +146,7 @@ class Group:
     query_valid: Tensor
     scaling: Tensor
     compact_keys: Tensor | None = None
+    query_weight: Tensor | None = None
 
     @classmethod
     def prepare(
@@ -156,6 +158,7 @@ class Group:
         query_valid: Tensor,
         scaling: Tensor,
         compact_keys: Tensor | None = None,
+        query_weight: Tensor | None = None,
     ) -> Group:
         dt = torch.float64 if keys.dtype == torch.float64 or queries.dtype == torch.float64 else torch.float32
         beta0 = torch.where(torch.isfinite(log_mass), log_mass, torch.full_like(log_mass, -math.inf)).to(dt)
@@ -163,7 +166,9 @@ class Group:
         if not exact_products.applies(*operands):
             keys, queries = keys.to(dt), queries.to(dt)
             compact_keys = None if compact_keys is None else compact_keys.to(dt)
-        return cls(keys, values.to(dt), beta0, queries, query_valid.to(torch.bool), scaling.to(dt), compact_keys)
+        weight = None if query_weight is None else query_weight.to(dt)
+        valid = query_valid.to(torch.bool)
+        return cls(keys, values.to(dt), beta0, queries, valid, scaling.to(dt), compact_keys, weight)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -38,6 +38,7 @@ from kvfold.methods.compaction.attention_matching.solve import Compacted, FitCon
 from kvfold.methods.core.compression_context import CompressionContext
 from kvfold.methods.core.repeat import REPEAT_CHUNK, token_chunks
 from kvfold.methods.core.spec import SpecError
+from kvfold.runtime.attention import FLASH_WITH_LSE
 from kvfold.runtime.folded_layer import FoldedLayer
 
 Tensor = torch.Tensor
@@ -111,10 +112,17 @@ def fit_given_by_chunk(
     scaling: float,
     config: FitConfig,
     compact_keys: Tensor | None = None,
+    by_share: bool = False,
 ) -> Compacted:
     """:func:`~.solve.fit_problems` with ``given`` kept positions (the ``am_fit`` folder), one block per
     repeat chunk: chunk ``c``'s kept entries are fitted to the mass and output of chunk ``c``'s
     entries on the queries recorded while chunk ``c`` was repeated.
+
+    With ``by_share`` each query's residuals in chunk ``c``'s fit are weighted by chunk ``c``'s share
+    of the query's attention (squared; :func:`chunk_shares`): the sum of the chunks' objectives is
+    then the fit on every query (eq. 2 relative to the query's whole mass, eq. 1 on its whole
+    output) less the products between chunks' residuals, where by default each chunk's residuals
+    count relative to its own mass and output, as if the chunk were the whole cache.
 
     Args:
         keys, values: ``(B, H, N, D)`` the layer; log_mass: ``(B, H, N)`` β⁰ of the entries the fit
@@ -126,6 +134,7 @@ def fit_given_by_chunk(
         config: the fit.
         compact_keys: optional ``(B, H, N, D)`` the keys as the kept entries will be stored
             (:func:`~.solve.fit_problems`).
+        by_share: weight each query by the chunk's share of its attention (above).
 
     Returns:
         A :class:`~.solve.Compacted` ``(B, H, K)`` laid out as :func:`~.solve.fit_problems` lays out
@@ -146,8 +155,63 @@ def fit_given_by_chunk(
     if compact_keys is not None:
         flat = slot.flatten(2)[..., None].expand(-1, -1, -1, compact_keys.shape[-1])
         block_compact = compact_keys.gather(2, flat).view_as(k)
-    res = fit_problems(k, v, lm, q, qv, None, scaling, config, given=block_given, compact_keys=block_compact)
+    weight = None
+    if by_share:
+        index, index_ok = queries.chunk_index(chunks)
+        shares = chunk_shares(k, lm, queries.queries, scaling).transpose(2, 3)  # (B, H, C, n)
+        weight = shares.gather(3, index).square() * index_ok
+    res = fit_problems(
+        k, v, lm, q, qv, None, scaling, config, given=block_given, compact_keys=block_compact, query_weight=weight
+    )
     return _concatenate_chunks(res, slot, given.shape[-1])
+
+
+SHARE_BLOCK_BYTES = 1 << 28
+"""Memory for one block of logits while :func:`chunk_shares` runs without the fused kernel."""
+
+
+def chunk_shares(block_keys: Tensor, block_log_mass: Tensor, queries: Tensor, scaling: float) -> Tensor:
+    """``(B, H, n, C)``: the share of each query's attention mass over the entries the fit matches
+    that falls on each chunk's entries, ``Σ_{j ∈ c} e^{s q·k_j + β⁰_j} / Σ_j e^{s q·k_j + β⁰_j}``
+    (rows sum to 1; 0 where no entry is matched), from each chunk's log-sum-exp.
+
+    Args:
+        block_keys: ``(B, H, C, W, D)`` each chunk's keys; block_log_mass: ``(B, H, C, W)`` their β⁰
+            (−inf: not matched, or no entry).
+        queries: ``(B, H, n, D)`` the queries.
+        scaling: the logit scale.
+
+    Costs ``n·N`` products, the logits of one attention over the context: in the fused CPU kernel
+    (float32, bfloat16) without the ``(n, N)`` logits in memory, else in blocks of
+    :data:`SHARE_BLOCK_BYTES`."""
+    chunks = block_keys.shape[2]
+    lse = torch.stack(
+        [_log_sum_exp(block_keys[:, :, c], block_log_mass[:, :, c], queries, scaling) for c in range(chunks)], -1
+    )
+    return torch.softmax(lse, dim=-1).nan_to_num_(0.0)  # a query that matches no entry: 0 everywhere
+
+
+def _log_sum_exp(keys: Tensor, log_mass: Tensor, queries: Tensor, scaling: float) -> Tensor:
+    """``(B, H, n)`` each query's ``log Σ_j e^{s q·k_j + β⁰_j}`` over ``keys`` ``(B, H, W, D)`` (−inf
+    where every β⁰ is −inf), in float32 (float64 for float64 keys)."""
+    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    batch, heads, width, dim = keys.shape
+    n = queries.shape[2]
+    empty = ~torch.isfinite(log_mass).any(-1)[..., None]
+    fused = FLASH_WITH_LSE is not None and keys.device.type == "cpu" and dt == torch.float32 and width > 0
+    if fused:
+        q, k = queries.to(dt), keys.to(dt)
+        zeros = k.new_zeros(1, 1, 1, dim).expand(batch, heads, width, dim)  # the values are not read
+        bias = log_mass.to(dt)[:, :, None, :].expand(batch, heads, n, width)
+        lse = FLASH_WITH_LSE(q, k, zeros, 0.0, False, attn_mask=bias, scale=float(scaling))[1]
+        return lse.to(dt).masked_fill(empty, -math.inf)
+    rows = max(1, SHARE_BLOCK_BYTES // max(1, batch * heads * width * torch.finfo(dt).bits // 8))
+    k, lm = keys.to(dt), log_mass.to(dt)[:, :, None, :]
+    parts = [
+        torch.logsumexp((queries[:, :, lo : lo + rows].to(dt) @ k.mT).mul_(scaling).add_(lm), dim=-1)
+        for lo in range(0, n, rows)
+    ]
+    return torch.cat(parts, dim=2) if parts else keys.new_zeros(batch, heads, 0, dtype=dt)
 
 
 def _concatenate_chunks(res: Compacted, slot: Tensor, width: int) -> Compacted:

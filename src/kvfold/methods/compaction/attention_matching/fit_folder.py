@@ -114,6 +114,17 @@ class AMFit(Folder):
             entries each standing for hundreds, where ``beta_max=4`` bound β and the fit moved the
             values a question reads: within 1/64, 32 kept more at 4K and less at 2K, and
             ``beta_max=8`` (now the default) more than either (docs/memory.md).
+        shared_queries: under a chunked fit (``fit_chunk``), this many of the repeat queries,
+            evenly spaced over the whole context, are read by every chunk's fit beside the chunk's
+            own (0, the default: each chunk's own only), so an entry is also fitted on queries that
+            read it from other chunks, as a question reads a fact from afar. Each chunk's target
+            stays its own entries' mass and output (§2). Costs ``Σ_i (n_i + s)·t_i²``: linear in
+            the context for a fixed ``s``. Not in the paper (§3.5 fits each chunk on its own pass).
+        chunk_weights: under a chunked fit, ``own`` (default) counts each query's residuals in a
+            chunk's fit relative to the chunk's own mass and output, as if the chunk were the whole
+            cache; ``share`` weights them by the chunk's share of the query's attention, so the
+            chunks' fits add up to the fit on every query less the products between chunks
+            (:func:`.fit_chunks.fit_given_by_chunk`). Not in the paper.
     """
 
     name: ClassVar[str] = "am_fit"
@@ -140,6 +151,8 @@ class AMFit(Folder):
     quant_order: str = "before"
     value_feedback: bool = False
     verbatim_rows: int = 0
+    shared_queries: int = 0
+    chunk_weights: str = "own"
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
@@ -180,12 +193,16 @@ class AMFit(Folder):
             parse_sources(self.queries, self.name)
         check_fit_options(self.name, self.mass_weight, self.value_ridge)
         bad_cap = self.max_queries is not None and self.max_queries < 1
-        bad_counts = self.nnls_iters < 0 or self.sinks < 0 or self.verbatim_rows < 0
+        bad_counts = self.nnls_iters < 0 or self.sinks < 0 or self.verbatim_rows < 0 or self.shared_queries < 0
         if bad_cap or bad_counts or self.beta_min > self.beta_max:
             raise SpecError(
-                "am_fit: max_queries must be ≥ 1 (or none), nnls_iters, sinks and verbatim_rows ≥ 0 "
+                "am_fit: max_queries must be ≥ 1 (or none), nnls_iters, sinks, verbatim_rows and shared_queries ≥ 0 "
                 "and beta_min ≤ beta_max"
             )
+        if self.chunk_weights not in ("own", "share"):
+            raise SpecError(f"am_fit: chunk_weights must be own or share; got {self.chunk_weights!r}")
+        if self.chunk_weights == "share" and self.solver != "gram":
+            raise SpecError("am_fit: chunk_weights=share needs solver=gram")
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
         parse_fit_chunk(self.fit_chunk, self.name)
@@ -313,7 +330,10 @@ class AMFit(Folder):
         compact = self._stored_keys(keys, keep, lengths, ctx)
         config = self.fit_config(ctx, lengths)
         if chunk_of is not None:  # §3.5: each repeat chunk's kept entries on that chunk's queries
-            return fit_given_by_chunk(keys, values, span_mass, queries, chunk_of, given, scaling, config, compact)
+            queries = queries.share_across_chunks(self.shared_queries)
+            by_share = self.chunk_weights == "share"
+            args = (keys, values, span_mass, queries, chunk_of, given, scaling, config, compact)
+            return fit_given_by_chunk(*args, by_share=by_share)
         return fit_problems(
             keys,
             values,

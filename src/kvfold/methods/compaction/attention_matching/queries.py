@@ -128,17 +128,38 @@ class ReferenceQueries:
         chunk = None if self.chunk is None else self.chunk.gather(2, keep)
         return ReferenceQueries(queries, self.valid.gather(2, keep), chunk)
 
-    def by_chunk(self, chunks: int) -> tuple[Tensor, Tensor]:
-        """The reference queries of each of ``chunks`` repeat chunks: ``(B, H_kv, C, n_c, D)`` and
-        their validity ``(B, H_kv, C, n_c)``; chunk ``c`` holds the queries recorded while its span
-        was repeated (in their order), then the queries of no chunk (other sources), which every
-        chunk shares. Cost and memory follow the queries, not the chunks times the queries."""
+    def share_across_chunks(self, count: int) -> ReferenceQueries:
+        """These queries with ``count`` of the repeat-chunk queries of each ``(B, H_kv)``, evenly
+        spaced in recording order (so over the whole context), moved to no chunk: :meth:`by_chunk`
+        then gives them to every chunk's fit, as it gives the queries of other sources. All of
+        them when ``count`` is at least their number; themselves when ``count`` is 0."""
+        if count <= 0 or self.chunk is None:
+            return self
+        member = self.valid & (self.chunk >= 0)
+        rank = member.long().cumsum(-1) - 1
+        total = member.sum(-1, keepdim=True).clamp_min(1)
+        # rank r is taken when ⌊(r + 1)·count / total⌋ steps past ⌊r·count / total⌋: min(count, total) of them
+        taken = member & (((rank + 1) * count) // total > (rank * count) // total)
+        return ReferenceQueries(self.queries, self.valid, self.chunk.masked_fill(taken, -1))
+
+    def chunk_index(self, chunks: int) -> tuple[Tensor, Tensor]:
+        """Where :meth:`by_chunk` takes each chunk's queries from: ``(B, H_kv, C, n_c)`` positions
+        along the query axis and their validity; chunk ``c`` holds the queries recorded while its
+        span was repeated (in their order), then the queries of no chunk (other sources), which
+        every chunk shares."""
         own, own_ok = group_by_chunk(self.chunks_or_none(), self.valid, chunks)
         shared = self.valid & (self.chunks_or_none() < 0)
         common, common_ok = group_by_chunk(torch.zeros_like(shared, dtype=torch.long), shared, 1)
         if common.shape[-1]:
             own = torch.cat([own, common.expand(-1, -1, chunks, -1)], dim=-1)
             own_ok = torch.cat([own_ok, common_ok.expand(-1, -1, chunks, -1)], dim=-1)
+        return own, own_ok
+
+    def by_chunk(self, chunks: int) -> tuple[Tensor, Tensor]:
+        """The reference queries of each of ``chunks`` repeat chunks: ``(B, H_kv, C, n_c, D)`` and
+        their validity ``(B, H_kv, C, n_c)``, as :meth:`chunk_index` places them. Cost and memory
+        follow the queries, not the chunks times the queries."""
+        own, own_ok = self.chunk_index(chunks)
         batch, heads, _, dim = self.queries.shape
         flat = own.flatten(2)
         queries = self.queries.gather(2, flat[..., None].expand(-1, -1, -1, dim))

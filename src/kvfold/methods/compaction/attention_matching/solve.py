@@ -420,6 +420,8 @@ def _streamed_weights(
         return ok.to(group.dtype)
     P, t = ok.shape
     weight = _mass_weights(mass, group.query_valid, config.mass_weight)
+    if group.query_weight is not None:
+        weight = weight * group.query_weight
     gram = group.values.new_zeros(P, t, t)
     corr = group.values.new_zeros(P, t)
     for lo, hi in blocks:
@@ -473,7 +475,11 @@ def _streamed_fit(
         fitted = x.sum(-1)
         mass_sq += (fitted - mass[:, lo:hi]).square().sum(-1)
         x.div_(torch.where(fitted > 0, fitted, torch.ones_like(fitted))[..., None])  # eq. 3: X
-        residual = target[:, lo:hi] - x @ v_s
+        y = target[:, lo:hi]
+        if group.query_weight is not None:  # each query's residual times √(its weight)
+            root = group.query_weight[:, lo:hi, None].sqrt()
+            x, y = x.mul_(root), y * root
+        residual = y - x @ v_s
         xtx += symmetric_product(x, x)
         xtr += x.mT @ residual
         res_sq += residual.square().sum((-2, -1))
@@ -486,13 +492,14 @@ def _streamed_fit(
         c_v = feedback_round(c_v, xtx, ok, config.value_storage)
     fit = c_v - v_s  # ‖X (V_S + Δ) − Y‖² = ‖R‖² − 2⟨Δ, XᵀR⟩ + ⟨Δ, XᵀX Δ⟩
     out_sq = res_sq - 2 * (fit * xtr).sum((-2, -1)) + (fit * (xtx @ fit)).sum((-2, -1))
+    target_sq = target.square().sum(-1) * (1.0 if group.query_weight is None else group.query_weight)
     return Compacted(
         index=idx,
         log_mass=_log_mass(group.beta0, idx, ok, w),
         values=c_v,
         lengths=lengths,
         mass_error=_over_norm(mass_sq.sqrt(), mass.norm(dim=-1)),
-        output_error=_over_norm(out_sq.clamp_min(0).sqrt(), target.flatten(1).norm(dim=-1)),
+        output_error=_over_norm(out_sq.clamp_min(0).sqrt(), target_sq.sum(-1).sqrt()),
     )
 
 
@@ -607,6 +614,7 @@ def fit_problems(
     given: Tensor | None = None,
     candidates: Tensor | None = None,
     compact_keys: Tensor | None = None,
+    query_weight: Tensor | None = None,
 ) -> Compacted:
     """Compact a stack of blocks (any leading batch dims), a memory-bounded group at a time.
 
@@ -626,10 +634,13 @@ def fit_problems(
             at the candidates (``am_fit[preselect]``).
         compact_keys: optional ``(..., T, D)`` kept entries' keys as stored (quantized): the target
             reads ``keys``, the kept features these, so β and the values absorb the difference.
+        query_weight: optional ``(..., n)`` weights of each query's squared residuals (given keys, gram).
 
     Returns:
         A :class:`Compacted` with the same leading dims.
     """
+    if query_weight is not None and (given is None or config.solver != "gram"):
+        raise ValueError("query_weight needs given keys and the gram solver")
     config = config.sized(keys.device)
     batch = keys.shape[:-2]
     T, D = keys.shape[-2:]
@@ -639,6 +650,7 @@ def fit_problems(
     flat_compact = None if compact_keys is None else compact_keys.reshape(P, T, D)
     flat_lm = log_mass.reshape(P, T).float() if log_mass.dtype != torch.float64 else log_mass.reshape(P, T)
     flat_q, flat_qv = queries.reshape(P, n, queries.shape[-1]), query_valid.reshape(P, n)
+    flat_qw = None if query_weight is None else query_weight.reshape(P, n).to(keys.device)
     scale = torch.as_tensor(scaling, dtype=torch.float64, device=keys.device).expand(batch).reshape(P)
     valid_entries = torch.isfinite(flat_lm).sum(-1)
     given_flat = None
@@ -660,8 +672,8 @@ def fit_problems(
     todo = (~identity & (counts > 0)).nonzero(as_tuple=True)[0]
     histories: list[tuple[Tensor, Tensor]] = []
     for rows, widest in _groups(todo, counts, given is not None, (T, n, D, values.shape[-1]), dt, config):
-        inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale)
-        group = Group.prepare(*(t[rows] for t in inputs), None if flat_compact is None else flat_compact[rows])
+        inputs = (flat_keys, flat_values, flat_lm, flat_q, flat_qv, scale, flat_compact, flat_qw)
+        group = Group.prepare(*(None if t is None else t[rows] for t in inputs))
         chosen = [None if t is None else t[rows] for t in (given_flat, cand_flat)]
         res = _fit_group(group, counts[rows], config, *chosen, t_max=widest)
         _write_rows(out, rows, res)
