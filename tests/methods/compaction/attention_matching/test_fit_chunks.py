@@ -87,6 +87,22 @@ def same(a, b) -> bool:
     )
 
 
+def second_chunk_alone(case, queries: ReferenceQueries):
+    """Chunk 1's entries of a two-chunk ``case`` as a one-piece problem on ``queries``."""
+    keys, values, beta0, _, chunk_of, given = case
+    cut = (keys[:, :, CHUNK:], values[:, :, CHUNK:], beta0[:, :, CHUNK:])
+    return (*cut, queries, chunk_of[:, CHUNK:] * 0, given[given >= CHUNK][None, None] - CHUNK)
+
+
+def assert_ends_with(res, second) -> int:
+    """``res``'s last entries are ``second``'s fit (float64 tolerance); returns where they start."""
+    n = int(second.lengths)
+    start = int(res.lengths) - n
+    torch.testing.assert_close(res.log_mass[..., start:], second.log_mass[..., :n], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(res.values[..., start:, :], second.values[..., :n, :], rtol=1e-10, atol=1e-10)
+    return start
+
+
 # ---------------------------------------------------------------------------- (1) one chunk: the unchunked fit
 
 
@@ -145,22 +161,12 @@ def test_each_chunk_is_fitted_to_its_own_entries():
 
 def test_the_second_chunk_fits_its_own_block_on_its_own_queries():
     """Chunk 1 alone (its entries, its queries) fitted unchunked is the chunked fit's chunk 1."""
-    keys, values, beta0, ref, chunk_of, given = synthetic(2 * CHUNK)
-    res = chunked((keys, values, beta0, ref, chunk_of, given))
+    case = synthetic(2 * CHUNK)
+    ref = case[3]
+    res = chunked(case)
     mine = ref.chunk[0, 0] == 1
-    alone = (
-        keys[:, :, CHUNK:],
-        values[:, :, CHUNK:],
-        beta0[:, :, CHUNK:],
-        ReferenceQueries(ref.queries[:, :, mine], ref.valid[:, :, mine]),
-        chunk_of[:, CHUNK:] * 0,
-        given[given >= CHUNK][None, None] - CHUNK,
-    )
-    second = unchunked(alone)
-    n = int(second.lengths)
-    start = int(res.lengths) - n
-    torch.testing.assert_close(res.log_mass[..., start:], second.log_mass[..., :n], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(res.values[..., start:, :], second.values[..., :n, :], rtol=1e-10, atol=1e-10)
+    second = unchunked(second_chunk_alone(case, ReferenceQueries(ref.queries[:, :, mine], ref.valid[:, :, mine])))
+    assert_ends_with(res, second)
 
 
 def test_two_repeat_chunks_of_a_model_fit_apart():
@@ -245,19 +251,9 @@ def test_a_chunk_reading_every_query_fits_its_own_block_on_all_of_them():
     shared = ref.share_across_chunks(ref.queries.shape[2])
     res = chunked((keys, values, beta0, shared, chunk_of, given))
     own = chunked((keys, values, beta0, ref, chunk_of, given))
-    alone = (
-        keys[:, :, CHUNK:],
-        values[:, :, CHUNK:],
-        beta0[:, :, CHUNK:],
-        ReferenceQueries(ref.queries, ref.valid),
-        chunk_of[:, CHUNK:] * 0,
-        given[given >= CHUNK][None, None] - CHUNK,
-    )
-    second = unchunked(alone)
-    n = int(second.lengths)
-    start = int(res.lengths) - n
-    torch.testing.assert_close(res.log_mass[..., start:], second.log_mass[..., :n], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(res.values[..., start:, :], second.values[..., :n, :], rtol=1e-10, atol=1e-10)
+    case = (keys, values, beta0, ref, chunk_of, given)
+    second = unchunked(second_chunk_alone(case, ReferenceQueries(ref.queries, ref.valid)))
+    start = assert_ends_with(res, second)
     assert not torch.allclose(res.values[..., start:, :], own.values[..., start:, :], atol=1e-3)
 
 
@@ -351,10 +347,7 @@ def test_a_chunk_weighted_by_share_fits_its_block_with_those_weights():
         given=given[given >= CHUNK][None, None] - CHUNK,
         query_weight=share[mine].square()[None, None],
     )
-    n = int(alone.lengths)
-    start = int(res.lengths) - n
-    torch.testing.assert_close(res.log_mass[..., start:], alone.log_mass[..., :n], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(res.values[..., start:, :], alone.values[..., :n, :], rtol=1e-10, atol=1e-10)
+    start = assert_ends_with(res, alone)
     assert not torch.allclose(res.values[..., start:, :], own.values[..., start:, :], atol=1e-4)
 
 
