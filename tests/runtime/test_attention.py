@@ -196,6 +196,29 @@ def test_the_masked_path_and_its_blocked_log_sum_exp_equal_float64(dtype, monkey
     assert torch.isfinite(lse_new).all()
 
 
+@pytest.mark.parametrize("path", ["fused", "blocked"])
+@pytest.mark.parametrize("split", [0, 13, 32])
+def test_the_log_sum_exp_over_the_first_entries_comes_apart_and_changes_nothing_else(path, split, monkeypatch):
+    """Asked for the log-sum-exp over the first ``split`` old entries (the context before a repeat
+    pass), both paths give it equal to float64 (−inf for none), with the output and the whole
+    log-sum-exp of the call without it; on the fused path the old entries then take two calls."""
+    if path == "blocked":
+        monkeypatch.setattr(attention, "_cpu_flash", lambda query: False)
+        monkeypatch.setattr(attention, "LSE_BLOCK_ELEMENTS", 3 * 41)
+    gen = torch.Generator().manual_seed(6)
+    b, h_kv, groups, q_len, n, d = 2, 3, 2, 9, 41, 8  # 32 old entries
+    keys, values = (torch.randn(b, h_kv, n, d, generator=gen) for _ in range(2))
+    query = torch.randn(b, h_kv * groups, q_len, d, generator=gen)
+    out, lse = attention._attend_after_cache(query, keys, values, 0.3, with_lse=True)
+    out_s, lse_s, head = attention._attend_after_cache(query, keys, values, 0.3, with_lse=True, split=split)
+    torch.testing.assert_close(out_s, out, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse_s, lse, rtol=0, atol=1e-6)
+    logits = query.double() @ keys[:, :, :split].double().repeat_interleave(groups, 1).transpose(-1, -2) * 0.3
+    assert head.shape == lse.shape and head.dtype == torch.float32
+    torch.testing.assert_close(head.double(), torch.logsumexp(logits, -1), rtol=0, atol=1e-5)
+    assert attention._attend_after_cache(query, keys, values, 0.3, split=split).shape == out.shape
+
+
 def test_a_ragged_layer_attends_through_its_stored_part_and_equals_float64(monkeypatch):
     """Per-head lengths (stored rows at full precision, β included): a 3-token question, then decode
     steps, each through the stored rows' part merged with the dense tail by log-sum-exp (the tail

@@ -72,6 +72,12 @@ class OnlinePolicy(Protocol):
         cache and several query tokens: it then computes from the keys only the probabilities it
         needs (``exp(q·k·scaling − log_sum_exp)``), and the attention runs the fused kernel
         instead of materialising every probability (:func:`_attend_after_cache`).
+
+        Such a policy may also define ``context_entries(layer_idx) -> int | None``: a count ``m`` of
+        leading entries (the context before a repeat pass) whose log-sum-exp it wants apart. On
+        that path it is then called, with or without ``needs_attention``, with the keyword
+        ``context_log_sum_exp`` (``(B, H_q, q)``, each query's log-sum-exp over entries ``0:m``),
+        and ``log_sum_exp`` and ``scaling`` as above; elsewhere it gets neither keyword.
         """
 
 
@@ -125,16 +131,25 @@ def kvfold_attention(
             observer(module.layer_idx, layer, query, scaling)
     else:
         _check_sliding_window(layer, kwargs.get("sliding_window"))
-        if need_probs and getattr(policy, "accepts_log_sum_exp", False) and _gives_log_sum_exp(query, layer):
+        split = _context_entries(policy, module.layer_idx)
+        takes_lse = getattr(policy, "accepts_log_sum_exp", False) and (need_probs or split is not None)
+        if takes_lse and _gives_log_sum_exp(query, layer):
             keys, values, _ = layer.tail()
-            out, lse = _attend_after_cache(query, keys, values, scaling, with_lse=True)
-            policy.after_forward(module.layer_idx, layer, query, None, None, log_sum_exp=lse, scaling=scaling)
+            out, lse, *head = _attend_after_cache(query, keys, values, scaling, with_lse=True, split=split)
+            extra = {"context_log_sum_exp": head[0]} if head else {}
+            policy.after_forward(module.layer_idx, layer, query, None, None, log_sum_exp=lse, scaling=scaling, **extra)
             return out.transpose(1, 2), None
         else:
             out, probs, logits = _dense_attention(query, layer, scaling, need_probs)
     if policy is not None:
         policy.after_forward(module.layer_idx, layer, query, probs, logits)
     return out, None
+
+
+def _context_entries(policy, layer_idx: int) -> int | None:
+    """The leading entries whose log-sum-exp ``policy`` wants apart (:class:`OnlinePolicy`), or None."""
+    ask = getattr(policy, "context_entries", None)
+    return None if ask is None else ask(layer_idx)
 
 
 def _stored_attention(query: torch.Tensor, layer: FoldedLayer, scaling: float) -> torch.Tensor:
@@ -304,7 +319,7 @@ def _check_device_flash(device: torch.device, dtype: torch.dtype) -> str:
     parts = [torch.randn(b, h, m, d, generator=gen) for h, m in ((h_kv * groups, q_len), (h_kv, n), (h_kv, n))]
     query, keys, values = (t.to(device=device, dtype=dtype) for t in parts)
     try:
-        out, lse = _attend_fused(DEVICE_FLASH_KERNEL, query, keys, values, d**-0.5)
+        out, lse, _ = _attend_fused(DEVICE_FLASH_KERNEL, query, keys, values, d**-0.5)
     except RuntimeError as err:  # a build or device without the kernel
         return f"blocked log-sum-exp ({error_line(err)})"
     ref_out, ref_lse = _attend_after_cache_split(query, keys, values, d**-0.5, with_lse=True)
@@ -341,12 +356,19 @@ def _is_cpu(device: torch.device) -> bool:
 
 
 def _attend_after_cache(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, with_lse: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    with_lse: bool = False,
+    split: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Attention of ``q`` new tokens over an uncompressed cache whose last ``q`` entries are
     theirs: every older entry is visible, the new ones causally. Returns ``(B, H_q, q, D)``, and
     with ``with_lse`` each query's log-sum-exp over every entry, ``(B, H_q, q)`` float32 (float64
-    for float64 queries).
+    for float64 queries); with ``with_lse`` and ``split`` (``m``) also the log-sum-exp over the
+    first ``m`` old entries alone (−inf for ``m = 0``): on the fused path the old entries are then
+    attended in two calls, ``0:m`` and the rest, merged as the new block is.
 
     The two parts are computed apart and merged by their log-sum-exp (the block decomposition of
     attention, Zweiger et al. 2026 §2): the old entries with no mask and the G query heads of a KV
@@ -358,24 +380,46 @@ def _attend_after_cache(
     """
     flash = FLASH_WITH_LSE if _cpu_flash(query) else device_flash(query)
     if flash is None or keys.shape[2] <= query.shape[2]:
-        return _attend_after_cache_split(query, keys, values, scaling, with_lse)
-    out, lse = _attend_fused(flash, query, keys, values, scaling)
-    return (out, lse) if with_lse else out
+        return _attend_after_cache_split(query, keys, values, scaling, with_lse, split)
+    out, lse, head = _attend_fused(flash, query, keys, values, scaling, split)
+    if not with_lse:
+        return out
+    return (out, lse) if split is None else (out, lse, head)
 
 
-def _attend_fused(flash, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+def _attend_fused(
+    flash, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, split: int | None = None
+):
     """:func:`_attend_after_cache` by a fused kernel that gives the log-sum-exp (``flash``, called as
-    :data:`FLASH_WITH_LSE`), with older entries than the new ones: ``(output, log-sum-exp)``."""
+    :data:`FLASH_WITH_LSE`), with older entries than the new ones: ``(output, log-sum-exp, the
+    log-sum-exp over the first split entries or None)``."""
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     old = n - q_len
     groups = h_q // h_kv
     folded = query.reshape(b, h_kv, groups * q_len, d)
-    out_old, lse_old = flash(folded, keys[:, :, :old], values[:, :, :old], 0.0, False, scale=scaling)
+    cut = old if split is None or split <= 0 else min(split, old)
+    out_old, lse_old = flash(folded, keys[:, :, :cut], values[:, :, :cut], 0.0, False, scale=scaling)
+    head = None if split is None else lse_old.reshape(b, h_q, q_len)
+    if split is not None and split <= 0:
+        head = torch.full_like(head, float("-inf"))
+    if cut < old:  # the rest of the old entries: a second call, merged by the two log-sum-exps
+        out_rest, lse_rest = flash(folded, keys[:, :, cut:old], values[:, :, cut:old], 0.0, False, scale=scaling)
+        out_old, lse_old = _merge_two(out_old, lse_old, out_rest, lse_rest)
     new_keys = keys[:, :, old:].repeat_interleave(groups, dim=1)
     new_values = values[:, :, old:].repeat_interleave(groups, dim=1)
     out_new, lse_new = flash(query, new_keys, new_values, 0.0, True, scale=scaling)
-    return _merge_parts(query, out_old, lse_old.reshape(b, h_q, q_len), out_new, lse_new, True)
+    out, lse = _merge_parts(query, out_old, lse_old.reshape(b, h_q, q_len), out_new, lse_new, True)
+    return out, lse, head
+
+
+def _merge_two(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    """Attention over two disjoint sets of entries from each set's output ``(..., q, D)`` and
+    log-sum-exp ``(..., q)`` (§2's block decomposition): ``(output in float32 or wider, log-sum-exp)``."""
+    acc = torch.promote_types(out_a.dtype, torch.float32)
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a.to(acc) * (lse_a - lse).exp()[..., None] + out_b.to(acc) * (lse_b - lse).exp()[..., None]
+    return out, lse
 
 
 def _merge_parts(
@@ -409,14 +453,20 @@ ACCELERATOR_LSE_BLOCK_ELEMENTS = ACCELERATOR_BLOCK_ELEMENTS
 
 
 def _attend_after_cache_split(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, with_lse: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    with_lse: bool = False,
+    split: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`_attend_after_cache` on any device: the old entries through SDPA with no mask (the
     G query heads of a KV head folded into the query axis), the new block through SDPA's own
     causal mask with its keys repeated per query head, merged by the log-sum-exp of each part from
     :func:`log_sum_exp_parts`. No mask is built and no kernel sees one: on CUDA a float mask, or
     ``enable_gqa`` with a mask, can send SDPA to its math kernel, which holds every ``(q, N)``
-    probability of every head."""
+    probability of every head. ``split``: as :func:`_attend_after_cache` (the log-sum-exp over the
+    first ``split`` old entries, from the same blocks of products)."""
     b, h_q, q_len, d = query.shape
     h_kv, n = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
@@ -426,18 +476,22 @@ def _attend_after_cache_split(
     out_new = F.scaled_dot_product_attention(query, new_keys, new_values, is_causal=True, scale=scaling)
     if old <= 0 and not with_lse:
         return out_new
-    lse_old, lse_new = log_sum_exp_parts(query, keys, scaling)
+    lse_old, lse_new, *head = log_sum_exp_parts(query, keys, scaling, split if with_lse else None)
     if old <= 0:
-        return out_new, lse_new
+        return (out_new, lse_new, *head)
     folded = query.reshape(b, h_kv, groups * q_len, d)
     out_old = F.scaled_dot_product_attention(folded, keys[:, :, :old], values[:, :, :old], scale=scaling)
-    return _merge_parts(query, out_old, lse_old, out_new, lse_new, with_lse)
+    merged = _merge_parts(query, out_old, lse_old, out_new, lse_new, with_lse)
+    return (*merged, *head) if with_lse else merged
 
 
-def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def log_sum_exp_parts(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, split: int | None = None
+) -> tuple[torch.Tensor, ...]:
     """Each new query's log-sum-exp ``log Σ_j exp(s·q·k_j)`` over the old entries and, apart, over
     the new ones it sees (causally): two ``(B, H_q, q)`` tensors in float32 (float64 for float64
-    queries); −inf where a part is empty.
+    queries); −inf where a part is empty. With ``split`` (``m``) a third: over the first ``m`` old
+    entries alone.
 
     Computed in blocks of query rows, at most :data:`LSE_BLOCK_ELEMENTS` logits
     (:data:`ACCELERATOR_LSE_BLOCK_ELEMENTS` off the CPU) and ``4·D`` rows a KV head (few kernel
@@ -451,6 +505,8 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
     key_t = keys.reshape(b * h_kv, n, d).transpose(1, 2).to(acc)  # once: not a float32 copy of the keys per block
     lse_old = torch.empty(b * h_kv, groups * q_len, dtype=acc, device=query.device)
     lse_new = torch.empty_like(lse_old)
+    cut = None if split is None else min(max(split, 0), old)
+    lse_head = None if cut is None else torch.empty_like(lse_old)
     elements = LSE_BLOCK_ELEMENTS if _is_cpu(query.device) else ACCELERATOR_LSE_BLOCK_ELEMENTS
     rows = max(1, min(elements // max(1, b * h_kv * n), 4 * d))
     position = torch.arange(groups * q_len, device=query.device) % q_len  # each folded row's query
@@ -459,11 +515,14 @@ def log_sum_exp_parts(query: torch.Tensor, keys: torch.Tensor, scaling: float) -
         hi = min(lo + rows, groups * q_len)
         logits = torch.matmul(folded[:, lo:hi].to(acc), key_t).mul_(scaling)
         lse_old[:, lo:hi] = torch.logsumexp(logits[..., :old], dim=-1)
+        if lse_head is not None:
+            lse_head[:, lo:hi] = torch.logsumexp(logits[..., :cut], dim=-1)
         future = new_keys[None, :] > position[lo:hi, None]  # (rows, q): a new entry after the query
         lse_new[:, lo:hi] = torch.logsumexp(logits[..., old:].masked_fill_(future, float("-inf")), dim=-1)
         del logits  # before the next block's: one block held, not two
     shape = (b, h_kv, groups, q_len)
-    return lse_old.view(shape).reshape(b, h_q, q_len), lse_new.view(shape).reshape(b, h_q, q_len)
+    parts = (lse_old, lse_new) if lse_head is None else (lse_old, lse_new, lse_head)
+    return tuple(part.view(shape).reshape(b, h_q, q_len) for part in parts)
 
 
 def _dense_bias(layer: FoldedLayer, q_len: int, groups: int, dtype: torch.dtype) -> torch.Tensor | None:

@@ -124,6 +124,49 @@ def test_the_fused_repeat_pass_scores_equal_the_eager_ones(monkeypatch):
         assert torch.equal(fused.query_valid[i], eager.query_valid[i])
 
 
+def context_lse_reference(ctx, found) -> dict[int, torch.Tensor]:
+    """Each recorded query's float64 log-sum-exp over the context's keys (β = 0 on a fresh prefill)."""
+    from kvfold.runtime.attention import attention_scalings
+
+    scalings = attention_scalings(ctx.model)
+    out = {}
+    for i, layer in ctx.cache.folded_layers:
+        keys = layer.keys[:, :, : layer.physical_length].to(F64)
+        out[i] = torch.logsumexp(found.queries[i].to(F64) @ keys.transpose(-1, -2) * scalings[i], dim=-1)
+    return out
+
+
+def test_the_pass_records_each_querys_log_sum_exp_over_the_context(monkeypatch):
+    """Beside each repeat query the pass records its log-sum-exp over the context entries alone (the
+    repeat input's own entries apart), from the attention's own kernel: equal to float64, chunk after
+    chunk and forward after forward, on the fused CPU path and on the blocked path other devices
+    take; where the attention gives no log-sum-exp (a float64 model) no layer has it."""
+    from kvfold.runtime import attention
+
+    tok = CharTokenizer()
+    model = kvfold.enable(make_tiny_model("llama"))
+    pre = kvfold.prefill(model, tok, TEXT * 3, use_chat_template=False)
+    ctx = CompressionContext(model, pre.cache, pre.input_ids, pre.attention_mask, Budget.parse(0.5), tokenizer=tok)
+    fused = repeat.repeat_pass(ctx, chunk=64, forward_chunk=16, scores=False)  # 3 chunks, several forwards each
+    reference = context_lse_reference(ctx, fused)
+    assert set(fused.query_context_lse) == set(reference)
+    for i, lse in fused.query_context_lse.items():
+        assert lse.shape == fused.query_valid[i].shape and lse.dtype == torch.float32
+        torch.testing.assert_close(lse.to(F64), reference[i], rtol=0, atol=2e-5)
+    monkeypatch.setattr(attention, "_is_cpu", lambda device: False)
+    monkeypatch.setattr(attention, "_cpu_flash", lambda query: False)
+    blocked = repeat.repeat_pass(ctx, chunk=64, forward_chunk=16, scores=False)
+    for i, lse in blocked.query_context_lse.items():
+        torch.testing.assert_close(lse.to(F64), reference[i], rtol=0, atol=2e-5)
+    monkeypatch.undo()
+    tiny64 = model64("llama")
+    pre64 = kvfold.prefill(tiny64, tok, TEXT * 3, use_chat_template=False)
+    ctx64 = CompressionContext(
+        tiny64, pre64.cache, pre64.input_ids, pre64.attention_mask, Budget.parse(0.5), tokenizer=tok
+    )
+    assert repeat.repeat_pass(ctx64, chunk=64, forward_chunk=16).query_context_lse == {}
+
+
 def test_each_repeat_query_knows_its_chunk_and_each_token_the_chunk_that_repeats_it():
     """Fits by repeat chunk (long contexts) pair a chunk's context entries with the queries recorded while
     that chunk was repeated: the queries' chunks follow the repeat inputs (G query heads per KV head,

@@ -147,6 +147,13 @@ class RepeatPass:
         query_chunks: ``(B, H_kv, n)`` long, the repeat chunk each query was recorded in (its
             input repeats the context span :func:`token_chunks` assigns to that chunk; −1 on
             padding), when queries were recorded.
+        query_context_lse: ``(B, H_kv, n)`` float32 (float64 for a float64 model), each query's
+            log-sum-exp over the context entries, ``log Σ_{j < N} exp(s·q·k_j + β_j)`` (the cache
+            before the pass; the repeat input's own entries apart), per layer where the attention
+            gave it (the fused path over an uncompressed cache: :class:`RepeatRecorder`); a layer
+            whose forwards took another path is absent. Attention Matching's chunked fit weighs
+            each query by the share of this mass on the chunk it fits
+            (:mod:`kvfold.methods.compaction.attention_matching.fit_chunks`).
         plus_scores: ``(B, H_kv, N)`` KVzip+'s scores (:mod:`kvfold.methods.core.kvzip_plus`: each
             attention row divided by ``‖x_t‖``, each column multiplied by ``‖W_Oʰ v‖``, then the
             max), when the pass recorded them; empty otherwise.
@@ -160,6 +167,7 @@ class RepeatPass:
     queries: dict[int, Tensor]
     query_valid: dict[int, Tensor]
     query_chunks: dict[int, Tensor] = field(default_factory=dict)
+    query_context_lse: dict[int, Tensor] = field(default_factory=dict)
     plus_scores: dict[int, Tensor] = field(default_factory=dict)
     span_scores: dict[int, Tensor] = field(default_factory=dict)
     span_plus_scores: dict[int, Tensor] = field(default_factory=dict)
@@ -170,6 +178,7 @@ class RepeatPass:
         changes = {name: getattr(other, name) for name in SCORE_FIELDS if name in other.recorded - self.recorded}
         if "queries" in other.recorded - self.recorded:
             changes.update(queries=other.queries, query_valid=other.query_valid, query_chunks=other.query_chunks)
+            changes.update(query_context_lse=other.query_context_lse)
         return dataclasses.replace(self, **changes, recorded=self.recorded | other.recorded)
 
 
@@ -188,6 +197,10 @@ class RepeatRecorder:
     (``plus_scores``) need the hidden-state norms the pass records (``plus``). The ``span_*`` scores
     read only the entries of :attr:`span`, the slots the chunk being repeated stands for (set
     before each chunk): a chunk's scoring then costs its span, not the context.
+
+    With the queries it records each one's log-sum-exp over the context entries
+    (:attr:`RepeatPass.query_context_lse`), which the fused attention gives apart when asked
+    (:meth:`context_entries`) at no more products than the pass's own attention.
     """
 
     needs_attention = True
@@ -208,12 +221,20 @@ class RepeatRecorder:
         self.found: dict[str, dict[int, Tensor]] = {name: {} for name in SCORE_FIELDS}
         self.queries: dict[int, Tensor] = {}  # per layer (B, H_kv, G, tokens, D), filled forward by forward
         self.filled: dict[int, int] = {}
+        self.context_lse: dict[int, Tensor] = {}  # per layer (B, H_kv, G, tokens), beside the queries
+        self.lse_missing: set[int] = set()  # layers where a forward did not give it
         self.tokens = 0  # repeat-input tokens of the row (set before the pass): the queries' buffer length
         self.value_norms: dict[int, Tensor] = {}  # ‖W_Oʰ v‖ of the row's context entries, per layer
 
     @property
     def scores(self) -> dict[int, Tensor]:
         return self.found["scores"]
+
+    def context_entries(self, layer_idx: int) -> int | None:
+        """The context entries whose log-sum-exp the attention gives apart
+        (:class:`kvfold.runtime.attention.OnlinePolicy`): the cache before the pass, when the
+        queries are recorded."""
+        return self.context_slots[layer_idx] if self.record_queries else None
 
     @property
     def plus_scores(self) -> dict[int, Tensor]:
@@ -228,6 +249,7 @@ class RepeatRecorder:
         logits: Tensor | None = None,
         log_sum_exp: Tensor | None = None,
         scaling: float | None = None,
+        context_log_sum_exp: Tensor | None = None,
     ) -> None:
         for whole, within in (("scores", "span_scores"), ("plus_scores", "span_plus_scores")):
             want_whole, want_span = whole in self.records, within in self.records
@@ -259,6 +281,24 @@ class RepeatRecorder:
                 self.queries[layer_idx] = torch.cat([held, held.new_empty(*held.shape[:3], length, dim)], dim=3)
             self.queries[layer_idx][:, :, :, lo : lo + length].copy_(grouped, non_blocking=True)
             self.filled[layer_idx] = lo + length
+            self._keep_context_lse(layer_idx, context_log_sum_exp, lo, groups)
+
+    def _keep_context_lse(self, layer_idx: int, lse: Tensor | None, lo: int, groups: int) -> None:
+        """Writes this forward's queries' log-sum-exp over the context ``(B, H_q, q)`` beside their
+        queries (from token ``lo``); a forward without it leaves the layer without any."""
+        if lse is None or layer_idx in self.lse_missing:
+            self.lse_missing.add(layer_idx)
+            self.context_lse.pop(layer_idx, None)
+            return
+        held = self.queries[layer_idx]
+        if layer_idx not in self.context_lse or self.context_lse[layer_idx].shape[3] != held.shape[3]:
+            grown = query_buffer(held.shape[:4], lse.dtype, lse.device)
+            if layer_idx in self.context_lse:  # the queries' buffer grew: the values so far come along
+                grown[:, :, :, :lo].copy_(self.context_lse[layer_idx][:, :, :, :lo])
+            self.context_lse[layer_idx] = grown
+        batch, heads_q, length = lse.shape
+        grouped = lse.reshape(batch, heads_q // groups, groups, length)
+        self.context_lse[layer_idx][:, :, :, lo : lo + length].copy_(grouped, non_blocking=True)
 
     def _keep_max(self, name: str, layer_idx: int, received: Tensor, lo: int, hi: int, slots: int) -> None:
         """Slots ``lo:hi`` of the recorded ``name`` scores become the max of what they held and ``received``."""
@@ -508,6 +548,19 @@ def _collect(
             filled = [r.queries[layer_idx][:, :, :, : r.filled[layer_idx]] for r in recorders]
             found = _padded_queries(filled, chunk_of_token)
             out.queries[layer_idx], out.query_valid[layer_idx], out.query_chunks[layer_idx] = found
+            if all(layer_idx in r.context_lse for r in recorders):
+                rows = [r.context_lse[layer_idx][:, :, :, : r.filled[layer_idx]].flatten(2, 3) for r in recorders]
+                out.query_context_lse[layer_idx] = _padded_rows(rows, found[1].shape[2])
+    return out
+
+
+def _padded_rows(rows: list[Tensor], n: int) -> Tensor:
+    """Rows ``(1, H, n_b)`` as one ``(B, H, n)`` tensor, −inf after each row's own (one row: itself)."""
+    if len(rows) == 1:
+        return rows[0]
+    out = rows[0].new_full((len(rows), rows[0].shape[1], n), float("-inf"))
+    for b, row in enumerate(rows):
+        out[b, :, : row.shape[2]] = row[0]
     return out
 
 

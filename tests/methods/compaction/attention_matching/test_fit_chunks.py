@@ -15,7 +15,8 @@ import torch
 
 import kvfold
 from kvfold.methods import SpecError, build_method
-from kvfold.methods.compaction.attention_matching.fit_chunks import chunk_shares, fit_given_by_chunk
+from kvfold.methods.compaction.attention_matching import fit_chunks
+from kvfold.methods.compaction.attention_matching.fit_chunks import chunk_shares, fit_given_by_chunk, share_weights
 from kvfold.methods.compaction.attention_matching.grouping import FIT_PRODUCTS
 from kvfold.methods.compaction.attention_matching.queries import ReferenceQueries
 from kvfold.methods.compaction.attention_matching.solve import FitConfig, fit_problems
@@ -357,6 +358,79 @@ def test_one_chunk_weighted_by_share_is_the_unchunked_fit():
     assert same(
         fit_given_by_chunk(keys, values, beta0, ref, chunk_of, given, 0.5, CONFIG, by_share=True), unchunked(case)
     )
+
+
+def with_context_lse(case, shared: int = 0):
+    """``case`` with every repeat query's float64 log-sum-exp over the context (what the repeat
+    pass records), ``shared`` of them given to every chunk."""
+    keys, values, beta0, ref, chunk_of, given = case
+    lse = torch.logsumexp(ref.queries @ keys.mT * 0.5 + beta0[:, :, None, :], dim=-1)
+    ref = ReferenceQueries(ref.queries, ref.valid, ref.chunk, lse).share_across_chunks(shared)
+    return keys, values, beta0, ref, chunk_of, given
+
+
+def test_shares_from_the_recorded_context_mass_equal_the_shares_over_every_block(monkeypatch):
+    """With each query's mass over the context known (and every entry matched), a chunk's own
+    queries need their own block only and shared queries every block: the weights equal the
+    shares over every block, without them; an offset in the recorded mass moves them, and where
+    the context is not what the fit matches, or a mass is not known, it is not read."""
+    keys, values, beta0, ref, chunk_of, _ = with_context_lse(synthetic(3 * CHUNK), shared=7)
+    blocks, block_beta = keys.view(1, 1, 3, CHUNK, -1), beta0.view(1, 1, 3, CHUNK)
+    block_queries = ref.by_chunk(3)[0]
+    everywhere = share_weights(blocks, block_beta, block_queries, ref, 0.5, context_is_matched=False)
+    real = fit_chunks.chunk_shares
+    calls = []
+    monkeypatch.setattr(fit_chunks, "chunk_shares", lambda *a: calls.append(1) or real(*a))
+    recorded = share_weights(blocks, block_beta, block_queries, ref, 0.5, context_is_matched=True)
+    assert not calls
+    torch.testing.assert_close(recorded, everywhere, rtol=1e-12, atol=1e-12)
+    index, index_ok = ref.chunk_index(3)
+    assert bool((index_ok & (ref.chunk.gather(2, index.flatten(2)).view_as(index) < 0)).any())  # shared ones
+    shifted = ReferenceQueries(ref.queries, ref.valid, ref.chunk, ref.context_lse + 1.0)
+    moved = share_weights(blocks, block_beta, block_queries, shifted, 0.5, context_is_matched=True)
+    assert not torch.allclose(moved, everywhere, atol=1e-3)
+    assert torch.equal(share_weights(blocks, block_beta, block_queries, shifted, 0.5, False), everywhere)
+    unknown = ReferenceQueries(ref.queries, ref.valid, ref.chunk, ref.context_lse.clone())
+    unknown.context_lse[..., 3] = math.nan  # a query of chunk 0 without it
+    torch.testing.assert_close(share_weights(blocks, block_beta, block_queries, unknown, 0.5, True), everywhere)
+    assert len(calls) == 2
+
+
+def test_a_fit_weighted_by_share_is_the_same_from_the_recorded_context_mass():
+    case = with_context_lse(synthetic(2 * CHUNK))
+    keys, values, beta0, ref, chunk_of, given = case
+    args = (keys, values, beta0, ref, chunk_of, given, 0.5, CONFIG)
+    recorded = fit_given_by_chunk(*args, by_share=True, context_is_matched=True)
+    everywhere = fit_given_by_chunk(*args, by_share=True)
+    torch.testing.assert_close(recorded.log_mass, everywhere.log_mass, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(recorded.values, everywhere.values, rtol=1e-9, atol=1e-9)
+
+
+def test_am_fit_weighs_by_share_from_the_repeat_pass_unless_entries_stay_verbatim(monkeypatch):
+    """A float32 model's repeat pass records each query's mass over the context, and ``share`` reads
+    it instead of an attention over the context: in a real compression the weights equal the shares
+    over every block (the fit itself, in float32 on a tiny random model, moves β by 10⁻² for a 10⁻⁷
+    change of its weights: the weights are what is compared). With sinks kept verbatim the context
+    is not what the fit matches: the shares are computed over every block."""
+    real_shares, real_weights = fit_chunks.chunk_shares, fit_chunks.share_weights
+    calls, compared = [], []
+
+    def checked(blocks, block_beta, block_queries, queries, scaling, matched):
+        weights = real_weights(blocks, block_beta, block_queries, queries, scaling, matched)
+        everywhere = real_weights(blocks, block_beta, block_queries, queries, scaling, False)
+        torch.testing.assert_close(weights, everywhere, rtol=0, atol=1e-5)
+        compared.append(matched)
+        return weights
+
+    monkeypatch.setattr(fit_chunks, "share_weights", checked)
+    monkeypatch.setattr(fit_chunks, "chunk_shares", lambda *a: calls.append(1) or real_shares(*a))
+    model = kvfold.enable(make_tiny_model("llama"))
+    spec = "kvzip+am_fit[fit_chunk=40,chunk_weights=share]"
+    kvfold.prefill(model, CharTokenizer(), TEXT * 2, use_chat_template=False).compress(spec, 0.3)
+    assert compared == [True, True] and len(calls) == 2  # every layer from the pass; the check's own calls
+    compared.clear()
+    kvfold.prefill(model, CharTokenizer(), TEXT * 2, use_chat_template=False).compress(spec[:-1] + ",sinks=4]", 0.3)
+    assert compared == [False, False]
 
 
 def test_am_fit_weighs_chunks_by_share_on_request():

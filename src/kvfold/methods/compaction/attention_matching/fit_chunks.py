@@ -113,6 +113,7 @@ def fit_given_by_chunk(
     config: FitConfig,
     compact_keys: Tensor | None = None,
     by_share: bool = False,
+    context_is_matched: bool = False,
 ) -> Compacted:
     """:func:`~.solve.fit_problems` with ``given`` kept positions (the ``am_fit`` folder), one block per
     repeat chunk: chunk ``c``'s kept entries are fitted to the mass and output of chunk ``c``'s
@@ -122,7 +123,8 @@ def fit_given_by_chunk(
     of the query's attention (squared; :func:`chunk_shares`): the sum of the chunks' objectives is
     then the fit on every query (eq. 2 relative to the query's whole mass, eq. 1 on its whole
     output) less the products between chunks' residuals, where by default each chunk's residuals
-    count relative to its own mass and output, as if the chunk were the whole cache.
+    count relative to its own mass and output, as if the chunk were the whole cache. The shares
+    cost each chunk's problem one attention over its block (:func:`share_weights`).
 
     Args:
         keys, values: ``(B, H, N, D)`` the layer; log_mass: ``(B, H, N)`` β⁰ of the entries the fit
@@ -135,6 +137,9 @@ def fit_given_by_chunk(
         compact_keys: optional ``(B, H, N, D)`` the keys as the kept entries will be stored
             (:func:`~.solve.fit_problems`).
         by_share: weight each query by the chunk's share of its attention (above).
+        context_is_matched: the fit matches every context entry (nothing kept verbatim), so a
+            repeat query's mass over the matched entries is its mass over the context, which the
+            repeat pass recorded (:attr:`ReferenceQueries.context_lse`).
 
     Returns:
         A :class:`~.solve.Compacted` ``(B, H, K)`` laid out as :func:`~.solve.fit_problems` lays out
@@ -157,13 +162,66 @@ def fit_given_by_chunk(
         block_compact = compact_keys.gather(2, flat).view_as(k)
     weight = None
     if by_share:
-        index, index_ok = queries.chunk_index(chunks)
-        shares = chunk_shares(k, lm, queries.queries, scaling).transpose(2, 3)  # (B, H, C, n)
-        weight = shares.gather(3, index).square() * index_ok
+        weight = share_weights(k, lm, q, queries, scaling, context_is_matched).square()
     res = fit_problems(
         k, v, lm, q, qv, None, scaling, config, given=block_given, compact_keys=block_compact, query_weight=weight
     )
     return _concatenate_chunks(res, slot, given.shape[-1])
+
+
+def share_weights(
+    block_keys: Tensor,
+    block_log_mass: Tensor,
+    block_queries: Tensor,
+    queries: ReferenceQueries,
+    scaling: float,
+    context_is_matched: bool,
+) -> Tensor:
+    """``(B, H, C, n_c)``: for each query of chunk ``c``'s problem (:meth:`ReferenceQueries.by_chunk`),
+    chunk ``c``'s share of its attention mass over the matched entries (0 on unused places).
+
+    The share's numerator is the query's log-sum-exp over chunk ``c``'s block (``Σ_c n_c·W_c``
+    products: a query shared by every chunk reads every block once, a chunk's own query its own
+    block). Its denominator, the mass over every matched entry: for a chunk's own queries the mass
+    over the context the repeat pass recorded (:attr:`ReferenceQueries.context_lse`), when
+    ``context_is_matched`` and it is known; for shared queries the sum of their blocks' masses;
+    otherwise every query's mass on every block (:func:`chunk_shares`: ``n·N`` products, the logits
+    of an attention over the context).
+
+    Args:
+        block_keys: ``(B, H, C, W, D)`` each chunk's keys; block_log_mass: ``(B, H, C, W)`` their β⁰
+            (−inf: not matched, or no entry).
+        block_queries: ``(B, H, C, n_c, D)`` each chunk's problem's queries.
+        queries: the reference queries they were taken from.
+        scaling: the logit scale.
+        context_is_matched: every context entry is matched (see :func:`fit_given_by_chunk`).
+    """
+    chunks = block_keys.shape[2]
+    index, index_ok = queries.chunk_index(chunks)
+    chunk_at = queries.chunks_or_none().gather(2, index.flatten(2)).view_as(index)
+    own = index_ok & (chunk_at >= 0)
+    lse = queries.context_lse
+    known = (
+        lse is not None
+        and context_is_matched
+        and not bool(lse.gather(2, index.flatten(2)).view_as(index)[own].isnan().any())
+    )
+    if not known:
+        shares = chunk_shares(block_keys, block_log_mass, queries.queries, scaling).transpose(2, 3)  # (B, H, C, n)
+        return shares.gather(3, index) * index_ok
+    mass = torch.stack(
+        [
+            _log_sum_exp(block_keys[:, :, c], block_log_mass[:, :, c], block_queries[:, :, c], scaling)
+            for c in range(chunks)
+        ],
+        dim=2,
+    )  # (B, H, C, n_c): each problem's query on its chunk's block
+    shared = index_ok & (chunk_at < 0)  # the same queries at the same places of every chunk's problem
+    shared_total = torch.logsumexp(mass.masked_fill(~shared, -math.inf), dim=2, keepdim=True)
+    context = lse.gather(2, index.flatten(2)).view_as(index).to(mass.dtype)
+    total = torch.where(shared, shared_total, context)
+    share = (mass - total).exp_().nan_to_num_(0.0).clamp_(0.0, 1.0)  # no matched mass: 0
+    return share * index_ok
 
 
 SHARE_BLOCK_BYTES = 1 << 28

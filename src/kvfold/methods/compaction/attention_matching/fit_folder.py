@@ -333,7 +333,8 @@ class AMFit(Folder):
             queries = queries.share_across_chunks(self.shared_queries)
             by_share = self.chunk_weights == "share"
             args = (keys, values, span_mass, queries, chunk_of, given, scaling, config, compact)
-            return fit_given_by_chunk(*args, by_share=by_share)
+            matched = by_share and not bool(kept_fixed.any())  # the repeat pass's mass over the context is the total
+            return fit_given_by_chunk(*args, by_share=by_share, context_is_matched=matched)
         return fit_problems(
             keys,
             values,

@@ -81,11 +81,16 @@ class ReferenceQueries:
         chunk: ``(B, H_kv, n)`` long, the repeat chunk a repeat-prefill query was recorded in
             (:attr:`kvfold.methods.core.repeat.RepeatPass.query_chunks`), −1 for the queries of
             other sources, which read the whole context; None: no query has a chunk.
+        context_lse: ``(B, H_kv, n)`` each repeat-prefill query's log-sum-exp over the context
+            entries, as the repeat pass's attention gave it
+            (:attr:`kvfold.methods.core.repeat.RepeatPass.query_context_lse`); NaN for queries of
+            other sources; None when no query has it.
     """
 
     queries: Tensor
     valid: Tensor
     chunk: Tensor | None = None
+    context_lse: Tensor | None = None
 
     @property
     def counts(self) -> Tensor:
@@ -104,18 +109,29 @@ class ReferenceQueries:
             return self
         move = {"device": device, "non_blocking": True}
         chunk = None if self.chunk is None else self.chunk.to(**move)
-        return ReferenceQueries(self.queries.to(**move), self.valid.to(**move), chunk)
+        lse = None if self.context_lse is None else self.context_lse.to(**move)
+        return ReferenceQueries(self.queries.to(**move), self.valid.to(**move), chunk, lse)
 
     def cat(self, other: ReferenceQueries) -> ReferenceQueries:
         chunk = None
         if self.chunk is not None or other.chunk is not None:
             chunk = torch.cat([self.chunks_or_none(), other.chunks_or_none().to(self.valid.device)], dim=2)
         dtype = torch.promote_types(self.queries.dtype, other.queries.dtype)  # repeat (model dtype) + pooled (float32)
+        lse = None
+        if self.context_lse is not None or other.context_lse is not None:
+            lse = torch.cat([self._lse_or_nan(), other._lse_or_nan().to(self.valid.device)], dim=2)
         return ReferenceQueries(
             torch.cat([self.queries.to(dtype), other.queries.to(device=self.queries.device, dtype=dtype)], dim=2),
             torch.cat([self.valid, other.valid], dim=2),
             chunk,
+            lse,
         )
+
+    def _lse_or_nan(self) -> Tensor:
+        """:attr:`context_lse`, NaN (not known) everywhere when None."""
+        if self.context_lse is not None:
+            return self.context_lse
+        return torch.full(self.valid.shape, math.nan, dtype=torch.float32, device=self.valid.device)
 
     def subsample(self, cap: int, generator: torch.Generator) -> ReferenceQueries:
         """At most ``cap`` valid queries per KV head, a uniform random subset (seeded)."""
@@ -126,7 +142,8 @@ class ReferenceQueries:
         keep = rand.topk(cap, dim=-1, largest=False).indices.sort(dim=-1).values
         queries = self.queries.gather(2, keep[..., None].expand(-1, -1, -1, self.queries.shape[-1]))
         chunk = None if self.chunk is None else self.chunk.gather(2, keep)
-        return ReferenceQueries(queries, self.valid.gather(2, keep), chunk)
+        lse = None if self.context_lse is None else self.context_lse.gather(2, keep)
+        return ReferenceQueries(queries, self.valid.gather(2, keep), chunk, lse)
 
     def share_across_chunks(self, count: int) -> ReferenceQueries:
         """These queries with ``count`` of the repeat-chunk queries of each ``(B, H_kv)``, evenly
@@ -140,7 +157,7 @@ class ReferenceQueries:
         total = member.sum(-1, keepdim=True).clamp_min(1)
         # rank r is taken when ⌊(r + 1)·count / total⌋ steps past ⌊r·count / total⌋: min(count, total) of them
         taken = member & (((rank + 1) * count) // total > (rank * count) // total)
-        return ReferenceQueries(self.queries, self.valid, self.chunk.masked_fill(taken, -1))
+        return ReferenceQueries(self.queries, self.valid, self.chunk.masked_fill(taken, -1), self.context_lse)
 
     def chunk_index(self, chunks: int) -> tuple[Tensor, Tensor]:
         """Where :meth:`by_chunk` takes each chunk's queries from: ``(B, H_kv, C, n_c)`` positions
@@ -495,7 +512,12 @@ def _repeat_queries(
         found = shared_repeat_pass(ctx, span, frozenset({"queries"}))
     else:
         found = repeat_pass(ctx, chunk=span, cache=cache, scores=False)
-    return {i: ReferenceQueries(found.queries[i], found.query_valid[i], found.query_chunks[i]) for i in layers}
+    return {
+        i: ReferenceQueries(
+            found.queries[i], found.query_valid[i], found.query_chunks[i], found.query_context_lse.get(i)
+        )
+        for i in layers
+    }
 
 
 def extract_reference_queries(
