@@ -9,6 +9,7 @@ not seconds.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -310,21 +311,24 @@ def test_chunk_shares_are_each_chunks_part_of_a_querys_attention():
         assert bool((none[..., 1] == 0).all()) and torch.allclose(none.sum(-1), torch.ones((), dtype=dt))
 
 
-def test_a_query_weight_of_two_is_the_query_counted_twice():
-    """fit_problems' ``query_weight`` weighs a query's squared residuals in the mass and the value fit:
-    weight 2 on a few queries gives the fit on those queries repeated (float64)."""
+@pytest.mark.parametrize("solver", ["gram", "exact"])
+def test_a_query_weight_of_two_is_the_query_counted_twice(solver):
+    """fit_problems' ``query_weight`` weighs a query's squared residuals in the mass and the value fit
+    and the output error: weight 2 on a few queries gives the fit on those queries repeated (float64),
+    with either solver."""
+    config = replace(CONFIG, solver=solver)
     keys, values, beta0, ref, _, given = synthetic(CHUNK, keep_every=3)
     q, qv = ref.queries, ref.valid
     twice = torch.zeros(q.shape[2], dtype=torch.bool)
     twice[::7] = True
     weight = 1.0 + twice.to(F64)[None, None]
-    weighted = fit_problems(keys, values, beta0, q, qv, None, 0.5, CONFIG, given=given, query_weight=weight)
+    weighted = fit_problems(keys, values, beta0, q, qv, None, 0.5, config, given=given, query_weight=weight)
     q2 = torch.cat([q, q[:, :, twice]], dim=2)
     qv2 = torch.cat([qv, qv[:, :, twice]], dim=2)
-    repeated = fit_problems(keys, values, beta0, q2, qv2, None, 0.5, CONFIG, given=given)
-    plain = unchunked((keys, values, beta0, ref, None, given))
-    torch.testing.assert_close(weighted.log_mass, repeated.log_mass, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(weighted.values, repeated.values, rtol=1e-9, atol=1e-9)
+    repeated = fit_problems(keys, values, beta0, q2, qv2, None, 0.5, config, given=given)
+    plain = fit_problems(keys, values, beta0, q, qv, None, 0.5, config, given=given)
+    for name in ("log_mass", "values", "output_error"):
+        torch.testing.assert_close(getattr(weighted, name), getattr(repeated, name), rtol=1e-8, atol=1e-8)
     assert not torch.allclose(weighted.values, plain.values, atol=1e-6)
 
 
@@ -439,7 +443,10 @@ def test_am_fit_weighs_chunks_by_share_on_request():
     share = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=share]", 0.3)
     layers = zip(own.cache.folded_layers, share.cache.folded_layers, strict=True)
     assert any(not torch.allclose(a.padded()[1], b.padded()[1], atol=1e-6) for (_, a), (_, b) in layers)
+    exact_own = pre.compress("kvzip+am_fit[fit_chunk=40,solver=exact]", 0.3)
+    exact_share = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=share,solver=exact]", 0.3)
+    layers = zip(exact_own.cache.folded_layers, exact_share.cache.folded_layers, strict=True)
+    assert any(not torch.allclose(a.padded()[1], b.padded()[1], atol=1e-6) for (_, a), (_, b) in layers)
     assert build_method("kvzip+am_fit").folder.chunk_weights == "own"
-    for spec in ("kvzip+am_fit[chunk_weights=both]", "kvzip+am_fit[chunk_weights=share,solver=exact]"):
-        with pytest.raises(SpecError):
-            build_method(spec)
+    with pytest.raises(SpecError, match="own or share"):
+        build_method("kvzip+am_fit[chunk_weights=both]")

@@ -201,8 +201,6 @@ class AMFit(Folder):
             )
         if self.chunk_weights not in ("own", "share"):
             raise SpecError(f"am_fit: chunk_weights must be own or share; got {self.chunk_weights!r}")
-        if self.chunk_weights == "share" and self.solver != "gram":
-            raise SpecError("am_fit: chunk_weights=share needs solver=gram")
         if self.solver not in ("gram", "exact"):
             raise SpecError(f"am_fit: solver must be gram or exact; got {self.solver!r}")
         parse_fit_chunk(self.fit_chunk, self.name)

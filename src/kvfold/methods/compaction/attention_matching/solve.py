@@ -25,9 +25,8 @@ reproduces the block exactly for any number of queries. OMP keeps ``Φᵀ Φ_S``
 ``t × t`` solve and correlations ``Φᵀ r = Φᵀ m − (Φᵀ Φ_S) w`` cost no pass over Φ. ``solver="exact"`` runs the
 reference solvers of :mod:`kvfold.methods.compaction.linalg` and :mod:`kvfold.methods.compaction.omp` instead.
 
-All work is in float32 (float64 for float64 inputs), vectorised over problems; problems are processed in groups
-whose ``(n, T)`` feature matrices fit a memory budget. A group's features and statistics are computed by
-:mod:`kvfold.methods.compaction.attention_matching.features`.
+All work is in float32 (float64 for float64 inputs), vectorised over problems, in groups whose ``(n, T)`` feature
+matrices fit a memory budget; features and statistics: :mod:`kvfold.methods.compaction.attention_matching.features`.
 """
 
 from __future__ import annotations
@@ -298,7 +297,7 @@ def _select_by_score(
     if config.fit_beta:
         # §3.2: w = argmin_{w ≥ 0} ‖Φ_S w − m‖ (box [e^β_min, e^β_max] for highest attention)
         lower, upper = _weight_box(config)
-        root = _mass_weights(mass, qv, config.mass_weight).sqrt()[..., None]
+        root = _mass_weights(mass, qv, config.mass_weight, group.query_weight).sqrt()[..., None]
         rows, target_mass = phi_s * root, mass * root[..., 0]
         w = nnls(rows, target_mass, iters=config.nnls_iters, lower=lower, upper=upper, ridge=config.ridge) * ok
     else:
@@ -353,6 +352,9 @@ def _fit_values(group: Group, selection: _Selection, t_max: int, config: FitConf
     # eq. 3-4: X = softmax(s·Q C_kᵀ + β) = Φ_S w / (Φ_S w)·1, C_v = argmin ‖X C_v − Y‖
     x = selection.phi_s.mul_(w[:, None, :])
     x.div_(torch.where(fitted_mass > 0, fitted_mass, torch.ones_like(fitted_mass))[..., None])
+    if group.query_weight is not None:  # each query's residual times √(its weight), as in _streamed_fit
+        root = group.query_weight[..., None].sqrt()
+        x, target = x.mul_(root), target * root
     v_s = V.gather(1, idx[..., None].expand(-1, -1, V.shape[-1]))
     if config.fit_values and t_max > 0:
         residual = target - x @ v_s
@@ -395,9 +397,9 @@ def _value_ridge(config: FitConfig) -> float:
     return config.ridge if config.value_ridge is None else config.value_ridge
 
 
-def _mass_weights(mass: Tensor, query_valid: Tensor, kind: str) -> Tensor:
-    """Per-query weights ``r_i`` of the mass fit ``Σ_i r_i ((Φ_S w)_i − m_i)²`` (0 on invalid queries)."""
-    valid = query_valid.to(mass.dtype)
+def _mass_weights(mass: Tensor, query_valid: Tensor, kind: str, query_weight: Tensor | None = None) -> Tensor:
+    """Weights ``r_i`` of the mass fit ``Σ_i r_i ((Φ_S w)_i − m_i)²`` (0 on invalid queries; times ``query_weight``)."""
+    valid = query_valid.to(mass.dtype) if query_weight is None else query_valid * query_weight.to(mass.dtype)
     if kind == "none":
         return valid
     if kind != "relative":
@@ -419,9 +421,7 @@ def _streamed_weights(
     if not config.fit_beta:
         return ok.to(group.dtype)
     P, t = ok.shape
-    weight = _mass_weights(mass, group.query_valid, config.mass_weight)
-    if group.query_weight is not None:
-        weight = weight * group.query_weight
+    weight = _mass_weights(mass, group.query_valid, config.mass_weight, group.query_weight)
     gram = group.values.new_zeros(P, t, t)
     corr = group.values.new_zeros(P, t)
     for lo, hi in blocks:
@@ -634,13 +634,13 @@ def fit_problems(
             at the candidates (``am_fit[preselect]``).
         compact_keys: optional ``(..., T, D)`` kept entries' keys as stored (quantized): the target
             reads ``keys``, the kept features these, so β and the values absorb the difference.
-        query_weight: optional ``(..., n)`` weights of each query's squared residuals (given keys, gram).
+        query_weight: optional ``(..., n)`` weights of each query's squared residuals (given keys).
 
     Returns:
         A :class:`Compacted` with the same leading dims.
     """
-    if query_weight is not None and (given is None or config.solver != "gram"):
-        raise ValueError("query_weight needs given keys and the gram solver")
+    if query_weight is not None and given is None:
+        raise ValueError("query_weight needs given keys")
     config = config.sized(keys.device)
     batch = keys.shape[:-2]
     T, D = keys.shape[-2:]
