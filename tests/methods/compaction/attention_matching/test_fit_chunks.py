@@ -437,16 +437,16 @@ def test_am_fit_weighs_by_share_from_the_repeat_pass_unless_entries_stay_verbati
     assert compared == [False, False]
 
 
-def test_am_fit_weighs_chunks_by_share_on_request():
+def test_am_fit_weighs_chunks_by_share_by_default():
     pre = kvfold.prefill(model64(), CharTokenizer(), TEXT * 2, use_chat_template=False)
-    own = pre.compress("kvzip+am_fit[fit_chunk=40]", 0.3)
-    share = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=share]", 0.3)
+    own = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=own]", 0.3)
+    share = pre.compress("kvzip+am_fit[fit_chunk=40]", 0.3)
     layers = zip(own.cache.folded_layers, share.cache.folded_layers, strict=True)
     assert any(not torch.allclose(a.padded()[1], b.padded()[1], atol=1e-6) for (_, a), (_, b) in layers)
-    exact_own = pre.compress("kvzip+am_fit[fit_chunk=40,solver=exact]", 0.3)
+    exact_own = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=own,solver=exact]", 0.3)
     exact_share = pre.compress("kvzip+am_fit[fit_chunk=40,chunk_weights=share,solver=exact]", 0.3)
     layers = zip(exact_own.cache.folded_layers, exact_share.cache.folded_layers, strict=True)
     assert any(not torch.allclose(a.padded()[1], b.padded()[1], atol=1e-6) for (_, a), (_, b) in layers)
-    assert build_method("kvzip+am_fit").folder.chunk_weights == "own"
+    assert build_method("kvzip+am_fit").folder.chunk_weights == "share"
     with pytest.raises(SpecError, match="own or share"):
         build_method("kvzip+am_fit[chunk_weights=both]")

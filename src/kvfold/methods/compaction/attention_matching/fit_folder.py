@@ -120,11 +120,12 @@ class AMFit(Folder):
             read it from other chunks, as a question reads a fact from afar. Each chunk's target
             stays its own entries' mass and output (§2). Costs ``Σ_i (n_i + s)·t_i²``: linear in
             the context for a fixed ``s``. Not in the paper (§3.5 fits each chunk on its own pass).
-        chunk_weights: under a chunked fit, ``own`` (default) counts each query's residuals in a
-            chunk's fit relative to the chunk's own mass and output, as if the chunk were the whole
-            cache; ``share`` weights them by the chunk's share of the query's attention, so the
-            chunks' fits add up to the fit on every query less the products between chunks
-            (:func:`.fit_chunks.fit_given_by_chunk`). Not in the paper.
+        chunk_weights: under a chunked fit, ``share`` (default) weights each query's residuals
+            in a chunk's fit by the chunk's share of the query's attention, so the chunks' fits add
+            up to the fit on every query less the products between chunks
+            (:func:`.fit_chunks.fit_given_by_chunk`); ``own`` counts them relative to the chunk's
+            own mass and output, as if the chunk were the whole cache (§3.5's chunks, which the
+            default beat at 8K: docs/methods.md). Not in the paper.
     """
 
     name: ClassVar[str] = "am_fit"
@@ -152,7 +153,7 @@ class AMFit(Folder):
     value_feedback: bool = False
     verbatim_rows: int = 0
     shared_queries: int = 0
-    chunk_weights: str = "own"
+    chunk_weights: str = "share"
 
     def __post_init__(self) -> None:
         self._selector_agnostic = False
